@@ -1,0 +1,22 @@
+"""quantgate: will this transformer survive INT8/FP8 quantization, and does a gated attention help?
+
+    import quantgate as qg
+    model = qg.build("tiny-opt", variant="g1-headwise", seed=0)
+    qg.save(model, "run/model"); model = qg.load("run/model")
+"""
+
+import logging
+
+# transformers imports torchao eagerly; on CPU builds torchao logs that its CUDA extensions are absent,
+# and torch's pytree logs a deprecation for torchao's enums. Neither affects quantgate: keep them quiet.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+from .attention import gated_sdpa
+from .models import apply_variant, build, gate_parameters, load, save, set_backend, variant_of
+from .variants import AttentionVariant
+
+__version__ = "0.1.0"
+
+__all__ = ["AttentionVariant", "gated_sdpa", "build", "load", "save", "apply_variant", "set_backend",
+           "gate_parameters", "variant_of", "__version__"]

@@ -1,0 +1,250 @@
+"""Gate modules. Each turns the attention input x (B, N, d_model) into a multiplier applied at
+its position in the attention block:
+
+* ``value``  (G2): multiplies the value projection output (B, N, Hkv * Dh);
+* ``sdpa``   (G1, Bondarenko, HyGA): multiplies the SDPA output, broadcastable to (B, Hq, N, Dh);
+  gates with ``needs_output`` (HyGA) also read that output h;
+* ``output`` (G5): multiplies the output projection's result (B, N, d_model).
+
+Gate values lie in [0, 1] ([0.5, 1] for NS-sigmoid). Biases start at logit(pi_init), weights at
+N(0, init_std). ``open_()`` sets every weight to 0 and every bias/logit to 30, which makes the gate
+exactly 1 in float32: the model then computes what the ungated model computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..variants import GateSpec
+
+__all__ = ["AttentionDims", "Gate", "build_gate"]
+
+OPEN_LOGIT = 30.0  # sigmoid(30) == 1.0 in float32
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    """Sizes of one attention block: model width, query/kv heads, head dim (q/k and v)."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+class Gate(nn.Module):
+    position: ClassVar[str] = "sdpa"
+    needs_output: ClassVar[bool] = False
+
+    def __init__(self, spec: GateSpec, dims: AttentionDims):
+        super().__init__()
+        self.spec, self.dims = spec, dims
+
+    def activation(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(z)
+
+    @torch.no_grad()
+    def open_(self) -> Gate:
+        for name, p in self.named_parameters():
+            p.fill_(OPEN_LOGIT if name.endswith(("bias", "logit")) else 0.0)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.spec}, position={self.position}"
+
+
+def _proj(d_in: int, d_out: int, rank: int | None, bias_init: float, std: float) -> nn.Module:
+    """x (..., d_in) -> logits (..., d_out): a Linear, or Linear(d_in, r) then Linear(r, d_out) at rank r."""
+    layers = [nn.Linear(d_in, d_out)] if rank is None else [nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out)]
+    for layer in layers:
+        nn.init.normal_(layer.weight, std=std)
+    nn.init.constant_(layers[-1].bias, bias_init)
+    return layers[0] if rank is None else nn.Sequential(*layers)
+
+
+class _HeadLinear(nn.Module):
+    """Block-diagonal linear map, one (d_in x d_out) matrix per head: (B, H, N, d_in) -> (B, H, N, d_out)."""
+
+    def __init__(self, heads: int, d_in: int, d_out: int, bias: float | None, std: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(heads, d_in, d_out) * std)
+        self.bias = nn.Parameter(torch.full((heads, 1, d_out), bias)) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.einsum("bhnd,hde->bhne", x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, N, heads * d) -> (B, heads, N, d)."""
+    b, n, _ = t.shape
+    return t.view(b, n, heads, -1).transpose(1, 2)
+
+
+class ElementwiseGate(Gate):
+    """G1 elementwise: sigmoid(x W) per (head, channel); also NS-sigmoid 0.5 + 0.5 * sigmoid."""
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
+
+    def activation(self, z):
+        return 0.5 + 0.5 * torch.sigmoid(z) if self.spec.kind == "g1-ns-sigmoid" else torch.sigmoid(z)
+
+    def forward(self, x):
+        return self.activation(_heads(self.proj(x), self.dims.n_heads))
+
+
+class HeadwiseGate(Gate):
+    """G1 headwise: one sigmoid(x w_h) per head and token, (B, Hq, N, 1)."""
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.proj = _proj(dims.d_model, dims.n_heads, spec.low_rank, spec.bias_init, std)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
+
+
+class HeadSharedGate(Gate):
+    """G1 head-shared: elementwise over d_head, the same for every head, (B, 1, N, Dh)."""
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.proj = _proj(dims.d_model, dims.head_dim, spec.low_rank, spec.bias_init, std)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x)).unsqueeze(1)
+
+
+class ConstantGate(Gate):
+    """G1 input-independent: a learned sigmoid per (head, channel), (1, Hq, 1, Dh)."""
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.logit = nn.Parameter(torch.full((dims.n_heads, 1, dims.head_dim), spec.bias_init))
+
+    def forward(self, x):
+        return torch.sigmoid(self.logit).unsqueeze(0)
+
+
+class ValueGate(Gate):
+    """G2: elementwise sigmoid(x W) on the value projection, from each key token's x."""
+
+    position = "value"
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.proj = _proj(dims.d_model, dims.n_kv_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x))
+
+
+class OutputGate(Gate):
+    """G5: elementwise sigmoid(x W) after the output projection."""
+
+    position = "output"
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.proj = _proj(dims.d_model, dims.d_model, spec.low_rank, spec.bias_init, std)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x))
+
+
+class BondarenkoGate(Gate):
+    """Bondarenko et al. eq. 5: per head h, sigmoid(G_h(x_h)) with x_h the h-th of Hq equal slices
+    of x; G_h = Linear(slice -> 1) (``linear``), slice -> slice/4 -> 1 with ReLU (``mlp``), or one
+    Linear(d_model -> Hq) over all of x (``all-heads``). Output (B, Hq, N, 1)."""
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        h, mode = dims.n_heads, spec.option("mode")
+        if mode != "all-heads" and dims.d_model % h:
+            raise ValueError(f"bondarenko:mode={mode} slices x into {h} heads, but d_model={dims.d_model} "
+                             f"is not a multiple of {h}; use bondarenko:mode=all-heads")
+        c = dims.d_model // h
+        if mode == "all-heads":
+            self.proj = _proj(dims.d_model, h, None, spec.bias_init, std)
+        elif mode == "linear":
+            self.head = _HeadLinear(h, c, 1, spec.bias_init, std)
+        else:
+            self.hidden = _HeadLinear(h, c, max(c // 4, 1), 0.0, std)
+            self.head = _HeadLinear(h, max(c // 4, 1), 1, spec.bias_init, std)
+
+    def forward(self, x):
+        if hasattr(self, "proj"):
+            return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
+        xh = _heads(x, self.dims.n_heads)
+        if hasattr(self, "hidden"):
+            xh = F.relu(self.hidden(xh))
+        return torch.sigmoid(self.head(xh))
+
+
+class HyGAGate(Gate):
+    """HyGA (Zhou et al. 2026): sigmoid(X(x) + H(h)) * sigmoid(C(h)), h the SDPA output.
+
+    X-gate: x W (full) or SiLU(x W_d) W_u per head at rank d_int; H-gate: SiLU(h_i W_d,i) W_u,i per
+    head (rank d_int, or Dh when full); C-gate: Linear(Hq * Dh -> Hq) over all heads, head-wise.
+    ``fusion=product`` multiplies separate sigmoids instead. The C-gate starts at 0.5.
+    """
+
+    needs_output = True
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        h, dh, r = dims.n_heads, dims.head_dim, spec.low_rank
+        if r is None:
+            self.x_proj = _proj(dims.d_model, h * dh, None, spec.bias_init, std)
+        else:
+            self.x_down = nn.Linear(dims.d_model, h * r, bias=False)
+            nn.init.normal_(self.x_down.weight, std=std)
+            self.x_up = _HeadLinear(h, r, dh, spec.bias_init, std)
+        if spec.option("h_gate"):
+            self.h_down = _HeadLinear(h, dh, r or dh, None, std)
+            self.h_up = _HeadLinear(h, r or dh, dh, 0.0, std)
+        if spec.option("c_gate"):
+            self.c_proj = _proj(h * dh, h, None, 0.0, std)
+
+    def forward(self, x, h):
+        heads = self.dims.n_heads
+        if hasattr(self, "x_proj"):
+            zx = _heads(self.x_proj(x), heads)
+        else:
+            zx = self.x_up(F.silu(_heads(self.x_down(x), heads)))
+        zh = self.h_up(F.silu(self.h_down(h))) if hasattr(self, "h_down") else None
+        if zh is None:
+            g = torch.sigmoid(zx)
+        elif self.spec.option("fusion") == "sum":
+            g = torch.sigmoid(zx + zh)
+        else:
+            g = torch.sigmoid(zx) * torch.sigmoid(zh)
+        if hasattr(self, "c_proj"):
+            flat = h.transpose(1, 2).reshape(h.shape[0], h.shape[2], -1)  # (B, N, Hq * Dh)
+            g = g * torch.sigmoid(self.c_proj(flat)).transpose(1, 2).unsqueeze(-1)
+        return g
+
+
+_GATES: dict[str, type[Gate]] = {
+    "g1-elementwise": ElementwiseGate,
+    "g1-ns-sigmoid": ElementwiseGate,
+    "g1-headwise": HeadwiseGate,
+    "g1-headshared": HeadSharedGate,
+    "g1-constant": ConstantGate,
+    "g2-value": ValueGate,
+    "g5-output": OutputGate,
+    "bondarenko": BondarenkoGate,
+    "hyga": HyGAGate,
+}
+
+
+def build_gate(spec: GateSpec, dims: AttentionDims, init_std: float = 0.02) -> Gate:
+    """The gate module for ``spec`` in an attention block of size ``dims``."""
+    return _GATES[spec.kind](spec, dims, init_std)

@@ -1,0 +1,76 @@
+"""Command line: ``quantgate <command>``. Each command is a thin wrapper over the Python API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _load_or_build(source: str, variant: str | None):
+    from .models import PRESETS, build, load
+
+    return build(source, variant) if source in PRESETS and not Path(source).exists() else load(source, variant)
+
+
+def cmd_info(args) -> int:
+    from .models import PRESETS, family_of, gate_parameters, variant_of
+    from .variants import AttentionVariant
+
+    if args.list:
+        print("presets:")
+        for name, p in PRESETS.items():
+            print(f"  {name:<16} {p.family:<11} {p.description}")
+        print("variants (combine with '+', parameters as name:key=value,...):")
+        for name, text in AttentionVariant.describe().items():
+            print(f"  {name:<16} {text}")
+        return 0
+    if not args.model:
+        raise ValueError("info needs a preset or a model directory (or --list)")
+    model = _load_or_build(args.model, args.variant)
+    gates = gate_parameters(model)
+    n_gate = sum(p.numel() for p in gates.values())
+    n_all = sum(p.numel() for p in model.parameters())
+    dtype = next(model.parameters()).dtype
+    rows = [
+        ("model", args.model),
+        ("family", family_of(model).name),
+        ("class", type(model).__name__),
+        ("variant", str(variant_of(model))),
+        ("parameters", f"{n_all:,} ({n_all - n_gate:,} base + {n_gate:,} gate/sink)"),
+        ("dtype", str(dtype).removeprefix("torch.")),
+        ("layers", str(model.config.num_hidden_layers)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="family, parameter count (gates separately), variant and dtype of a model")
+    info.add_argument("model", nargs="?", help="a preset name or a model directory")
+    info.add_argument("--variant", help="attention variant to swap in, e.g. g1-elementwise:pi_init=0.25")
+    info.add_argument("--list", action="store_true", help="list presets and variants")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("quantgate").setLevel(logging.INFO)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"quantgate {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

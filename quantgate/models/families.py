@@ -1,0 +1,104 @@
+"""Model families: where each transformers architecture keeps its attention.
+
+A family is data: the transformers classes, and the paths (inside one block) of the module that
+calls the attention function and of its projections. Swapping a variant in touches only those
+modules, so pretrained weights load into gated models unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+import transformers
+
+from ..attention.gates import AttentionDims
+
+__all__ = ["Family", "FAMILIES", "family_of", "get_family"]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # config.model_type values
+    config_cls: str  # transformers class names
+    model_cls: str  # the default head for building from scratch
+    objective: str  # "clm" or "mlm"
+    layers: str  # path from model.base_model to the ModuleList of blocks
+    attention: str  # path in a block to the module that calls the attention function
+    q_proj: str
+    v_proj: str
+    o_proj: str
+    native_gate: str | None = None  # a gate the architecture has built in
+
+    def config_class(self):
+        return getattr(transformers, self.config_cls)
+
+    def model_class(self, config=None):
+        """The checkpoint's own architecture when it belongs to this family, else the default."""
+        for arch in getattr(config, "architectures", None) or ():
+            cls = getattr(transformers, arch, None)
+            if cls is not None and arch.startswith(self.model_cls.split("For")[0]):
+                return cls
+        return getattr(transformers, self.model_cls)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.base_model.get_submodule(self.layers))
+
+    def attention_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Blocks that hold softmax attention (hybrid models also have linear-attention blocks)."""
+        return [b for b in self.blocks(model) if _has(b, self.attention)]
+
+    def dims(self, config) -> AttentionDims:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        return AttentionDims(config.hidden_size, heads, kv, head_dim)
+
+    @staticmethod
+    def init_std(config) -> float:
+        return float(getattr(config, "initializer_range", None) or getattr(config, "init_std", 0.02))
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+_DECODER = dict(layers="layers", attention="self_attn", q_proj="self_attn.q_proj", v_proj="self_attn.v_proj",
+                o_proj="self_attn.o_proj", objective="clm")
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("bert", ("bert",), "BertConfig", "BertForMaskedLM", "mlm", "encoder.layer", "attention.self",
+               "attention.self.query", "attention.self.value", "attention.output.dense"),
+        Family("opt", ("opt",), "OPTConfig", "OPTForCausalLM", "clm", "decoder.layers", "self_attn",
+               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj"),
+        Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER),
+        Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
+        Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),
+        Family("qwen3-next", ("qwen3_next",), "Qwen3NextConfig", "Qwen3NextForCausalLM", **_DECODER,
+               native_gate="g1-elementwise"),
+    )
+}
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of(model_or_config) -> Family:
+    """The family of a transformers model or config, by ``config.model_type``."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
+    known = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES.values())
+    raise ValueError(f"model type {model_type!r} is not supported; quantgate families: {known}")

@@ -1,0 +1,208 @@
+"""Build, save and load models with their attention variant.
+
+``save`` writes a transformers checkpoint (config.json + safetensors) whose config carries the
+variant, so ``load`` rebuilds the same gated model. Plain transformers checkpoints load too, with
+or without a variant, and so do checkpoints in the layout of Qiu et al.'s gated Qwen3 models
+(q_proj emitting the gate). Weights are read from safetensors only, never with pickle.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig
+
+from ..variants import AttentionVariant, GateSpec, VariantLike
+from .families import Family, family_of, get_family
+from .presets import PRESETS, get_preset
+from .swap import apply_variant, attention_modules, gate_parameters, variant_of
+
+__all__ = ["build", "save", "load"]
+
+
+def build(preset: str, variant: VariantLike = None, *, seed: int = 0, dtype: torch.dtype | None = None,
+          backend: str = "auto", **config_overrides) -> nn.Module:
+    """A freshly initialised model of a named preset with ``variant`` swapped in.
+
+    ``config_overrides`` replace preset config fields (e.g. ``num_hidden_layers=4``).
+    """
+    preset_ = get_preset(preset)
+    family = get_family(preset_.family)
+    config = family.config_class()(**{**preset_.config, **config_overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = family.model_class()(config)
+        apply_variant(model, variant, backend=backend)
+    return model.to(dtype) if dtype is not None else model
+
+
+VARIANT_WEIGHTS = "quantgate.safetensors"  # the variant's own parameters (gates, sinks), beside the base weights
+
+
+def save(model: nn.Module, path: str | Path) -> Path:
+    """Write ``model`` to directory ``path``: a transformers checkpoint of the base weights whose
+    config.json names the variant, plus quantgate.safetensors with the gate and sink parameters."""
+    if variant_of(model) is None:
+        apply_variant(model)  # record the model's own attention so the saved config names it
+    path = Path(path)
+    extra = gate_parameters(model)
+    base = {k: v for k, v in model.state_dict().items() if k not in extra}
+    model.save_pretrained(path, state_dict=base)
+    save_file({k: p.detach().contiguous() for k, p in extra.items()}, str(path / VARIANT_WEIGHTS))
+    return path
+
+
+def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype | None = None,
+         backend: str = "auto", seed: int = 0) -> nn.Module:
+    """Load a model directory: one written by :func:`save`, or any transformers checkpoint.
+
+    ``variant`` swaps a variant into an ungated checkpoint; new gate parameters are initialised
+    (with ``seed``) and listed in the log. A checkpoint saved with a gate loads with that gate.
+    """
+    path = _model_dir(source)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
+    family = family_of(config)
+    _weight_files(path)  # fail early, and never fall back to pickled weights
+    qiu = variant_of(config) is None and _qiu_variant(config) is not None
+    saved = _qiu_variant(config) if qiu else variant_of(config)
+    target = AttentionVariant.parse(variant) if variant is not None else saved
+    if saved is not None and target is not None and saved != target and not saved.is_vanilla:
+        raise ValueError(f"{path} holds a model with variant {saved}; it cannot be loaded as {target}. "
+                         f"Load it without variant=, or start from an ungated checkpoint")
+    config = copy.deepcopy(config)
+    config.__dict__.pop("quantgate", None)
+    if qiu:
+        model = _load_qiu(family, path, config, saved, seed)
+    else:
+        model = _from_pretrained(family, path, config)
+        if saved is not None and not saved.is_vanilla:
+            apply_variant(model, saved, seed=seed)
+            _load_state(model, _read_safetensors([path / VARIANT_WEIGHTS]), path, only=gate_parameters(model))
+    apply_variant(model, target, backend=backend, seed=seed)
+    model.eval()
+    return model.to(dtype) if dtype is not None else model
+
+
+def _model_dir(source) -> Path:
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: point to a directory written by qg.save or "
+                                    f"transformers' save_pretrained")
+        return path
+    if str(source) in PRESETS:
+        raise ValueError(f"{source!r} is a preset (a shape without weights): use qg.build({str(source)!r}, ...) "
+                         f"to make it, or give a checkpoint directory")
+    raise FileNotFoundError(f"no model directory {str(source)!r}: give a directory with config.json and "
+                            f"*.safetensors (written by qg.save or save_pretrained); presets: {', '.join(PRESETS)}")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"corrupt shard index {index}: {e}; re-save the model") from None
+        return [path / s for s in shards]
+    files = sorted(p for p in path.glob("*.safetensors") if p.name != VARIANT_WEIGHTS)
+    if files:
+        return files
+    pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+    hint = (f" It has {', '.join(pickled)}: quantgate never unpickles weights; convert them once with "
+            f"transformers (from_pretrained + save_pretrained(safe_serialization=True)) where you trust the file."
+            if pickled else "")
+    raise FileNotFoundError(f"{path} has no *.safetensors weights.{hint}")
+
+
+def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; re-save it with qg.save")
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    state[key] = fh.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"cannot read {f}: {e}. The file is corrupt or truncated; re-save or re-download "
+                             f"the checkpoint") from None
+    return state
+
+
+def _load_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path, only: dict | None = None) -> None:
+    """Load ``state`` into ``model``; every key of ``only`` (default: the whole state dict) must be covered."""
+    expected = set(only if only is not None else model.state_dict())
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[k]) for k in state if k in params}
+    missing = sorted(k for k in expected - set(state) if not (k in params and id(params[k]) in loaded))
+    unexpected = sorted(set(state) - set(model.state_dict()))
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}); the checkpoint is incomplete or from another model")
+    model.load_state_dict(state, strict=False)
+
+
+def _from_pretrained(family: Family, path: Path, config) -> nn.Module:
+    try:
+        return family.model_class(config).from_pretrained(path, config=config, use_safetensors=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise ValueError(f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match "
+                         f"config.json") from None
+
+
+# --- Qiu et al.'s gated Qwen3 layout: q_proj emits [queries | gates] per key/value group ----------
+
+def _qiu_variant(config) -> AttentionVariant | None:
+    if getattr(config, "model_type", None) != "qwen3":
+        return None
+    if getattr(config, "headwise_attn_output_gate", False):
+        return AttentionVariant(gate=GateSpec("g1-headwise", 0.5))
+    if getattr(config, "elementwise_attn_output_gate", False):
+        return AttentionVariant(gate=GateSpec("g1-elementwise", 0.5))
+    return None
+
+
+def _load_qiu(family: Family, path: Path, config, variant: AttentionVariant, seed: int) -> nn.Module:
+    if getattr(config, "qkv_bias", None) not in (None, getattr(config, "attention_bias", False)):
+        config.attention_bias = config.qkv_bias
+    model = family.model_class(config)(config)
+    if getattr(config, "use_qk_norm", True) is False:  # Qiu et al.'s configs can switch QK-norm off
+        for attn in attention_modules(model):
+            attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
+    apply_variant(model, variant, seed=seed)
+    state = _split_qiu_q_proj(_read_safetensors(_weight_files(path)), model, family)
+    _load_state(model, state, path)
+    return model
+
+
+def _split_qiu_q_proj(state, model, family: Family) -> dict[str, torch.Tensor]:
+    """Rewrite each fused q_proj (Hkv groups of [G*D query rows | G*g gate rows]) into q_proj + gate.proj."""
+    dims = family.dims(model.config)
+    groups, d = dims.n_heads // dims.n_kv_heads, dims.head_dim
+    prefix = model.base_model_prefix
+    state = dict(state)
+    for i, block in enumerate(family.attention_blocks(model)):
+        attn = block.get_submodule(family.attention)
+        g = attn.gate.proj.out_features // dims.n_heads  # 1 (headwise) or D (elementwise)
+        base = f"{prefix}.{family.layers}.{i}.{family.attention}"
+        for kind in ("weight", "bias"):
+            key = f"{base}.q_proj.{kind}"
+            if key not in state:
+                if kind == "bias":
+                    state[f"{base}.gate.proj.bias"] = torch.zeros(dims.n_heads * g)
+                continue
+            fused = state.pop(key)
+            per_group = fused.reshape(dims.n_kv_heads, groups * (d + g), *fused.shape[1:])
+            state[key] = per_group[:, : groups * d].reshape(dims.n_heads * d, *fused.shape[1:])
+            state[f"{base}.gate.proj.{kind}"] = per_group[:, groups * d:].reshape(dims.n_heads * g, *fused.shape[1:])
+    return state

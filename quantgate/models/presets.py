@@ -1,0 +1,77 @@
+"""Named model sizes, built from config alone (no download).
+
+``tiny-*`` run a forward pass in milliseconds on a CPU (tests, smoke runs); ``small-*`` train at a
+few thousand tokens/s on two CPU cores; the published shapes match the checkpoints of the same
+name (weights come from :func:`quantgate.load`). Tiny and small presets use the bundled 8192-token
+tokenizers' special-token ids: <pad>=0, <s>=1, </s>=2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Preset", "PRESETS", "get_preset"]
+
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str
+    config: dict = field(default_factory=dict)
+    description: str = ""
+
+
+def _bert(d, layers, heads, ffn, vocab=8192, pos=1024, **kw):
+    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                intermediate_size=ffn, max_position_embeddings=pos, pad_token_id=0, **kw)
+
+
+def _opt(d, layers, heads, ffn, vocab=8192, pos=2048, **kw):
+    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                ffn_dim=ffn, max_position_embeddings=pos, word_embed_proj_dim=d, do_layer_norm_before=True,
+                **{**SPECIAL, **kw})
+
+
+def _decoder(d, layers, heads, kv, ffn, vocab=8192, pos=8192, **kw):
+    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, intermediate_size=ffn, max_position_embeddings=pos,
+                tie_word_embeddings=True, **{**SPECIAL, **kw})
+
+
+def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
+    cfg = _decoder(d, layers, heads, kv, ffn, head_dim=head_dim, **kw)
+    cfg.update(layer_types=["full_attention"] * layers, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=ffn // 2, shared_expert_intermediate_size=ffn // 2, decoder_sparse_step=1)
+    return cfg
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)"),
+    "tiny-opt": Preset("opt", _opt(64, 2, 4, 128), "2 layers, d=64, 4 heads, pre-LN (CPU tests)"),
+    "tiny-llama": Preset("llama", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
+    "tiny-qwen3": Preset("qwen3", _decoder(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"),
+    "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
+    "tiny-qwen3-next": Preset("qwen3-next", _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
+                              "2 full-attention layers, d=64, built-in gate, 4 experts"),
+    "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)"),
+    "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
+    "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
+    "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
+    "bert-base": Preset("bert", _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
+                        "BERT-base shape (110M)"),
+    "opt-125m": Preset("opt", _opt(768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2,
+                                   eos_token_id=2, init_std=0.006), "OPT-125m shape; init std 0.006 as Bondarenko"),
+    "qwen3-0.6b": Preset("qwen3", _decoder(1024, 28, 16, 8, 3072, vocab=151936, pos=40960, head_dim=128,
+                                           rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643,
+                                           eos_token_id=151645, pad_token_id=None), "Qwen3-0.6B shape"),
+    "smollm2-135m": Preset("llama", _decoder(576, 30, 9, 3, 1536, vocab=49152, pos=8192, rope_theta=100000.0,
+                                             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+                           "SmolLM2-135M shape (Llama, 30 layers)"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,271 @@
+"""AttentionVariant: everything that differs between the attention variants quantgate studies.
+
+A variant is up to three components joined by ``+``, each ``name[:key=value,...]``:
+
+* a gate (at most one): ``g1-elementwise``, ``g1-headwise``, ``g1-headshared``, ``g1-constant``,
+  ``g1-ns-sigmoid`` (Qiu et al. 2025, after SDPA), ``g2-value`` (on the values), ``g5-output``
+  (after the output projection), ``bondarenko`` (Bondarenko et al. 2023, per head from the head's
+  slice of x), ``hyga`` (Zhou et al. 2026: X-gate + H-gate fused in one sigmoid, C-gate);
+* ``clipped`` softmax: ``clip((zeta - gamma) * softmax + gamma, 0, 1)``, with ``gamma`` or the
+  length-invariant ``alpha`` (gamma = -alpha / T, T the number of keys);
+* ``sink``: one learnable logit per head appended to every softmax row (gpt-oss).
+
+``vanilla`` names the plain softmax attention. ``AttentionVariant.parse(str(v)) == v`` for every
+variant; the printed form lists only parameters that differ from their defaults.
+
+>>> str(AttentionVariant.parse("g1-headwise:pi_init=0.25+sink"))
+'g1-headwise:pi_init=0.25+sink'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "VariantLike"]
+
+
+@dataclass(frozen=True)
+class _GateKind:
+    description: str
+    pi_init: float  # default initial gate value
+    low_rank: bool  # whether the gate projection can be factorised
+    options: dict[str, tuple[type, object, tuple]] = field(default_factory=dict)  # name -> (type, default, choices)
+
+
+GATE_KINDS: dict[str, _GateKind] = {
+    "g1-elementwise": _GateKind("G1: sigmoid(x W) per (head, channel) on the SDPA output (Qiu et al.)", 0.5, True),
+    "g1-headwise": _GateKind("G1: one sigmoid(x w_h) per head on the SDPA output", 0.5, True),
+    "g1-headshared": _GateKind("G1: elementwise over d_head, shared by all heads", 0.5, True),
+    "g1-constant": _GateKind("G1: input-independent learned sigmoid per (head, channel)", 0.5, False),
+    "g1-ns-sigmoid": _GateKind("G1 elementwise with 0.5 + 0.5 * sigmoid (never below 0.5)", 0.75, True),
+    "g2-value": _GateKind("G2: elementwise sigmoid(x W) on the values, from the key token", 0.5, True),
+    "g5-output": _GateKind("G5: elementwise sigmoid(x W) after the output projection", 0.5, True),
+    "bondarenko": _GateKind(
+        "Bondarenko et al.: per head sigmoid(G_h(x_h)) from the head's d_head slice of x",
+        0.25,
+        False,
+        {"mode": (str, "linear", ("linear", "mlp", "all-heads"))},
+    ),
+    "hyga": _GateKind(
+        "HyGA: sigmoid(X-gate(x) + H-gate(SDPA out)) * sigmoid(C-gate(all heads)), low rank d_int",
+        0.5,
+        True,
+        {
+            "h_gate": (bool, True, (True, False)),
+            "c_gate": (bool, True, (True, False)),
+            "fusion": (str, "sum", ("sum", "product")),
+        },
+    ),
+}
+
+_ALIASES = {"d_int": "low_rank"}  # HyGA's name for the gate rank
+
+
+def _logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """A gate: its kind, initial value and rank; ``options`` holds kind-specific settings."""
+
+    kind: str
+    pi_init: float
+    low_rank: int | None = None
+    options: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        spec = GATE_KINDS.get(self.kind)
+        if spec is None:
+            raise ValueError(f"unknown gate kind {self.kind!r}; valid: {', '.join(GATE_KINDS)}")
+        lo = 0.5 if self.kind == "g1-ns-sigmoid" else 0.0
+        if not lo < self.pi_init < 1.0:
+            raise ValueError(f"{self.kind}: pi_init must lie in ({lo}, 1), got {self.pi_init}")
+        if self.low_rank is not None and (not spec.low_rank or self.low_rank < 1):
+            raise ValueError(f"{self.kind}: low_rank must be a positive int and is only valid for "
+                             f"{', '.join(k for k, s in GATE_KINDS.items() if s.low_rank)}")
+        given = dict(self.options)
+        for name, value in given.items():
+            if name not in spec.options:
+                raise ValueError(f"{self.kind}: unknown option {name!r}; valid: {_param_names(self.kind)}")
+            _, _, choices = spec.options[name]
+            if value not in choices:
+                raise ValueError(f"{self.kind}: {name} must be one of {choices}, got {value!r}")
+        full = {name: given.get(name, default) for name, (_, default, _) in spec.options.items()}
+        object.__setattr__(self, "options", tuple(sorted(full.items())))
+
+    def option(self, name: str):
+        return dict(self.options)[name]
+
+    @property
+    def bias_init(self) -> float:
+        """Pre-activation value that makes the gate output ``pi_init``."""
+        return _logit(2 * self.pi_init - 1) if self.kind == "g1-ns-sigmoid" else _logit(self.pi_init)
+
+    def __str__(self) -> str:
+        spec = GATE_KINDS[self.kind]
+        params = []
+        if self.pi_init != spec.pi_init:
+            params.append(f"pi_init={self.pi_init!r}")
+        if self.low_rank is not None:
+            params.append(f"low_rank={self.low_rank}")
+        for name, value in self.options:
+            if value != spec.options[name][1]:
+                params.append(f"{name}={_fmt(value)}")
+        return self.kind + (":" + ",".join(params) if params else "")
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    """Clipped softmax (Bondarenko et al.): ``clip((zeta - gamma) * p + gamma, 0, 1)``."""
+
+    gamma: float | None = -0.025
+    zeta: float = 1.0
+    alpha: float | None = None
+
+    def __post_init__(self):
+        if (self.gamma is None) == (self.alpha is None):
+            raise ValueError("clipped: give exactly one of gamma (fixed) or alpha (gamma = -alpha / T)")
+        if self.gamma is not None and self.gamma > 0:
+            raise ValueError(f"clipped: gamma must be <= 0, got {self.gamma}")
+        if self.alpha is not None and self.alpha < 0:
+            raise ValueError(f"clipped: alpha must be >= 0, got {self.alpha}")
+        if self.zeta < 1:
+            raise ValueError(f"clipped: zeta must be >= 1, got {self.zeta}")
+
+    def params(self, n_keys: int) -> tuple[float, float]:
+        """(gamma, zeta) for rows of ``n_keys`` keys."""
+        gamma = self.gamma if self.gamma is not None else -self.alpha / n_keys
+        return gamma, self.zeta
+
+    def __str__(self) -> str:
+        params = [f"alpha={self.alpha!r}"] if self.alpha is not None else []
+        if self.gamma is not None and self.gamma != -0.025:
+            params.append(f"gamma={self.gamma!r}")
+        if self.zeta != 1.0:
+            params.append(f"zeta={self.zeta!r}")
+        return "clipped" + (":" + ",".join(params) if params else "")
+
+
+@dataclass(frozen=True)
+class SinkSpec:
+    """Learnable attention sink: one logit per head, initialised to ``init``."""
+
+    init: float = 0.0
+
+    def __str__(self) -> str:
+        return "sink" + (f":init={self.init!r}" if self.init != 0.0 else "")
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """One attention variant: optional gate, optional clipped softmax, optional learned sink."""
+
+    gate: GateSpec | None = None
+    clip: ClipSpec | None = None
+    sink: SinkSpec | None = None
+
+    @property
+    def is_vanilla(self) -> bool:
+        return self.gate is None and self.clip is None and self.sink is None
+
+    @classmethod
+    def parse(cls, text: str | AttentionVariant | None) -> AttentionVariant:
+        """Parse ``"g1-elementwise:pi_init=0.25+clipped:alpha=4+sink"`` (see the module docstring)."""
+        if isinstance(text, AttentionVariant):
+            return text
+        if text is None or not str(text).strip():
+            return cls()
+        parts: dict[str, object] = {}
+        for comp in str(text).strip().split("+"):
+            name, _, arg = comp.strip().partition(":")
+            name = name.strip()
+            params = _parse_params(name, arg)
+            if name == "vanilla":
+                if params or len(str(text).split("+")) > 1:
+                    raise ValueError("'vanilla' takes no parameters and combines with nothing")
+                continue
+            slot = "gate" if name in GATE_KINDS else name
+            if slot in parts:
+                raise ValueError(f"variant {text!r} names more than one {slot}")
+            if name in GATE_KINDS:
+                params = {_ALIASES.get(k, k): v for k, v in params.items()}
+                pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
+                low_rank = params.pop("low_rank", None)
+                parts["gate"] = GateSpec(name, float(pi_init), None if low_rank is None else int(low_rank),
+                                         tuple(params.items()))
+            elif name == "clipped":
+                if "alpha" in params and "gamma" not in params:
+                    params["gamma"] = None
+                parts["clip"] = ClipSpec(**params)
+            elif name == "sink":
+                parts["sink"] = SinkSpec(**params)
+            else:
+                raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
+        return cls(**parts)
+
+    def __str__(self) -> str:
+        comps = [str(c) for c in (self.gate, self.clip, self.sink) if c is not None]
+        return "+".join(comps) if comps else "vanilla"
+
+    @staticmethod
+    def describe() -> dict[str, str]:
+        """One line per variant name, for ``--list`` output."""
+        out = {"vanilla": "plain softmax attention"}
+        out.update({k: s.description for k, s in GATE_KINDS.items()})
+        out["clipped"] = "clipped softmax; params gamma (default -0.025), zeta (1.0) or alpha (gamma=-alpha/T)"
+        out["sink"] = "learnable per-head sink logit appended to every softmax row (gpt-oss); param init"
+        return out
+
+
+VariantLike = AttentionVariant | str | None
+
+
+def _names() -> list[str]:
+    return ["vanilla", *GATE_KINDS, "clipped", "sink"]
+
+
+def _param_names(name: str) -> str:
+    if name in GATE_KINDS:
+        spec = GATE_KINDS[name]
+        return ", ".join(["pi_init", *(["low_rank"] if spec.low_rank else []), *spec.options])
+    return {"clipped": "gamma, zeta, alpha", "sink": "init", "vanilla": "(none)"}.get(name, "")
+
+
+_TYPES = {"pi_init": float, "low_rank": int, "gamma": float, "zeta": float, "alpha": float, "init": float}
+
+
+def _parse_params(name: str, arg: str) -> dict[str, object]:
+    if name not in _names():
+        raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
+    params: dict[str, object] = {}
+    valid = [p.strip() for p in _param_names(name).split(",")]
+    if name == "hyga":
+        valid.append("d_int")
+    for item in filter(None, (s.strip() for s in arg.split(","))):
+        key, eq, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not eq or key not in valid:
+            raise ValueError(f"{name}: unknown parameter {item!r}; valid: {', '.join(valid)}")
+        kind_opts = GATE_KINDS[name].options if name in GATE_KINDS else {}
+        typ = kind_opts[key][0] if key in kind_opts else _TYPES[_ALIASES.get(key, key)]
+        try:
+            params[key] = _convert(typ, raw)
+        except ValueError:
+            raise ValueError(f"{name}: {key} expects {typ.__name__}, got {raw!r}") from None
+    return params
+
+
+def _convert(typ: type, raw: str):
+    if typ is bool:
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(raw)
+    return typ(raw)
+
+
+def _fmt(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,39 @@
+"""The README's commands and example stay true."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _code_blocks(lang=""):
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    command = ci[-1]
+    assert "pytest" in command
+    assert any(block.strip() == command for block in _code_blocks()), "README and .ci/run disagree"
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch):
+    (example,) = _code_blocks("python")
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (1, 4, 32, 16) and namespace["mass"].shape == (1, 4, 32)
+    assert str(namespace["model"].config.quantgate["variant"]) == "g1-headwise"
+
+
+def test_main_job_command_runs():
+    main_job = next(b.strip() for b in _code_blocks() if "quantgate " in b and "pytest" not in b)
+    cli = main_job.split("&&")[-1].split()
+    assert cli[0] == "quantgate"
+    result = subprocess.run([sys.executable, "-m", "quantgate.cli", *cli[1:]], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "variant     g1-elementwise" in result.stdout
