@@ -12,11 +12,12 @@ import logging
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+from . import data
 from .attention import gated_sdpa
-from .models import apply_variant, build, gate_parameters, load, save, set_backend, variant_of
+from .models import apply_variant, build, gate_parameters, load, save, set_backend, tokenizer, variant_of
 from .variants import AttentionVariant
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionVariant", "gated_sdpa", "build", "load", "save", "apply_variant", "set_backend",
-           "gate_parameters", "variant_of", "__version__"]
+           "gate_parameters", "variant_of", "tokenizer", "data", "__version__"]

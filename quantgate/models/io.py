@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -20,10 +21,14 @@ from transformers import AutoConfig
 
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, family_of, get_family
-from .presets import PRESETS, get_preset
+from .presets import get_preset
+from .sources import resolve
+from .sources import tokenizer as get_tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, variant_of
 
 __all__ = ["build", "save", "load"]
+
+log = logging.getLogger("quantgate")
 
 
 def build(preset: str, variant: VariantLike = None, *, seed: int = 0, dtype: torch.dtype | None = None,
@@ -39,15 +44,18 @@ def build(preset: str, variant: VariantLike = None, *, seed: int = 0, dtype: tor
         torch.manual_seed(seed)
         model = family.model_class()(config)
         apply_variant(model, variant, backend=backend)
+    model.config.quantgate["tokenizer"] = preset_.tokenizer
     return model.to(dtype) if dtype is not None else model
 
 
 VARIANT_WEIGHTS = "quantgate.safetensors"  # the variant's own parameters (gates, sinks), beside the base weights
 
 
-def save(model: nn.Module, path: str | Path) -> Path:
+def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     """Write ``model`` to directory ``path``: a transformers checkpoint of the base weights whose
-    config.json names the variant, plus quantgate.safetensors with the gate and sink parameters."""
+    config.json names the variant, quantgate.safetensors with the gate and sink parameters, and the
+    tokenizer (``tokenizer``, else the one the model was built or loaded with) so the directory is
+    self-contained."""
     if variant_of(model) is None:
         apply_variant(model)  # record the model's own attention so the saved config names it
     path = Path(path)
@@ -55,17 +63,25 @@ def save(model: nn.Module, path: str | Path) -> Path:
     base = {k: v for k, v in model.state_dict().items() if k not in extra}
     model.save_pretrained(path, state_dict=base)
     save_file({k: p.detach().contiguous() for k, p in extra.items()}, str(path / VARIANT_WEIGHTS))
+    if tokenizer is None:
+        try:
+            tokenizer = get_tokenizer(model)
+        except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+            log.warning("saved %s without a tokenizer: %s", path, e)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return path
 
 
 def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype | None = None,
          backend: str = "auto", seed: int = 0) -> nn.Module:
-    """Load a model directory: one written by :func:`save`, or any transformers checkpoint.
+    """Load a model: a directory written by :func:`save` or by transformers, a packaged checkpoint
+    (``smollm2-135m``, ``minilm-l6``) or, online, a Hugging Face hub id.
 
     ``variant`` swaps a variant into an ungated checkpoint; new gate parameters are initialised
     (with ``seed``) and listed in the log. A checkpoint saved with a gate loads with that gate.
     """
-    path = _model_dir(source)
+    path = _model_dir(resolve(source))
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
@@ -92,18 +108,11 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
     return model.to(dtype) if dtype is not None else model
 
 
-def _model_dir(source) -> Path:
-    path = Path(source)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json: point to a directory written by qg.save or "
-                                    f"transformers' save_pretrained")
-        return path
-    if str(source) in PRESETS:
-        raise ValueError(f"{source!r} is a preset (a shape without weights): use qg.build({str(source)!r}, ...) "
-                         f"to make it, or give a checkpoint directory")
-    raise FileNotFoundError(f"no model directory {str(source)!r}: give a directory with config.json and "
-                            f"*.safetensors (written by qg.save or save_pretrained); presets: {', '.join(PRESETS)}")
+def _model_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: point to a directory written by qg.save or "
+                                f"transformers' save_pretrained")
+    return path
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -20,6 +20,7 @@ class Preset:
     family: str
     config: dict = field(default_factory=dict)
     description: str = ""
+    tokenizer: str = "bpe-8192"  # bundled tokenizer, packaged model or hub id whose tokenizer fits
 
 
 def _bert(d, layers, heads, ffn, vocab=8192, pos=1024, **kw):
@@ -47,27 +48,29 @@ def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)"),
+    "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)", "wordpiece-8192"),
     "tiny-opt": Preset("opt", _opt(64, 2, 4, 128), "2 layers, d=64, 4 heads, pre-LN (CPU tests)"),
     "tiny-llama": Preset("llama", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
     "tiny-qwen3": Preset("qwen3", _decoder(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"),
     "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
     "tiny-qwen3-next": Preset("qwen3-next", _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
                               "2 full-attention layers, d=64, built-in gate, 4 experts"),
-    "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)"),
+    "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)", "wordpiece-8192"),
     "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
     "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
     "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
     "bert-base": Preset("bert", _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
-                        "BERT-base shape (110M)"),
+                        "BERT-base shape (110M)", "google-bert/bert-base-uncased"),
     "opt-125m": Preset("opt", _opt(768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2,
-                                   eos_token_id=2, init_std=0.006), "OPT-125m shape; init std 0.006 as Bondarenko"),
+                                   eos_token_id=2, init_std=0.006), "OPT-125m shape; init std 0.006 as Bondarenko",
+                        "facebook/opt-125m"),
     "qwen3-0.6b": Preset("qwen3", _decoder(1024, 28, 16, 8, 3072, vocab=151936, pos=40960, head_dim=128,
                                            rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643,
-                                           eos_token_id=151645, pad_token_id=None), "Qwen3-0.6B shape"),
+                                           eos_token_id=151645, pad_token_id=None), "Qwen3-0.6B shape",
+                         "Qwen/Qwen3-0.6B"),
     "smollm2-135m": Preset("llama", _decoder(576, 30, 9, 3, 1536, vocab=49152, pos=8192, rope_theta=100000.0,
                                              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2),
-                           "SmolLM2-135M shape (Llama, 30 layers)"),
+                           "SmolLM2-135M shape (Llama, 30 layers)", "smollm2-135m"),
 }
 
 

@@ -103,8 +103,8 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def variant_of(model_or_config) -> AttentionVariant | None:
     """The variant recorded on a model (or its config), or None when quantgate has not touched it."""
-    meta = getattr(getattr(model_or_config, "config", model_or_config), "quantgate", None)
-    return AttentionVariant.parse(meta["variant"]) if meta else None
+    meta = getattr(getattr(model_or_config, "config", model_or_config), "quantgate", None) or {}
+    return AttentionVariant.parse(meta["variant"]) if "variant" in meta else None
 
 
 def native_variant(family: Family) -> AttentionVariant:
@@ -152,7 +152,8 @@ def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str
                 attn.sinks = nn.Parameter(torch.full((dims.n_heads,), variant.sink.init, device=ref.device,
                                                      dtype=ref.dtype))
                 added.append(f"{family.attention}.sinks")
-    model.config.quantgate = {"variant": str(variant), "family": family.name}
+    model.config.quantgate = {**(getattr(model.config, "quantgate", None) or {}), "variant": str(variant),
+                              "family": family.name}
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     set_backend(model, backend)
     if added:

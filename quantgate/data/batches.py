@@ -1,0 +1,158 @@
+"""Model-ready batches from a text source: packed CLM rows or MLM rows with 80/10/10 masking.
+
+Documents are tokenized without special tokens and joined into one stream with a separator
+(EOS for CLM, [SEP] for MLM) after each document, then cut into rows of ``seq_len`` tokens:
+
+* CLM: ``[BOS] + seq_len - 1 tokens`` when the tokenizer itself prepends BOS (the bundled BPE
+  does; SmolLM2's does not), else ``seq_len`` tokens. ``labels == input_ids``: transformers'
+  causal-LM heads shift them internally, so position t is scored on predicting token t + 1.
+* MLM: ``[CLS] + seq_len - 2 tokens + [SEP]``; each non-special token is selected with probability
+  ``mlm_probability``; a selected token becomes [MASK] (80%), a random token (10%) or stays (10%);
+  ``labels`` hold the original id at selected positions and -100 elsewhere. The masks depend only
+  on (seed, epoch, batch index), so a resumed run sees the same masks.
+
+Token streams are cached in memory and on disk (``$QUANTGATE_CACHE``, default ~/.cache/quantgate).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .corpus import corpus
+
+__all__ = ["Batches", "batches", "token_stream", "cache_dir"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("QUANTGATE_CACHE", Path.home() / ".cache" / "quantgate"))
+
+
+_STREAMS: dict[str, np.ndarray] = {}
+
+
+def token_stream(tokenizer, split: str, separator: int) -> np.ndarray:
+    """All documents of ``split`` tokenized and joined, ``separator`` after each, as int32."""
+    key = hashlib.sha256(f"{tokenizer.backend_tokenizer.to_str()}|{split}|{separator}".encode()).hexdigest()[:24]
+    if key in _STREAMS:
+        return _STREAMS[key]
+    path = cache_dir() / "tokens" / f"{key}.npy"
+    if path.is_file():
+        stream = np.load(path)
+    else:
+        texts = [doc.text for doc in corpus(split)]
+        if not texts:
+            raise ValueError(f"text source {split!r} has no documents")
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        stream = np.fromiter((t for doc in ids for t in (*doc, separator)), dtype=np.int32)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, stream)
+        os.replace(tmp, path)
+    _STREAMS[key] = stream
+    return stream
+
+
+def _prepends_bos(tokenizer) -> bool:
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
+
+
+class Batches:
+    """Iterable of ``{"input_ids", "attention_mask", "labels"}`` (batch, seq_len) int64 tensors.
+
+    ``epochs=None`` repeats forever (reshuffling each epoch when ``shuffle``). The iterator is
+    resumable: ``state_dict()`` after a batch names the next one, ``load_state_dict`` continues there.
+    """
+
+    def __init__(self, tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", *,
+                 seed: int = 0, shuffle: bool = False, epochs: int | None = 1, mlm_probability: float = 0.15,
+                 max_batches: int | None = None):
+        if objective not in ("clm", "mlm"):
+            raise ValueError(f"unknown objective {objective!r}; valid: clm, mlm")
+        if seq_len < 4 or batch_size < 1:
+            raise ValueError(f"seq_len must be >= 4 and batch_size >= 1, got {seq_len}, {batch_size}")
+        self.tokenizer, self.split, self.objective = tokenizer, split, objective
+        self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
+        self.epochs, self.mlm_probability, self.max_batches = epochs, mlm_probability, max_batches
+        self.epoch = self.batch = 0
+        if objective == "clm":
+            if tokenizer.eos_token_id is None:
+                raise ValueError("CLM batches need a tokenizer with an EOS token to separate documents")
+            head = [tokenizer.bos_token_id] if _prepends_bos(tokenizer) else []
+            tail, sep = [], tokenizer.eos_token_id
+        else:
+            if None in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id):
+                raise ValueError("MLM batches need a tokenizer with [CLS], [SEP] and [MASK] tokens (a BERT "
+                                 "tokenizer, e.g. the bundled wordpiece-8192)")
+            head, tail, sep = [tokenizer.cls_token_id], [tokenizer.sep_token_id], tokenizer.sep_token_id
+        stream = token_stream(tokenizer, split, sep)
+        body = seq_len - len(head) - len(tail)
+        n_rows = len(stream) // body
+        if n_rows == 0:
+            raise ValueError(f"text source {split!r} has {len(stream)} tokens, fewer than one row of {seq_len}")
+        rows = torch.from_numpy(stream[: n_rows * body].astype(np.int64)).view(n_rows, body)
+        self.rows = torch.cat([torch.tensor(head).expand(n_rows, -1), rows, torch.tensor(tail).expand(n_rows, -1)],
+                              dim=1).long()
+        special = torch.tensor(sorted(tokenizer.all_special_ids))
+        self._maskable = torch.ones(max(len(tokenizer), int(self.rows.max()) + 1), dtype=torch.bool)
+        self._maskable[special] = False
+        self._random_ids = self._maskable.nonzero().squeeze(1)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def __len__(self) -> int:
+        """Batches per epoch (the last one may be smaller), capped by ``max_batches``."""
+        n = -(-len(self.rows) // self.batch_size)
+        return min(n, self.max_batches) if self.max_batches is not None else n
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while self.epochs is None or self.epoch < self.epochs:
+            order = self._order(self.epoch)
+            while self.batch < len(self):
+                b = self.batch
+                self.batch += 1
+                yield self._make(order[b * self.batch_size:(b + 1) * self.batch_size], self.epoch, b)
+            self.epoch, self.batch = self.epoch + 1, 0
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.rows))
+        return torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+
+    def _make(self, index: torch.Tensor, epoch: int, b: int) -> dict[str, torch.Tensor]:
+        ids = self.rows[index].clone()
+        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        if self.objective == "clm":
+            out["labels"] = ids.clone()
+            return out
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + b)
+        selected = (torch.rand(ids.shape, generator=g) < self.mlm_probability) & self._maskable[ids]
+        labels = torch.where(selected, ids, torch.full_like(ids, -100))
+        action = torch.rand(ids.shape, generator=g)
+        random_ids = self._random_ids[torch.randint(len(self._random_ids), ids.shape, generator=g)]
+        ids = torch.where(selected & (action < 0.8), torch.full_like(ids, self.tokenizer.mask_token_id), ids)
+        ids = torch.where(selected & (action >= 0.8) & (action < 0.9), random_ids, ids)
+        out.update(input_ids=ids, labels=labels)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch, "split": self.split, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("split"), state.get("seed")) != (self.split, self.seed):
+            raise ValueError(f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
+                             f"{self.split!r} seed {self.seed}")
+        self.epoch, self.batch = state["epoch"], state["batch"]
+
+
+def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:
+    """Batches of a text source (``train``, ``validation``, ``test`` or an HF dataset); see :class:`Batches`."""
+    return Batches(tokenizer, split, seq_len, batch_size, objective, **kwargs)

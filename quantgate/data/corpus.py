@@ -1,0 +1,98 @@
+"""Text sources: the bundled public-domain corpus, and Hugging Face datasets when online.
+
+A source is named by a string:
+
+* ``train`` / ``validation`` / ``test``: the bundled corpus (Austen, Shakespeare, the King James
+  Bible, Bierce's Devil's Dictionary; see corpus/PROVENANCE.md), split by work so held-out text is
+  prose no model here was trained on;
+* ``wikitext-103:<split>``, ``wikitext-2:<split>``, ``bookcorpus-wiki:train`` (Bondarenko et al.'s
+  BookCorpus + English Wikipedia mix), or ``hf:<dataset>[@<config>]:<split>[:<text column>]``:
+  Hugging Face datasets, downloaded on first use (needs a network, then the datasets cache).
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+__all__ = ["Document", "corpus", "BUNDLED_SPLITS", "DATASETS", "OfflineError"]
+
+CORPUS_DIR = Path(__file__).with_name("corpus")
+BUNDLED_SPLITS = ("train", "validation", "test")
+
+# name -> list of (dataset path, config, text column); a split name is appended by the user
+DATASETS: dict[str, list[tuple[str, str | None, str]]] = {
+    "wikitext-103": [("Salesforce/wikitext", "wikitext-103-raw-v1", "text")],
+    "wikitext-2": [("Salesforce/wikitext", "wikitext-2-raw-v1", "text")],
+    "bookcorpus-wiki": [("bookcorpus/bookcorpus", None, "text"), ("wikimedia/wikipedia", "20231101.en", "text")],
+}
+
+
+class OfflineError(ConnectionError):
+    """A source needs the network and none is reachable."""
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    source: str
+    work: str
+    title: str
+    text: str
+
+
+def corpus(split: str = "validation") -> Iterator[Document]:
+    """Yield the documents of a source (see the module docstring), in a fixed order."""
+    if split in BUNDLED_SPLITS:
+        yield from _bundled(split)
+    elif split.startswith("hf:") or split.split(":")[0] in DATASETS:
+        yield from _hf_documents(split)
+    else:
+        raise ValueError(f"unknown text source {split!r}; bundled: {', '.join(BUNDLED_SPLITS)}; online: "
+                         f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>")
+
+
+@lru_cache(maxsize=None)
+def _bundled(split: str) -> tuple[Document, ...]:
+    path = CORPUS_DIR / f"{split}.jsonl.xz"
+    if not path.is_file():
+        raise FileNotFoundError(f"bundled corpus file {path} is missing: reinstall quantgate, or rebuild it with "
+                                f"python scripts/build_corpus.py")
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        return tuple(Document(**{k: row[k] for k in ("id", "source", "work", "title", "text")})
+                     for row in map(json.loads, fh))
+
+
+def _hf_spec(source: str) -> tuple[list[tuple[str, str | None, str]], str]:
+    """Parse ``name:split`` or ``hf:<dataset>[@<config>]:<split>[:<column>]``."""
+    if source.startswith("hf:"):
+        parts = source[3:].split(":")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise ValueError(f"hf sources are hf:<dataset>[@<config>]:<split>[:<text column>], got {source!r}")
+        path, _, config = parts[0].partition("@")
+        return [(path, config or None, parts[2] if len(parts) == 3 else "text")], parts[1]
+    name, _, split = source.partition(":")
+    if not split:
+        raise ValueError(f"name the split of {name!r}, e.g. {name}:validation")
+    return DATASETS[name], split
+
+
+def _hf_documents(source: str) -> Iterator[Document]:
+    specs, split = _hf_spec(source)
+    for path, config, column in specs:
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(path, config, split=split)
+        except (ConnectionError, OSError) as e:
+            raise OfflineError(f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable "
+                               f"({type(e).__name__}). Offline, use the bundled corpus: "
+                               f"{', '.join(BUNDLED_SPLITS)}") from None
+        for i, row in enumerate(ds):
+            text = row[column].strip()
+            if text:
+                yield Document(f"{path}/{split}/{i}", path, path, str(i), text)
