@@ -60,6 +60,22 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_observe(args) -> int:
+    from .data import batches
+    from .models import family_of, tokenizer
+    from .observe import observe
+
+    model = _load_or_build(args.model, args.variant)
+    tok = tokenizer(model)
+    objective = family_of(model).objective
+    data = batches(tok, args.data, args.seq_len, args.batch_size, objective, max_batches=args.max_batches)
+    report = observe(model, data, sink_tokens=args.sink_tokens)
+    out = report.save(args.out)
+    print(report.markdown())
+    print(f"wrote {out}/observe.json, observe.md and plots")
+    return 0
+
+
 def cmd_build_tokenizers(args) -> int:
     from .data.tokenizers import TOKENIZER_DIR, build_bundled
 
@@ -76,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--variant", help="attention variant to swap in, e.g. g1-elementwise:pi_init=0.25")
     info.add_argument("--list", action="store_true", help="list presets and variants")
     info.set_defaults(func=cmd_info)
+    obs = sub.add_parser("observe", help="outlier, sink and gate statistics over a dataset, with plots")
+    obs.add_argument("model", help="a preset, packaged model or model directory")
+    obs.add_argument("--variant", help="attention variant to swap in")
+    obs.add_argument("--data", default="validation", help="text source (default: the bundled validation split)")
+    obs.add_argument("--out", default="runs/observe", help="output directory (default: runs/observe)")
+    obs.add_argument("--seq-len", type=int, default=128)
+    obs.add_argument("--batch-size", type=int, default=8)
+    obs.add_argument("--max-batches", type=int, default=8)
+    obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink")
+    obs.set_defaults(func=cmd_observe)
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
     tok.set_defaults(func=cmd_build_tokenizers)

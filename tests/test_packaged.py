@@ -58,3 +58,29 @@ def test_minilm_embeddings_rank_a_paraphrase_first():
     emb = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)  # mean pooling, as the model card
     sim = emb @ emb.T
     assert sim[0, 1] > 0.6 > 0.2 > sim[0, 2]
+
+
+def test_observe_finds_smollm2_massive_activations_by_hand(smollm2):
+    from quantgate.data import batches
+    from quantgate.observe import observe
+
+    tok = qg.tokenizer(smollm2)
+    data = [b for _, b in zip(range(1), batches(tok, "validation", 128, 4))]  # Persuasion comes first
+    report = observe(smollm2, data, progress=False)
+    with torch.no_grad():
+        hidden = smollm2(data[0]["input_ids"], output_hidden_states=True).hidden_states  # [embeddings, block 0, ...]
+    middle = 15
+    h = hidden[middle + 1].abs()  # the residual stream after block 15, by hand
+    flat = h.reshape(4, -1)
+    token, channel = divmod(int(flat[0].argmax()), h.shape[-1])
+    assert token == 0  # the massive activation sits on the first token
+    ratio = float(flat.max() / flat.median())
+    assert ratio > 1000
+    layer = report.layers[middle]
+    assert layer["tensors"]["block_out"]["max_abs"] == pytest.approx(float(h.max()), rel=1e-5)
+    assert layer["massive"][0]["channel"] == channel and layer["massive"][0]["positions"][0][0] == 0
+    massive_layers = [i for i, L in enumerate(report.layers) if L["massive_activations"]]
+    assert massive_layers and min(massive_layers) > 2 and max(massive_layers) < 29  # the middle of 30 layers
+    assert len({e["channel"] for L in report.layers for e in L["massive"]}) <= 3  # a few channels
+    uniform = sum(1 / (i + 1) for i in range(1, 128)) / 127  # query i spread evenly over its i + 1 keys
+    assert report.summary["sink_mass"] > 5 * uniform  # first-token attention well above uniform

@@ -20,11 +20,12 @@ def test_ci_runs_the_readme_test_command():
     assert any(block.strip() == command for block in _code_blocks()), "README and .ci/run disagree"
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch):
-    (example,) = _code_blocks("python")
+def test_readme_python_examples_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)
+    for example in _code_blocks("python"):  # in order, sharing names, as a reader would run them
+        exec(compile(example, "README.md", "exec"), namespace)
+    assert (tmp_path / "runs" / "observe" / "observe_sink.png").is_file()
     assert namespace["out"].shape == (1, 4, 32, 16) and namespace["mass"].shape == (1, 4, 32)
     assert str(namespace["model"].config.quantgate["variant"]) == "g1-headwise"
 

@@ -29,6 +29,7 @@ class Family:
     q_proj: str
     v_proj: str
     o_proj: str
+    ffn: str  # path in a block to the module whose output is the feed-forward output
     native_gate: str | None = None  # a gate the architecture has built in
 
     def config_class(self):
@@ -69,15 +70,15 @@ def _has(module: nn.Module, path: str) -> bool:
 
 
 _DECODER = dict(layers="layers", attention="self_attn", q_proj="self_attn.q_proj", v_proj="self_attn.v_proj",
-                o_proj="self_attn.o_proj", objective="clm")
+                o_proj="self_attn.o_proj", ffn="mlp", objective="clm")
 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("bert", ("bert",), "BertConfig", "BertForMaskedLM", "mlm", "encoder.layer", "attention.self",
-               "attention.self.query", "attention.self.value", "attention.output.dense"),
+               "attention.self.query", "attention.self.value", "attention.output.dense", "output.dense"),
         Family("opt", ("opt",), "OPTConfig", "OPTForCausalLM", "clm", "decoder.layers", "self_attn",
-               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj"),
+               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj", "fc2"),
         Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER),
         Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
         Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),

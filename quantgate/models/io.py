@@ -45,6 +45,7 @@ def build(preset: str, variant: VariantLike = None, *, seed: int = 0, dtype: tor
         model = family.model_class()(config)
         apply_variant(model, variant, backend=backend)
     model.config.quantgate["tokenizer"] = preset_.tokenizer
+    model.config._name_or_path = preset
     return model.to(dtype) if dtype is not None else model
 
 

@@ -42,12 +42,17 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     if gate is not None and gate.position != "sdpa":
         gate = None
     multiplier = gate(module._qg_input) if gate is not None and not gate.needs_output else None
+    observer = module.qg_observer  # set while quantgate.observe runs: asks for the sink mass
     out = gated_sdpa(
         query, key, value, multiplier,
         attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
         clip=variant.clip.params(key.shape[2]) if variant.clip else None,
         sinks=getattr(module, "sinks", None), dropout_p=dropout, backend=module.qg_backend,
+        sink_tokens=observer.sink_tokens if observer is not None else 0,
     )
+    if observer is not None:
+        out, mass = out
+        observer.record_sink_mass(module, mass)
     if gate is not None and gate.needs_output:
         out = out * gate(module._qg_input, out)
     return out.transpose(1, 2).contiguous(), None
@@ -137,6 +142,7 @@ def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str
             ref = block.get_submodule(family.q_proj).weight
             attn.__class__ = _variant_class(type(attn))
             attn.qg_variant = variant
+            attn.qg_observer = None
             attn._qg_input = None
             gate_spec = variant.gate if variant.gate and variant.gate.kind != family.native_gate else None
             if gate_spec is not None:

@@ -1,0 +1,486 @@
+"""Observe: stream outlier, sink and gate statistics over a dataset in bounded memory.
+
+``qg.observe(model, batches)`` runs the model over the batches with forward hooks that fold every
+activation into running statistics and then drop it, so memory does not grow with the dataset;
+the attention mass on the first keys comes from gated_sdpa's log-sum-exp path, never from an
+N x N probability matrix. Per block it measures:
+
+* tensors: the residual stream after the block (``block_out``), the attention output before and
+  after the output projection (``attn_pre_o``, ``attn_out``), the FFN output (``ffn_out``), the
+  input of every LayerNorm/RMSNorm (``norm_in.<path>``) and of every Linear (``linear_in.<path>``):
+  infinity norm (Bondarenko et al.: max |x| per sequence, averaged over sequences), kurtosis
+  (mu4 / sigma^4, non-excess, per sequence over the flattened T x d tensor, averaged), max |x|,
+  median |x| (from a 0.01-decade log histogram), the channels that most often hold a token's
+  largest |x|, and the token positions (and token ids) where each sequence's max lands;
+* massive activations in the residual stream (Sun et al.: |x| > 100 and > 1000 x the sequence's
+  median |x|), with channel, position and token;
+* attention mass on the first ``sink_tokens`` keys per head (queries that can only see those keys
+  and padded queries are left out), its mean and histogram;
+* gate values for gated variants (also Qwen3-Next's built-in gate): mean, fraction below 0.1,
+  histogram, per head.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from .models.families import family_of
+from .models.swap import apply_variant, attention_modules, variant_of
+
+__all__ = ["observe", "ObserveReport", "TensorStats"]
+
+log = logging.getLogger("quantgate")
+
+LOG_LO, LOG_HI, LOG_BINS = -10.0, 10.0, 2000  # |x| histogram over 1e-10 .. 1e10, 0.01 decade per bin
+HIST_SAMPLE = 1 << 16  # elements per update that feed the |x| histogram (median); the rest is exact
+UNIT_BINS = 20  # histograms of values in [0, 1] (gates, sink mass)
+HEADLINE = ("block_out", "attn_out", "ffn_out")  # with norm_in.*: the tensors behind max_inf_norm and kurtosis
+
+
+def _stride(n: int, channels: int) -> int:
+    """A prime sampling stride that takes about HIST_SAMPLE of n elements and visits every channel."""
+    p = max(1, n // HIST_SAMPLE)
+    if p == 1:
+        return 1
+    while any(p % q == 0 for q in range(2, int(p**0.5) + 1)) or channels % p == 0:
+        p += 1
+    return p
+
+
+class TensorStats:
+    """Running statistics of one activation tensor (B, T, ...) over many batches."""
+
+    def __init__(self):
+        self.sequences = 0
+        self.inf_norm_sum = 0.0
+        self.kurtosis_sum = 0.0
+        self.kurtosis_n = 0
+        self.max_abs = 0.0
+        self.hist = torch.zeros(LOG_BINS, dtype=torch.float64)
+        self.channel_max: torch.Tensor | None = None
+        self.channel_top: torch.Tensor | None = None
+        self.max_positions: Counter = Counter()
+        self.max_tokens: Counter = Counter()
+        self.nonfinite = 0
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+        """Fold in ``x`` (B, T, ...); ``valid`` (B, T) marks real (non-padding) tokens."""
+        x = x.detach().float()
+        x = x.reshape(x.shape[0], x.shape[1], -1)
+        if valid is not None and not bool(valid.all()):
+            for i in range(x.shape[0]):  # padded batch: one sequence at a time, real tokens only
+                keep = valid[i]
+                self._update(x[i:i + 1, keep], None if input_ids is None else input_ids[i:i + 1, keep])
+        else:
+            self._update(x, input_ids)
+
+    def _update(self, x: torch.Tensor, input_ids):
+        b, t, c = x.shape
+        if t == 0:
+            return
+        a = x.abs()
+        tok_max, tok_arg = a.reshape(-1, c).max(dim=1)  # one pass: each token's largest |x| and its channel
+        if not bool(torch.isfinite(tok_max).all()):  # NaN/inf: count them, keep them out of the statistics
+            bad = ~torch.isfinite(x)
+            self.nonfinite += int(bad.sum())
+            x = x.masked_fill(bad, 0.0)
+            a = x.abs()
+            tok_max, tok_arg = a.reshape(-1, c).max(dim=1)
+        seq_max, pos = tok_max.view(b, t).max(dim=1)
+        self.inf_norm_sum += float(seq_max.sum())
+        self.max_abs = max(self.max_abs, float(seq_max.max()))
+        xf = x.reshape(b, -1)
+        sq = (xf - xf.mean(dim=1, keepdim=True)).square_()
+        var = sq.mean(dim=1)
+        ok = var > 0
+        if ok.any():
+            self.kurtosis_sum += float((sq.square_().mean(dim=1)[ok] / var[ok].square()).sum())
+            self.kurtosis_n += int(ok.sum())
+        sample = a.reshape(-1)[:: _stride(a.numel(), c)]  # a strided sample sets the median
+        logs = torch.log10(sample.clamp_min(10**LOG_LO)).clamp_max_(LOG_HI - 1e-6)
+        self.hist += torch.histc(logs, bins=LOG_BINS, min=LOG_LO, max=LOG_HI).double() * (a.numel() / sample.numel())
+        top = torch.bincount(tok_arg, minlength=c)
+        cmax = a.reshape(-1, c).amax(dim=0)
+        if self.channel_max is None:
+            self.channel_max, self.channel_top = cmax, top
+        else:
+            self.channel_max, self.channel_top = torch.maximum(self.channel_max, cmax), self.channel_top + top
+        self.max_positions.update(pos.tolist())
+        if input_ids is not None and input_ids.shape[1] == t:
+            self.max_tokens.update(input_ids[torch.arange(b), pos].tolist())
+        self.sequences += b
+
+    @property
+    def median_abs(self) -> float:
+        total = float(self.hist.sum())
+        if total == 0:
+            return 0.0
+        idx = int(torch.searchsorted(self.hist.cumsum(0), torch.tensor(total / 2, dtype=torch.float64)))
+        return 10 ** (LOG_LO + (idx + 0.5) * (LOG_HI - LOG_LO) / LOG_BINS)
+
+    def summary(self, decode=None, top: int = 5) -> dict:
+        n = max(self.sequences, 1)
+        med = self.median_abs
+        out = {
+            "inf_norm": self.inf_norm_sum / n,
+            "max_abs": self.max_abs,
+            "kurtosis": self.kurtosis_sum / self.kurtosis_n if self.kurtosis_n else None,
+            "median_abs": med,
+            "max_median_ratio": self.max_abs / med if med > 0 else None,
+            "sequences": self.sequences,
+            "max_at_token0": self.max_positions.get(0, 0) / n,
+            "max_positions": [[p, c] for p, c in self.max_positions.most_common(top)],
+        }
+        if self.channel_top is not None:
+            tokens = float(self.channel_top.sum())
+            order = torch.argsort(self.channel_max, descending=True)[:top]  # the largest-magnitude channels
+            out["top_channels"] = [{"channel": int(ch), "share_of_token_max": float(self.channel_top[ch]) / tokens,
+                                    "max_abs": float(self.channel_max[ch])} for ch in order]
+        if self.max_tokens:
+            out["max_tokens"] = [[decode(t) if decode else t, c] for t, c in self.max_tokens.most_common(top)]
+        if self.nonfinite:
+            out["nonfinite"] = self.nonfinite
+        return out
+
+
+class MassiveActivations:
+    """Sun et al.'s massive activations: |x| > 100 and > 1000 x the sequence's median |x|."""
+
+    def __init__(self, absolute: float = 100.0, relative: float = 1000.0):
+        self.absolute, self.relative = absolute, relative
+        self.count = 0
+        self.by_channel: dict[int, dict] = {}
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None):
+        a = x.detach().float().abs().nan_to_num(0.0)
+        b, t = a.shape[:2]
+        a = a.reshape(b, t, -1)
+        med = a.reshape(b, -1).median(dim=1).values.view(b, 1, 1)
+        hits = ((a > self.absolute) & (a > self.relative * med)).nonzero().tolist()
+        self.count += len(hits)
+        for i, pos, ch in hits:
+            entry = self.by_channel.setdefault(ch, {"channel": ch, "count": 0, "max_abs": 0.0, "positions": Counter(),
+                                                    "tokens": Counter()})
+            entry["count"] += 1
+            entry["max_abs"] = max(entry["max_abs"], float(a[i, pos, ch]))
+            entry["positions"][pos] += 1
+            if input_ids is not None and input_ids.shape[1] == t:
+                entry["tokens"][int(input_ids[i, pos])] += 1
+
+    def summary(self, decode=None, top: int = 5) -> list[dict]:
+        rows = sorted(self.by_channel.values(), key=lambda e: -e["max_abs"])[:top]
+        return [{"channel": e["channel"], "count": e["count"], "max_abs": e["max_abs"],
+                 "positions": [[p, c] for p, c in e["positions"].most_common(3)],
+                 "tokens": [[decode(t) if decode else t, c] for t, c in e["tokens"].most_common(3)]} for e in rows]
+
+
+class UnitStats:
+    """Per-head running mean, share below 0.1 and a histogram of values in [0, 1] (gates, sink mass)."""
+
+    def __init__(self):
+        self.sum: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self.below = 0.0
+        self.hist = torch.zeros(UNIT_BINS, dtype=torch.float64)
+
+    @torch.no_grad()
+    def update(self, values: torch.Tensor):
+        """``values`` (heads, n): one row per head."""
+        v = values.detach().float()
+        s, n = v.sum(dim=1).double(), torch.full((v.shape[0],), v.shape[1], dtype=torch.float64)
+        self.sum, self.count = (s, n) if self.sum is None else (self.sum + s, self.count + n)
+        self.below += float((v < 0.1).sum())
+        self.hist += torch.histc(v.clamp(0, 1), bins=UNIT_BINS, min=0.0, max=1.0).double()
+
+    def summary(self) -> dict | None:
+        if self.sum is None:
+            return None
+        per_head = (self.sum / self.count).tolist()
+        total = float(self.count.sum())
+        return {"mean": float(self.sum.sum()) / total, "below_0.1": self.below / total, "per_head": per_head,
+                "hist": (self.hist / self.hist.sum()).tolist()}
+
+
+def _gate_rows(values: torch.Tensor, position: str, heads: int) -> torch.Tensor:
+    """Gate multiplier -> (gate heads, n) for per-head statistics."""
+    if position == "value":  # (B, N, Hkv * D)
+        b, n, width = values.shape
+        return values.reshape(b, n, heads, -1).transpose(0, 2).reshape(heads, -1)
+    if position == "output":  # (B, N, d_model): no head structure
+        return values.reshape(1, -1)
+    return values.transpose(0, 1).reshape(values.shape[1], -1)  # (B|1, H|1, N|1, D|1)
+
+
+@dataclass
+class _Layer:
+    tensors: dict[str, TensorStats] = field(default_factory=dict)
+    massive: MassiveActivations = field(default_factory=MassiveActivations)
+    sink: UnitStats = field(default_factory=UnitStats)
+    gate: UnitStats = field(default_factory=UnitStats)
+
+    def stats(self, name: str) -> TensorStats:
+        return self.tensors.setdefault(name, TensorStats())
+
+
+class _Observer:
+    """Registers the hooks for one observe run; removes them on exit."""
+
+    def __init__(self, model: nn.Module, sink_tokens: int):
+        self.model, self.sink_tokens = model, sink_tokens
+        self.family = family_of(model)
+        self.blocks = self.family.blocks(model)
+        self.layers = [_Layer() for _ in self.blocks]
+        self.final = TensorStats()
+        self.input_ids = self.valid = None
+        self.seen: dict[tuple, tuple] = {}  # tensors measured in the current forward pass
+        self.handles: list = []
+        self.attn_layer: dict[int, int] = {}
+
+    def __enter__(self):
+        fam = self.family
+        with_attention = {id(b) for b in fam.attention_blocks(self.model)}
+        for i, block in enumerate(self.blocks):
+            layer = self.layers[i]
+            self._hook(block, lambda m, a, o, L=layer: self._record(L, "block_out", o, massive=True))
+            skip = set()
+            if id(block) in with_attention:
+                attn = block.get_submodule(fam.attention)
+                attn.qg_observer = self
+                self.attn_layer[id(attn)] = i
+                o_proj = block.get_submodule(fam.o_proj)
+                skip.add(o_proj)
+                self._hook(o_proj, lambda m, a, o, L=layer: self._record(L, "attn_pre_o", a[0], then=("attn_out", o)))
+                gate = getattr(attn, "gate", None)
+                if gate is not None:
+                    skip.update(gate.modules())
+                    self._hook(gate, lambda m, a, o, L=layer: L.gate.update(_gate_rows(o, m.position,
+                                                                                    m.dims.n_kv_heads)))
+                elif fam.native_gate:  # Qwen3-Next: sigmoid of the second half of each head's q_proj output
+                    dims = fam.dims(self.model.config)
+                    self._hook(block.get_submodule(fam.q_proj), lambda m, a, o, L=layer, d=dims: L.gate.update(
+                        torch.sigmoid(o.view(*o.shape[:2], d.n_heads, 2 * d.head_dim)[..., d.head_dim:])
+                        .permute(2, 0, 1, 3).reshape(d.n_heads, -1)))
+            ffn = block.get_submodule(fam.ffn)
+            self._hook(ffn, lambda m, a, o, L=layer: self._record(L, "ffn_out", o))
+            for name, module in block.named_modules():
+                if module in skip or not name:
+                    continue
+                if isinstance(module, nn.Linear):
+                    self._hook(module, lambda m, a, o, L=layer, n=name: self._record(L, f"linear_in.{n}", a[0]))
+                elif type(module).__name__.endswith("Norm") or isinstance(module, nn.LayerNorm):
+                    self._hook(module, lambda m, a, o, L=layer, n=name: self._record(L, f"norm_in.{n}", a[0]))
+        final = _final_norm(self.model, fam)
+        if final is not None:
+            self._hook(final, lambda m, a, o: self.final.update(a[0], self.input_ids, self.valid))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        for attn in attention_modules(self.model):
+            attn.qg_observer = None
+
+    def _hook(self, module, fn):
+        self.handles.append(module.register_forward_hook(fn))
+
+    def _record(self, layer: _Layer, name: str, out, massive: bool = False, then=None) -> None:
+        """Fold a hooked tensor into the layer's statistics (returns None: hooks must not replace outputs)."""
+        x = out[0] if isinstance(out, tuple) else out
+        b, t = self.input_ids.shape
+        if x.dim() == 2 and x.shape[0] == b * t:  # OPT flattens (B, T) before its FFN
+            x = x.view(b, t, -1)
+        key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version)
+        if key in self.seen:  # the same tensor feeds several modules (q/k/v, gate/up): measure it once
+            layer.tensors.setdefault(name, self.seen[key][0])
+        else:  # keep x alive for this forward pass so its memory (and key) cannot be reused by another tensor
+            self.seen[key] = (layer.stats(name), x)
+            layer.stats(name).update(x, self.input_ids, self.valid)
+        if massive:
+            layer.massive.update(x, self.input_ids)
+        if then is not None:
+            self._record(layer, *then)
+
+    def record_sink_mass(self, module, mass: torch.Tensor):
+        """mass (B, H, N): attention on the first sink_tokens keys, from gated_sdpa."""
+        layer = self.layers[self.attn_layer[id(module)]]
+        b, h, n = mass.shape
+        keep = torch.ones(b, n, dtype=torch.bool)
+        if getattr(module, "is_causal", True):
+            keep[:, : self.sink_tokens] = False  # these queries can see nothing but the sink tokens
+        if self.valid is not None and self.valid.shape == keep.shape:
+            keep &= self.valid
+        rows = mass.float().transpose(0, 1)[:, keep]  # (H, kept queries)
+        if rows.numel():
+            layer.sink.update(rows)
+
+
+def _final_norm(model: nn.Module, family) -> nn.Module | None:
+    base = model.base_model
+    for path in ("norm", "decoder.final_layer_norm"):
+        try:
+            return base.get_submodule(path)
+        except AttributeError:
+            continue
+    return None
+
+
+@dataclass
+class ObserveReport:
+    """What observe measured: ``summary`` (headline numbers), ``layers`` (per block), ``meta``."""
+
+    summary: dict
+    layers: list[dict]
+    meta: dict
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summary, "layers": self.layers, "meta": self.meta}
+
+    def save(self, out: str | Path) -> Path:
+        """Write observe.json, observe.md and PNG plots into directory ``out``."""
+        from .plots import plot_observe
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "observe.json.tmp"
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(out / "observe.json")
+        (out / "observe.md").write_text(self.markdown())
+        plot_observe(self, out)
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path) -> ObserveReport:
+        path = Path(path)
+        data = json.loads((path / "observe.json" if path.is_dir() else path).read_text())
+        return cls(data["summary"], data["layers"], data["meta"])
+
+    def markdown(self) -> str:
+        s, m = self.summary, self.meta
+        fmt = _fmt
+        lines = [f"# Observe: {m.get('model', 'model')} ({m.get('variant')})", "",
+                 f"{m['sequences']} sequences x {m['seq_len']} tokens from `{m.get('data')}`; sink = first "
+                 f"{m['sink_tokens']} key(s).", "", "| metric | value |", "|---|---|"]
+        for key in ("max_inf_norm", "kurtosis", "max_activation", "max_median_ratio", "sink_mass", "gate_mean",
+                    "gate_below_0.1", "massive_activations", "loss"):
+            lines.append(f"| {key} | {fmt(s.get(key))} |")
+        lines += ["", "| layer | residual max abs | max / median | kurtosis (mean) | sink mass | gate mean | massive |",
+                  "|---|---|---|---|---|---|---|"]
+        for i, L in enumerate(self.layers):
+            res = L["tensors"]["block_out"]
+            lines.append(f"| {i} | {fmt(res['max_abs'])} | {fmt(res['max_median_ratio'])} | {fmt(L['kurtosis'])} | "
+                         f"{fmt(L['sink_mass'])} | {fmt(L['gate_mean'])} | {L['massive_activations']} |")
+        massive = [(i, e) for i, L in enumerate(self.layers) for e in L["massive"]]
+        if massive:
+            lines += ["", "Largest massive activations (residual stream):", "",
+                      "| layer | channel | max abs | count | positions | tokens |", "|---|---|---|---|---|---|"]
+            for i, e in sorted(massive, key=lambda t: -t[1]["max_abs"])[:10]:
+                lines.append(f"| {i} | {e['channel']} | {fmt(e['max_abs'])} | {e['count']} | {e['positions']} | "
+                             f"{e['tokens']} |")
+        if s.get("nonfinite"):
+            lines += ["", "**Non-finite activations** (layer, tensor, count): " + ", ".join(
+                f"({n['layer']}, {n['tensor']}, {n['count']})" for n in s["nonfinite"])]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+@torch.no_grad()
+def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int | None = None,
+            tokenizer=None, progress: bool = True) -> ObserveReport:
+    """Stream statistics of ``model`` over ``batches`` (dicts with input_ids, optional attention_mask
+    and labels) and return an :class:`ObserveReport`. The model is put in eval mode."""
+    if variant_of(model) is None:
+        apply_variant(model)  # route attention through quantgate (the model's own attention, unchanged)
+    tokenizer = tokenizer if tokenizer is not None else getattr(batches, "tokenizer", None)
+    decode = (lambda t: tokenizer.convert_ids_to_tokens(int(t))) if tokenizer is not None else None
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    losses, tokens, sequences, seq_len = [], 0, 0, 0
+    total = min(len(batches), max_batches) if hasattr(batches, "__len__") and max_batches else (
+        max_batches or (len(batches) if hasattr(batches, "__len__") else None))
+    try:
+        with _Observer(model, sink_tokens) as obs:
+            for i, batch in enumerate(tqdm(batches, total=total, desc="observe", disable=not progress)):
+                if max_batches is not None and i >= max_batches:
+                    break
+                ids = batch["input_ids"]
+                mask = batch.get("attention_mask")
+                obs.input_ids, obs.seen = ids, {}
+                obs.valid = mask.bool() if mask is not None else None
+                out = model(**{k: v.to(device) for k, v in batch.items()})
+                if getattr(out, "loss", None) is not None:
+                    losses.append(float(out.loss))
+                tokens += int(mask.sum()) if mask is not None else ids.numel()
+                sequences += ids.shape[0]
+                seq_len = max(seq_len, ids.shape[1])
+    finally:
+        model.train(was_training)
+    if sequences == 0:
+        raise ValueError("observe got no batches: the data source is empty or max_batches is 0")
+    layers = [_layer_summary(L, decode) for L in obs.layers]
+    nonfinite = [{"layer": i, "tensor": name, "count": t["nonfinite"]}
+                 for i, L in enumerate(layers) for name, t in L["tensors"].items() if t.get("nonfinite")]
+    if nonfinite:
+        log.warning("observe: non-finite activations (excluded from the statistics): %s", nonfinite[:5])
+    res = [L["tensors"]["block_out"] for L in layers]
+    gate_means = [L["gate_mean"] for L in layers if L["gate_mean"] is not None]
+    summary = {
+        "max_inf_norm": max(L["max_inf_norm"] for L in layers),
+        "kurtosis": _mean(L["kurtosis"] for L in layers),
+        "max_activation": max(r["max_abs"] for r in res),
+        "max_median_ratio": max((r["max_median_ratio"] or 0.0) for r in res),
+        "sink_mass": _mean(L["sink_mass"] for L in layers),
+        "gate_mean": _mean(gate_means) if gate_means else None,
+        "gate_below_0.1": _mean(L["gate"]["below_0.1"] for L in layers if L["gate"]) if gate_means else None,
+        "massive_activations": sum(L["massive_activations"] for L in layers),
+        "loss": _mean(losses) if losses else None,
+        "tokens": tokens,
+        "nonfinite": nonfinite,
+    }
+    if obs.final.sequences:
+        summary["final_norm_in"] = obs.final.summary(decode)
+    meta = {"variant": str(variant_of(model)), "family": family_of(model).name, "sink_tokens": sink_tokens,
+            "sequences": sequences, "seq_len": seq_len, "batches": i + 1 if sequences else 0,
+            "data": getattr(batches, "split", None), "model": getattr(model.config, "_name_or_path", "") or None}
+    return ObserveReport(summary, layers, meta)
+
+
+def _layer_summary(layer: _Layer, decode) -> dict:
+    tensors = {name: t.summary(decode) for name, t in layer.tensors.items()}
+    headline = [t for name, t in tensors.items() if name in HEADLINE or name.startswith("norm_in.")]
+    sink, gate = layer.sink.summary(), layer.gate.summary()
+    return {
+        "max_inf_norm": max(t["inf_norm"] for t in headline),
+        "kurtosis": _mean(t["kurtosis"] for t in headline),
+        "max_activation": tensors["block_out"]["max_abs"],
+        "sink_mass": sink["mean"] if sink else None,
+        "gate_mean": gate["mean"] if gate else None,
+        "massive_activations": layer.massive.count,
+        "tensors": tensors,
+        "sink": sink,
+        "gate": gate,
+        "massive": layer.massive.summary(decode),
+    }
