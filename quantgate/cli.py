@@ -12,8 +12,9 @@ __all__ = ["main"]
 
 def _load_or_build(source: str, variant: str | None):
     """Packaged checkpoints and directories load; other preset names build a fresh model."""
-    from .models import PRESETS, build, load
+    from .models import PRESETS, build
     from .models.sources import PACKAGED
+    from .quant.checkpoint import load
 
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
         return build(source, variant)
@@ -23,6 +24,7 @@ def _load_or_build(source: str, variant: str | None):
 def cmd_info(args) -> int:
     from .data.corpus import BUNDLED_SPLITS, DATASETS
     from .models import PACKAGED, PRESETS, family_of, gate_parameters, variant_of
+    from .quant import quantization_of
     from .variants import AttentionVariant
 
     if args.list:
@@ -52,6 +54,7 @@ def cmd_info(args) -> int:
         ("variant", str(variant_of(model))),
         ("parameters", f"{n_all:,} ({n_all - n_gate:,} base + {n_gate:,} gate/sink)"),
         ("dtype", str(dtype).removeprefix("torch.")),
+        ("quantization", (quantization_of(model) or {}).get("scheme", "none")),
         ("layers", str(model.config.num_hidden_layers)),
     ]
     width = max(len(k) for k, _ in rows)
@@ -73,6 +76,35 @@ def cmd_observe(args) -> int:
     out = report.save(args.out)
     print(report.markdown())
     print(f"wrote {out}/observe.json, observe.md and plots")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    from .data import batches
+    from .models import family_of, tokenizer
+    from .quant import SCHEMES, get_scheme, quant_error, quantize
+    from .quant.checkpoint import save
+
+    if args.list:
+        for name, scheme in SCHEMES.items():
+            print(f"{name:<26} {scheme.description}")
+        return 0
+    if not args.model or not args.scheme:
+        raise ValueError("quantize needs a model and --scheme (quantgate quantize --list shows the schemes)")
+    scheme = get_scheme(args.scheme)
+    model = _load_or_build(args.model, args.variant)
+    tok = tokenizer(model)
+    objective = family_of(model).objective
+    calib = batches(tok, args.calib_data, args.seq_len, args.batch_size, objective) if scheme.needs_calibration else None
+    q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib else {}))
+    report = quant_error(model, q, batches(tok, "validation", args.seq_len, args.batch_size, objective), max_batches=2)
+    print(f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
+          + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"]))
+    if report["overflow"]:
+        print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
+    if args.out:
+        save(q, args.out, tok)
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -102,6 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
     obs.add_argument("--max-batches", type=int, default=8)
     obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink")
     obs.set_defaults(func=cmd_observe)
+    qz = sub.add_parser("quantize", help="post-training INT8/FP8 quantization (simulated or torchao/bitsandbytes)")
+    qz.add_argument("model", nargs="?", help="a preset, packaged model or model directory")
+    qz.add_argument("--scheme", help="scheme name, optionally name:key=value,... (see --list)")
+    qz.add_argument("--list", action="store_true", help="list the schemes")
+    qz.add_argument("--variant", help="attention variant to swap in first")
+    qz.add_argument("--calib", type=int, help="calibration batches (default: the scheme's, 16)")
+    qz.add_argument("--calib-data", default="train", help="calibration text source (default: train)")
+    qz.add_argument("--seq-len", type=int, default=128)
+    qz.add_argument("--batch-size", type=int, default=8)
+    qz.add_argument("--out", help="write the quantized checkpoint here")
+    qz.set_defaults(func=cmd_quantize)
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
     tok.set_defaults(func=cmd_build_tokenizers)
@@ -114,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("quantgate").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, RuntimeError) as e:
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -110,6 +110,13 @@ def test_batches_resume_exactly():
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_each_loop_starts_over_unless_resumed():
+    b = batches(BPE, "validation", 64, 4, max_batches=3)
+    first = [x["input_ids"] for x in b]
+    again = [x["input_ids"] for x in b]
+    assert len(first) == 3 and all(torch.equal(x, y) for x, y in zip(first, again))
+
+
 def test_shuffle_is_seeded():
     a = next(iter(batches(BPE, "validation", 64, 4, shuffle=True, seed=5)))["input_ids"]
     b = next(iter(batches(BPE, "validation", 64, 4, shuffle=True, seed=5)))["input_ids"]

@@ -39,19 +39,25 @@ def gated_sdpa(
     dropout_p: float = 0.0,
     backend: str = "auto",
     sink_tokens: int = 0,
+    fake_quant=None,
 ):
     """Attention ``gate * softmax(q k^T * scale + mask) v`` with the options in the module docstring.
 
     clip: (gamma, zeta) for clipped softmax. sink_tokens: when k > 0, also return the attention
-    probability on the first k keys, shape (B, Hq, N). Returns out (B, Hq, N, Dv), or (out, mass).
+    probability on the first k keys, shape (B, Hq, N). fake_quant: optional mapping of "q", "k", "v",
+    "scores" (softmax input) and "probs" (softmax output) to functions applied to those tensors
+    (simulated quantization; runs on the eager backend). Returns out (B, Hq, N, Dv), or (out, mass).
     """
     _check_shapes(q, k, v, sinks)
     if backend not in BACKENDS:
         raise ValueError(f"unknown gated_sdpa backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if backend != "eager" and _needs_eager(q, k, v, clip, sinks):
+    if fake_quant is not None:
+        backend = "eager"
+        q, k, v = (fake_quant[n](t) if n in fake_quant else t for n, t in (("q", q), ("k", k), ("v", v)))
+    elif backend != "eager" and _needs_eager(q, k, v, clip, sinks):
         backend = "eager"
     args = (q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens)
-    out, mass = (_eager if backend == "eager" else _sdpa)(*args)
+    out, mass = (_eager(*args, fake_quant=fake_quant) if backend == "eager" else _sdpa(*args))
     return (out, mass) if sink_tokens > 0 else out
 
 
@@ -94,12 +100,14 @@ def _clipped(p: torch.Tensor, clip) -> torch.Tensor:
     return ((zeta - gamma) * p + gamma).clamp(0.0, 1.0)
 
 
-def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens):
+def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens, fake_quant=None):
     b, h, n, d = q.shape
     m = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
     scores = (q @ k.transpose(-1, -2)).float() * scale
+    if fake_quant is not None and "scores" in fake_quant:
+        scores = fake_quant["scores"](scores)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         scores = scores + attn_mask.float()
     valid = _valid_mask(attn_mask, is_causal, n, m, q.device)
@@ -113,6 +121,8 @@ def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, s
         probs = _clipped(probs, clip)
     if sinks is not None:
         probs = probs[..., :m]
+    if fake_quant is not None and "probs" in fake_quant:
+        probs = fake_quant["probs"](probs)
     mass = probs[..., :sink_tokens].sum(-1) if sink_tokens > 0 else None
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)

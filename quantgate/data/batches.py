@@ -66,8 +66,9 @@ def _prepends_bos(tokenizer) -> bool:
 class Batches:
     """Iterable of ``{"input_ids", "attention_mask", "labels"}`` (batch, seq_len) int64 tensors.
 
-    ``epochs=None`` repeats forever (reshuffling each epoch when ``shuffle``). The iterator is
-    resumable: ``state_dict()`` after a batch names the next one, ``load_state_dict`` continues there.
+    ``epochs=None`` repeats forever (reshuffling each epoch when ``shuffle``). Every ``for`` loop
+    starts from the beginning, except the first one after ``load_state_dict``, which continues where
+    the saved state stopped; ``state_dict()`` after a batch names the next one.
     """
 
     def __init__(self, tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", *,
@@ -81,6 +82,7 @@ class Batches:
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.epochs, self.mlm_probability, self.max_batches = epochs, mlm_probability, max_batches
         self.epoch = self.batch = 0
+        self._resume: tuple[int, int] | None = None
         if objective == "clm":
             if tokenizer.eos_token_id is None:
                 raise ValueError("CLM batches need a tokenizer with an EOS token to separate documents")
@@ -114,6 +116,8 @@ class Batches:
         return min(n, self.max_batches) if self.max_batches is not None else n
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.epoch, self.batch = self._resume or (0, 0)
+        self._resume = None
         while self.epochs is None or self.epoch < self.epochs:
             order = self._order(self.epoch)
             while self.batch < len(self):
@@ -150,7 +154,7 @@ class Batches:
         if (state.get("split"), state.get("seed")) != (self.split, self.seed):
             raise ValueError(f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
                              f"{self.split!r} seed {self.seed}")
-        self.epoch, self.batch = state["epoch"], state["batch"]
+        self._resume = (state["epoch"], state["batch"])
 
 
 def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:

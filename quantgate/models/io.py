@@ -26,7 +26,7 @@ from .sources import resolve
 from .sources import tokenizer as get_tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, variant_of
 
-__all__ = ["build", "save", "load"]
+__all__ = ["build", "save", "load", "read_config"]
 
 log = logging.getLogger("quantgate")
 
@@ -82,11 +82,8 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
     ``variant`` swaps a variant into an ungated checkpoint; new gate parameters are initialised
     (with ``seed``) and listed in the log. A checkpoint saved with a gate loads with that gate.
     """
-    path = _model_dir(resolve(source))
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
+    path = resolve(source)
+    config = read_config(path)
     family = family_of(config)
     _weight_files(path)  # fail early, and never fall back to pickled weights
     qiu = variant_of(config) is None and _qiu_variant(config) is not None
@@ -109,11 +106,15 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
     return model.to(dtype) if dtype is not None else model
 
 
-def _model_dir(path: Path) -> Path:
+def read_config(path: Path):
+    """The transformers config of a checkpoint directory, with clear errors."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: point to a directory written by qg.save or "
                                 f"transformers' save_pretrained")
-    return path
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -49,6 +49,7 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
         clip=variant.clip.params(key.shape[2]) if variant.clip else None,
         sinks=getattr(module, "sinks", None), dropout_p=dropout, backend=module.qg_backend,
         sink_tokens=observer.sink_tokens if observer is not None else 0,
+        fake_quant=module.qg_fake_quant,  # simulated quantization of q/k/v and softmax in/out, when set
     )
     if observer is not None:
         out, mass = out
@@ -143,6 +144,7 @@ def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str
             attn.__class__ = _variant_class(type(attn))
             attn.qg_variant = variant
             attn.qg_observer = None
+            attn.qg_fake_quant = None
             attn._qg_input = None
             gate_spec = variant.gate if variant.gate and variant.gate.kind != family.native_gate else None
             if gate_spec is not None:

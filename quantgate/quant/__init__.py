@@ -1,0 +1,114 @@
+"""Post-training quantization: one verb, a scheme, a registry of handlers.
+
+    q_model = qg.quantize(model, "w8a8-int8-static", calibration=batches)   # a quantized copy
+    qg.quant_error(model, q_model, batches)                                  # per-layer SQNR
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from ..models.swap import apply_variant, variant_of
+from .backends import apply_bnb, apply_torchao
+from .error import quant_error
+from .schemes import SCHEMES, Scheme, _fmt, get_scheme
+from .simulate import apply_simulated
+
+__all__ = ["quantize", "quant_error", "SCHEMES", "Scheme", "get_scheme", "quantization_of", "HANDLERS"]
+
+log = logging.getLogger("quantgate")
+
+HANDLERS = {"simulate": apply_simulated, "torchao": apply_torchao, "bnb": apply_bnb}
+
+
+def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplace: bool = False,
+             **options) -> nn.Module:
+    """Quantize ``model`` with ``scheme`` (a name from ``SCHEMES``, optionally ``name:key=value,...``);
+    ``options`` are the same keys as keyword arguments. Static schemes read ``scheme.calib`` batches
+    from ``calibration`` (an iterable of model-input dicts). Returns a quantized copy, or the model
+    itself when ``inplace``; the source model is never modified otherwise."""
+    scheme = _with_options(get_scheme(scheme), options)
+    if scheme.needs_cuda and not _cuda_fp8():
+        raise RuntimeError(f"{scheme.name} cannot run here: {scheme.needs_cuda}")
+    if scheme.needs_calibration and calibration is None:
+        raise ValueError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
+    fingerprint = _fingerprint(model)
+    target = model if inplace else copy.deepcopy(model)
+    if variant_of(target) is None:
+        apply_variant(target)
+    seen = {}
+
+    def calibrate(m):
+        seen.update(_calibrate(m, calibration, scheme.calib))
+
+    HANDLERS[scheme.backend](target, scheme, calibrate)
+    target.config.quantgate["quantization"] = {
+        "scheme": str(scheme),
+        "calibration": {**seen, "source": getattr(calibration, "split", None),
+                        "seq_len": getattr(calibration, "seq_len", None)} if seen else None,
+        "source_model": getattr(model.config, "_name_or_path", None) or None,
+        "source_sha256": fingerprint,
+    }
+    return target
+
+
+def quantization_of(model: nn.Module) -> dict | None:
+    """The quantization record of a model made by :func:`quantize` (None for a float model)."""
+    return (getattr(model.config, "quantgate", None) or {}).get("quantization")
+
+
+def _with_options(scheme: Scheme, options: dict) -> Scheme:
+    if not options:
+        return scheme
+    text = str(scheme)
+    extra = ",".join(f"{k}={_fmt(tuple(v) if isinstance(v, list) else v)}" for k, v in options.items())
+    return get_scheme(text + ("," if ":" in text else ":") + extra)
+
+
+def _cuda_fp8() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@torch.no_grad()
+def _calibrate(model: nn.Module, batches, n: int) -> dict:
+    """Run up to ``n`` batches through ``model`` (eval mode); checks the batches fit the model."""
+    was_training = model.training
+    model.eval()
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    count = tokens = 0
+    try:
+        for batch in tqdm(batches, total=n, desc="calibrate", leave=False, disable=None):
+            if count >= n:
+                break
+            ids = batch["input_ids"]
+            if int(ids.max()) >= vocab or int(ids.min()) < 0:
+                raise ValueError(f"calibration batch has token id {int(ids.max())} but the model's vocabulary has "
+                                 f"{vocab} entries: the batches come from another tokenizer; build them with "
+                                 f"qg.tokenizer(model)")
+            model(**{k: v.to(device) for k, v in batch.items() if k != "labels"})
+            count += 1
+            tokens += ids.numel()
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise ValueError("the calibration set is empty: give at least one batch")
+    return {"batches": count, "tokens": tokens}
+
+
+def _fingerprint(model: nn.Module) -> str:
+    """sha256 over the model's parameters and buffers (names, shapes, bytes)."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        t = t.detach()
+        if type(t) is torch.Tensor and t.numel():  # plain tensors; quantized subclasses hash by name and shape
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(str(tuple(t.shape)).encode())
+    return h.hexdigest()

@@ -1,0 +1,141 @@
+"""Quantized checkpoints: safetensors of the quantized state dict plus a manifest.
+
+A quantized directory holds config.json (with the variant and the quantization record),
+``quantized.safetensors`` (torchao tensor subclasses flattened with torchao's helpers; tensors that
+share storage, like tied embeddings, stored once) and ``quantization.json``: scheme and options,
+calibration data and size, the source model and the sha256 of its weights, library versions.
+Loading rebuilds the model from config.json, lays out the scheme's structure without calibrating,
+and loads the state: outputs are identical to the saved model's.
+
+``qg.save`` / ``qg.load`` come from here: they handle float and quantized models alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from ..models import io as model_io
+from ..models.families import family_of
+from ..models.sources import resolve
+from ..models.sources import tokenizer as get_tokenizer
+from ..models.swap import apply_variant, variant_of
+from .backends import torchao_input_ndims
+from .schemes import get_scheme
+
+__all__ = ["save", "load", "MANIFEST", "WEIGHTS"]
+
+MANIFEST = "quantization.json"
+WEIGHTS = "quantized.safetensors"
+_PACKAGES = ("torch", "transformers", "torchao", "bitsandbytes", "safetensors", "quantgate")
+
+
+def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+    """Save a float or quantized model (and its tokenizer) to directory ``path``."""
+    quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
+    if not quant:
+        return model_io.save(model, path, tokenizer)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, aliases = _dedupe(model.state_dict())
+    metadata_ = {}
+    if any(type(t) is not torch.Tensor for t in tensors.values()):
+        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+        tensors, metadata_ = flatten_tensor_state_dict(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / WEIGHTS), metadata=metadata_ or None)
+    model.config.save_pretrained(path)
+    manifest = {
+        **quant,
+        "variant": str(variant_of(model)),
+        "family": family_of(model).name,
+        "aliases": aliases,
+        "input_ndims": torchao_input_ndims(model),
+        "versions": {**{p: _version(p) for p in _PACKAGES}, "python": platform.python_version()},
+    }
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if tokenizer is None:
+        try:
+            tokenizer = get_tokenizer(model)
+        except (ValueError, FileNotFoundError, ModuleNotFoundError):
+            tokenizer = None
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto", seed: int = 0):
+    """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources)."""
+    path = resolve(source)
+    if not (path / MANIFEST).is_file():
+        return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed)
+    from . import HANDLERS
+
+    manifest = json.loads((path / MANIFEST).read_text())
+    if variant is not None and str(variant) != manifest["variant"]:
+        raise ValueError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
+    config = model_io.read_config(path)
+    meta = config.quantgate
+    config = copy.deepcopy(config)
+    config.__dict__.pop("quantgate")
+    family = family_of(config)
+    scheme = get_scheme(manifest["scheme"])
+    with torch.random.fork_rng(devices=[]):
+        model = family.model_class(config)(config)
+    apply_variant(model, manifest["variant"], backend=backend)
+    HANDLERS[scheme.backend](model, scheme, None, skeleton=True,
+                             **({"ndims": manifest["input_ndims"]} if scheme.name == "torchao-int8-static" else {}))
+    state = _read(path / WEIGHTS)
+    for alias, original in manifest["aliases"].items():
+        state[alias] = state[original]
+    try:
+        model.load_state_dict(state, strict=True, assign=scheme.backend == "torchao")
+    except RuntimeError as e:
+        raise ValueError(f"{path / WEIGHTS} does not match its config and manifest: {e}") from None
+    model.config.quantgate = {**meta}
+    model.eval()
+    return model.to(dtype) if dtype is not None else model
+
+
+def _dedupe(state: dict) -> tuple[dict, dict]:
+    """Drop entries that share storage with an earlier one (tied weights); return (tensors, aliases)."""
+    kept, aliases, seen = {}, {}, {}
+    for key, t in state.items():
+        ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if type(t) is torch.Tensor else id(t)
+        if ident in seen:
+            aliases[key] = seen[ident]
+        else:
+            seen[ident], kept[key] = key, t
+    return kept, aliases
+
+
+def _read(file: Path) -> dict:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing: the quantized checkpoint is incomplete; save it again")
+    try:
+        with safe_open(str(file), framework="pt") as fh:
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            meta = fh.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read {file}: {e}. The file is corrupt or truncated; save the model again") from None
+    if any(k != "format" for k in meta):
+        from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+        tensors, leftover = unflatten_tensor_state_dict(tensors, meta)
+        tensors.update(leftover)
+    return tensors
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,180 @@
+"""Named quantization schemes, with options in the variant grammar: ``name[:key=value,...]``.
+
+``w8a8-int8-static:w_granularity=channel,estimator=percentile,percentile=99.99,acts=everything``
+starts from the named scheme and changes what the options say; ``str(scheme)`` prints it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "OPTIONS"]
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one kind of tensor is quantized.
+
+    format: int8, int4, fp8-e4m3, fp8-e5m2. granularity: weights tensor/channel/group (group_size
+    along the input dim); activations tensor/token/channel. dynamic: activation ranges from each
+    batch instead of calibration. estimator: weights minmax/mse; static activations minmax,
+    running-minmax (momentum), percentile (percentile), mse.
+    """
+
+    format: str
+    granularity: str = "tensor"
+    symmetric: bool = True
+    dynamic: bool = False
+    estimator: str = "minmax"
+    group_size: int = 128
+    momentum: float = 0.9
+    percentile: float = 99.999
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    backend: str  # simulate | torchao | bnb
+    description: str
+    weight: TensorQuant | None = None
+    act: TensorQuant | None = None
+    acts: str = "linear-inputs"  # which activations: linear-inputs | everything (Bondarenko)
+    keep: tuple[str, ...] = ()  # module-name patterns kept in full precision, besides the LM head
+    calib: int = 16  # calibration batches used when the scheme needs ranges
+    threshold: float = 6.0  # llm-int8 outlier threshold
+    needs_cuda: str | None = None  # why, when the scheme needs a GPU
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.name == "torchao-int8-static" or (self.backend == "simulate" and self.act is not None
+                                                      and not self.act.dynamic)
+
+    def __str__(self) -> str:
+        base = SCHEMES[self.name]
+        changed = [f"{k}={_fmt(v)}" for k, v in _options(self).items() if _options(base).get(k) != v]
+        return self.name + (":" + ",".join(changed) if changed else "")
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, tuple):
+        return "|".join(v)
+    return str(v)
+
+
+# option name -> (where it lives, field, type)
+OPTIONS = {
+    "w_granularity": ("weight", "granularity", str), "w_estimator": ("weight", "estimator", str),
+    "w_symmetric": ("weight", "symmetric", bool), "group_size": ("weight", "group_size", int),
+    "a_granularity": ("act", "granularity", str), "a_symmetric": ("act", "symmetric", bool),
+    "dynamic": ("act", "dynamic", bool), "estimator": ("act", "estimator", str),
+    "momentum": ("act", "momentum", float), "percentile": ("act", "percentile", float),
+    "acts": (None, "acts", str), "keep": (None, "keep", tuple), "calib": (None, "calib", int),
+    "threshold": (None, "threshold", float),
+}
+_CHOICES = {
+    "w_granularity": ("tensor", "channel", "group"), "w_estimator": ("minmax", "mse"),
+    "a_granularity": ("tensor", "token", "channel"), "estimator": ("minmax", "running-minmax", "percentile", "mse"),
+    "acts": ("linear-inputs", "everything"),
+}
+_BACKEND_OPTIONS = {"simulate": set(OPTIONS) - {"threshold"}, "torchao": {"keep"}, "bnb": {"keep", "threshold"}}
+
+
+def _options(s: Scheme) -> dict:
+    out = {}
+    for key, (where, name, _) in OPTIONS.items():
+        holder = s if where is None else getattr(s, where)
+        if holder is not None:
+            out[key] = getattr(holder, name)
+    return out
+
+
+def _allowed(s: Scheme) -> set[str]:
+    allowed = {k for k in _BACKEND_OPTIONS[s.backend] if OPTIONS[k][0] is None or getattr(s, OPTIONS[k][0])}
+    return allowed | ({"calib"} if s.name == "torchao-int8-static" else set())
+
+
+_I8_STATIC_ACT = TensorQuant("int8", "tensor", symmetric=False, estimator="running-minmax")
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (
+    Scheme("w8a8-int8-static", "simulate",
+           "INT8 weights (symmetric, per tensor) and activations (asymmetric, per tensor, static ranges: running "
+           "min-max over calibration batches): Bondarenko et al.'s setup",
+           TensorQuant("int8"), _I8_STATIC_ACT),
+    Scheme("w8a8-int8-dynamic", "simulate",
+           "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
+           TensorQuant("int8", "channel"), TensorQuant("int8", "token", dynamic=True)),
+    Scheme("w8a8-fp8-e4m3", "simulate",
+           "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
+           "saturation at 448 counted)", TensorQuant("fp8-e4m3"), TensorQuant("fp8-e4m3")),
+    Scheme("w8a8-fp8-e5m2", "simulate",
+           "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation counted)",
+           TensorQuant("fp8-e5m2"), TensorQuant("fp8-e5m2")),
+    Scheme("w8-int8", "simulate", "INT8 weight-only, symmetric per output channel", TensorQuant("int8", "channel")),
+    Scheme("w4-int4-group", "simulate", "INT4 weight-only, asymmetric, groups of 128 input channels",
+           TensorQuant("int4", "group", symmetric=False)),
+    Scheme("torchao-int8-dynamic", "torchao", "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)"),
+    Scheme("torchao-int8-weight-only", "torchao", "torchao Int8WeightOnlyConfig"),
+    Scheme("torchao-int8-static", "torchao",
+           "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales calibrated here, "
+           "per-channel weights"),
+    Scheme("torchao-fp8-weight-only", "torchao", "torchao Float8WeightOnlyConfig"),
+    Scheme("torchao-fp8-dynamic", "torchao", "torchao Float8DynamicActivationFloat8WeightConfig",
+           needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this machine "
+                      "use the simulated scheme w8a8-fp8-e4m3:dynamic=true"),
+    Scheme("llm-int8", "bnb", "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above "
+                              "the threshold (6.0) kept in 16-bit"),
+)}
+
+
+def get_scheme(text: str | Scheme) -> Scheme:
+    """Parse ``name[:key=value,...]``; unknown names or options raise ValueError listing the valid ones."""
+    if isinstance(text, Scheme):
+        return text
+    name, _, arg = str(text).strip().partition(":")
+    if name not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
+    scheme = SCHEMES[name]
+    for item in filter(None, (i.strip() for i in arg.split(","))):
+        key, eq, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not eq or key not in _allowed(scheme):
+            raise ValueError(f"{name}: unknown option {item!r}; valid: {', '.join(sorted(_allowed(scheme)))}")
+        where, field, typ = OPTIONS[key]
+        try:
+            value = _convert(typ, raw)
+        except ValueError:
+            raise ValueError(f"{name}: {key} expects {typ.__name__}, got {raw!r}") from None
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ValueError(f"{name}: {key} must be one of {', '.join(_CHOICES[key])}, got {raw!r}")
+        if where is None:
+            scheme = dataclasses.replace(scheme, **{field: value})
+        else:
+            scheme = dataclasses.replace(scheme, **{where: dataclasses.replace(getattr(scheme, where), **{field: value})})
+    _validate(scheme)
+    return scheme
+
+
+def _convert(typ, raw: str):
+    if typ is bool:
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(raw)
+    if typ is tuple:
+        return tuple(p for p in raw.split("|") if p)
+    return typ(raw)
+
+
+def _validate(s: Scheme) -> None:
+    a = s.act
+    if a is not None and a.dynamic and a.granularity == "channel":
+        raise ValueError(f"{s.name}: dynamic activations are per tensor or per token, not per channel")
+    if a is not None and not a.dynamic and a.granularity == "token":
+        raise ValueError(f"{s.name}: per-token activation ranges are dynamic; add dynamic=true")
+    if s.weight is not None and s.weight.granularity == "group" and s.weight.group_size < 1:
+        raise ValueError(f"{s.name}: group_size must be positive")
+    if s.calib < 1:
+        raise ValueError(f"{s.name}: calib must be at least 1 batch")
