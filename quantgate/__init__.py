@@ -15,6 +15,7 @@ for _name in ("torchao", "torch.utils._pytree"):
 from . import data
 from .attention import gated_sdpa
 from .models import apply_variant, build, gate_parameters, set_backend, tokenizer, variant_of
+from .evaluate import evaluate
 from .observe import ObserveReport, observe
 from .quant import SCHEMES, quant_error, quantization_of, quantize
 from .quant.checkpoint import load, save
@@ -24,4 +25,4 @@ __version__ = "0.1.0"
 
 __all__ = ["AttentionVariant", "gated_sdpa", "build", "load", "save", "apply_variant", "set_backend",
            "gate_parameters", "variant_of", "tokenizer", "data", "observe", "ObserveReport", "quantize", "quant_error",
-           "quantization_of", "SCHEMES", "__version__"]
+           "quantization_of", "SCHEMES", "evaluate", "__version__"]

@@ -108,6 +108,41 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    import json
+
+    from .data import batches
+    from .evaluate import evaluate
+    from .models import family_of, tokenizer
+    from .quant import quantize
+
+    model = _load_or_build(args.model, args.variant)
+    tok = tokenizer(model)
+    if args.scheme:
+        calib = batches(tok, "train", 128, 8, family_of(model).objective)
+        model = quantize(model, args.scheme, calibration=calib)
+    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
+    result = evaluate(model, tok, [t.strip() for t in args.tasks.split(",") if t.strip()], limit=limit,
+                      batch_size=args.batch_size)
+    for task, metrics in result["results"].items():
+        print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "sample_len"))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {out / 'eval.json'}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from .report import compare
+
+    print(compare(args.runs, args.out))
+    if args.out:
+        print(f"wrote {args.out}/compare.md, compare.csv, compare.png")
+    return 0
+
+
 def cmd_build_tokenizers(args) -> int:
     from .data.tokenizers import TOKENIZER_DIR, build_bundled
 
@@ -145,6 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--batch-size", type=int, default=8)
     qz.add_argument("--out", help="write the quantized checkpoint here")
     qz.set_defaults(func=cmd_quantize)
+    ev = sub.add_parser("eval", help="evaluate through lm-eval (bundled offline tasks or any lm-eval task online)")
+    ev.add_argument("model", help="a preset, packaged model or model directory (float or quantized)")
+    ev.add_argument("--tasks", default="quantgate_ppl", help="comma-separated tasks (default: quantgate_ppl)")
+    ev.add_argument("--scheme", help="quantize with this scheme first (calibration on the train split)")
+    ev.add_argument("--variant", help="attention variant to swap in first")
+    ev.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
+    ev.add_argument("--batch-size", default="auto")
+    ev.add_argument("--out", help="write eval.json here (quantgate compare reads it)")
+    ev.set_defaults(func=cmd_eval)
+    cmp = sub.add_parser("compare", help="float vs quantized metrics of several runs, with deltas and a plot")
+    cmp.add_argument("runs", nargs="+", help="run directories or eval.json files")
+    cmp.add_argument("--out", help="write compare.md, compare.csv and compare.png here")
+    cmp.set_defaults(func=cmd_compare)
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
     tok.set_defaults(func=cmd_build_tokenizers)

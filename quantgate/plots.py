@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plot_observe"]
+__all__ = ["plot_observe", "bar_panels"]
 
 
 def plot_observe(report, out: Path) -> list[Path]:
@@ -63,3 +63,18 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def bar_panels(panels: dict[str, list[tuple[str, float | None]]], path: Path, title: str = "") -> Path:
+    """One bar chart per metric: ``{metric: [(label, value), ...]}``."""
+    n = len(panels)
+    labels = max((len(v) for v in panels.values()), default=1)
+    fig, axes = plt.subplots(1, n, figsize=(max(4.0, 0.55 * labels + 1.5) * n, 4.2), squeeze=False)
+    for ax, (metric, items) in zip(axes[0], panels.items()):
+        items = [(label, v) for label, v in items if v is not None]
+        ax.bar(range(len(items)), [v for _, v in items], color="tab:blue")
+        ax.set_xticks(range(len(items)), [label for label, _ in items], fontsize=6, rotation=90)
+        ax.set_title(metric, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return _save(fig, Path(path))

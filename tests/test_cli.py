@@ -47,3 +47,23 @@ def test_variant_overhead_benchmark_smoke():
     spec.loader.exec_module(bench)
     ms = bench.bench("tiny-llama", ["vanilla", "g1-headwise"], batch=1, seq=8, rounds=1, backend="auto")
     assert set(ms) == {"vanilla", "g1-headwise"} and all(t > 0 for t in ms.values())
+
+
+def test_eval_and_compare(tmp_path, capsys):
+    assert main(["eval", "tiny-opt", "--tasks", "quantgate_nextsent", "--limit", "4", "--out", str(tmp_path / "fp")]) == 0
+    assert main(["eval", "tiny-opt", "--tasks", "quantgate_nextsent", "--limit", "4", "--scheme", "w8-int8",
+                 "--out", str(tmp_path / "w8")]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path), "--out", str(tmp_path / "cmp")]) == 0
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| tiny-opt | vanilla | float |" in table and "| tiny-opt | vanilla | w8-int8 |" in table
+    import csv
+    import json
+
+    rows = list(csv.DictReader(open(tmp_path / "cmp" / "compare.csv")))
+    fp = json.loads((tmp_path / "fp" / "eval.json").read_text())["results"]["quantgate_nextsent"]["acc"]
+    w8 = json.loads((tmp_path / "w8" / "eval.json").read_text())["results"]["quantgate_nextsent"]["acc"]
+    delta = float(rows[1]["quantgate_nextsent/acc delta"])
+    assert delta == pytest.approx(w8 - fp)
+    assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+    assert main(["compare", str(tmp_path / "nowhere")]) == 2

@@ -86,21 +86,39 @@ def test_observe_finds_smollm2_massive_activations_by_hand(smollm2):
     assert report.summary["sink_mass"] > 5 * uniform  # first-token attention well above uniform
 
 
-def test_smollm2_static_w8a8_degrades_far_more_than_per_token(smollm2):
-    """Massive activations (~24k on token 0) wreck per-tensor static INT8; per-token dynamic copes."""
+@pytest.fixture(scope="module")
+def smollm2_quantized(smollm2):
+    """SmolLM2 under static W8A8 INT8 (4 calibration batches of 8 x 128) and per-token dynamic INT8."""
     from quantgate.data import batches
 
     tok = qg.tokenizer(smollm2)
-    held_out = list(batches(tok, "validation", 128, 8, max_batches=2))
+    calib = batches(tok, "train", 128, 8)
+    return {"static": qg.quantize(smollm2, "w8a8-int8-static", calibration=calib, calib=4),
+            "dynamic": qg.quantize(smollm2, "w8a8-int8-dynamic")}
+
+
+def test_smollm2_static_w8a8_degrades_far_more_than_per_token(smollm2, smollm2_quantized):
+    """Massive activations (~24k on token 0) wreck per-tensor static INT8; per-token dynamic copes."""
+    from quantgate.data import batches
+
+    held_out = list(batches(qg.tokenizer(smollm2), "validation", 128, 8, max_batches=2))
 
     def ppl(model):
         with torch.no_grad():
             return math.exp(sum(model(**b).loss.item() for b in held_out) / len(held_out))
 
-    fp = ppl(smollm2)
-    static = ppl(qg.quantize(smollm2, "w8a8-int8-static", calibration=batches(tok, "train", 128, 8), calib=4))
-    dynamic = ppl(qg.quantize(smollm2, "w8a8-int8-dynamic"))
+    fp, static, dynamic = ppl(smollm2), ppl(smollm2_quantized["static"]), ppl(smollm2_quantized["dynamic"])
     assert 30 < fp < 120
-    assert static > 1.4 * fp  # measured here: 66.8 -> 116 (4 calibration batches of 8 x 128)
+    assert static > 1.4 * fp  # measured here: 66.8 -> 116
     assert dynamic < 1.1 * fp  # measured here: 66.8 -> 69.1
     assert static - fp > 5 * (dynamic - fp)
+
+
+def test_smollm2_quantgate_ppl_through_lm_eval(smollm2, smollm2_quantized):
+    tok = qg.tokenizer(smollm2)
+
+    def word_ppl(model):
+        return qg.evaluate(model, tok, ["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]["word_perplexity"]
+
+    fp, static, dynamic = word_ppl(smollm2), word_ppl(smollm2_quantized["static"]), word_ppl(smollm2_quantized["dynamic"])
+    assert static > 1.3 * fp and dynamic < 1.1 * fp

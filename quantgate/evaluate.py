@@ -1,0 +1,253 @@
+"""Evaluation through lm-eval: in-memory float or quantized models, bundled offline tasks, masked LMs.
+
+``qg.evaluate(model, tokenizer, tasks)`` wraps the model in lm-eval's HFLM (causal LMs) or in
+``quantgate-mlm`` (masked LMs, scored by pseudo-log-likelihood, Salazar et al. 2020) and runs
+``lm_eval.simple_evaluate`` with quantgate's task folder on the include path:
+
+* ``quantgate_ppl``: loglikelihood_rolling over the held-out test documents (word_perplexity,
+  byte_perplexity, bits_per_byte);
+* ``quantgate_cloze``: LAMBADA-style last word (perplexity, acc);
+* ``quantgate_nextsent``: 4-way next sentence (acc, acc_norm);
+* ``quantgate_mlm_ppl`` (masked LMs): exp of the mean cross-entropy on 15% masked tokens of the test
+  split with a fixed masking seed, as Bondarenko et al. report; computed here, since lm-eval has no
+  masked-LM request type.
+Standard lm-eval tasks (wikitext, lambada_openai, hellaswag, ...) pass straight through online.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import socket
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .data import batches
+from .data.corpus import OfflineError
+from .models.families import family_of
+from .models.sources import tokenizer as get_tokenizer
+from .models.swap import variant_of
+
+__all__ = ["evaluate", "BUNDLED_TASKS", "mlm_perplexity", "PseudoLogLikelihoodLM"]
+
+log = logging.getLogger("quantgate")
+TASK_DIR = Path(__file__).with_name("tasks")
+BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl")
+OFFLINE_EQUIVALENTS = {"wikitext": "quantgate_ppl", "lambada_openai": "quantgate_cloze",
+                       "lambada_standard": "quantgate_cloze", "hellaswag": "quantgate_nextsent",
+                       "piqa": "quantgate_nextsent", "arc_easy": "quantgate_nextsent",
+                       "arc_challenge": "quantgate_nextsent", "winogrande": "quantgate_nextsent"}
+
+
+@lru_cache(maxsize=1)
+def task_manager():
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASK_DIR))
+
+
+def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limit: int | float | None = None,
+             batch_size: int | str = "auto", max_length: int | None = None) -> dict:
+    """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
+    "settings": ..., "versions": ...}`` with what is needed to reproduce the numbers."""
+    import lm_eval
+
+    tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    family = family_of(model)
+    _check_vocabulary(model, tokenizer)
+    _check_tasks(tasks, family.objective)
+    if batch_size == "auto":
+        batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
+    max_length = max_length or _context_length(model)
+    results: dict[str, dict] = {}
+    lm_tasks = [t for t in tasks if t != "quantgate_mlm_ppl"]
+    if lm_tasks:
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
+        lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
+        was_training = model.training
+        model.eval()
+        try:
+            out = lm_eval.simple_evaluate(model=lm, tasks=lm_tasks, task_manager=task_manager(), limit=limit,
+                                          log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+        finally:
+            model.train(was_training)
+        results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
+    if "quantgate_mlm_ppl" in tasks:
+        results["quantgate_mlm_ppl"] = {"perplexity": mlm_perplexity(model, tokenizer, limit=limit)}
+    quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
+    return {
+        "results": results,
+        "settings": {"tasks": tasks, "limit": limit, "batch_size": batch_size, "max_length": max_length,
+                     "model": getattr(model.config, "_name_or_path", None) or None, "family": family.name,
+                     "variant": str(variant_of(model)), "quantization": quant["scheme"] if quant else None,
+                     "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
+        "versions": {**{p: _version(p) for p in ("quantgate", "lm_eval", "torch", "transformers", "torchao")},
+                     "python": platform.python_version()},
+    }
+
+
+def _check_vocabulary(model, tokenizer) -> None:
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
+                         f"belong together; use qg.tokenizer(model)")
+
+
+def _check_tasks(tasks: list[str], objective: str) -> None:
+    if not tasks:
+        raise ValueError(f"no tasks given; bundled: {', '.join(BUNDLED_TASKS)}")
+    if "quantgate_mlm_ppl" in tasks and objective != "mlm":
+        raise ValueError("quantgate_mlm_ppl scores masked LMs; use quantgate_ppl for causal LMs")
+    known = set(task_manager().all_tasks)
+    unknown = [t for t in tasks if t not in known and t != "quantgate_mlm_ppl"]
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
+                         f"any lm-eval task name works online (lm-eval ls tasks)")
+    remote = [t for t in tasks if t not in BUNDLED_TASKS]
+    if remote and not _hub_reachable():
+        hints = ", ".join(f"{t} -> {OFFLINE_EQUIVALENTS[t]}" for t in remote if t in OFFLINE_EQUIVALENTS)
+        raise OfflineError(f"task(s) {', '.join(remote)} download their data from the Hugging Face hub, which is not "
+                           f"reachable. Offline, use the bundled tasks: {', '.join(BUNDLED_TASKS)}"
+                           + (f" ({hints})" if hints else ""))
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    import os
+
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _context_length(model: nn.Module) -> int:
+    return int(min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 4096))
+
+
+def _wrap(model, tokenizer, objective: str, batch_size, max_length):
+    if objective == "mlm":
+        return PseudoLogLikelihoodLM(model, tokenizer, batch_size=batch_size, max_length=max_length)
+    from lm_eval.models.huggingface import HFLM
+
+    try:
+        # add_bos_token=False: lm-eval itself puts BOS (its prefix token) before each rolling window; a
+        # tokenizer that also prepends BOS would score a spurious extra token
+        return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
+                    backend="causal", add_bos_token=False)
+    except (AssertionError, TypeError, ValueError) as e:
+        raise ValueError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
+
+
+def _clean(metrics: dict) -> dict:
+    """lm-eval's ``{"acc,none": 0.5, "acc_stderr,none": "N/A", "alias": ...}`` -> ``{"acc": 0.5}``."""
+    out = {}
+    for key, value in metrics.items():
+        name = key.split(",")[0]
+        if key != "alias" and isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value)):
+            out[name] = float(value)
+    return out
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@torch.no_grad()
+def mlm_perplexity(model: nn.Module, tokenizer, *, split: str = "test", seq_len: int = 128, batch_size: int = 16,
+                   seed: int = 0, limit: int | float | None = None) -> float:
+    """Masked-token perplexity: exp(mean cross-entropy over the 15% masked positions), fixed masks."""
+    data = batches(tokenizer, split, seq_len, batch_size, "mlm", seed=seed)
+    n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
+    total = count = 0.0
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        for i, batch in enumerate(data):
+            if i >= n:
+                break
+            logits = model(input_ids=batch["input_ids"].to(device),
+                           attention_mask=batch["attention_mask"].to(device)).logits.float()
+            labels = batch["labels"].to(device)
+            total += float(nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
+                                                       ignore_index=-100, reduction="sum"))
+            count += int((labels != -100).sum())
+    finally:
+        model.train(was_training)
+    return math.exp(total / count)
+
+
+def _register():
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+
+    @register_model("quantgate-mlm")
+    class PseudoLogLikelihoodLM(LM):
+        """lm-eval model for masked LMs: a text's log-likelihood is its pseudo-log-likelihood, the sum
+        over its tokens of log p(token | all other tokens) with that token masked (Salazar et al. 2020).
+        ``loglikelihood(context, continuation)`` sums over the continuation's tokens with the context
+        visible; ``is_greedy`` says whether every continuation token is the masked argmax."""
+
+        def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 512):
+            super().__init__()
+            if tokenizer.mask_token_id is None or tokenizer.cls_token_id is None:
+                raise ValueError("pseudo-log-likelihood needs a tokenizer with [MASK], [CLS] and [SEP] (a BERT one)")
+            self.model, self.tok = model, tokenizer
+            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
+            self.max_length = max_length
+            self._device = next(model.parameters()).device
+
+        def _pll(self, context_ids: list[int], target_ids: list[int]) -> tuple[float, bool]:
+            """Sum of log p(target token | rest) over the target tokens, masking one at a time."""
+            body = self.max_length - 2
+            context_ids = context_ids[-max(body - len(target_ids), 0):] if body > len(target_ids) else []
+            target_ids = target_ids[-body:]
+            ids = torch.tensor([self.tok.cls_token_id, *context_ids, *target_ids, self.tok.sep_token_id])
+            positions = torch.arange(1 + len(context_ids), 1 + len(context_ids) + len(target_ids))
+            total, greedy = 0.0, True
+            for chunk in positions.split(self.batch_size):
+                batch = ids.repeat(len(chunk), 1)
+                batch[torch.arange(len(chunk)), chunk] = self.tok.mask_token_id
+                logits = self.model(input_ids=batch.to(self._device)).logits.float()
+                logp = logits[torch.arange(len(chunk)), chunk].log_softmax(-1)
+                truth = ids[chunk].to(self._device)
+                total += float(logp.gather(1, truth[:, None]).sum())
+                greedy &= bool((logp.argmax(-1) == truth).all())
+            return total, greedy
+
+        def _encode(self, text: str) -> list[int]:
+            return self.tok(text, add_special_tokens=False).input_ids
+
+        @torch.no_grad()
+        def loglikelihood(self, requests):
+            return [self._pll(self._encode(r.args[0]), self._encode(r.args[1])) for r in requests]
+
+        @torch.no_grad()
+        def loglikelihood_rolling(self, requests):
+            out = []
+            for r in requests:
+                ids, body, total = self._encode(r.args[0]), self.max_length - 2, 0.0
+                for start in range(0, len(ids), body):  # disjoint windows, each scored in full
+                    total += self._pll([], ids[start:start + body])[0]
+                out.append(total)
+            return out
+
+        def generate_until(self, requests):
+            raise NotImplementedError("masked LMs do not generate text: use loglikelihood or multiple-choice tasks")
+
+    return PseudoLogLikelihoodLM
+
+
+PseudoLogLikelihoodLM = _register()

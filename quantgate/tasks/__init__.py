@@ -1,0 +1,1 @@
+"""lm-eval task configs (YAML) and their data loaders; see quantgate.evaluate."""
