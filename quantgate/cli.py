@@ -143,6 +143,32 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .models import build, tokenizer
+    from .quant.checkpoint import load
+    from .train import TrainConfig, train
+
+    if bool(args.preset) == bool(args.model):
+        raise ValueError("train needs exactly one of --preset (from scratch) or --model (a checkpoint to fine-tune)")
+    model = build(args.preset, args.variant, seed=args.seed) if args.preset else load(args.model, args.variant)
+    if args.objective and args.objective != _objective(model):
+        raise ValueError(f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} "
+                         f"does not fit it")
+    fields = {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "warmup", "data",
+                                            "eval_every", "observe_every", "checkpoint_every", "seed", "out",
+                                            "resume", "stop_after", "schedule") if getattr(args, k) is not None}
+    train(model, tokenizer(model), config=TrainConfig(**fields))
+    if args.out:
+        print(f"wrote {args.out}/model, log.jsonl, training.png")
+    return 0
+
+
+def _objective(model) -> str:
+    from .models import family_of
+
+    return family_of(model).objective
+
+
 def cmd_build_tokenizers(args) -> int:
     from .data.tokenizers import TOKENIZER_DIR, build_bundled
 
@@ -193,6 +219,28 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("runs", nargs="+", help="run directories or eval.json files")
     cmp.add_argument("--out", help="write compare.md, compare.csv and compare.png here")
     cmp.set_defaults(func=cmd_compare)
+    tr = sub.add_parser("train", help="train from scratch (--preset) or fine-tune a checkpoint (--model), resumable")
+    tr.add_argument("--preset", help="a preset to build and train from scratch")
+    tr.add_argument("--model", help="a checkpoint, packaged model or hub id to fine-tune")
+    tr.add_argument("--variant", help="attention variant (on --model: adds a gate; use finetune=true to start "
+                                      "from the pretrained function)")
+    tr.add_argument("--objective", choices=("clm", "mlm"), help="checked against the model (BERT: mlm, others: clm)")
+    tr.add_argument("--steps", type=int)
+    tr.add_argument("--stop-after", type=int, dest="stop_after", help="end this run at this step (resume later)")
+    tr.add_argument("--batch-size", type=int, dest="batch_size", help="sequences per process per micro-step")
+    tr.add_argument("--seq-len", type=int, dest="seq_len")
+    tr.add_argument("--grad-accum", type=int, dest="grad_accum")
+    tr.add_argument("--lr", type=float)
+    tr.add_argument("--schedule", choices=("cosine", "linear", "constant"))
+    tr.add_argument("--warmup", type=float, help="fraction of the steps (< 1) or a number of steps")
+    tr.add_argument("--data", help="text source (default: train) or backcopy (synthetic sink-inducing task)")
+    tr.add_argument("--eval-every", type=int, dest="eval_every")
+    tr.add_argument("--observe-every", type=int, dest="observe_every")
+    tr.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", help="run directory (log.jsonl, checkpoints/, model/, training.png)")
+    tr.add_argument("--resume", action="store_true", default=None, help="continue from the last checkpoint in --out")
+    tr.set_defaults(func=cmd_train)
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
     tok.set_defaults(func=cmd_build_tokenizers)

@@ -32,6 +32,9 @@ class _GateKind:
     low_rank: bool  # whether the gate projection can be factorised
     options: dict[str, tuple[type, object, tuple]] = field(default_factory=dict)  # name -> (type, default, choices)
 
+    def __post_init__(self):  # every gate can start as the identity for fine-tuning a pretrained model
+        self.options.setdefault("finetune", (bool, False, (True, False)))
+
 
 GATE_KINDS: dict[str, _GateKind] = {
     "g1-elementwise": _GateKind("G1: sigmoid(x W) per (head, channel) on the SDPA output (Qiu et al.)", 0.5, True),

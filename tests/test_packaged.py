@@ -122,3 +122,16 @@ def test_smollm2_quantgate_ppl_through_lm_eval(smollm2, smollm2_quantized):
 
     fp, static, dynamic = word_ppl(smollm2), word_ppl(smollm2_quantized["static"]), word_ppl(smollm2_quantized["dynamic"])
     assert static > 1.3 * fp and dynamic < 1.1 * fp
+
+
+def test_gate_added_to_smollm2_with_finetune_init_barely_moves_its_loss(smollm2, tmp_path):
+    """Bondarenko's fine-tuning init (weights ~1e-3, output / pi_init) keeps the pretrained function."""
+    from quantgate.data import batches
+
+    batch = next(iter(batches(qg.tokenizer(smollm2), "validation", 128, 4)))
+    gated = qg.load("smollm2-135m", variant="g1-headwise:finetune=true,pi_init=0.25")
+    plain_gate = qg.load("smollm2-135m", variant="g1-headwise:pi_init=0.25")
+    with torch.no_grad():
+        base, after, naive = (m(**batch).loss.item() for m in (smollm2, gated, plain_gate))
+    assert abs(after - base) < 0.02, (base, after)  # measured here: 3.9974 -> 3.9994 (plain gate: 9.79)
+    assert abs(naive - base) > 0.5  # without the rescale every head's output drops to a quarter

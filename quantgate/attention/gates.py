@@ -9,6 +9,10 @@ its position in the attention block:
 Gate values lie in [0, 1] ([0.5, 1] for NS-sigmoid). Biases start at logit(pi_init), weights at
 N(0, init_std). ``open_()`` sets every weight to 0 and every bias/logit to 30, which makes the gate
 exactly 1 in float32: the model then computes what the ungated model computes.
+
+``finetune=true`` (Bondarenko et al.'s fine-tuning set-up, for adding a gate to a pretrained model):
+weights start at N(0, 0.001) and the gate output is divided by its initial value, so the gated model
+starts within a hair of the pretrained function and the gate ranges over [0, 1 / initial value].
 """
 
 from __future__ import annotations
@@ -37,16 +41,40 @@ class AttentionDims:
     head_dim: int
 
 
+FINETUNE_STD = 1e-3
+
+
 class Gate(nn.Module):
+    """Base: subclasses build their projections and define ``compute`` (the gate multiplier)."""
+
     position: ClassVar[str] = "sdpa"
     needs_output: ClassVar[bool] = False
 
     def __init__(self, spec: GateSpec, dims: AttentionDims):
         super().__init__()
         self.spec, self.dims = spec, dims
+        self.rescale = 1.0
 
     def activation(self, z: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(z)
+
+    @property
+    def initial_value(self) -> float:
+        """The gate's value when its weights are zero."""
+        return self.spec.pi_init
+
+    def forward(self, *args) -> torch.Tensor:
+        g = self.compute(*args)
+        return g * self.rescale if self.rescale != 1.0 else g
+
+    @torch.no_grad()
+    def _finish_init(self) -> Gate:
+        if self.spec.option("finetune"):
+            for name, p in self.named_parameters():
+                if not name.endswith(("bias", "logit")):
+                    p.normal_(std=FINETUNE_STD)
+            self.rescale = 1.0 / self.initial_value
+        return self
 
     @torch.no_grad()
     def open_(self) -> Gate:
@@ -96,7 +124,7 @@ class ElementwiseGate(Gate):
     def activation(self, z):
         return 0.5 + 0.5 * torch.sigmoid(z) if self.spec.kind == "g1-ns-sigmoid" else torch.sigmoid(z)
 
-    def forward(self, x):
+    def compute(self, x):
         return self.activation(_heads(self.proj(x), self.dims.n_heads))
 
 
@@ -107,7 +135,7 @@ class HeadwiseGate(Gate):
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.n_heads, spec.low_rank, spec.bias_init, std)
 
-    def forward(self, x):
+    def compute(self, x):
         return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
 
 
@@ -118,7 +146,7 @@ class HeadSharedGate(Gate):
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.head_dim, spec.low_rank, spec.bias_init, std)
 
-    def forward(self, x):
+    def compute(self, x):
         return torch.sigmoid(self.proj(x)).unsqueeze(1)
 
 
@@ -129,7 +157,7 @@ class ConstantGate(Gate):
         super().__init__(spec, dims)
         self.logit = nn.Parameter(torch.full((dims.n_heads, 1, dims.head_dim), spec.bias_init))
 
-    def forward(self, x):
+    def compute(self, x):
         return torch.sigmoid(self.logit).unsqueeze(0)
 
 
@@ -142,7 +170,7 @@ class ValueGate(Gate):
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.n_kv_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
 
-    def forward(self, x):
+    def compute(self, x):
         return torch.sigmoid(self.proj(x))
 
 
@@ -155,7 +183,7 @@ class OutputGate(Gate):
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.d_model, spec.low_rank, spec.bias_init, std)
 
-    def forward(self, x):
+    def compute(self, x):
         return torch.sigmoid(self.proj(x))
 
 
@@ -179,7 +207,7 @@ class BondarenkoGate(Gate):
             self.hidden = _HeadLinear(h, c, max(c // 4, 1), 0.0, std)
             self.head = _HeadLinear(h, max(c // 4, 1), 1, spec.bias_init, std)
 
-    def forward(self, x):
+    def compute(self, x):
         if hasattr(self, "proj"):
             return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
         xh = _heads(x, self.dims.n_heads)
@@ -198,6 +226,10 @@ class HyGAGate(Gate):
 
     needs_output = True
 
+    @property
+    def initial_value(self) -> float:
+        return self.spec.pi_init * (0.5 if self.spec.option("c_gate") else 1.0)
+
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
         h, dh, r = dims.n_heads, dims.head_dim, spec.low_rank
@@ -213,7 +245,7 @@ class HyGAGate(Gate):
         if spec.option("c_gate"):
             self.c_proj = _proj(h * dh, h, None, 0.0, std)
 
-    def forward(self, x, h):
+    def compute(self, x, h):
         heads = self.dims.n_heads
         if hasattr(self, "x_proj"):
             zx = _heads(self.x_proj(x), heads)
@@ -247,4 +279,4 @@ _GATES: dict[str, type[Gate]] = {
 
 def build_gate(spec: GateSpec, dims: AttentionDims, init_std: float = 0.02) -> Gate:
     """The gate module for ``spec`` in an attention block of size ``dims``."""
-    return _GATES[spec.kind](spec, dims, init_std)
+    return _GATES[spec.kind](spec, dims, init_std)._finish_init()

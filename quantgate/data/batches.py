@@ -26,7 +26,7 @@ import torch
 
 from .corpus import corpus
 
-__all__ = ["Batches", "batches", "token_stream", "cache_dir"]
+__all__ = ["Batches", "Resumable", "batches", "token_stream", "cache_dir"]
 
 
 def cache_dir() -> Path:
@@ -63,12 +63,38 @@ def _prepends_bos(tokenizer) -> bool:
     return bos is not None and tokenizer("a").input_ids[:1] == [bos]
 
 
-class Batches:
-    """Iterable of ``{"input_ids", "attention_mask", "labels"}`` (batch, seq_len) int64 tensors.
+class Resumable:
+    """Epoch/batch bookkeeping shared by the batch iterables.
 
-    ``epochs=None`` repeats forever (reshuffling each epoch when ``shuffle``). Every ``for`` loop
-    starts from the beginning, except the first one after ``load_state_dict``, which continues where
-    the saved state stopped; ``state_dict()`` after a batch names the next one.
+    ``epochs=None`` repeats forever. Every ``for`` loop starts from the beginning, except the first
+    one after ``load_state_dict``, which continues where the saved state stopped; ``state_dict()``
+    after a batch names the next one. Subclasses set ``split``, ``seed``, ``epochs`` and define
+    ``_batches(epoch)``, which yields from ``self.batch`` on and advances it.
+    """
+
+    epoch = batch = 0
+    _resume: tuple[int, int] | None = None
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.epoch, self.batch = self._resume or (0, 0)
+        self._resume = None
+        while self.epochs is None or self.epoch < self.epochs:
+            yield from self._batches(self.epoch)
+            self.epoch, self.batch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch, "split": self.split, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("split"), state.get("seed")) != (self.split, self.seed):
+            raise ValueError(f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
+                             f"{self.split!r} seed {self.seed}")
+        self._resume = (state["epoch"], state["batch"])
+
+
+class Batches(Resumable):
+    """Iterable of ``{"input_ids", "attention_mask", "labels"}`` (batch, seq_len) int64 tensors from a
+    text source; resumable (see :class:`Resumable`); reshuffled each epoch when ``shuffle``.
     """
 
     def __init__(self, tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", *,
@@ -81,8 +107,6 @@ class Batches:
         self.tokenizer, self.split, self.objective = tokenizer, split, objective
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.epochs, self.mlm_probability, self.max_batches = epochs, mlm_probability, max_batches
-        self.epoch = self.batch = 0
-        self._resume: tuple[int, int] | None = None
         if objective == "clm":
             if tokenizer.eos_token_id is None:
                 raise ValueError("CLM batches need a tokenizer with an EOS token to separate documents")
@@ -115,16 +139,12 @@ class Batches:
         n = -(-len(self.rows) // self.batch_size)
         return min(n, self.max_batches) if self.max_batches is not None else n
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.epoch, self.batch = self._resume or (0, 0)
-        self._resume = None
-        while self.epochs is None or self.epoch < self.epochs:
-            order = self._order(self.epoch)
-            while self.batch < len(self):
-                b = self.batch
-                self.batch += 1
-                yield self._make(order[b * self.batch_size:(b + 1) * self.batch_size], self.epoch, b)
-            self.epoch, self.batch = self.epoch + 1, 0
+    def _batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        order = self._order(epoch)
+        while self.batch < len(self):
+            b = self.batch
+            self.batch += 1
+            yield self._make(order[b * self.batch_size:(b + 1) * self.batch_size], epoch, b)
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -146,16 +166,6 @@ class Batches:
         ids = torch.where(selected & (action >= 0.8) & (action < 0.9), random_ids, ids)
         out.update(input_ids=ids, labels=labels)
         return out
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch, "split": self.split, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if (state.get("split"), state.get("seed")) != (self.split, self.seed):
-            raise ValueError(f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
-                             f"{self.split!r} seed {self.seed}")
-        self._resume = (state["epoch"], state["batch"])
-
 
 def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:
     """Batches of a text source (``train``, ``validation``, ``test`` or an HF dataset); see :class:`Batches`."""

@@ -1,0 +1,68 @@
+"""Synthetic sink-inducing data: the bigram-backcopy task (Guo et al. 2024, "active-dormant heads").
+
+Tokens follow a fixed random bigram chain (each token has ``branching`` possible successors), which
+an MLP learns; a few trigger tokens break the chain: the token after a trigger repeats the token
+before it, which needs attention. Attention heads have nothing to do except right after a trigger,
+so an ungated softmax must park their mass somewhere: the first token becomes a sink, quickly and
+on a CPU budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from .batches import Resumable
+
+__all__ = ["BackcopyBatches"]
+
+
+class BackcopyBatches(Resumable):
+    """Iterable of CLM batches ``{"input_ids", "attention_mask", "labels"}`` (batch, seq_len).
+
+    Vocabulary: ``n_tokens`` ids starting at ``first_id`` (above the special tokens), ``triggers`` of
+    them are triggers (emitted with probability ``trigger_prob`` at each step); every row starts with
+    ``bos``. Batches depend only on (seed, batch index): resumable like :class:`Batches`.
+    """
+
+    def __init__(self, seq_len: int, batch_size: int, *, n_tokens: int = 512, triggers: int = 3,
+                 branching: int = 3, trigger_prob: float = 0.08, first_id: int = 5, bos: int = 1, seed: int = 0,
+                 epochs: int | None = None, batches_per_epoch: int = 1000):
+        self.seq_len, self.batch_size, self.seed, self.bos = seq_len, batch_size, seed, bos
+        self.first_id, self.n_tokens, self.trigger_prob = first_id, n_tokens, trigger_prob
+        self.epochs, self.batches_per_epoch = epochs, batches_per_epoch
+        self.split = f"backcopy(seed={seed})"
+        g = torch.Generator().manual_seed(10_000 + seed)
+        self.triggers = torch.randperm(n_tokens, generator=g)[:triggers] + first_id
+        self.successors = torch.randint(first_id, first_id + n_tokens, (first_id + n_tokens, branching), generator=g)
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def _batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        while self.batch < self.batches_per_epoch:
+            b = self.batch
+            self.batch += 1
+            yield self.make(epoch * self.batches_per_epoch + b)
+
+    def make(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        b, t = self.batch_size, self.seq_len
+        ids = torch.empty(b, t, dtype=torch.long)
+        ids[:, 0] = self.bos
+        ids[:, 1] = torch.randint(self.first_id, self.first_id + self.n_tokens, (b,), generator=g)
+        branch = torch.randint(self.successors.shape[1], (b, t), generator=g)
+        fire = torch.rand(b, t, generator=g) < self.trigger_prob
+        which = self.triggers[torch.randint(len(self.triggers), (b, t), generator=g)]
+        for i in range(2, t):
+            prev = ids[:, i - 1]
+            chain = self.successors[prev, branch[:, i]]
+            after_trigger = torch.isin(prev, self.triggers)
+            nxt = torch.where(fire[:, i], which[:, i], chain)
+            ids[:, i] = torch.where(after_trigger, ids[:, i - 2], nxt)  # copy the token before the trigger
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
