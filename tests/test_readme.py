@@ -27,7 +27,12 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
         exec(compile(example, "README.md", "exec"), namespace)
     assert (tmp_path / "runs" / "observe" / "observe_sink.png").is_file()
     assert namespace["out"].shape == (1, 4, 32, 16) and namespace["mass"].shape == (1, 4, 32)
-    assert str(namespace["model"].config.quantgate["variant"]) == "g1-headwise"
+    assert qg_variant(namespace["q_model"]) == "g1-headwise"  # the quantized copy of the first model
+    assert (tmp_path / "runs" / "train" / "training.png").is_file() and (tmp_path / "runs" / "q").is_dir()
+
+
+def qg_variant(model) -> str:
+    return model.config.quantgate["variant"]
 
 
 def test_main_job_command_runs():
