@@ -150,7 +150,10 @@ def cmd_train(args) -> int:
 
     if bool(args.preset) == bool(args.model):
         raise ValueError("train needs exactly one of --preset (from scratch) or --model (a checkpoint to fine-tune)")
-    model = build(args.preset, args.variant, seed=args.seed) if args.preset else load(args.model, args.variant)
+    overrides = _config_overrides(args.config)
+    if overrides and not args.preset:
+        raise ValueError("--config changes a preset's shape; it does not apply to --model checkpoints")
+    model = build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
     if args.objective and args.objective != _objective(model):
         raise ValueError(f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} "
                          f"does not fit it")
@@ -161,6 +164,22 @@ def cmd_train(args) -> int:
     if args.out:
         print(f"wrote {args.out}/model, log.jsonl, training.png")
     return 0
+
+
+def _config_overrides(text: str | None) -> dict:
+    """``key=value,key=value`` -> {key: value}, values parsed as JSON where they can be."""
+    import json
+
+    out = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ValueError(f"--config takes key=value pairs, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
 
 
 def _objective(model) -> str:
@@ -224,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--model", help="a checkpoint, packaged model or hub id to fine-tune")
     tr.add_argument("--variant", help="attention variant (on --model: adds a gate; use finetune=true to start "
                                       "from the pretrained function)")
+    tr.add_argument("--config", help="preset config overrides, e.g. num_hidden_layers=4,hidden_dropout_prob=0")
     tr.add_argument("--objective", choices=("clm", "mlm"), help="checked against the model (BERT: mlm, others: clm)")
     tr.add_argument("--steps", type=int)
     tr.add_argument("--stop-after", type=int, dest="stop_after", help="end this run at this step (resume later)")

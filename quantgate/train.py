@@ -211,7 +211,7 @@ def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = N
         for _ in range(c.grad_accum):
             batch = _shard(next(it), rank, world, acc.device)
             with acc.accumulate(model):
-                loss = model(**batch).loss
+                loss = _masked_lm_loss(raw, batch) if world == 1 and family.objective == "mlm" else model(**batch).loss
                 if not torch.isfinite(loss):
                     _diverged(acc, raw, out, progress.step, batch)
                 acc.backward(loss)
@@ -252,6 +252,17 @@ def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = N
 
         plot_training(logger.path, out / "training.png")
     return raw
+
+
+def _masked_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The MLM loss computing vocabulary logits only at the masked positions (~7x less work for small
+    models than the head's logits at every position; the same value). Single process only: a DDP
+    wrapper must see the forward call to synchronise gradients."""
+    if not (hasattr(model, "bert") and hasattr(model, "cls")):
+        return model(**batch).loss
+    hidden = model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    picked = batch["labels"] != -100
+    return nn.functional.cross_entropy(model.cls(hidden[picked]).float(), batch["labels"][picked])
 
 
 def _shard(batch: dict, rank: int, world: int, device) -> dict:

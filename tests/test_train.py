@@ -137,3 +137,12 @@ def test_bad_input(tmp_path):
         train(other, tok, config=TrainConfig(steps=2, data="wikipedia-2", **FAST))
     with pytest.raises(ValueError, match="backcopy task is a causal-LM task"):
         train(qg.build("tiny-bert"), qg.tokenizer("tiny-bert"), config=TrainConfig(steps=2, data="backcopy", **FAST))
+
+
+def test_masked_only_mlm_loss_equals_the_heads_loss():
+    from quantgate.train import _masked_lm_loss
+
+    model = qg.build("tiny-bert", seed=2).eval()
+    batch = next(iter(qg.data.batches(qg.tokenizer(model), "validation", 32, 8, "mlm")))
+    with torch.no_grad():
+        assert _masked_lm_loss(model, batch).item() == pytest.approx(model(**batch).loss.item(), abs=1e-5)
