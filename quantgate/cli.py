@@ -188,6 +188,21 @@ def _objective(model) -> str:
     return family_of(model).objective
 
 
+def cmd_study(args) -> int:
+    from .study import DEFAULT_STUDY, run_study
+
+    out = run_study(args.study or DEFAULT_STUDY, args.out)
+    print(f"wrote {out}/report.md, metrics.json and plots")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from .report import write_study_report
+
+    print(f"wrote {write_study_report(args.run)}")
+    return 0
+
+
 def cmd_build_tokenizers(args) -> int:
     from .data.tokenizers import TOKENIZER_DIR, build_bundled
 
@@ -261,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", help="run directory (log.jsonl, checkpoints/, model/, training.png)")
     tr.add_argument("--resume", action="store_true", default=None, help="continue from the last checkpoint in --out")
     tr.set_defaults(func=cmd_train)
+    st = sub.add_parser("study", help="run a study YAML: train/load -> observe -> quantize -> evaluate -> report")
+    st.add_argument("study", nargs="?", help="study file (default: experiments/quickstart.yaml)")
+    st.add_argument("--out", help="run directory (default: results/<study name>)")
+    st.set_defaults(func=cmd_study)
+    rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
+    rp.add_argument("run", help="a study run directory")
+    rp.set_defaults(func=cmd_report)
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
     tok.set_defaults(func=cmd_build_tokenizers)

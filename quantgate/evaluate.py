@@ -44,11 +44,13 @@ OFFLINE_EQUIVALENTS = {"wikitext": "quantgate_ppl", "lambada_openai": "quantgate
                        "arc_challenge": "quantgate_nextsent", "winogrande": "quantgate_nextsent"}
 
 
-@lru_cache(maxsize=1)
-def task_manager():
+@lru_cache(maxsize=2)
+def task_manager(include_defaults: bool = True):
+    """lm-eval's task index with quantgate's tasks; without lm-eval's own ~10k task configs (slow to
+    index) when only bundled tasks are asked for."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASK_DIR))
+    return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults)
 
 
 def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limit: int | float | None = None,
@@ -73,7 +75,8 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         was_training = model.training
         model.eval()
         try:
-            out = lm_eval.simple_evaluate(model=lm, tasks=lm_tasks, task_manager=task_manager(), limit=limit,
+            manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
+            out = lm_eval.simple_evaluate(model=lm, tasks=lm_tasks, task_manager=manager, limit=limit,
                                           log_samples=False, bootstrap_iters=0, verbosity="ERROR")
         finally:
             model.train(was_training)
@@ -104,8 +107,7 @@ def _check_tasks(tasks: list[str], objective: str) -> None:
         raise ValueError(f"no tasks given; bundled: {', '.join(BUNDLED_TASKS)}")
     if "quantgate_mlm_ppl" in tasks and objective != "mlm":
         raise ValueError("quantgate_mlm_ppl scores masked LMs; use quantgate_ppl for causal LMs")
-    known = set(task_manager().all_tasks)
-    unknown = [t for t in tasks if t not in known and t != "quantgate_mlm_ppl"]
+    unknown = unknown_tasks(tasks)
     if unknown:
         raise ValueError(f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
                          f"any lm-eval task name works online (lm-eval ls tasks)")
@@ -115,6 +117,15 @@ def _check_tasks(tasks: list[str], objective: str) -> None:
         raise OfflineError(f"task(s) {', '.join(remote)} download their data from the Hugging Face hub, which is not "
                            f"reachable. Offline, use the bundled tasks: {', '.join(BUNDLED_TASKS)}"
                            + (f" ({hints})" if hints else ""))
+
+
+def unknown_tasks(tasks) -> list[str]:
+    """The names that are neither bundled nor lm-eval tasks (lm-eval's index is read only when needed)."""
+    others = [t for t in tasks if t not in BUNDLED_TASKS]
+    if not others:
+        return []
+    known = set(task_manager().all_tasks)
+    return [t for t in others if t not in known]
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

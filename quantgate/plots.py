@@ -9,7 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["plot_observe", "bar_panels", "plot_training"]
+__all__ = ["plot_observe", "bar_panels", "plot_training", "plot_study_layers", "plot_study_quant",
+           "plot_study_training"]
 
 
 def plot_observe(report, out: Path) -> list[Path]:
@@ -114,5 +115,68 @@ def plot_training(log_path: Path, path: Path) -> Path | None:
             ax.set(xlabel="step", title=label, yscale=scale)
         if n_layers <= 8:
             axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def _cell_colors(cells):
+    cmap = plt.get_cmap("tab10")
+    return {c["id"]: cmap(i % 10) for i, c in enumerate(cells)}
+
+
+def plot_study_layers(cells: list[dict], path: Path) -> Path:
+    """Per cell and layer: residual max |x|, max / median, first-token attention, gate mean."""
+    colors = _cell_colors(cells)
+    keys = [("max_activation", "residual max |x|", "log"), ("max_median_ratio", "max / median |x|", "log"),
+            ("sink_mass", "first-token attention", "linear"), ("gate_mean", "gate mean", "linear")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.3 * len(keys), 3.8))
+    for ax, (key, label, scale) in zip(axes, keys):
+        for c in cells:
+            ys = [L.get(key) for L in c["observe"]["layers"]]
+            if any(y is not None for y in ys):
+                ax.plot(range(len(ys)), [float("nan") if y is None else y for y in ys], marker=".", label=c["id"],
+                        color=colors[c["id"]])
+        ax.set(xlabel="layer", title=label, yscale=scale)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def plot_study_quant(cells: list[dict], schemes: list[str], ppl_key: tuple[str, str], path: Path) -> Path:
+    """Perplexity per cell: float and each scheme (log scale)."""
+    columns = ["float", *schemes]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cells) * len(columns) / 3), 4.2))
+    width = 0.8 / len(columns)
+    cmap = plt.get_cmap("tab10")
+    for j, col in enumerate(columns):
+        ys = []
+        for c in cells:
+            res = c["float"] if col == "float" else (c["schemes"].get(col) or {}).get("results")
+            ys.append(((res or {}).get(ppl_key[0]) or {}).get(ppl_key[1], float("nan")))
+        ax.bar([i + j * width for i in range(len(cells))], ys, width, label=col, color=cmap(j % 10))
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [c["id"] for c in cells], fontsize=7, rotation=20)
+    ax.set(yscale="log", ylabel=f"{ppl_key[0]} {ppl_key[1]}", title="held-out perplexity, float vs quantized")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def plot_study_training(cells: list[dict], path: Path) -> Path:
+    """Outlier emergence over training: loss, largest residual activation, first-token attention."""
+    colors = _cell_colors(cells)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for c in cells:
+        t = c["trained"]
+        if not t.get("trained"):
+            continue
+        col = colors[c["id"]]
+        axes[0].plot([r["step"] for r in t["curve"]], [r["loss"] for r in t["curve"]], color=col, label=c["id"], lw=1)
+        obs = t.get("observe_curve") or []
+        axes[1].plot([r["step"] for r in obs], [r["max_activation"] for r in obs], marker=".", color=col)
+        axes[2].plot([r["step"] for r in obs], [r["sink_mass"] for r in obs], marker=".", color=col)
+    axes[0].set(xlabel="step", ylabel="train loss", title="loss")
+    axes[1].set(xlabel="step", title="largest residual activation", yscale="log")
+    axes[2].set(xlabel="step", title="mean first-token attention")
+    axes[0].legend(fontsize=6)
     fig.tight_layout()
     return _save(fig, Path(path))

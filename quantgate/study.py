@@ -1,0 +1,429 @@
+"""Studies: one YAML from models to a quantization report.
+
+A study expands models x variants into cells and runs, for each cell, train (or load) -> observe ->
+evaluate in float -> for each scheme: quantize, measure SQNR, evaluate. Every step writes one JSON
+file atomically under ``<out>/cells/<cell>/`` with a key: the hash of everything the step depends
+on (its settings and the keys of the steps before it). Re-running skips steps whose file carries the
+current key, so an interrupted study continues where it stopped and changing one setting re-runs
+only what depends on it. Training checkpoints as it goes and resumes too.
+
+The run directory gets ``config.yaml`` (the resolved study), ``metrics.json`` (every number the report
+shows, and the per-layer detail behind the plots), ``report.md`` and PNG plots, all rebuilt by
+``quantgate report DIR`` from metrics.json alone. Study files are validated before any work starts;
+errors name the YAML line and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .data.corpus import BUNDLED_SPLITS, DATASETS
+from .models.presets import PRESETS
+from .models.sources import PACKAGED
+from .quant.schemes import get_scheme
+from .train import TrainConfig
+from .variants import AttentionVariant
+
+__all__ = ["run_study", "load_study", "Study", "StudyError", "DEFAULT_STUDY"]
+
+log = logging.getLogger("quantgate")
+DEFAULT_STUDY = Path("experiments") / "quickstart.yaml"
+
+
+class StudyError(ValueError):
+    """A study file that cannot run; the message names the line and the valid choices."""
+
+
+# --- the schema ------------------------------------------------------------------------------------
+
+SECTION_KEYS = {
+    "calibration": {"data": "train", "batches": 16, "seq_len": 128, "batch_size": 8},
+    "observe": {"data": "validation", "batches": 3, "seq_len": 128, "batch_size": 8, "sink_tokens": 1},
+    "eval": {"tasks": ["quantgate_ppl"], "limit": None, "batch_size": "auto"},
+    "report": {"notes": ""},
+}
+TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", *SECTION_KEYS}
+MODEL_KEYS = {"name", "preset", "load", "config", "train", "variants", "schemes", "eval", "observe", "seeds"}
+TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "extra", "stop_after"}
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    source: dict  # {"preset": ..., "config": {...}} or {"load": ...}
+    train: dict | None
+    variants: list[str]
+    schemes: list[str]
+    eval: dict
+    observe: dict
+    seeds: list[int]
+
+
+@dataclass
+class Study:
+    name: str
+    description: str
+    models: list[ModelSpec]
+    calibration: dict
+    report: dict
+    raw: dict = field(default_factory=dict)  # the resolved study, written to config.yaml
+
+    def cells(self) -> list[dict]:
+        out = []
+        for m in self.models:
+            for variant in m.variants:
+                for seed in m.seeds:
+                    suffix = f"-seed{seed}" if len(m.seeds) > 1 else ""
+                    out.append({"model": m, "variant": variant, "seed": seed,
+                                 "id": f"{m.name}/{variant}{suffix}", "slug": _slug(f"{m.name}--{variant}{suffix}")})
+        return out
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def _compose(text: str, path: str):
+    """YAML -> (python data, {key path: line number})."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise StudyError(f"{path}: not valid YAML: {e}") from None
+    lines: dict[tuple, int] = {}
+    scalars = yaml.SafeLoader("")
+
+    def walk(n, where: tuple):
+        lines[where] = n.start_mark.line + 1
+        if isinstance(n, yaml.MappingNode):
+            return {k.value: walk(v, (*where, k.value)) for k, v in n.value}
+        if isinstance(n, yaml.SequenceNode):
+            return [walk(v, (*where, i)) for i, v in enumerate(n.value)]
+        return scalars.construct_object(n)
+
+    return (walk(node, ()) if node is not None else {}), lines
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and validate a study file; every problem raises StudyError before any work starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"no study file {path}; the default study is {DEFAULT_STUDY}")
+    data, lines = _compose(path.read_text(), str(path))
+
+    def fail(where: tuple, message: str):
+        line = lines.get(where) or lines.get(where[:-1]) or 1
+        raise StudyError(f"{path}:{line}: {message}")
+
+    def check_keys(obj, valid, where):
+        if not isinstance(obj, dict):
+            fail(where, f"expected a mapping with keys {', '.join(sorted(valid))}")
+        for key in obj:
+            if key not in valid:
+                fail((*where, key), f"unknown key {key!r}; valid: {', '.join(sorted(valid))}")
+
+    check_keys(data, TOP_KEYS, ())
+    if not data.get("models"):
+        fail(("models",), "a study needs a non-empty 'models' list")
+    sections = {}
+    for sec, defaults in SECTION_KEYS.items():
+        given = data.get(sec) or {}
+        check_keys(given, set(defaults), (sec,))
+        sections[sec] = {**defaults, **given}
+    seed = int(data.get("seed", 0))
+    top_variants = data.get("variants") or ["vanilla"]
+    top_schemes = data.get("schemes") or []
+    models = []
+    for i, m in enumerate(data["models"]):
+        where = ("models", i)
+        check_keys(m, MODEL_KEYS, where)
+        if ("preset" in m) == ("load" in m):
+            fail(where, "each model needs exactly one of 'preset' (built from config) or 'load' (a checkpoint)")
+        if "preset" in m and m["preset"] not in PRESETS:
+            fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
+        if "load" in m and m["load"] not in PACKAGED and not Path(str(m["load"])).is_dir() \
+                and str(m["load"]).count("/") != 1:
+            fail((*where, "load"), f"cannot load {m['load']!r}: give a packaged model ({', '.join(PACKAGED)}), a "
+                                   f"checkpoint directory or a hub id")
+        if "train" in m and "preset" not in m:
+            fail((*where, "train"), "'train' needs a 'preset' (fine-tuning a loaded model: use quantgate train)")
+        train = m.get("train")
+        if train is not None:
+            check_keys(train, TRAIN_KEYS, (*where, "train"))
+            _check_source(train.get("data", "train"), (*where, "train", "data"), fail, extra=("backcopy",))
+        variants = m.get("variants", top_variants)
+        for j, v in enumerate(variants):
+            try:
+                AttentionVariant.parse(v)
+            except ValueError as e:
+                fail((*where, "variants", j) if "variants" in m else ("variants", j), str(e))
+        schemes = m.get("schemes", top_schemes)
+        for j, s in enumerate(schemes):
+            try:
+                get_scheme(s)
+            except ValueError as e:
+                fail((*where, "schemes", j) if "schemes" in m else ("schemes", j), str(e))
+        ev = {**sections["eval"], **(m.get("eval") or {})}
+        check_keys(m.get("eval") or {}, set(SECTION_KEYS["eval"]), (*where, "eval"))
+        _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), fail)
+        ob = {**sections["observe"], **(m.get("observe") or {})}
+        check_keys(m.get("observe") or {}, set(SECTION_KEYS["observe"]), (*where, "observe"))
+        name = str(m.get("name") or m.get("preset") or m.get("load"))
+        source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
+        seeds = [int(s) for s in (m.get("seeds") or [seed])]
+        models.append(ModelSpec(name, source, train, list(variants), list(schemes), ev, ob, seeds))
+    for sec, where in (("calibration", ("calibration", "data")), ("observe", ("observe", "data"))):
+        _check_source(sections[sec]["data"], where, fail)
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        fail(("models",), f"model names must be unique, got {names}")
+    raw = {"name": data.get("name") or path.stem, "file": str(path), "description": data.get("description", ""),
+           "seed": seed,
+           "models": [dataclasses.asdict(m) for m in models], **{k: sections[k] for k in ("calibration", "report")}}
+    return Study(raw["name"], raw["description"], models, sections["calibration"], sections["report"], raw)
+
+
+def _check_source(source: str, where, fail, extra: tuple = ()) -> None:
+    if source in BUNDLED_SPLITS or source in extra or source.startswith("hf:") or source.split(":")[0] in DATASETS:
+        return
+    fail(where, f"unknown text source {source!r}; valid: {', '.join((*BUNDLED_SPLITS, *extra))}, "
+                f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>")
+
+
+def _check_tasks(tasks, where, fail) -> None:
+    from .evaluate import BUNDLED_TASKS, unknown_tasks
+
+    for t in unknown_tasks(tasks):
+        fail(where, f"unknown task {t!r}; bundled: {', '.join(BUNDLED_TASKS)} (any lm-eval task name online)")
+
+
+# --- running ---------------------------------------------------------------------------------------
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _done(path: Path, key: str) -> dict | None:
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return data
+    return None
+
+
+def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None) -> Path:
+    """Run (or continue) a study; returns the run directory with metrics.json and report.md."""
+    study = load_study(path)
+    out = Path(out) if out else Path("results") / study.name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(study.raw, sort_keys=False))
+    cells = study.cells()
+    started = time.perf_counter()
+    records = []
+    for n, cell in enumerate(cells, 1):
+        log.info("[%d/%d] %s", n, len(cells), cell["id"])
+        records.append(_run_cell(study, cell, out / "cells" / cell["slug"]))
+    order = list(dict.fromkeys(str(get_scheme(x)) for m in study.models for x in m.schemes))
+    metrics = {"study": study.raw, "cells": records, "schemes": order, "versions": _versions(),
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                           "torch_threads": _threads()},
+               "wall_seconds": {"this_invocation": round(time.perf_counter() - started, 1),
+                                "steps_total": round(sum(r["seconds"] for r in records), 1)}}
+    _write_json(out / "metrics.json", metrics)
+    from .report import write_study_report
+
+    write_study_report(out)
+    return out
+
+
+def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
+    m: ModelSpec = cell["model"]
+    seed = cell["seed"]
+    model_key = _key("model", m.source, cell["variant"], m.train, seed)
+    state = {"model": None, "tokenizer": None}
+    seconds = 0.0
+
+    def model():
+        if state["model"] is None:
+            state["model"], state["tokenizer"] = _materialise(m, cell, cdir, seed, model_key)
+        return state["model"]
+
+    def tokenizer():
+        model()
+        return state["tokenizer"]
+
+    def step(name: str, key: str, compute):
+        nonlocal seconds
+        path = cdir / f"{name}.json"
+        done = _done(path, key)
+        if done is not None:
+            seconds += done.get("seconds", 0.0)
+            return done
+        log.info("  %s: %s", cell["id"], name)
+        t0 = time.perf_counter()
+        result = {"key": key, **compute()}
+        result["seconds"] = round(time.perf_counter() - t0, 2)
+        seconds += result["seconds"]
+        _write_json(path, result)
+        return result
+
+    trained = step("model", model_key, lambda: _train_summary(model, cdir))
+    ob_cfg = m.observe
+    observed = step("observe", _key(model_key, ob_cfg), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
+    ev_cfg = m.eval
+    float_eval = step("eval-float", _key(model_key, ev_cfg), lambda: _evaluate(model(), tokenizer(), ev_cfg))
+    schemes = {}
+    for s in m.schemes:
+        scheme = str(get_scheme(s))
+        key = _key(model_key, scheme, study.calibration, ev_cfg)
+        schemes[scheme] = step(f"scheme-{_slug(scheme)}", key,
+                               lambda s=scheme: _quantized(model(), tokenizer(), s, study.calibration, ev_cfg, m, seed))
+    return {"id": cell["id"], "model": m.name, "variant": cell["variant"], "seed": seed, "source": m.source,
+            "trained": {k: v for k, v in trained.items() if k not in ("key", "seconds")},
+            "observe": observed["observe"],
+            "float": float_eval["results"], "schemes": {k: {kk: vv for kk, vv in v.items() if kk != "key"}
+                                                         for k, v in schemes.items()},
+            "seconds": round(seconds, 1)}
+
+
+def _materialise(m: ModelSpec, cell: dict, cdir: Path, seed: int, model_key: str):
+    """Build, train or load the cell's model (training resumes from its checkpoints)."""
+    import shutil
+
+    from .models import build
+    from .models.sources import tokenizer as get_tokenizer
+    from .quant.checkpoint import load
+
+    if "load" in m.source:
+        model = load(m.source["load"], cell["variant"] if cell["variant"] != "vanilla" else None)
+        return model, get_tokenizer(model)
+    train_dir = cdir / "train"
+    if m.train is not None and (train_dir / "model" / "config.json").is_file() and _same_key(train_dir, model_key):
+        model = load(train_dir / "model")
+        return model, get_tokenizer(model)
+    model = build(m.source["preset"], cell["variant"], seed=seed, **m.source["config"])
+    tok = get_tokenizer(model)
+    if m.train is not None:
+        from .train import train
+
+        if not _same_key(train_dir, model_key):
+            shutil.rmtree(train_dir, ignore_errors=True)
+        train_dir.mkdir(parents=True, exist_ok=True)
+        (train_dir / "study-key").write_text(model_key)
+        resume = (train_dir / "checkpoints").is_dir() and any((train_dir / "checkpoints").glob("step-*"))
+        steps = int(m.train.get("steps", TrainConfig.steps))
+        cfg = TrainConfig(**{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, "out": str(train_dir),
+                             "resume": resume})
+        model = train(model, tok, config=cfg)
+    return model, tok
+
+
+def _same_key(train_dir: Path, key: str) -> bool:
+    f = train_dir / "study-key"
+    return f.is_file() and f.read_text().strip() == key
+
+
+def _train_summary(model, cdir: Path) -> dict:
+    model()  # builds, trains or loads
+    logf = cdir / "train" / "log.jsonl"
+    if not logf.is_file():
+        return {"trained": False}
+    recs = [json.loads(line) for line in logf.read_text().splitlines() if line.strip()]
+    train = [r for r in recs if r["event"] == "train"]
+    evals = [r for r in recs if r["event"] == "eval"]
+    return {"trained": True, "steps": train[-1]["step"] if train else 0, "tokens": train[-1]["tokens"] if train else 0,
+            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_eval_loss": evals[-1]["loss"] if evals else None,
+            "curve": [{"step": r["step"], "loss": r["loss"]} for r in train],
+            "eval_curve": [{"step": r["step"], "loss": r["loss"]} for r in evals],
+            "observe_curve": [{k: r[k] for k in ("step", "layers", "max_activation", "sink_mass", "gate_mean",
+                                                 "kurtosis")} for r in recs if r["event"] == "observe"]}
+
+
+def _observe(model, tok, cfg: dict, cdir: Path) -> dict:
+    from .data import batches
+    from .models.families import family_of
+    from .observe import observe
+
+    data = batches(tok, cfg["data"], cfg["seq_len"], cfg["batch_size"], family_of(model).objective,
+                   max_batches=cfg["batches"])
+    report = observe(model, data, sink_tokens=cfg["sink_tokens"])
+    report.save(cdir / "observe")
+    layers = [{k: L[k] for k in ("max_inf_norm", "kurtosis", "max_activation", "sink_mass", "gate_mean",
+                                 "massive_activations")} | {"max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"]}
+              for L in report.layers]
+    summary = {k: v for k, v in report.summary.items() if k not in ("final_norm_in", "nonfinite")}
+    summary["nonfinite"] = len(report.summary["nonfinite"])
+    top = sorted(((i, e) for i, L in enumerate(report.layers) for e in L["massive"]), key=lambda t: -t[1]["max_abs"])
+    summary["top_massive"] = [{"layer": i, "channel": e["channel"], "max_abs": e["max_abs"],
+                               "positions": e["positions"]} for i, e in top[:3]]
+    return {"observe": {"summary": summary, "layers": layers}}
+
+
+def _evaluate(model, tok, cfg: dict) -> dict:
+    from .evaluate import evaluate
+
+    results = {}
+    for task in cfg["tasks"]:  # one task at a time: each may carry its own limit
+        limit = cfg["limit"].get(task) if isinstance(cfg["limit"], dict) else cfg["limit"]
+        results.update(evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"])["results"])
+    return {"results": results}
+
+
+def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
+    from .data import batches
+    from .models.families import family_of
+    from .quant import quant_error, quantize
+
+    objective = family_of(model).objective
+    s = get_scheme(scheme)
+    calibration = batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], objective, shuffle=True,
+                          seed=seed) if s.needs_calibration else None
+    options = {"calib": calib["batches"]} if s.needs_calibration else {}
+    try:
+        q = quantize(model, scheme, calibration=calibration, **options)
+    except RuntimeError as e:  # a scheme this hardware cannot run: recorded, not fatal
+        return {"error": str(e)}
+    held_out = batches(tok, m.observe["data"], m.observe["seq_len"], m.observe["batch_size"], objective,
+                       max_batches=2)
+    err = quant_error(model, q, held_out, max_batches=2)
+    out = _evaluate(q, tok, ev_cfg)
+    return {"results": out["results"], "logits_sqnr_db": err["logits_sqnr_db"],
+            "worst_layers": err["worst_layers"], "overflow": err["overflow"],
+            "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration")}
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for p in ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate"):
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+

@@ -1,0 +1,138 @@
+"""Studies: the grid runs end to end, caches by key, resumes after a kill, reports reproducibly,
+and rejects bad study files before any work."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from quantgate.report import pearson, spearman, write_study_report
+from quantgate.study import StudyError, load_study, run_study
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "experiments" / "smoke.yaml"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "smoke"
+    run_study(SMOKE, out)
+    return out
+
+
+def _numbers(run: Path) -> dict:
+    """Every number a study produced, cell by cell (timings aside)."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    return {c["id"]: {"float": c["float"], "observe": c["observe"], "schemes": {
+        s: {k: v for k, v in r.items() if k != "seconds"} for s, r in c["schemes"].items()},
+        "trained": c["trained"]} for c in metrics["cells"]}
+
+
+def test_study_produces_metrics_report_and_plots(smoke_run):
+    metrics = json.loads((smoke_run / "metrics.json").read_text())
+    assert [c["id"] for c in metrics["cells"]] == ["tiny/vanilla", "tiny/g1-headwise"]
+    assert metrics["schemes"] == ["w8a8-int8-static", "w8a8-int8-dynamic"]
+    report = (smoke_run / "report.md").read_text()
+    for section in ("Bondarenko et al.'s table", "Qiu et al.'s table", "Correlations", "Where quantization hurts",
+                    "## Training", "the numbers test the pipeline"):
+        assert section in report
+    for png in ("study_layers.png", "study_quant.png", "study_training.png"):
+        assert (smoke_run / png).stat().st_size > 0
+    gated = metrics["cells"][1]
+    assert gated["observe"]["summary"]["gate_mean"] is not None and gated["trained"]["steps"] == 12
+    # every number in the tables comes from metrics.json
+    fp = gated["float"]["quantgate_ppl"]["word_perplexity"]
+    static = gated["schemes"]["w8a8-int8-static"]["results"]["quantgate_ppl"]["word_perplexity"]
+    assert f"| tiny | g1-headwise | {fp:.4g} |" in report and f"{static:.4g}" in report
+    assert (smoke_run / "config.yaml").is_file()
+
+
+def test_report_rebuilds_byte_for_byte(smoke_run):
+    before = (smoke_run / "report.md").read_bytes()
+    write_study_report(smoke_run)
+    assert (smoke_run / "report.md").read_bytes() == before
+
+
+def test_rerun_skips_finished_steps_and_changes_rerun_only_dependents(smoke_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(smoke_run, run)
+    steps = {p: p.stat().st_mtime_ns for p in run.glob("cells/*/*.json")}
+    t0 = time.perf_counter()
+    run_study(SMOKE, run)
+    assert {p: p.stat().st_mtime_ns for p in run.glob("cells/*/*.json")} == steps  # nothing recomputed
+    assert time.perf_counter() - t0 < 60
+    changed = tmp_path / "smoke.yaml"
+    changed.write_text(SMOKE.read_text().replace("quantgate_nextsent: 8", "quantgate_nextsent: 6"))
+    run_study(changed, run)
+    after = {p: p.stat().st_mtime_ns for p in run.glob("cells/*/*.json")}
+    redone = {p.name for p in after if after[p] != steps[p]}
+    assert redone == {"eval-float.json", "scheme-w8a8-int8-static.json", "scheme-w8a8-int8-dynamic.json"}
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["cells"][0]["float"]["quantgate_nextsent"]["sample_len"] == 6
+
+
+def test_a_killed_study_finishes_with_the_same_numbers(smoke_run, tmp_path):
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "quantgate.cli", "study", str(SMOKE), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    deadline = time.time() + 300
+    while not (out / "cells" / "tiny--vanilla" / "observe.json").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-way: the first cell is half done
+    proc.wait()
+    assert not (out / "metrics.json").exists()
+    done_before = {p.name: p.stat().st_mtime_ns for p in (out / "cells" / "tiny--vanilla").glob("*.json")}
+    run_study(SMOKE, out)
+    for name, mtime in done_before.items():  # finished steps were not redone
+        assert (out / "cells" / "tiny--vanilla" / name).stat().st_mtime_ns == mtime
+    assert _numbers(out) == _numbers(smoke_run)
+
+
+def test_bad_study_files_are_rejected_before_any_work(tmp_path):
+    def bad(text, fragment):
+        f = tmp_path / "bad.yaml"
+        f.write_text(text)
+        with pytest.raises(StudyError) as err:
+            run_study(f, tmp_path / "never")
+        assert fragment in str(err.value), str(err.value)
+        assert not (tmp_path / "never").exists()
+
+    base = "name: x\nmodels:\n  - preset: tiny-llama\n"
+    bad(base + "schemes: [w8a8-int8-static]\nevall: {}\n", "bad.yaml:5: unknown key 'evall'; valid: calibration,")
+    bad("name: x\nmodels:\n  - preset: tiny-lama\n", "bad.yaml:3: unknown preset 'tiny-lama'; valid: tiny-bert")
+    bad(base + "variants: [vanilla, g1-magic]\n", "bad.yaml:4: unknown attention variant 'g1-magic'; valid: vanilla")
+    bad(base + "schemes:\n  - w8a8-int8-static\n  - w9\n", "bad.yaml:6: unknown quantization scheme 'w9'")
+    bad(base + "eval:\n  tasks: [quantgate_pppl]\n", "unknown task 'quantgate_pppl'; bundled: quantgate_ppl")
+    bad(base + "    train: {stepz: 3}\n", "bad.yaml:4: unknown key 'stepz'; valid:")
+    bad("name: x\nmodels:\n  - preset: tiny-llama\n    load: smollm2-135m\n", "exactly one of 'preset'")
+    bad("name: x\nmodels: []\n", "non-empty 'models' list")
+    bad("name: [x\n", "not valid YAML")
+    with pytest.raises(StudyError, match="no study file"):
+        load_study(tmp_path / "missing.yaml")
+
+
+def test_correlations_against_hand_computation():
+    x, y = [1.0, 2.0, 3.0, 4.0], [2.0, 4.1, 5.9, 8.2]
+    mx, my = sum(x) / 4, sum(y) / 4
+    hand = sum((a - mx) * (b - my) for a, b in zip(x, y)) / math.sqrt(
+        sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
+    assert pearson(x, y) == pytest.approx(hand)
+    assert spearman([1, 5, 2, 8], [10, 30, 20, 25]) == pytest.approx(0.8)  # ranks 1,3,2,4 vs 1,4,2,3
+    assert spearman([1, 1, 2], [3, 4, 5]) == pytest.approx(0.8660254)  # ties take average ranks
+    assert pearson([1, 2], [3, 4]) is None and pearson([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_compare_reads_study_runs(smoke_run):
+    from quantgate.report import compare
+
+    table = compare([smoke_run])
+    assert "| smoke:tiny | g1-headwise | float |" in table and "| smoke:tiny | g1-headwise | w8a8-int8-static |" in table
