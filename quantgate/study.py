@@ -64,7 +64,7 @@ class ModelSpec:
     source: dict  # {"preset": ..., "config": {...}} or {"load": ...}
     train: dict | None
     variants: list[str]
-    schemes: list[str]
+    schemes: list[dict]  # {"scheme": canonical name, "tasks": None (all of eval's) or a subset}
     eval: dict
     observe: dict
     seeds: list[int]
@@ -167,15 +167,23 @@ def load_study(path: str | Path) -> Study:
                 AttentionVariant.parse(v)
             except ValueError as e:
                 fail((*where, "variants", j) if "variants" in m else ("variants", j), str(e))
-        schemes = m.get("schemes", top_schemes)
-        for j, s in enumerate(schemes):
-            try:
-                get_scheme(s)
-            except ValueError as e:
-                fail((*where, "schemes", j) if "schemes" in m else ("schemes", j), str(e))
         ev = {**sections["eval"], **(m.get("eval") or {})}
         check_keys(m.get("eval") or {}, set(SECTION_KEYS["eval"]), (*where, "eval"))
         _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), fail)
+        schemes = []
+        for j, s in enumerate(m.get("schemes", top_schemes)):
+            at = (*where, "schemes", j) if "schemes" in m else ("schemes", j)
+            entry = s if isinstance(s, dict) else {"scheme": s}
+            check_keys(entry, {"scheme", "tasks"}, at)
+            try:
+                name = str(get_scheme(entry.get("scheme", "")))
+            except ValueError as e:
+                fail(at, str(e))
+            tasks = entry.get("tasks")
+            if tasks is not None and not set(tasks) <= set(ev["tasks"]):
+                fail((*at, "tasks"), f"a scheme evaluates a subset of the model's tasks ({', '.join(ev['tasks'])}), "
+                                     f"so that its numbers compare with the float model's; got {tasks}")
+            schemes.append({"scheme": name, "tasks": tasks})
         ob = {**sections["observe"], **(m.get("observe") or {})}
         check_keys(m.get("observe") or {}, set(SECTION_KEYS["observe"]), (*where, "observe"))
         name = str(m.get("name") or m.get("preset") or m.get("load"))
@@ -240,7 +248,7 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None) -
     for n, cell in enumerate(cells, 1):
         log.info("[%d/%d] %s", n, len(cells), cell["id"])
         records.append(_run_cell(study, cell, out / "cells" / cell["slug"]))
-    order = list(dict.fromkeys(str(get_scheme(x)) for m in study.models for x in m.schemes))
+    order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
     metrics = {"study": study.raw, "cells": records, "schemes": order, "versions": _versions(),
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                            "torch_threads": _threads()},
@@ -290,11 +298,12 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
     ev_cfg = m.eval
     float_eval = step("eval-float", _key(model_key, ev_cfg), lambda: _evaluate(model(), tokenizer(), ev_cfg))
     schemes = {}
-    for s in m.schemes:
-        scheme = str(get_scheme(s))
-        key = _key(model_key, scheme, study.calibration, ev_cfg)
+    for entry in m.schemes:
+        scheme = entry["scheme"]
+        cfg = {**ev_cfg, "tasks": entry["tasks"] or ev_cfg["tasks"]}
+        key = _key(model_key, scheme, study.calibration, cfg, m.observe)
         schemes[scheme] = step(f"scheme-{_slug(scheme)}", key,
-                               lambda s=scheme: _quantized(model(), tokenizer(), s, study.calibration, ev_cfg, m, seed))
+                               lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, study.calibration, c, m, seed))
     return {"id": cell["id"], "model": m.name, "variant": cell["variant"], "seed": seed, "source": m.source,
             "trained": {k: v for k, v in trained.items() if k not in ("key", "seconds")},
             "observe": observed["observe"],
@@ -402,8 +411,8 @@ def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec,
     except RuntimeError as e:  # a scheme this hardware cannot run: recorded, not fatal
         return {"error": str(e)}
     held_out = batches(tok, m.observe["data"], m.observe["seq_len"], m.observe["batch_size"], objective,
-                       max_batches=2)
-    err = quant_error(model, q, held_out, max_batches=2)
+                       max_batches=1)
+    err = quant_error(model, q, held_out, max_batches=1)
     out = _evaluate(q, tok, ev_cfg)
     return {"results": out["results"], "logits_sqnr_db": err["logits_sqnr_db"],
             "worst_layers": err["worst_layers"], "overflow": err["overflow"],
