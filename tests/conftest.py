@@ -1,5 +1,11 @@
-import pytest
-import torch
+import os
+
+# Triton kernels run on the CPU through the interpreter; triton reads this when it is first imported
+# (torch and torchao may import it early), so it is set before any test module loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -12,17 +12,27 @@ Backends:
   on CUDA, the flash kernel on CPU) times the gate. Sink mass and learned sinks use the
   log-sum-exp that torch's flash kernels return, so they need O(N) memory, never the N x M matrix.
   Clipped softmax and learned sinks under autograd fall back to ``eager``.
-* ``auto``: the fastest backend that supports the call (``sdpa`` unless it would fall back).
+* ``triton``: the fused kernel of :mod:`quantgate.attention.triton_sdpa` (CUDA; the ``triton`` extra):
+  the gate multiplies the output in the kernel's epilogue, learned sinks are one extra logit per row,
+  sink mass comes from the same pass. Causal and key-padding masks (boolean masks that are exactly
+  causal & key padding are recognised); clipped softmax, dropout and other masks fall back to
+  ``sdpa`` with a warning.
+* ``auto``: the fastest backend that supports the call: ``triton`` on CUDA when it is installed and
+  the call is supported, else ``sdpa`` unless that would fall back to ``eager``.
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 __all__ = ["gated_sdpa", "BACKENDS"]
 
-BACKENDS = ("auto", "eager", "sdpa")
+BACKENDS = ("auto", "eager", "sdpa", "triton")
+log = logging.getLogger("quantgate")
 
 
 def gated_sdpa(
@@ -51,6 +61,11 @@ def gated_sdpa(
     _check_shapes(q, k, v, sinks)
     if backend not in BACKENDS:
         raise ValueError(f"unknown gated_sdpa backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend in ("auto", "triton") and fake_quant is None and (backend == "triton" or q.is_cuda):
+        out = _triton(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens,
+                      explicit=backend == "triton")
+        if out is not None:
+            return out
     if fake_quant is not None:
         backend = "eager"
         q, k, v = (fake_quant[n](t) if n in fake_quant else t for n, t in (("q", q), ("k", k), ("v", v)))
@@ -78,6 +93,65 @@ def _needs_eager(q, k, v, clip, sinks) -> bool:
         return True
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
     return sinks is not None and grads
+
+
+@functools.cache
+def _triton_kernels():
+    """The Triton kernel module, or None when triton is not installed."""
+    try:
+        from . import triton_sdpa
+    except ImportError:
+        return None
+    return triton_sdpa
+
+
+def _triton(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens, explicit):
+    """Run the fused kernel; None when the call needs another backend (a warning if it was asked for)."""
+    kernels = _triton_kernels()
+    if kernels is None:
+        if explicit:
+            raise ValueError("backend 'triton' needs the triton package: pip install -e '.[triton]' (CUDA machines)")
+        return None
+    reason = kernels.supports(q, k, v)
+    if reason and explicit:
+        raise ValueError(reason)
+    masks = _key_padding(attn_mask, is_causal, q.shape[2], k.shape[2]) if not reason else None
+    if not reason:
+        reason = ("clipped softmax" if clip is not None else "dropout" if dropout_p > 0.0
+                  else "a mask other than causal and key padding" if masks is None else None)
+    if reason:
+        if explicit:
+            _warn_fallback(reason)
+        return None
+    key_padding, causal = masks
+    out, _, mass = kernels.flash_gated_sdpa(q, k, v, gate, key_padding=key_padding, is_causal=causal, scale=scale,
+                                            sinks=sinks, sink_tokens=sink_tokens)
+    return (out, mass) if sink_tokens > 0 else out
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    log.warning("gated_sdpa backend 'triton' does not run %s: falling back to 'sdpa' for those calls", reason)
+
+
+def _key_padding(attn_mask, is_causal, n, m):
+    """(key_padding (B, M) bool or None, causal) equivalent to the mask, or None when there is none.
+
+    Recognises boolean masks that broadcast over heads and queries (key padding) and the (B, 1, N, M)
+    masks transformers builds for padded causal batches (exactly causal & key padding).
+    """
+    if attn_mask is None:
+        return None, is_causal
+    if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1:
+        return None
+    if attn_mask.shape[2] == 1:
+        return attn_mask[:, 0, 0, :], is_causal
+    kp = attn_mask[:, 0, -1, :]  # the last query row sees every valid key in both layouts
+    if torch.equal(attn_mask[:, 0], kp[:, None, :].expand(-1, n, -1)):
+        return kp, is_causal
+    if torch.equal(attn_mask[:, 0], kp[:, None, :] & torch.ones(n, m, dtype=torch.bool, device=kp.device).tril()):
+        return kp, True
+    return None
 
 
 def _valid_mask(attn_mask, is_causal, n, m, device) -> torch.Tensor | None:

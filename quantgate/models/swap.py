@@ -186,7 +186,7 @@ def _check_expressible(family: Family, variant: AttentionVariant, config) -> Non
 
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
-    """Choose the gated_sdpa backend ("auto", "eager", "sdpa") for every attention block."""
+    """Choose the gated_sdpa backend ("auto", "eager", "sdpa", "triton") for every attention block."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     for attn in attention_modules(model):
