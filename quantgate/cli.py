@@ -189,9 +189,12 @@ def _objective(model) -> str:
 
 
 def cmd_study(args) -> int:
-    from .study import DEFAULT_STUDY, run_study
+    from .study import DEFAULT_STUDY, plan, run_study
 
-    out = run_study(args.study or DEFAULT_STUDY, args.out)
+    if args.dry_run:
+        print(plan(args.study or DEFAULT_STUDY))
+        return 0
+    out = run_study(args.study or DEFAULT_STUDY, args.out, smoke=args.smoke)
     print(f"wrote {out}/report.md, metrics.json and plots")
     return 0
 
@@ -279,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("study", help="run a study YAML: train/load -> observe -> quantize -> evaluate -> report")
     st.add_argument("study", nargs="?", help="study file (default: experiments/quickstart.yaml)")
     st.add_argument("--out", help="run directory (default: results/<study name>)")
+    st.add_argument("--dry-run", action="store_true", help="validate the study and print its grid; run nothing")
+    st.add_argument("--smoke", action="store_true",
+                    help="run a shrunk copy (first variant, 4 steps, one batch per step) to check the file in seconds")
     st.set_defaults(func=cmd_study)
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
     rp.add_argument("run", help="a study run directory")

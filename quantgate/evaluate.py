@@ -11,6 +11,9 @@
 * ``quantgate_mlm_ppl`` (masked LMs): exp of the mean cross-entropy on 15% masked tokens of the test
   split with a fixed masking seed, as Bondarenko et al. report; computed here, since lm-eval has no
   masked-LM request type.
+* ``quantgate_backcopy`` (causal LMs trained on the synthetic backcopy task): perplexity and the
+  accuracy of the copied tokens (the one place the task needs attention) on held-out sequences of
+  the same task; computed here.
 Standard lm-eval tasks (wikitext, lambada_openai, hellaswag, ...) pass straight through online.
 """
 
@@ -33,11 +36,13 @@ from .models.families import family_of
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 
-__all__ = ["evaluate", "BUNDLED_TASKS", "mlm_perplexity", "PseudoLogLikelihoodLM"]
+__all__ = ["evaluate", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics", "PseudoLogLikelihoodLM"]
 
 log = logging.getLogger("quantgate")
 TASK_DIR = Path(__file__).with_name("tasks")
-BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl")
+BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl", "quantgate_backcopy")
+COMPUTED_TASKS = ("quantgate_mlm_ppl", "quantgate_backcopy")  # scored here, not through lm-eval
+BACKCOPY_HELD_OUT_SEED = 1_000_003
 OFFLINE_EQUIVALENTS = {"wikitext": "quantgate_ppl", "lambada_openai": "quantgate_cloze",
                        "lambada_standard": "quantgate_cloze", "hellaswag": "quantgate_nextsent",
                        "piqa": "quantgate_nextsent", "arc_easy": "quantgate_nextsent",
@@ -68,7 +73,7 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
     max_length = max_length or _context_length(model)
     results: dict[str, dict] = {}
-    lm_tasks = [t for t in tasks if t != "quantgate_mlm_ppl"]
+    lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
     if lm_tasks:
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
@@ -83,6 +88,8 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
     if "quantgate_mlm_ppl" in tasks:
         results["quantgate_mlm_ppl"] = {"perplexity": mlm_perplexity(model, tokenizer, limit=limit)}
+    if "quantgate_backcopy" in tasks:
+        results["quantgate_backcopy"] = backcopy_metrics(model, tokenizer, limit=limit)
     quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
     return {
         "results": results,
@@ -107,6 +114,8 @@ def _check_tasks(tasks: list[str], objective: str) -> None:
         raise ValueError(f"no tasks given; bundled: {', '.join(BUNDLED_TASKS)}")
     if "quantgate_mlm_ppl" in tasks and objective != "mlm":
         raise ValueError("quantgate_mlm_ppl scores masked LMs; use quantgate_ppl for causal LMs")
+    if "quantgate_backcopy" in tasks and objective != "clm":
+        raise ValueError("quantgate_backcopy scores causal LMs trained on the backcopy task")
     unknown = unknown_tasks(tasks)
     if unknown:
         raise ValueError(f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
@@ -198,6 +207,33 @@ def mlm_perplexity(model: nn.Module, tokenizer, *, split: str = "test", seq_len:
     finally:
         model.train(was_training)
     return math.exp(total / count)
+
+
+@torch.no_grad()
+def backcopy_metrics(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16,
+                     limit: int | float | None = None) -> dict:
+    """Held-out backcopy sequences (``limit`` batches, default 8): perplexity over all predicted tokens,
+    and accuracy (greedy) on the copied tokens."""
+    data = batches(tokenizer, "backcopy", seq_len, batch_size, seed=BACKCOPY_HELD_OUT_SEED,
+                   max_batches=int(limit) if limit and limit >= 1 else 8)
+    device = next(model.parameters()).device
+    nll = count = hits = copies = 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in data:
+            ids = batch["input_ids"].to(device)
+            logits = model(input_ids=ids).logits.float()[:, :-1]
+            target = ids[:, 1:]
+            nll += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                                     reduction="sum"))
+            count += target.numel()
+            copy = data.copy_positions(ids)[:, 1:]
+            hits += int(((logits.argmax(-1) == target) & copy).sum())
+            copies += int(copy.sum())
+    finally:
+        model.train(was_training)
+    return {"perplexity": math.exp(nll / count), "copy_acc": hits / max(copies, 1)}
 
 
 def _register():

@@ -142,8 +142,8 @@ def plot_study_layers(cells: list[dict], path: Path) -> Path:
     return _save(fig, Path(path))
 
 
-def plot_study_quant(cells: list[dict], schemes: list[str], ppl_key: tuple[str, str], path: Path) -> Path:
-    """Perplexity per cell: float and each scheme (log scale)."""
+def plot_study_quant(cells: list[dict], schemes: list[str], ppl_of, path: Path) -> Path:
+    """Perplexity per cell (``ppl_of(results)``): float and each scheme (log scale)."""
     columns = ["float", *schemes]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cells) * len(columns) / 3), 4.2))
     width = 0.8 / len(columns)
@@ -152,10 +152,11 @@ def plot_study_quant(cells: list[dict], schemes: list[str], ppl_key: tuple[str, 
         ys = []
         for c in cells:
             res = c["float"] if col == "float" else (c["schemes"].get(col) or {}).get("results")
-            ys.append(((res or {}).get(ppl_key[0]) or {}).get(ppl_key[1], float("nan")))
+            v = ppl_of(res)
+            ys.append(float("nan") if v is None else v)
         ax.bar([i + j * width for i in range(len(cells))], ys, width, label=col, color=cmap(j % 10))
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [c["id"] for c in cells], fontsize=7, rotation=20)
-    ax.set(yscale="log", ylabel=f"{ppl_key[0]} {ppl_key[1]}", title="held-out perplexity, float vs quantized")
+    ax.set(yscale="log", ylabel="perplexity", title="held-out perplexity, float vs quantized")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, Path(path))

@@ -89,8 +89,21 @@ def _plot(rows, metrics, path: Path) -> None:
 
 # --- study reports --------------------------------------------------------------------------------
 
-PPL = ("quantgate_ppl", "word_perplexity")
-ACCURACY = (("quantgate_cloze", "acc"), ("quantgate_nextsent", "acc"))
+# the headline perplexity of a cell: the first of these its tasks report
+PPL_KEYS = (("quantgate_ppl", "word_perplexity"), ("quantgate_mlm_ppl", "perplexity"),
+            ("quantgate_backcopy", "perplexity"))
+ACCURACY = (("quantgate_cloze", "acc"), ("quantgate_nextsent", "acc"), ("quantgate_backcopy", "copy_acc"))
+
+
+def ppl_of(results: dict | None) -> float | None:
+    """The headline perplexity in an evaluation's results (see PPL_KEYS), or None."""
+    return next((v for v in (_get(results, k) for k in PPL_KEYS) if v is not None), None)
+
+
+def _run(cell: dict) -> list[str]:
+    """The seed and training tokens of a cell, for its table rows."""
+    t = cell["trained"]
+    return [str(cell["seed"]), f"{t['tokens']:,}" if t.get("trained") else "pretrained"]
 
 
 def _get(results: dict | None, task_metric) -> float | None:
@@ -146,13 +159,18 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 def _quantities(cell: dict) -> dict:
     s = cell["observe"]["summary"]
-    fp = _get(cell["float"], PPL)
+    fp = ppl_of(cell["float"])
     out = {"gate mean": s.get("gate_mean"), "sink mass": s.get("sink_mass"), "max activation": s.get("max_activation"),
            "FP ppl": fp}
     for scheme, r in cell["schemes"].items():
-        q = _get(r.get("results"), PPL)
+        q = ppl_of(r.get("results"))
         out[f"ppl increase {scheme}"] = (q - fp) / fp if q is not None and fp else None
     return out
+
+
+def _cost(cell: dict) -> list[str]:
+    cost = cell.get("cost")  # absent in runs made before gate costs were recorded
+    return [f"{cost['gate_params']:,}", _fmt(cost["gate_flops_per_token"])] if cost else ["-", "-"]
 
 
 def study_markdown(metrics: dict) -> str:
@@ -168,21 +186,23 @@ def study_markdown(metrics: dict) -> str:
              f"({len(cells)} cells).", ""]
     lines += ["## What the numbers show", ""] + _sentences(cells, schemes) + [""]
     # Bondarenko-style table
-    head = ["model", "variant", "FP ppl", "max inf-norm", "kurtosis", "sink mass", "gate mean"]
+    head = ["model", "variant", "seed", "tokens trained", "FP ppl", "max inf-norm", "kurtosis", "sink mass",
+            "gate mean"]
     for s in schemes:
         head += [f"{s} ppl", "change"]
     lines += ["## Outliers, sinks and quantized perplexity (Bondarenko et al.'s table)", "",
-              f"Perplexity is `{PPL[0]}` {PPL[1]} on held-out text; max inf-norm and kurtosis follow Bondarenko et "
-              f"al. (per sequence, averaged; max over layers / mean over layers); sink mass is the mean attention "
-              f"on the first token.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+              "Perplexity is `quantgate_ppl` word perplexity on held-out text for causal LMs, `quantgate_mlm_ppl` "
+              "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; max inf-norm and "
+              "kurtosis follow Bondarenko et al. (per sequence, averaged; max over layers / mean over layers); sink "
+              f"mass is the mean attention on the first token. All rows ran on the machine above.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
-        fp = _get(c["float"], PPL)
-        row = [c["model"], c["variant"], _fmt(fp), _fmt(s["max_inf_norm"]), _fmt(s["kurtosis"]), _fmt(s["sink_mass"]),
+        fp = ppl_of(c["float"])
+        row = [c["model"], c["variant"], *_run(c), _fmt(fp), _fmt(s["max_inf_norm"]), _fmt(s["kurtosis"]), _fmt(s["sink_mass"]),
                _fmt(s["gate_mean"])]
         for sch in schemes:
             r = c["schemes"].get(sch, {})
-            q = _get(r.get("results"), PPL)
+            q = ppl_of(r.get("results"))
             row += [_fmt(q) if "error" not in r else "n/a", _rel(fp, q)]
         lines.append("| " + " | ".join(row) + " |")
     acc_rows = [(c, t) for t in ACCURACY for c in cells if _get(c["float"], t) is not None]
@@ -194,14 +214,15 @@ def study_markdown(metrics: dict) -> str:
             row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)) for s in schemes]
             lines.append("| " + " | ".join(row) + " |")
     # Qiu-style table and correlations
-    head = ["model", "variant", "mean gate", "max activation", "max / median", "first-token attention", "FP ppl"]
+    head = ["model", "variant", "seed", "tokens trained", "mean gate", "max activation", "max / median",
+            "first-token attention", "FP ppl", "gate params", "gate FLOPs / token"]
     lines += ["", "## Gate, activations and sinks (Qiu et al.'s table)", "", "| " + " | ".join(head) + " |",
               "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
-        lines.append("| " + " | ".join([c["model"], c["variant"], _fmt(s["gate_mean"]), _fmt(s["max_activation"]),
+        lines.append("| " + " | ".join([c["model"], c["variant"], *_run(c), _fmt(s["gate_mean"]), _fmt(s["max_activation"]),
                                         _fmt(s["max_median_ratio"]), _fmt(s["sink_mass"]),
-                                        _fmt(_get(c["float"], PPL))]) + " |")
+                                        _fmt(ppl_of(c["float"])), *_cost(c)]) + " |")
     lines += ["", "Correlations across cells (Spearman / Pearson, n = cells with both numbers; none below 3):", ""]
     qs = [_quantities(c) for c in cells]
     names = list(qs[0]) if qs else []
@@ -257,11 +278,11 @@ def _sentences(cells: list[dict], schemes: list[str]) -> list[str]:
         text = (f"- **{c['model']} / {c['variant']}**: largest residual activation {_fmt(s['max_activation'])} "
                 f"({_fmt(ratio)} x the median), {massive} massive activations by Sun et al.'s criterion{where}; "
                 f"mean first-token attention {_fmt(s['sink_mass'])}{gate}.")
-        fp = _get(c["float"], PPL)
+        fp = ppl_of(c["float"])
         changes = []
         for sch in schemes:
             r = c["schemes"].get(sch, {})
-            q = _get(r.get("results"), PPL)
+            q = ppl_of(r.get("results"))
             if q is not None and fp is not None:
                 changes.append(f"{sch} {_fmt(fp)} -> {_fmt(q)} ({_rel(fp, q)})")
         if changes:
@@ -281,7 +302,7 @@ def study_plots(metrics: dict, out: Path) -> None:
     from .plots import plot_study_layers, plot_study_quant, plot_study_training
 
     plot_study_layers(metrics["cells"], out / "study_layers.png")
-    plot_study_quant(metrics["cells"], metrics["schemes"], PPL, out / "study_quant.png")
+    plot_study_quant(metrics["cells"], metrics["schemes"], ppl_of, out / "study_quant.png")
     if "study_training.png" in _plot_names(metrics):
         plot_study_training(metrics["cells"], out / "study_training.png")
 

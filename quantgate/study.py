@@ -35,7 +35,7 @@ from .quant.schemes import get_scheme
 from .train import TrainConfig
 from .variants import AttentionVariant
 
-__all__ = ["run_study", "load_study", "Study", "StudyError", "DEFAULT_STUDY"]
+__all__ = ["run_study", "load_study", "plan", "Study", "StudyError", "DEFAULT_STUDY"]
 
 log = logging.getLogger("quantgate")
 DEFAULT_STUDY = Path("experiments") / "quickstart.yaml"
@@ -160,7 +160,7 @@ def load_study(path: str | Path) -> Study:
         train = m.get("train")
         if train is not None:
             check_keys(train, TRAIN_KEYS, (*where, "train"))
-            _check_source(train.get("data", "train"), (*where, "train", "data"), fail, extra=("backcopy",))
+            _check_source(train.get("data", "train"), (*where, "train", "data"), fail)
         variants = m.get("variants", top_variants)
         for j, v in enumerate(variants):
             try:
@@ -201,10 +201,10 @@ def load_study(path: str | Path) -> Study:
     return Study(raw["name"], raw["description"], models, sections["calibration"], sections["report"], raw)
 
 
-def _check_source(source: str, where, fail, extra: tuple = ()) -> None:
-    if source in BUNDLED_SPLITS or source in extra or source.startswith("hf:") or source.split(":")[0] in DATASETS:
+def _check_source(source: str, where, fail) -> None:
+    if source in (*BUNDLED_SPLITS, "backcopy") or source.startswith("hf:") or source.split(":")[0] in DATASETS:
         return
-    fail(where, f"unknown text source {source!r}; valid: {', '.join((*BUNDLED_SPLITS, *extra))}, "
+    fail(where, f"unknown data source {source!r}; valid: {', '.join(BUNDLED_SPLITS)}, backcopy, "
                 f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>")
 
 
@@ -236,9 +236,43 @@ def _done(path: Path, key: str) -> dict | None:
     return None
 
 
-def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None) -> Path:
-    """Run (or continue) a study; returns the run directory with metrics.json and report.md."""
+def plan(path: str | Path) -> str:
+    """A dry run: validate the study and describe its grid (cells, training tokens) without running it."""
     study = load_study(path)
+    lines = [f"study {study.name}: {len(study.cells())} cells, schemes "
+             f"{', '.join(dict.fromkeys(x['scheme'] for m in study.models for x in m.schemes))}"]
+    for cell in study.cells():
+        m = cell["model"]
+        if m.train is None:
+            what = f"load {m.source['load']}"
+        else:
+            c = TrainConfig(**m.train)
+            what = (f"train {m.source['preset']} {m.source['config'] or ''} on {c.data}: {c.steps} steps x "
+                    f"{c.batch_size * c.grad_accum} x {c.seq_len} = {c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens")
+        lines.append(f"  {cell['id']} (seed {cell['seed']}): {what}; eval {', '.join(m.eval['tasks'])}")
+    return "\n".join(lines)
+
+
+def shrink(study: Study) -> Study:
+    """The same study at a budget of seconds (a pipeline check): the first variant, seed and scheme of
+    each model, 4 training steps of 2 x 32 tokens, one batch or item per evaluation, calibration and
+    observation."""
+    small = {"seq_len": 32, "batch_size": 2}
+    models = []
+    for m in study.models:
+        train = None if m.train is None else {**m.train, **small, "steps": 4, "eval_every": 0, "observe_every": 2,
+                                              "eval_batches": 1, "grad_accum": 1}
+        models.append(dataclasses.replace(
+            m, train=train, variants=m.variants[:1], seeds=m.seeds[:1], schemes=m.schemes[:1], eval={**m.eval, "limit": 1},
+            observe={**m.observe, **small, "batches": 1}))
+    return dataclasses.replace(study, models=models, calibration={**study.calibration, **small, "batches": 1})
+
+
+def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, smoke: bool = False) -> Path:
+    """Run (or continue) a study; returns the run directory with metrics.json and report.md.
+    ``smoke``: the shrunk study (:func:`shrink`), to check a study file end to end in seconds."""
+    study = load_study(path)
+    study = shrink(study) if smoke else study
     out = Path(out) if out else Path("results") / study.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(study.raw, sort_keys=False))
@@ -297,6 +331,7 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
     observed = step("observe", _key(model_key, ob_cfg), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
     ev_cfg = m.eval
     float_eval = step("eval-float", _key(model_key, ev_cfg), lambda: _evaluate(model(), tokenizer(), ev_cfg))
+    cost = step("cost", model_key, lambda: _cost(model()))
     schemes = {}
     for entry in m.schemes:
         scheme = entry["scheme"]
@@ -306,7 +341,7 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
                                lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, study.calibration, c, m, seed))
     return {"id": cell["id"], "model": m.name, "variant": cell["variant"], "seed": seed, "source": m.source,
             "trained": {k: v for k, v in trained.items() if k not in ("key", "seconds")},
-            "observe": observed["observe"],
+            "observe": observed["observe"], "cost": {k: cost[k] for k in ("gate_params", "gate_flops_per_token")},
             "float": float_eval["results"], "schemes": {k: {kk: vv for kk, vv in v.items() if kk != "key"}
                                                          for k, v in schemes.items()},
             "seconds": round(seconds, 1)}
@@ -384,6 +419,12 @@ def _observe(model, tok, cfg: dict, cdir: Path) -> dict:
     summary["top_massive"] = [{"layer": i, "channel": e["channel"], "max_abs": e["max_abs"],
                                "positions": e["positions"]} for i, e in top[:3]]
     return {"observe": {"summary": summary, "layers": layers}}
+
+
+def _cost(model) -> dict:
+    from .models.cost import gate_cost
+
+    return gate_cost(model)
 
 
 def _evaluate(model, tok, cfg: dict) -> dict:

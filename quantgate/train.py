@@ -24,7 +24,6 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .data import batches as text_batches
-from .data.synthetic import BackcopyBatches
 from .models.families import family_of
 from .models.swap import gate_parameters, variant_of
 
@@ -93,11 +92,6 @@ def make_data(config: TrainConfig, tokenizer, objective: str, world: int = 1, so
     """Global micro-batches (``batch_size x world`` rows) from ``config.data`` (or ``source``)."""
     source = source or config.data
     seed = config.seed if seed is None else seed
-    if source == "backcopy":
-        if objective != "clm":
-            raise ValueError("the backcopy task is a causal-LM task; use --objective clm")
-        return BackcopyBatches(config.seq_len, config.batch_size * world, seed=seed, epochs=epochs,
-                               bos=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1)
     return text_batches(tokenizer, source, config.seq_len, config.batch_size * world, objective, seed=seed,
                         shuffle=shuffle, epochs=epochs)
 

@@ -181,3 +181,15 @@ def test_bondarenko_needs_divisible_slices():
         build_gate(spec, AttentionDims(d_model=64, n_heads=3, n_kv_heads=1, head_dim=16))
     wide = qg.AttentionVariant.parse("bondarenko:mode=all-heads").gate
     assert build_gate(wide, AttentionDims(64, 3, 1, 16))(torch.zeros(2, 5, 64)).shape == (2, 3, 5, 1)
+
+
+def test_gate_cost_against_a_hand_count():
+    """tiny-llama: 2 layers, d=64, 4 heads x 16. G1 elementwise: W (64 x 64) + b (64) per layer, one
+    multiply-add per weight per token; headwise: 64 x 4 + 4; input-independent: no per-token matmul."""
+    from quantgate.models.cost import gate_cost
+
+    cost = {v: gate_cost(qg.build("tiny-llama", v)) for v in ("vanilla", "g1-elementwise", "g1-headwise", "g1-constant")}
+    assert cost["vanilla"] == {"gate_params": 0, "gate_flops_per_token": 0.0}
+    assert cost["g1-elementwise"] == {"gate_params": 2 * (64 * 64 + 64), "gate_flops_per_token": 2 * 2 * 64 * 64}
+    assert cost["g1-headwise"] == {"gate_params": 2 * (64 * 4 + 4), "gate_flops_per_token": 2 * 2 * 64 * 4}
+    assert cost["g1-constant"] == {"gate_params": 2 * 64, "gate_flops_per_token": 0.0}

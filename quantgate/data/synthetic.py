@@ -23,17 +23,19 @@ class BackcopyBatches(Resumable):
 
     Vocabulary: ``n_tokens`` ids starting at ``first_id`` (above the special tokens), ``triggers`` of
     them are triggers (emitted with probability ``trigger_prob`` at each step); every row starts with
-    ``bos``. Batches depend only on (seed, batch index): resumable like :class:`Batches`.
+    ``bos``. The task (chain and triggers) is fixed by ``task_seed``; the sequences drawn from it by
+    (``seed``, batch index), so held-out data is another ``seed`` of the same task. Resumable like
+    :class:`Batches`.
     """
 
     def __init__(self, seq_len: int, batch_size: int, *, n_tokens: int = 512, triggers: int = 3,
                  branching: int = 3, trigger_prob: float = 0.08, first_id: int = 5, bos: int = 1, seed: int = 0,
-                 epochs: int | None = None, batches_per_epoch: int = 1000):
+                 task_seed: int = 0, epochs: int | None = None, batches_per_epoch: int = 1000):
         self.seq_len, self.batch_size, self.seed, self.bos = seq_len, batch_size, seed, bos
         self.first_id, self.n_tokens, self.trigger_prob = first_id, n_tokens, trigger_prob
         self.epochs, self.batches_per_epoch = epochs, batches_per_epoch
         self.split = f"backcopy(seed={seed})"
-        g = torch.Generator().manual_seed(10_000 + seed)
+        g = torch.Generator().manual_seed(10_000 + task_seed)
         self.triggers = torch.randperm(n_tokens, generator=g)[:triggers] + first_id
         self.successors = torch.randint(first_id, first_id + n_tokens, (first_id + n_tokens, branching), generator=g)
 
@@ -66,3 +68,9 @@ class BackcopyBatches(Resumable):
             nxt = torch.where(fire[:, i], which[:, i], chain)
             ids[:, i] = torch.where(after_trigger, ids[:, i - 2], nxt)  # copy the token before the trigger
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    def copy_positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) True where the token is a copy (the previous token is a trigger): the attention's job."""
+        after = torch.zeros_like(ids, dtype=torch.bool)
+        after[:, 2:] = torch.isin(ids[:, 1:-1], self.triggers)
+        return after

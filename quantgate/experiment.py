@@ -1,0 +1,163 @@
+"""Helpers for the experiment scripts (experiments/*.py): evaluation sequences, perplexity under a
+custom attention mask, first-token attention per layer and query position, and the report header.
+
+Shapes: ids (B, L) int64; masks (B | 1, 1, L, L) bool, True = attend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .data import batches
+from .models.swap import attention_modules
+
+__all__ = ["sequences", "nll", "window_mask", "first_token_attention", "trained_models", "with_rope", "machine",
+           "versions", "header"]
+
+
+def sequences(tokenizer, source: str, seq_len: int, n: int, *, seed: int = 0) -> torch.Tensor:
+    """(n, seq_len) held-out token ids from a text source or ``backcopy``."""
+    rows = []
+    for batch in batches(tokenizer, source, seq_len, 1, "clm", seed=seed, max_batches=n):
+        rows.append(batch["input_ids"])
+        if len(rows) == n:
+            break
+    return torch.cat(rows)
+
+
+@torch.no_grad()
+def nll(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *, start: int = 1) -> torch.Tensor:
+    """Per-sequence summed negative log-likelihood (nats) of tokens ``start`` .. L-1, shape (B,), and
+    with ``mask`` (B|1, 1, L, L) bool as the attention mask of every layer."""
+    model.eval()
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, start - 1:-1]
+    target = ids[:, start:]
+    return nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none").sum(-1)
+
+
+def perplexity(total_nll: torch.Tensor, tokens: int) -> float:
+    return math.exp(float(total_nll.sum()) / tokens)
+
+
+def window_mask(length: int, window: int, sinks: int = 0) -> torch.Tensor:
+    """(1, 1, L, L) causal sliding-window mask: query i sees keys i-window+1 .. i, plus keys 0 .. sinks-1
+    (a rolling KV cache of ``window`` recent tokens, with or without the first ``sinks``)."""
+    i = torch.arange(length).view(-1, 1)
+    j = torch.arange(length).view(1, -1)
+    allowed = (j <= i) & ((i - j < window) | (j < sinks))
+    return allowed.view(1, 1, length, length)
+
+
+class _FirstTokenProbe:
+    """Collects gated_sdpa's first-key attention mass (B, H, N) per attention layer."""
+
+    sink_tokens = 1
+
+    def __init__(self, modules):
+        self.index = {id(m): i for i, m in enumerate(modules)}
+        self.mass: list[torch.Tensor | None] = [None] * len(modules)
+
+    def record_sink_mass(self, module, mass: torch.Tensor) -> None:
+        self.mass[self.index[id(module)]] = mass.float().mean(1).cpu()  # mean over heads: (B, N)
+
+
+@contextmanager
+def _probe(model: nn.Module):
+    modules = attention_modules(model)
+    probe = _FirstTokenProbe(modules)
+    for m in modules:
+        m.qg_observer = probe
+    try:
+        yield probe
+    finally:
+        for m in modules:
+            m.qg_observer = None
+
+
+@torch.no_grad()
+def first_token_attention(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(layers, B, L) attention probability on the first token, averaged over heads, per query
+    position (O(L) memory: from the log-sum-exp, never the L x L matrix). Needs a quantgate model."""
+    model.eval()
+    with _probe(model) as probe:
+        model(input_ids=ids, attention_mask=mask)
+    return torch.stack(probe.mass)
+
+
+def trained_models(run_dir: str | Path, seed: int = 0) -> dict:
+    """{variant: model} of the trained cells of a study run (cells of ``seed``, or without seeds)."""
+    from .models.swap import variant_of
+    from .quant.checkpoint import load
+
+    run_dir = Path(run_dir)
+    cells = sorted(d for d in (run_dir / "cells").glob("*") if (d / "train").is_dir()) if run_dir.is_dir() else []
+    cells = [d for d in cells if d.name.endswith(f"-seed{seed}") or "-seed" not in d.name]
+    if not cells:
+        raise FileNotFoundError(f"{run_dir} holds no trained cells for seed {seed}; run its study first: "
+                                f"quantgate study experiments/{run_dir.name}.yaml")
+    out = {}
+    for d in cells:
+        if not (d / "train" / "model" / "config.json").is_file():
+            raise FileNotFoundError(f"{d}/train/model is missing (trained weights are not committed); re-run "
+                                    f"quantgate study experiments/{run_dir.name}.yaml to rebuild it")
+        model = load(d / "train" / "model")
+        out[str(variant_of(model))] = model
+    return out
+
+
+def with_rope(model: nn.Module, rope_type: str, factor: float, trained_len: int) -> nn.Module:
+    """The model with RoPE scaling set through transformers' rope_parameters ("default", "linear" or
+    "yarn", ``factor`` over ``trained_len``); rebuilds the rotary embedding in place."""
+    config = model.config
+    base = {k: v for k, v in config.rope_parameters.items() if k in ("rope_theta", "partial_rotary_factor")}
+    if rope_type == "default":
+        config.rope_parameters = {**base, "rope_type": "default"}
+        config.max_position_embeddings = trained_len
+    else:
+        config.rope_parameters = {**base, "rope_type": rope_type, "factor": float(factor),
+                                  **({"original_max_position_embeddings": trained_len} if rope_type == "yarn" else {})}
+        config.max_position_embeddings = int(trained_len * factor)
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    inner.rotary_emb = type(inner.rotary_emb)(config=config).to(next(model.parameters()).device)
+    return model
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for p in ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate"):
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def header(title: str, command: str, seconds: float, what: str) -> list[str]:
+    """The first lines of an experiment's report.md: what it asks, how to regenerate it, where it ran."""
+    m = machine()
+    where = m["gpu"] or f"{m['cpus']} CPUs ({m['torch_threads']} torch threads), no GPU"
+    return [f"# {title}", "", what.strip(), "",
+            f"Command: `{command}` ({seconds / 60:.1f} min wall). Machine: {m['platform']}, {where}; "
+            + ", ".join(f"{k} {v}" for k, v in versions().items() if v) + ".", ""]
+
+
+def write(out: Path, lines: list[str]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
