@@ -31,6 +31,8 @@ class Family:
     o_proj: str
     ffn: str  # path in a block to the module whose output is the feed-forward output
     native_gate: str | None = None  # a gate the architecture has built in
+    v_head_dim: str | None = None  # config field of the value head dim where it differs from q/k's (MLA)
+    value_gate: bool = True  # whether a G2 gate on v_proj's output can be expressed
 
     def config_class(self):
         return getattr(transformers, self.config_cls)
@@ -53,6 +55,8 @@ class Family:
     def dims(self, config) -> AttentionDims:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if self.v_head_dim:  # gates multiply the attention output: its head dim is the values'
+            head_dim = getattr(config, self.v_head_dim)
         kv = getattr(config, "num_key_value_heads", None) or heads
         return AttentionDims(config.hidden_size, heads, kv, head_dim)
 
@@ -84,6 +88,11 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),
         Family("qwen3-next", ("qwen3_next",), "Qwen3NextConfig", "Qwen3NextForCausalLM", **_DECODER,
                native_gate="g1-elementwise"),
+        # DeepSeek-V3 multi-head latent attention: queries and keys/values through low-rank latents
+        # (q_a/q_b, kv_a_proj_with_mqa/kv_b_proj), decoupled RoPE dims, q/k head dim != v head dim
+        Family("mla", ("deepseek_v3",), "DeepseekV3Config", "DeepseekV3ForCausalLM", "clm", "layers", "self_attn",
+               "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp", v_head_dim="v_head_dim",
+               value_gate=False),
     )
 }
 

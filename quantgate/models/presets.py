@@ -47,6 +47,15 @@ def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
     return cfg
 
 
+def _mla(d, layers, heads, ffn, q_rank, kv_rank, nope, rope, v, **kw):
+    """DeepSeek-V3-style MLA, dense (every layer an MLP, no MoE)."""
+    cfg = _decoder(d, layers, heads, heads, ffn, **kw)
+    cfg.update(q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+               v_head_dim=v, first_k_dense_replace=layers, moe_intermediate_size=ffn // 2,
+               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    return cfg
+
+
 PRESETS: dict[str, Preset] = {
     "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)", "wordpiece-8192"),
     "tiny-opt": Preset("opt", _opt(64, 2, 4, 128), "2 layers, d=64, 4 heads, pre-LN (CPU tests)"),
@@ -55,10 +64,14 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
     "tiny-qwen3-next": Preset("qwen3-next", _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
                               "2 full-attention layers, d=64, built-in gate, 4 experts"),
+    "tiny-mla": Preset("mla", _mla(64, 2, 4, 128, q_rank=32, kv_rank=32, nope=16, rope=8, v=16),
+                       "2 layers, d=64, 4 heads, MLA latents q 32 / kv 32, q/k head 16+8 rope, v head 16"),
     "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)", "wordpiece-8192"),
     "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
     "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
     "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
+    "small-mla": Preset("mla", _mla(256, 4, 4, 768, q_rank=128, kv_rank=64, nope=48, rope=16, v=64),
+                        "4 layers, d=256, 4 heads, MLA latents q 128 / kv 64, q/k head 48+16 rope, v head 64"),
     "bert-base": Preset("bert", _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
                         "BERT-base shape (110M)", "google-bert/bert-base-uncased"),
     "opt-125m": Preset("opt", _opt(768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2,

@@ -140,7 +140,7 @@ def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str
             torch.manual_seed(seed)
         for i, block in enumerate(family.attention_blocks(model)):
             attn = block.get_submodule(family.attention)
-            ref = block.get_submodule(family.q_proj).weight
+            ref = block.get_submodule(family.o_proj).weight  # device and dtype of the new parameters
             attn.__class__ = _variant_class(type(attn))
             attn.qg_variant = variant
             attn.qg_observer = None
@@ -177,6 +177,10 @@ def _check_expressible(family: Family, variant: AttentionVariant, config) -> Non
     if family.native_gate and (variant.gate is None or variant.gate.kind != family.native_gate):
         raise ValueError(f"{family.name} has a built-in {family.native_gate} gate (part of q_proj); its variant is "
                          f"'{family.native_gate}', optionally with +clipped or +sink, not {variant}")
+    if not family.value_gate and variant.gate is not None and variant.gate.kind == "g2-value":
+        raise ValueError(f"{family.name}: g2-value gates each key token's values, but this architecture rebuilds "
+                         f"keys and values from a cached latent at every decoding step, where the key tokens' hidden "
+                         f"states are gone; use a G1 gate (g1-elementwise is Kimi's channel-wise output gate)")
     if family.native_gate and variant.gate.low_rank is not None:
         raise ValueError(f"{family.name}'s built-in gate is full rank; drop low_rank from {variant}")
     layer_types = getattr(config, "layer_types", None)
