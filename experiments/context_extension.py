@@ -12,7 +12,6 @@ leaks as keys are added. Here: whether the ungated model's sink and perplexity d
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -24,11 +23,7 @@ ROPES = ("default", "linear", "yarn")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--pair", default="results/cpu_recipe", help="study run with the trained tiny models")
-    ap.add_argument("--out", default="results/context_extension")
-    args = ap.parse_args()
+    args = ex.script_args(__doc__, "results/context_extension", **ex.PAIR)
     t0 = time.perf_counter()
     out = Path(args.out)
     if args.smoke:
@@ -92,9 +87,7 @@ def plot(results: dict, path):
     axes[0].set(xscale="log", yscale="log", xlabel="evaluation length", ylabel="perplexity")
     axes[1].set(xscale="log", xlabel="evaluation length", ylabel="first-token attention (max layer)")
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ex.save_figure(fig, path)
 
 
 if __name__ == "__main__":

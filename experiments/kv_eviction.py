@@ -13,7 +13,6 @@ held-out backcopy sequences.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -38,11 +37,7 @@ def sweep(model, ids, windows: list[int]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--pair", default="results/cpu_recipe", help="study run with the trained tiny models")
-    ap.add_argument("--out", default="results/kv_eviction")
-    args = ap.parse_args()
+    args = ex.script_args(__doc__, "results/kv_eviction", **ex.PAIR)
     t0 = time.perf_counter()
     out = Path(args.out)
     if args.smoke:
@@ -104,9 +99,7 @@ def plot(results: dict, path):
         ax.set(xscale="log", yscale="log", xlabel="window (tokens)", ylabel="perplexity", title=name)
         ax.title.set_fontsize(8)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ex.save_figure(fig, path)
 
 
 if __name__ == "__main__":

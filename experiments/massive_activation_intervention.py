@@ -13,7 +13,6 @@ held-out test sequences, together with the first-token attention of every layer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -70,10 +69,7 @@ def run(model, block, ids, hook: Intervention | None) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default="results/massive_activation_intervention")
-    args = ap.parse_args()
+    args = ex.script_args(__doc__, "results/massive_activation_intervention")
     t0 = time.perf_counter()
     out = Path(args.out)
     model = qg.build("tiny-llama") if args.smoke else qg.load("smollm2-135m")
@@ -145,9 +141,7 @@ def plot(results: dict, path: Path) -> None:
         axes[1].plot(results[k]["first_token_attention"], marker=".", label=k)
     axes[1].set(xlabel="layer", ylabel="first-token attention", title="attention sink per layer")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ex.save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ would fall with n as the toy says.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -52,10 +51,7 @@ def measure(model, tok, length: int, n_seqs: int, probes: list[int]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", default="results/sink_leak_toy")
-    args = ap.parse_args()
+    args = ex.script_args(__doc__, "results/sink_leak_toy")
     t0 = time.perf_counter()
     out = Path(args.out)
     gap = toy_gap()
@@ -132,9 +128,7 @@ def plot(metrics: dict, probes: list[int], path: Path) -> None:
     ax.set(xscale="log", xlabel="keys n", ylabel="leak (attention not on the sink)", ylim=(0, 1.02),
            title="sink leakage: toy (dotted: fixed gap from the smallest n) vs measured")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ex.save_figure(fig, path)
 
 
 if __name__ == "__main__":

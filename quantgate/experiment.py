@@ -6,9 +6,8 @@ Shapes: ids (B, L) int64; masks (B | 1, 1, L, L) bool, True = attend.
 
 from __future__ import annotations
 
+import argparse
 import math
-import os
-import platform
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,9 +16,10 @@ import torch.nn as nn
 
 from .data import batches
 from .models.swap import attention_modules
+from .provenance import machine, versions
 
-__all__ = ["sequences", "nll", "window_mask", "first_token_attention", "trained_models", "with_rope", "machine",
-           "versions", "header"]
+__all__ = ["sequences", "nll", "perplexity", "window_mask", "first_token_attention", "trained_models", "with_rope",
+           "header", "write", "script_args", "save_figure"]
 
 
 def sequences(tokenizer, source: str, seq_len: int, n: int, *, seed: int = 0) -> torch.Tensor:
@@ -129,22 +129,26 @@ def with_rope(model: nn.Module, rope_type: str, factor: float, trained_len: int)
     return model
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+PAIR = {"--pair": ("results/cpu_recipe", "study run whose trained tiny models (seed 0) to use")}
 
 
-def versions() -> dict:
-    from importlib import metadata
+def script_args(doc: str, out: str, **extra) -> argparse.Namespace:
+    """The experiment scripts' command line: --smoke, --out (default ``out``) and ``extra``
+    ({flag: (default, help)})."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="seconds: tiny random models, short inputs (CI)")
+    ap.add_argument("--out", default=out)
+    for flag, (default, help_) in extra.items():
+        ap.add_argument(flag, default=default, help=help_)
+    return ap.parse_args()
 
-    out = {}
-    for p in ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate"):
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = None
-    return out
+
+def save_figure(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def header(title: str, command: str, seconds: float, what: str) -> list[str]:

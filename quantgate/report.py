@@ -207,10 +207,10 @@ def study_markdown(metrics: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     acc_rows = [(c, t) for t in ACCURACY for c in cells if _get(c["float"], t) is not None]
     if acc_rows:
-        head = ["model", "variant", "task", "FP acc"] + [f"{s} acc" for s in schemes]
+        head = ["model", "variant", "seed", "task", "FP acc"] + [f"{s} acc" for s in schemes]
         lines += ["", "## Accuracy (bundled tasks)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for c, t in acc_rows:
-            row = [c["model"], c["variant"], t[0], _fmt(_get(c["float"], t))]
+            row = [c["model"], c["variant"], str(c["seed"]), t[0], _fmt(_get(c["float"], t))]
             row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)) for s in schemes]
             lines.append("| " + " | ".join(row) + " |")
     # Qiu-style table and correlations
@@ -237,6 +237,7 @@ def study_markdown(metrics: dict) -> str:
             x, y = [p[0] for p in pairs], [p[1] for p in pairs]
             row.append(f"{_fmt(spearman(x, y))} / {_fmt(pearson(x, y))} (n={len(pairs)})")
         lines.append("| " + " | ".join(row) + " |")
+    lines += _side_by_side(cells, schemes)
     # quantization error
     lines += ["", "## Where quantization hurts", "", "| model | variant | scheme | logits SQNR (dB) | worst blocks (dB) | "
               "FP8 saturated values |", "|---|---|---|---|---|---|"]
@@ -250,17 +251,40 @@ def study_markdown(metrics: dict) -> str:
                          f"{r['overflow']} |")
     trained = [c for c in cells if c["trained"].get("trained")]
     if trained:
-        lines += ["", "## Training", "", "| model | variant | steps | tokens | final train loss | held-out loss |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "## Training", "", "| model | variant | seed | steps | tokens | final train loss | held-out loss |",
+                  "|---|---|---|---|---|---|---|"]
         for c in trained:
             t = c["trained"]
-            lines.append(f"| {c['model']} | {c['variant']} | {t['steps']} | {t['tokens']:,} | "
+            lines.append(f"| {c['model']} | {c['variant']} | {c['seed']} | {t['steps']} | {t['tokens']:,} | "
                          f"{_fmt(t['final_train_loss'])} | {_fmt(t['final_eval_loss'])} |")
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in _plot_names(metrics)]
     notes = (st.get("report") or {}).get("notes", "").strip()
     if notes:
         lines += ["", "## Reading (from the study file)", "", notes]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _side_by_side(cells: list[dict], schemes: list[str]) -> list[str]:
+    """The variants that several models share, one row each, the models' numbers in adjacent columns."""
+    models = list(dict.fromkeys(c["model"] for c in cells))
+    by = {(c["model"], c["variant"]): c for c in cells if c["seed"] == cells[0]["seed"]}
+    shared = [v for v in dict.fromkeys(c["variant"] for c in cells) if sum((m, v) in by for m in models) > 1]
+    if len(models) < 2 or not shared:
+        return []
+    scheme = schemes[0] if schemes else None
+    metrics = [("FP ppl", lambda c: _fmt(ppl_of(c["float"]))),
+               ("first-token attn", lambda c: _fmt(c["observe"]["summary"]["sink_mass"])),
+               ("max activation", lambda c: _fmt(c["observe"]["summary"]["max_activation"])),
+               *([(f"{scheme} change", lambda c: _rel(ppl_of(c["float"]), ppl_of(c["schemes"].get(scheme, {}).get("results"))))]
+                 if scheme else []),
+               ("gate params", lambda c: _cost(c)[0])]
+    head = ["variant"] + [f"{m}: {name}" for name, _ in metrics for m in models]
+    lines = ["", f"## Models side by side ({' vs '.join(models)})", "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for v in shared:
+        row = [v] + [fn(by[(m, v)]) if (m, v) in by else "-" for _, fn in metrics for m in models]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def _sentences(cells: list[dict], schemes: list[str]) -> list[str]:

@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import yaml
 from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .models.presets import PRESETS
 from .models.sources import PACKAGED
+from .provenance import machine, versions
 from .quant.schemes import get_scheme
 from .train import TrainConfig
 from .variants import AttentionVariant
@@ -283,9 +283,7 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, s
         log.info("[%d/%d] %s", n, len(cells), cell["id"])
         records.append(_run_cell(study, cell, out / "cells" / cell["slug"]))
     order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
-    metrics = {"study": study.raw, "cells": records, "schemes": order, "versions": _versions(),
-               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                           "torch_threads": _threads()},
+    metrics = {"study": study.raw, "cells": records, "schemes": order, "versions": versions(), "machine": machine(),
                "wall_seconds": {"this_invocation": round(time.perf_counter() - started, 1),
                                 "steps_total": round(sum(r["seconds"] for r in records), 1)}}
     _write_json(out / "metrics.json", metrics)
@@ -458,22 +456,4 @@ def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec,
     return {"results": out["results"], "logits_sqnr_db": err["logits_sqnr_db"],
             "worst_layers": err["worst_layers"], "overflow": err["overflow"],
             "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration")}
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {}
-    for p in ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate"):
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = None
-    return out
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 

@@ -1,7 +1,6 @@
 """Every experiment under experiments/ validates and runs end to end at a tiny budget."""
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +10,10 @@ from quantgate.study import load_study, plan, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
-RUN_HERE = ["bondarenko_table2", "qiu_table4", "hyga_ablation", "cpu_recipe"]  # committed results come from these
+# committed results come from these; the smoke (first variant of each model) of qiu_table4 and hyga_ablation
+# trains the same tiny models as the others, so CI runs those two only with -m slow
+RUN_HERE = ["bondarenko_table2", "cpu_recipe", pytest.param("qiu_table4", marks=pytest.mark.slow),
+            pytest.param("hyga_ablation", marks=pytest.mark.slow)]
 SCRIPTS = ["sink_leak_toy", "massive_activation_intervention", "kv_eviction", "context_extension",
            "cpu_recipe_search"]
 
@@ -46,9 +48,9 @@ def test_study_smoke(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
-def test_script_smoke(name, tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, cwd=tmp_path, capture_output=True, timeout=600)
+def test_script_smoke(name, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--smoke", "--out", str(tmp_path)])
+    _module(name).main()
     produced = {p.name for p in tmp_path.rglob("*")}
     assert "report.md" in produced or "search.md" in produced
     assert any(n.endswith(".png") for n in produced)

@@ -49,7 +49,10 @@ def test_study_produces_metrics_report_and_plots(smoke_run):
     # every number in the tables comes from metrics.json
     fp = gated["float"]["quantgate_ppl"]["word_perplexity"]
     static = gated["schemes"]["w8a8-int8-static"]["results"]["quantgate_ppl"]["word_perplexity"]
-    assert f"| tiny | g1-headwise | {fp:.4g} |" in report and f"{static:.4g}" in report
+    tokens = gated["trained"]["tokens"]
+    assert f"| tiny | g1-headwise | 0 | {tokens:,} | {fp:.4g} |" in report and f"{static:.4g}" in report
+    cost = gated["cost"]
+    assert f"| {cost['gate_params']:,} | {cost['gate_flops_per_token']:.4g} |" in report
     assert (smoke_run / "config.yaml").is_file()
 
 
