@@ -194,7 +194,7 @@ def study_markdown(metrics: dict) -> str:
               "Perplexity is `quantgate_ppl` word perplexity on held-out text for causal LMs, `quantgate_mlm_ppl` "
               "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; max inf-norm and "
               "kurtosis follow Bondarenko et al. (per sequence, averaged; max over layers / mean over layers); sink "
-              f"mass is the mean attention on the first token. All rows ran on the machine above.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+              "mass is the mean attention on the first token. All rows ran on the machine above.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
         fp = ppl_of(c["float"])

@@ -2,7 +2,6 @@
 
 import sys
 
-import torch
 
 import quantgate as qg
 from quantgate.train import TrainConfig, train
