@@ -23,6 +23,7 @@ def _load_or_build(source: str, variant: str | None):
 
 def cmd_info(args) -> int:
     from .data.corpus import BUNDLED_SPLITS, DATASETS
+    from .data.tokenizers import BUNDLED_TOKENIZERS
     from .models import PACKAGED, PRESETS, family_of, gate_parameters, variant_of
     from .quant import quantization_of
     from .variants import AttentionVariant
@@ -34,6 +35,7 @@ def cmd_info(args) -> int:
         print("packaged checkpoints (real weights, offline):")
         for name, p in PACKAGED.items():
             print(f"  {name:<16} {p.description}")
+        print(f"bundled tokenizers: {', '.join(BUNDLED_TOKENIZERS)}")
         print(f"text sources: {', '.join(BUNDLED_SPLITS)} (bundled); "
               f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split> (online)")
         print("variants (combine with '+', parameters as name:key=value,...):")

@@ -145,3 +145,24 @@ def test_bad_input(tmp_path):
     (tmp_path / "broken" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
         qg.load(tmp_path / "broken")
+
+
+def test_a_train_run_directory_loads_as_its_model(tmp_path, capsys):
+    """`quantgate train --out RUN` then qg.load(RUN), `quantgate info RUN`: the run's model/, same logits."""
+    from quantgate.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "--preset", "tiny-llama", "--variant", "g1-headwise", "--steps", "2", "--batch-size", "2",
+            "--seq-len", "16", "--out", str(run)]
+    assert main(argv) == 0
+    model, direct = qg.load(run), qg.load(run / "model")
+    assert str(qg.variant_of(model)) == "g1-headwise"
+    ids = torch.randint(5, 8192, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, direct(ids).logits)
+    assert main(["info", str(run)]) == 0 and "g1-headwise" in capsys.readouterr().out
+    (tmp_path / "unfinished" / "checkpoints" / "step-1").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="has not finished .* --resume"):
+        qg.load(tmp_path / "unfinished")
+    with pytest.raises(FileNotFoundError, match="expected a checkpoint directory .* run directory"):
+        qg.load(tmp_path)

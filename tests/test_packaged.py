@@ -135,3 +135,42 @@ def test_gate_added_to_smollm2_with_finetune_init_barely_moves_its_loss(smollm2,
         base, after, naive = (m(**batch).loss.item() for m in (smollm2, gated, plain_gate))
     assert abs(after - base) < 0.02, (base, after)  # measured here: 3.9974 -> 3.9994 (plain gate: 9.79)
     assert abs(naive - base) > 0.5  # without the rescale every head's output drops to a quarter
+
+
+def _listed_names(capsys) -> dict[str, list[str]]:
+    """Names `quantgate info --list` prints, by section (presets, packaged checkpoints, bundled tokenizers)."""
+    from quantgate.cli import main
+
+    assert main(["info", "--list"]) == 0
+    names, section = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith(("presets", "packaged checkpoints")):
+            section = line.split(" (")[0]
+            names[section] = []
+        elif line.startswith("bundled tokenizers:"):
+            names["bundled tokenizers"] = line.split(":", 1)[1].replace(" ", "").split(",")
+            section = None
+        elif section and line.startswith("  "):
+            names[section].append(line.split()[0])
+        else:
+            section = None
+    return names
+
+
+def test_every_listed_name_has_a_tokenizer_that_round_trips(capsys):
+    """Every preset, packaged checkpoint and bundled tokenizer name resolves with qg.tokenizer(name) (offline,
+    except presets whose tokenizer is a hub id, which must say so), and tokenizes and detokenizes a sentence."""
+    from quantgate.models import PRESETS
+
+    names = _listed_names(capsys)
+    assert set(names["presets"]) == set(PRESETS) and names["packaged checkpoints"] == ["smollm2-135m", "minilm-l6"]
+    assert names["bundled tokenizers"] == ["bpe-8192", "wordpiece-8192"]
+    sentence = "It is a truth universally acknowledged"
+    for name in sum(names.values(), []):
+        try:
+            tok = qg.tokenizer(name)
+        except FileNotFoundError as e:  # a hub tokenizer with no network
+            assert "/" in PRESETS[name].tokenizer and "hub" in str(e), (name, e)
+            continue
+        ids = tok(sentence).input_ids
+        assert len(ids) >= 6 and tok.decode(ids, skip_special_tokens=True).lower().strip() == sentence.lower(), name

@@ -43,3 +43,13 @@ def test_main_job_is_the_default_study_and_it_validates():
     study = load_study(ROOT / DEFAULT_STUDY)
     assert {m.name for m in study.models} == {"smollm2-135m", "tiny"}
     assert len(study.cells()) == 4
+
+
+def test_numbers_quoted_from_committed_results_are_in_them():
+    """A README paragraph that cites results/<study>/report.md quotes only numbers that file holds."""
+    paragraphs = [p for p in README.split("\n\n") if re.search(r"results/\w+/report\.md", p)]
+    assert paragraphs
+    for paragraph in paragraphs:
+        report = (ROOT / re.search(r"(results/\w+/report\.md)", paragraph).group(1)).read_text()
+        quoted = re.findall(r"\d+\.\d+(?:e[+-]\d+)?", paragraph)
+        assert quoted and all(n in report for n in quoted), [n for n in quoted if n not in report]

@@ -58,11 +58,15 @@ def _package_dir(name: str) -> Path:
     return Path(found.submodule_search_locations[0]) / spec.subdir
 
 
+RUN_MODEL = "model"  # where ``quantgate train --out RUN`` writes the trained model inside its run directory
+
+
 def resolve(source: str | os.PathLike) -> Path:
-    """A local checkpoint directory for ``source``: a directory, a packaged model name or a hub id."""
+    """A local checkpoint directory for ``source``: a checkpoint directory, a ``quantgate train`` run
+    directory (its ``model/``), a packaged model name or a hub id."""
     path = Path(source)
     if path.is_dir():
-        return path
+        return _checkpoint_dir(path)
     name = str(source)
     if name in PACKAGED:
         return _gguf_to_safetensors(name) if PACKAGED[name].gguf_file else _package_dir(name)
@@ -73,6 +77,20 @@ def resolve(source: str | os.PathLike) -> Path:
                          f"or give a checkpoint; packaged checkpoints: {', '.join(PACKAGED)}")
     raise FileNotFoundError(f"no model {name!r}: give a checkpoint directory (config.json + *.safetensors), a "
                             f"packaged model ({', '.join(PACKAGED)}) or a Hugging Face hub id (owner/name, online)")
+
+
+def _checkpoint_dir(path: Path) -> Path:
+    """``path`` itself when it holds config.json, else the trained model of a run directory."""
+    if (path / "config.json").is_file():
+        return path
+    if (path / RUN_MODEL / "config.json").is_file():
+        return path / RUN_MODEL
+    if (path / "checkpoints").is_dir() or (path / "log.jsonl").is_file():
+        raise FileNotFoundError(f"{path} is a training run that has not finished (no {RUN_MODEL}/config.json yet): "
+                                f"continue it with `quantgate train ... --out {path} --resume`")
+    raise FileNotFoundError(f"{path} has no config.json: expected a checkpoint directory (config.json + "
+                            f"*.safetensors, written by qg.save or transformers' save_pretrained) or a "
+                            f"`quantgate train --out` run directory (holding {RUN_MODEL}/config.json)")
 
 
 def _gguf_to_safetensors(name: str) -> Path:
@@ -125,7 +143,7 @@ def tokenizer(source):
     name = str(source)
     if name in BUNDLED_TOKENIZERS:
         return bundled_tokenizer(name)
-    if name in PRESETS:
+    if name in PRESETS and PRESETS[name].tokenizer != name:  # smollm2-135m is both a preset and a checkpoint
         return tokenizer(PRESETS[name].tokenizer)
     path = resolve(source)
     if not _has_tokenizer(path):
