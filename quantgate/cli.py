@@ -218,6 +218,7 @@ def cmd_build_tokenizers(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of every error, not one line")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="family, parameter count (gates separately), variant and dtype of a model")
     info.add_argument("model", nargs="?", help="a preset name or a model directory")
@@ -298,12 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .data.corpus import OfflineError
+    from .quant import HardwareUnavailable
+    from .train import TrainingDiverged
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("quantgate").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError, OfflineError, HardwareUnavailable,
+            TrainingDiverged) as e:  # the user's input or setup: one line; anything else is a bug, with its traceback
+        if args.debug:
+            raise
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)
         return 2
 

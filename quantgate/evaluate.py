@@ -53,6 +53,7 @@ OFFLINE_EQUIVALENTS = {"wikitext": "quantgate_ppl", "lambada_openai": "quantgate
 def task_manager(include_defaults: bool = True):
     """lm-eval's task index with quantgate's tasks; without lm-eval's own ~10k task configs (slow to
     index) when only bundled tasks are asked for."""
+    _require_lm_eval()
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults)
@@ -62,8 +63,6 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
              batch_size: int | str = "auto", max_length: int | None = None) -> dict:
     """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
     "settings": ..., "versions": ...}`` with what is needed to reproduce the numbers."""
-    import lm_eval
-
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     family = family_of(model)
@@ -75,6 +74,7 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
     results: dict[str, dict] = {}
     lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
     if lm_tasks:
+        lm_eval = _require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
         was_training = model.training
@@ -100,6 +100,15 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         "versions": {**{p: _version(p) for p in ("quantgate", "lm_eval", "torch", "transformers", "torchao")},
                      "python": platform.python_version()},
     }
+
+
+def _require_lm_eval():
+    """lm_eval, imported where it is used: it is optional (the tasks scored here run without it)."""
+    try:
+        import lm_eval
+    except ImportError as e:
+        raise ModuleNotFoundError(f"evaluation needs lm-eval (pip install lm-eval==0.4.13): {e}") from None
+    return lm_eval
 
 
 def _check_vocabulary(model, tokenizer) -> None:
@@ -155,7 +164,7 @@ def _context_length(model: nn.Module) -> int:
 
 def _wrap(model, tokenizer, objective: str, batch_size, max_length):
     if objective == "mlm":
-        return PseudoLogLikelihoodLM(model, tokenizer, batch_size=batch_size, max_length=max_length)
+        return _register()(model, tokenizer, batch_size=batch_size, max_length=max_length)
     from lm_eval.models.huggingface import HFLM
 
     try:
@@ -236,7 +245,10 @@ def backcopy_metrics(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_s
     return {"perplexity": math.exp(nll / count), "copy_acc": hits / max(copies, 1)}
 
 
+@lru_cache(maxsize=1)
 def _register():
+    """Define PseudoLogLikelihoodLM and register it with lm-eval as ``quantgate-mlm``, at first use."""
+    _require_lm_eval()
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 
@@ -297,4 +309,7 @@ def _register():
     return PseudoLogLikelihoodLM
 
 
-PseudoLogLikelihoodLM = _register()
+def __getattr__(name: str):
+    if name == "PseudoLogLikelihoodLM":  # defined on first access, so that importing quantgate needs no lm-eval
+        return _register()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

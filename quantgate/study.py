@@ -438,7 +438,7 @@ def _evaluate(model, tok, cfg: dict) -> dict:
 def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
     from .data import batches
     from .models.families import family_of
-    from .quant import quant_error, quantize
+    from .quant import HardwareUnavailable, quant_error, quantize
 
     objective = family_of(model).objective
     s = get_scheme(scheme)
@@ -447,7 +447,7 @@ def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec,
     options = {"calib": calib["batches"]} if s.needs_calibration else {}
     try:
         q = quantize(model, scheme, calibration=calibration, **options)
-    except RuntimeError as e:  # a scheme this hardware cannot run: recorded, not fatal
+    except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal
         return {"error": str(e)}
     held_out = batches(tok, m.observe["data"], m.observe["seq_len"], m.observe["batch_size"], objective,
                        max_batches=1)

@@ -67,3 +67,28 @@ def test_eval_and_compare(tmp_path, capsys):
     assert delta == pytest.approx(w8 - fp)
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     assert main(["compare", str(tmp_path / "nowhere")]) == 2
+
+
+def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, capsys):
+    import torch
+
+    import quantgate.quant
+    from quantgate.quant import HardwareUnavailable
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        assert main(["quantize", "tiny-llama", "--scheme", "torchao-fp8-dynamic"]) == 2
+        assert "torchao-fp8-dynamic cannot run here" in capsys.readouterr().err
+
+    def fail(error):
+        def quantize(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(quantgate.quant, "quantize", quantize)
+
+    fail(HardwareUnavailable("w8a8-x cannot run here: no such GPU"))
+    assert main(["quantize", "tiny-llama", "--scheme", "w8-int8"]) == 2
+    assert capsys.readouterr().err.strip() == "quantgate quantize: error: w8a8-x cannot run here: no such GPU"
+    with pytest.raises(HardwareUnavailable):  # --debug: the traceback of a known error too
+        main(["--debug", "quantize", "tiny-llama", "--scheme", "w8-int8"])
+    fail(RuntimeError("shape mismatch"))  # a bug, not the user's setup: its traceback, not a misleading line
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["quantize", "tiny-llama", "--scheme", "w8-int8"])

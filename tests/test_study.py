@@ -139,3 +139,24 @@ def test_compare_reads_study_runs(smoke_run):
 
     table = compare([smoke_run])
     assert "| smoke:tiny | g1-headwise | float |" in table and "| smoke:tiny | g1-headwise | w8a8-int8-static |" in table
+
+
+def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatch):
+    import quantgate as qg
+    import quantgate.quant
+    from quantgate.quant import HardwareUnavailable
+    from quantgate.study import _quantized
+
+    model = qg.build("tiny-llama")
+    tok = qg.tokenizer(model)
+
+    def fail(error):
+        def quantize(*args, **kwargs):
+            raise error
+        monkeypatch.setattr(quantgate.quant, "quantize", quantize)
+
+    fail(HardwareUnavailable("w8-int8 cannot run here: no such GPU"))
+    assert _quantized(model, tok, "w8-int8", {}, {}, None, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
+    fail(RuntimeError("shape mismatch"))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        _quantized(model, tok, "w8-int8", {}, {}, None, 0)

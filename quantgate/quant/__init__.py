@@ -20,11 +20,16 @@ from .error import quant_error
 from .schemes import SCHEMES, Scheme, _fmt, get_scheme
 from .simulate import apply_simulated
 
-__all__ = ["quantize", "quant_error", "SCHEMES", "Scheme", "get_scheme", "quantization_of", "HANDLERS"]
+__all__ = ["quantize", "quant_error", "SCHEMES", "Scheme", "get_scheme", "quantization_of", "HANDLERS",
+           "HardwareUnavailable"]
 
 log = logging.getLogger("quantgate")
 
 HANDLERS = {"simulate": apply_simulated, "torchao": apply_torchao, "bnb": apply_bnb}
+
+
+class HardwareUnavailable(RuntimeError):
+    """The scheme needs hardware this machine lacks (e.g. an FP8-capable GPU); the message names an alternative."""
 
 
 def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplace: bool = False,
@@ -35,7 +40,7 @@ def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplac
     itself when ``inplace``; the source model is never modified otherwise."""
     scheme = _with_options(get_scheme(scheme), options)
     if scheme.needs_cuda and not _cuda_fp8():
-        raise RuntimeError(f"{scheme.name} cannot run here: {scheme.needs_cuda}")
+        raise HardwareUnavailable(f"{scheme.name} cannot run here: {scheme.needs_cuda}")
     if scheme.needs_calibration and calibration is None:
         raise ValueError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
     fingerprint = _fingerprint(model)

@@ -33,8 +33,10 @@ def apply_torchao(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bool
     """torchao's ``quantize_`` on every Linear but the kept ones. For int8 static, per-tensor symmetric
     activation scales (max |x| / 127) come from the calibration batches (``ndims`` and placeholder
     scales when only the structure is rebuilt for loading)."""
-    from torchao.quantization import quantize_
-
+    try:
+        from torchao.quantization import quantize_
+    except ImportError as e:
+        raise ModuleNotFoundError(f"{scheme.name} needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
     linears = quantizable_linears(model, scheme)
     if scheme.name != "torchao-int8-static":
         targets = {id(m) for _, m in linears}

@@ -1,0 +1,211 @@
+"""One command for a GPU machine: versions, the attention tests, the Triton kernel against the eager
+reference, a few training steps on both backends, and the gated-SDPA benchmark table.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py                 # CUDA: fp32, bf16, fp16; under 8 minutes
+    PYTHONPATH=. python benchmarks/gpu_check.py --dry-run       # CPU, Triton interpreter, fp32, tiny shapes (CI)
+
+Each section runs on its own: a failure is printed with its traceback and the next section runs; a
+section that needs a library the machine lacks (or has too old) is skipped with a message. Writes
+``<out>/gated_sdpa-<gpu>.md`` (the benchmark table) and ``<out>/gpu_check-<gpu>.json`` (every number
+printed), then a PASS/FAIL/SKIP summary; exits 1 if any section failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+
+DRY = "--dry-run" in sys.argv
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported; the interpreter's bf16/fp8 are wrong: fp32 only
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET_S = 450  # all sections together stay under 8 minutes
+LIMITS_S = {"versions": 30, "tests": 120, "kernel": 150, "training": 90, "benchmark": 240}
+TESTS = ["tests/test_sdpa.py", "tests/test_triton.py"]  # gated_sdpa's backends (the fused kernel on the interpreter)
+# name: (B, Hq, Hkv, causal, gate, learned sinks, padded keys)
+CASES = {"mha-causal-elementwise": (1, 2, 2, True, "elementwise", False, False),
+         "gqa-causal-headwise-sinks": (1, 4, 2, True, "headwise", True, False),
+         "mqa-padded-causal-elementwise-sinks": (2, 2, 1, True, "elementwise", True, True),
+         "padded-bidirectional-ungated": (2, 1, 1, False, None, False, True)}
+
+
+class Skip(Exception):
+    """The section cannot run on this machine; the message says why."""
+
+
+def versions(args, rec):
+    """The libraries and the device found."""
+    found = {p: _version(p) for p in ("torch", "triton", "transformers", "lm_eval", "torchao", "bitsandbytes")}
+    found |= {"cuda": torch.version.cuda, "python": sys.version.split()[0],
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"}
+    if args.device == "cuda":
+        found["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    for key, value in found.items():
+        print(f"  {key:<13} {value or 'not installed'}")
+    rec["versions"] = found
+    return True
+
+
+def tests(args, rec):
+    """pytest on the attention tests, in a subprocess."""
+    if args.dry_run:
+        raise Skip("dry run: the test suite runs these tests itself")
+    if _version("pytest") is None:
+        raise Skip("pytest is not installed")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
+                         capture_output=True, text=True)
+    print("\n".join(run.stdout.strip().splitlines()[-15:]))
+    rec["tests"] = run.stdout.strip().splitlines()[-1:]
+    return run.returncode == 0
+
+
+def kernel(args, rec):
+    """The fused kernel against the eager reference: output and sink mass, then the gradients of every input.
+    The reference runs in float32 on the same (rounded) inputs; a low-precision kernel passes when its error is
+    within 4x eager attention's own error in that dtype."""
+    import triton  # noqa: F401  (Skip where it is missing)
+
+    from quantgate.attention import gated_sdpa
+
+    n, d = (20, 16) if args.dry_run else (1000, 128)
+    ok, rec["kernel"] = True, {}
+    for name, (b, hq, hkv, causal, gate, sinks, padded) in CASES.items():
+        g = torch.Generator(args.device).manual_seed(0)
+        rand = lambda *s: torch.randn(*s, generator=g, device=args.device)  # noqa: E731
+        raw = {"q": rand(b, hq, n, d), "k": rand(b, hkv, n, d), "v": rand(b, hkv, n, d)}
+        if gate:
+            raw["gate"] = torch.sigmoid(rand(b, hq, n, d if gate == "elementwise" else 1))
+        if sinks:
+            raw["sinks"] = rand(hq)
+        mask = None
+        if padded:  # row 0 left-padded (causal rows that see no key), row 1 right-padded
+            mask = torch.ones(b, n, dtype=torch.bool, device=args.device)
+            mask[0, :3], mask[1, -7:] = False, False
+            mask = mask[:, None, None, :]
+        probe = rand(b, hq, n, d)
+
+        def run(backend, inputs):
+            leaves = {k: t.detach().clone().requires_grad_() for k, t in inputs.items()}
+            out, mass = gated_sdpa(leaves["q"], leaves["k"], leaves["v"], leaves.get("gate"), attn_mask=mask,
+                                   is_causal=causal, sinks=leaves.get("sinks"), backend=backend, sink_tokens=1)
+            grads = torch.autograd.grad((out.float() * probe).sum(), list(leaves.values()))
+            return {"fwd": [out, mass], "bwd": list(grads)}
+
+        for dtype in args.dtypes:
+            low = {k: t.to(dtype) for k, t in raw.items()}
+            ref = run("eager", {k: t.float() for k, t in low.items()})
+            err = {backend: {part: max(_abs_max(a.float() - r) for a, r in zip(res[part], ref[part])) for part in ref}
+                   for backend, res in (("triton", run("triton", low)), ("eager", run("eager", low)))}
+            floor = {part: 1e-4 * max(1.0, *map(_abs_max, ref[part])) for part in ref}
+            good = all(err["triton"][p] <= max(4 * err["eager"][p], floor[p]) for p in ref)
+            ok &= good
+            key = f"{name}/{str(dtype).removeprefix('torch.')}"
+            rec["kernel"][key] = err["triton"] | {"eager_" + p: e for p, e in err["eager"].items()}
+            print(f"  {key:<45} max abs err fwd {err['triton']['fwd']:.2e} bwd {err['triton']['bwd']:.2e}   "
+                  f"(eager in this dtype: {err['eager']['fwd']:.2e} / {err['eager']['bwd']:.2e})  "
+                  f"{'ok' if good else 'TOO LARGE'}")
+    return ok
+
+
+def training(args, rec):
+    """A few AdamW steps of a small gated Llama on a padded batch, backend "sdpa" vs "triton" (float32)."""
+    import quantgate as qg
+
+    preset, shape, batch, seq, steps, tol = (("tiny-llama", {"num_hidden_layers": 1}, 1, 16, 2, 1e-4) if args.dry_run
+                                             else ("small-llama", {}, 8, 256, 10, 1e-3))
+    ids = torch.randint(5, 8000, (batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
+    attn = torch.ones_like(ids)
+    attn[-1, seq // 2:] = 0
+    losses = {}
+    for backend in ("sdpa", "triton"):
+        model = qg.build(preset, "g1-elementwise", backend=backend, seed=0, **shape).to(args.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[backend] = []
+        for _ in range(steps):
+            loss = model(ids, attention_mask=attn, labels=ids.masked_fill(attn == 0, -100)).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[backend].append(loss.item())
+    diff = [abs(a - b) for a, b in zip(losses["sdpa"], losses["triton"])]
+    print(f"  {preset}, g1-elementwise, batch {batch} x {seq}\n  step  sdpa        triton      |diff|")
+    for i, (a, b, e) in enumerate(zip(losses["sdpa"], losses["triton"], diff)):
+        print(f"  {i:>4}  {a:.6f}  {b:.6f}  {e:.1e}")
+    rec["training"] = losses | {"max_diff": max(diff)}
+    return max(diff) <= tol and losses["sdpa"][-1] < losses["sdpa"][0]
+
+
+def benchmark(args, rec):
+    """benchmarks/gated_sdpa.py, its table written beside this script's JSON."""
+    import gated_sdpa  # benchmarks/ is this script's folder, hence on sys.path
+
+    out = Path(args.out) / f"gated_sdpa-{args.slug}.md"
+    problems = gated_sdpa.run(args.dry_run, str(out))
+    print(*problems, f"  wrote {out}", sep="\n")
+    rec["benchmark"] = {"table": str(out), "problems": problems}
+    return not problems
+
+
+def _abs_max(t: torch.Tensor) -> float:
+    return t.abs().max().item()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _timeout(signum, frame):
+    raise TimeoutError("the section ran past its time limit")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, float32, tiny shapes")
+    ap.add_argument("--out", default="results/bench", help="folder for the table and the JSON")
+    args = ap.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run with --dry-run to exercise the script on a CPU")
+    args.device = "cpu" if args.dry_run else "cuda"
+    args.dtypes = [torch.float32] if args.dry_run else [torch.float32, torch.bfloat16, torch.float16]
+    args.slug = "cpu-dry-run" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower())
+    signal.signal(signal.SIGALRM, _timeout)
+    rec, status, deadline = {}, {}, time.monotonic() + BUDGET_S
+    for section in (versions, tests, kernel, training, benchmark):
+        name, t0 = section.__name__, time.monotonic()
+        print(f"\n== {name}: {section.__doc__.splitlines()[0]}", flush=True)
+        signal.alarm(max(1, int(min(LIMITS_S[name], deadline - t0))))
+        try:
+            status[name] = "PASS" if section(args, rec) else "FAIL"
+        except (Skip, ImportError) as e:  # ImportError: a library missing, or older than the section needs
+            status[name] = "SKIP"
+            print(f"  skipped: {e}")
+        except Exception:
+            status[name] = "FAIL"
+            traceback.print_exc()
+        finally:
+            signal.alarm(0)
+        print(f"  {status[name]} ({time.monotonic() - t0:.1f} s)", flush=True)
+    rec["status"] = status
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / f"gpu_check-{args.slug}.json").write_text(json.dumps(rec, indent=1))
+    print("\n== summary\n" + "\n".join(f"  {name:<10} {s}" for name, s in status.items()))
+    return 1 if "FAIL" in status.values() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""benchmarks/gpu_check.py end to end on the Triton interpreter, so the GPU machine's one command cannot rot."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out",
+                          str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rec = json.loads((tmp_path / "gpu_check-cpu-dry-run.json").read_text())
+    assert rec["status"] == {"versions": "PASS", "tests": "SKIP", "kernel": "PASS", "training": "PASS",
+                             "benchmark": "PASS"}
+    assert len(rec["kernel"]) == 4 and all(e["fwd"] < 1e-5 and e["bwd"] < 1e-5 for e in rec["kernel"].values())
+    assert rec["training"]["max_diff"] < 1e-4 and len(rec["training"]["triton"]) == 2
+    assert "(d) fused triton" in (tmp_path / "gated_sdpa-cpu-dry-run.md").read_text()
+    assert "== summary" in run.stdout and "kernel     PASS" in run.stdout
+
+
+def test_a_failing_section_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def stub(name, outcome):
+        def section(args, rec):
+            """A stand-in."""
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        section.__name__ = name
+        monkeypatch.setattr(gpu_check, name, section)
+
+    stub("tests", RuntimeError("boom"))
+    stub("kernel", ImportError("needs triton>=9"))
+    stub("training", False)
+    stub("benchmark", True)
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--out", str(tmp_path)])
+    assert gpu_check.main() == 1
+    rec = json.loads((tmp_path / "gpu_check-cpu-dry-run.json").read_text())
+    assert rec["status"] == {"versions": "PASS", "tests": "FAIL", "kernel": "SKIP", "training": "FAIL",
+                             "benchmark": "PASS"}
+    out = capsys.readouterr()
+    assert "skipped: needs triton>=9" in out.out and "RuntimeError: boom" in out.err

@@ -1,0 +1,45 @@
+"""quantgate without its heavy optional dependencies (a GPU image with torch, triton and transformers only):
+models, gated_sdpa and the simulated schemes work; lm-eval and torchao features name what to install."""
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    for name in ("lm_eval", "torchao", "bitsandbytes"):
+        sys.modules[name] = None  # any import of these now fails, as where they are not installed
+
+    import pytest
+    import torch
+    import quantgate as qg
+
+    ids = torch.randint(5, 1000, (2, 12))
+    m = qg.build("tiny-llama", "g1-headwise")
+    with torch.no_grad():
+        assert m(ids).logits.shape == (2, 12, m.config.vocab_size)
+
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    gate = torch.rand(1, 2, 8, 1)
+    by_hand = torch.softmax(q @ k.transpose(-1, -2) / 16 ** 0.5, -1) @ v * gate
+    torch.testing.assert_close(qg.gated_sdpa(q, k, v, gate), by_hand, atol=1e-5, rtol=1e-5)
+
+    calib = [{"input_ids": ids}]
+    for scheme in ("w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w8-int8"):
+        with torch.no_grad():
+            assert torch.isfinite(qg.quantize(m, scheme, calibration=calib)(ids).logits).all()
+    with pytest.raises(ModuleNotFoundError, match=r"needs torchao \\(pip install"):
+        qg.quantize(m, "torchao-int8-dynamic")
+    with pytest.raises(ModuleNotFoundError, match=r"needs bitsandbytes \\(pip install"):
+        qg.quantize(m, "llm-int8")
+    with pytest.raises(ModuleNotFoundError, match=r"needs lm-eval \\(pip install lm-eval==0.4.13"):
+        qg.evaluate(m, tasks=["quantgate_ppl"], limit=1)
+    assert "perplexity" in qg.evaluate(m, tasks=["quantgate_backcopy"], limit=1)["results"]["quantgate_backcopy"]
+    print("ok")
+""")
+
+
+def test_quantgate_works_without_lm_eval_torchao_and_bitsandbytes():
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().endswith("ok")
