@@ -1,7 +1,10 @@
 import math
 
 import pytest
+import torch
 
+import quantgate as qg
+from quantgate.attention.gates import Gate
 from quantgate.variants import GATE_KINDS, AttentionVariant, ClipSpec, GateSpec, SinkSpec
 
 from conftest import ALL_VARIANTS
@@ -63,7 +66,35 @@ def test_bad_variants_name_the_problem(text, fragment):
     assert fragment in str(err.value)
 
 
-def test_every_gate_kind_is_buildable():
-    from quantgate.attention.gates import _GATES
+D, H, KV, DH = 64, 4, 2, 16  # tiny-llama: width, query / kv heads, head dim; 2 layers
+GATE_PARAMS_PER_LAYER = {  # weights and biases of each kind's projections (default options), by hand
+    "g1-elementwise": D * H * DH + H * DH,
+    "g1-ns-sigmoid": D * H * DH + H * DH,
+    "g1-headwise": D * H + H,
+    "g1-headshared": D * DH + DH,
+    "g1-constant": H * DH,
+    "g2-value": D * KV * DH + KV * DH,
+    "g5-output": D * D + D,
+    "bondarenko": H * (D // H + 1),  # one Linear(d_model / H -> 1) per head
+    "hyga": (D * H * DH + H * DH) + H * DH * DH + (H * DH * DH + H * DH) + (H * DH * H + H),  # X, H down, H up, C
+}
 
-    assert set(_GATES) == set(GATE_KINDS)
+
+@pytest.mark.parametrize("kind", GATE_KINDS)
+def test_every_gate_kind_builds_with_its_size_and_initial_value(kind):
+    """Each kind on tiny-llama: its parameter count, and with its weights zeroed the gate is the constant
+    initial value g0 from its bias (HyGA: pi_init x 0.5 from the C-gate), so the model equals its ungated
+    twin with every attention output projection scaled by g0."""
+    gated, base = qg.build("tiny-llama", kind, seed=1).eval(), qg.build("tiny-llama", seed=0).eval()
+    gated.load_state_dict(base.state_dict(), strict=False)
+    assert sum(p.numel() for p in qg.gate_parameters(gated).values()) == 2 * GATE_PARAMS_PER_LAYER[kind]
+    g0 = GATE_KINDS[kind].pi_init * (0.5 if kind == "hyga" else 1.0)
+    with torch.no_grad():
+        for gate in (m for m in gated.modules() if isinstance(m, Gate)):
+            for name, p in gate.named_parameters():
+                if not name.endswith(("bias", "logit")):
+                    p.zero_()
+        for layer in base.model.layers:
+            layer.self_attn.o_proj.weight.mul_(g0)
+        ids = torch.randint(5, 8192, (2, 11))
+        torch.testing.assert_close(gated(ids).logits, base(ids).logits, rtol=1e-4, atol=1e-5)

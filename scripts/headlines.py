@@ -1,0 +1,286 @@
+"""Regenerate the headline numbers of experiments/README.md from the committed results.
+
+    python scripts/headlines.py           # rewrite the generated blocks in place
+    python scripts/headlines.py --check   # exit 1 if the README differs from what this would write
+
+Each headline sits between ``<!-- headlines:NAME -->`` and ``<!-- /headlines -->`` and is written by
+the function NAME below from results/ (metrics.json; for cpu_recipe_search the search's summary.json
+files) or, for the study not run here, from its study file. The results hold no intervals: every
+change is a single run's point value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from quantgate.report import ppl_of, spearman
+from quantgate.study import load_study
+from quantgate.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "experiments" / "README.md"
+BLOCK = re.compile(r"(<!-- headlines:(\w+) -->)(.*?)(<!-- /headlines -->)", re.S)
+POINT = "point values, no interval recorded"
+SINK_TARGET, RATIO_TARGET = 0.3, 50  # the CPU recipe search's targets (results/cpu_recipe/search.md)
+SCHEMES = {"w8a8-int8-static": "static W8A8", "w8a8-int8-dynamic": "dynamic INT8", "w8a8-fp8-e4m3": "FP8",
+           "llm-int8": "LLM.int8", "torchao-int8-dynamic": "torchao INT8"}
+
+
+def _metrics(name: str) -> dict:
+    return json.loads((ROOT / "results" / name / "metrics.json").read_text())
+
+
+def _cells(name: str) -> dict[str, dict]:
+    return {c["id"]: c for c in _metrics(name)["cells"]}
+
+
+def _num(x: float, digits: int = 3) -> str:
+    """``digits`` significant digits; whole numbers with thousands separators from 10 ** digits on."""
+    return f"{x:,.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
+
+
+def _fixed(decimals: int):
+    """A formatter with ``decimals`` decimal places."""
+    return lambda x: f"{x:.{decimals}f}"
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.2f}%" if abs(x) < 10 else f"{x:+.0f}%"
+
+
+def _span(values, fmt=_num, sep: str = "-") -> str:
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}{sep}{hi}"
+
+
+def _change(cell: dict, scheme: str) -> float:
+    """Perplexity change (%) that ``scheme`` causes in ``cell``."""
+    fp = ppl_of(cell["float"])
+    return 100 * (ppl_of(cell["schemes"][scheme]["results"]) - fp) / fp
+
+
+def _summary(cell: dict, key: str):
+    return cell["observe"]["summary"][key]
+
+
+def _max_layer_sink(cell: dict) -> tuple[float, int]:
+    """The largest per-layer first-token attention of a cell, and its layer."""
+    return max((L["sink_mass"], i) for i, L in enumerate(cell["observe"]["layers"]))
+
+
+def _steps_tokens(cells) -> str:
+    (steps, tokens), = {(c["trained"]["steps"], c["trained"]["tokens"]) for c in cells}
+    return f"{steps} steps ({tokens / 1e6:.1f} M tokens)"
+
+
+def quickstart() -> str:
+    cells = _cells("quickstart")
+    smol = cells.pop("smollm2-135m/vanilla")
+    fp, static = ppl_of(smol["float"]), ppl_of(smol["schemes"]["w8a8-int8-static"]["results"])
+    others = ", ".join(f"{label} {_pct(_change(smol, s))}" for s, label in SCHEMES.items() if s != "w8a8-int8-static")
+    tiny = [_change(c, s) for c in cells.values() for s in c["schemes"]]
+    return (f"static W8A8 takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
+            f"({_pct(_change(smol, 'w8a8-int8-static'))}); {others}; the tiny trio changes by "
+            f"{_span(tiny, _pct, ' to ')} under all five ({POINT})")
+
+
+def bondarenko_table2() -> str:
+    cells = list(_cells("bondarenko_table2").values())
+    changes = [_change(c, s) for c in cells for s in c["schemes"]]
+    return (f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
+            f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, kurtosis "
+            f"{_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}, W8A8 changes "
+            f"{_span(changes, _pct, ' to ')} ({POINT}), far from the paper's BERT-base outliers: the pipeline and "
+            "definitions, not the effect")
+
+
+def bondarenko_table2_paper() -> str:
+    study = load_study(ROOT / "experiments" / "bondarenko_table2_paper.yaml")
+    tokens = []
+    for m in study.models:
+        c = TrainConfig(**m.train)
+        tokens.append(f"{c.steps * c.batch_size * c.grad_accum * c.seq_len / 1e9:.1f} B tokens per {m.name} run")
+    return f"validated by `--dry-run` in CI: {len(study.cells())} cells, {' and '.join(tokens)}"
+
+
+def qiu_table4() -> str:
+    cells = list(_cells("qiu_table4").values())
+    gated = [c for c in cells if _summary(c, "gate_mean") is not None]
+    ns = [_summary(c, "gate_mean") for c in gated if c["variant"] == "g1-ns-sigmoid"]
+    rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
+    return (f"{_steps_tokens(cells)}: no row grows a sink (first-token attention "
+            f"{_span([_summary(c, 'sink_mass') for c in cells], _fixed(3))}) or outliers (max "
+            f"{_span([_summary(c, 'max_activation') for c in cells], _fixed(1))}); mean gates "
+            f"{_span([_summary(c, 'gate_mean') for c in gated if c['variant'] != 'g1-ns-sigmoid'], _fixed(2))}"
+            f" (NS-sigmoid {_span(ns, _fixed(2))}); correlations across rows are noise (gate mean vs sink "
+            f"mass Spearman {rho:.2f}, n={len(gated)}), unlike the paper's exact rank agreement")
+
+
+def hyga_ablation() -> str:
+    cells = _cells("hyga_ablation")
+    gated = sorted((c for c in cells.values() if c["cost"]["gate_params"]), key=lambda c: c["cost"]["gate_params"])
+    small, large = gated[0], gated[-1]
+
+    def trio(model: str, fmt) -> str:
+        return " -> ".join(fmt(cells[f"{model}/{v}"]) for v in ("vanilla", "g1-elementwise", "hyga"))
+
+    def activation(c):
+        return _num(_summary(c, "max_activation"))
+
+    def ppl(c):
+        return _num(ppl_of(c["float"]))
+
+    changes = {s: [_change(c, s) for c in cells.values()] for s in ("w8a8-int8-static", "w8a8-int8-dynamic")}
+    return (f"{_steps_tokens(cells.values())}, d={cells['gqa/vanilla']['source']['config']['hidden_size']}: max "
+            f"activation vanilla -> G1 -> HyGA {trio('gqa', activation)} (GQA) and {trio('mla', activation)} (MLA); "
+            f"ppl "
+            f"{trio('gqa', ppl)} (GQA); no sinks at this scale (first-token attention "
+            f"{_span([_summary(c, 'sink_mass') for c in cells.values()], _fixed(3))}); "
+            + "; ".join(f"{SCHEMES[s]} changes {_span(v, _pct, ' to ')}" for s, v in changes.items())
+            + f" ({POINT}); gate params {small['cost']['gate_params'] / 1e3:.0f} k ({small['variant']}) to "
+            f"{large['cost']['gate_params'] / 1e3:.0f} k ({large['variant']})")
+
+
+def sink_leak_toy() -> str:
+    m = _metrics("sink_leak_toy")
+    attn, gap, top = m["first_token_attention"], m["implied_gap"], m["top_layers"]
+    first, lo, hi = min(attn, key=int), "512", max(attn, key=int)  # lo: past the short-context noise
+    keys = " / ".join(f"{int(n) // 1024}k" if int(n) < 1 << 20 else "1M" for n in m["toy"]["leak"])
+    held = [attn[n][i] for n in attn if int(lo) <= int(n) for i in top]
+    return (f"toy (fixed gap {m['toy']['gap']:.2f} nats): leak "
+            + " / ".join(f"{v:.4f}" for v in m["toy"]["leak"].values())
+            + f" at {keys} keys, the seed's values to their printed digits (it rounds the last up); "
+            f"SmolLM2's {len(top)} most sink-heavy layers keep {_span(held, _fixed(2))} of the attention on "
+            f"token 0 from {lo} to {hi} keys, while their implied gap grows "
+            f"{_span([gap[hi][i] - gap[lo][i] for i in top], _fixed(1))} nats over that range "
+            f"({_span([gap[hi][i] - gap[first][i] for i in top], _fixed(1))} from {first} keys) instead of "
+            "staying fixed")
+
+
+def kv_eviction() -> str:
+    m = _metrics("kv_eviction")
+    smol, plain, gated = m["smollm2-135m"], m["cpu_recipe vanilla"], m["cpu_recipe g1-elementwise"]
+
+    def cost(r, w):
+        return r["ppl"][f"{w}/0"] / r["ppl"][f"{w}/4"]
+
+    sink, layer = max((s, i) for i, s in enumerate(plain["first_token_attention"]))
+    w = smol["windows"][0]
+    return (f"window {w} on SmolLM2: ppl {_num(smol['ppl'][f'{w}/0'])} without the first 4 tokens vs "
+            f"{_num(smol['ppl'][f'{w}/4'])} with them ({cost(smol, w):.0f}x; full {_num(smol['ppl']['full'])}); tiny "
+            f"ungated (sink {sink:.2f} in layer {layer}): {cost(plain, plain['windows'][0]):.2f}x at window "
+            f"{plain['windows'][0]}; its G1-gated twin: {_span([cost(gated, w) for w in gated['windows']], _fixed(2))}x"
+            " "
+            f"at every window from {gated['windows'][0]} to {gated['windows'][-1]} ({POINT})")
+
+
+def context_extension() -> str:
+    m = _metrics("context_extension")
+    plain, gated = m["results"]["vanilla"], m["results"]["g1-elementwise"]
+    n = m["trained_len"]
+    long = max(r["length"] for r in plain.values())
+    sink = plain[f"{n}/default"]["first_token_attention_last_quarter"]
+    layer = sink.index(max(sink))
+    return (f"at {long // n}x the training length ({long} tokens), YaRN: ungated {plain[f'{n}/default']['ppl']:.2f} -> "
+            f"{plain[f'{long}/yarn']['ppl']:.2f} ppl, G1 {gated[f'{n}/default']['ppl']:.2f} -> "
+            f"{gated[f'{long}/yarn']['ppl']:.2f}; unscaled RoPE: {plain[f'{long}/default']['ppl']:.2f} vs "
+            f"{gated[f'{long}/default']['ppl']:.2f}, and the ungated sink collapses ({sink[layer]:.2f} -> "
+            f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)")
+
+
+def massive_activation_intervention() -> str:
+    m = _metrics("massive_activation_intervention")
+    found, r = m["massive"], m["results"]
+    base = r["original"]["ppl"]
+
+    def ppl(label, digits=3):
+        return _num(r[label]["ppl"], digits)
+
+    def change(label):
+        return _pct(100 * (r[label]["ppl"] - base) / base)
+
+    zero = r["zero"]["ppl"]
+    return (f"SmolLM2 massive activations (channels {', '.join(map(str, found['channels']))} at token "
+            f"{', '.join(map(str, found['positions']))}, from block {found['layer']}, up to {_num(found['max_abs'])}): "
+            f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M; mean -> {ppl('mean', 4)} ({change('mean')}); "
+            f"zeroing {len(found['channels'])} ordinary channels {change('zero, random channels (control)')} ({POINT})")
+
+
+def cpu_recipe_search() -> str:
+    runs = {s["name"]: s for s in (json.loads(p.read_text())
+                                   for p in sorted((ROOT / "results/cpu_recipe/search").glob("*/summary.json")))}
+
+    def setup(s):
+        st = s["settings"]
+        return f"{s['preset']} {st.get('schedule', 'cosine')} lr {st['lr']:g}"
+
+    grew = max(runs.values(), key=lambda s: s["max_median_ratio"])
+    rest = [s for s in runs.values() if s is not grew]
+    return (f"{setup(grew)} grows outliers (max/median {grew['max_median_ratio']:.0f}, max "
+            f"{grew['max_activation']:.0f}) but no lasting sink (max-layer first-token attention "
+            f"{_span([c['max_layer_sink'] for c in grew['curve']], _fixed(2))} over training); "
+            + " and ".join(setup(s) for s in rest) + " grow neither (max/median "
+            + _span([s["max_median_ratio"] for s in rest], _fixed(0)) + ", first-token attention "
+            + _span([s["max_layer_sink"] for s in rest], _fixed(2)) + ") within "
+            + _span([s["tokens"] / 1e6 for s in runs.values()], _fixed(1)) + " M tokens")
+
+
+def cpu_recipe() -> str:
+    cells = _cells("cpu_recipe").values()
+    plain = [c for c in cells if c["variant"] == "vanilla"]
+    gated = [c for c in cells if c["variant"] != "vanilla"]
+    sinks = [_max_layer_sink(c) for c in plain]
+    layers = "/".join(map(str, sorted({i for _, i in sinks})))
+    big = sum(_summary(c, "max_median_ratio") >= RATIO_TARGET for c in plain)
+
+    def static(group):
+        return _span([_change(c, "w8a8-int8-static") for c in group], _pct, " to ")
+
+    return (f"{sum(s >= SINK_TARGET for s, _ in sinks)}/{len(plain)} ungated seeds grow a layer-{layers} sink "
+            f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
+            f"{_span([_summary(c, 'max_activation') for c in plain], _fixed(0))}; their G1 twins stay at "
+            f"{_span([_max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
+            f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
+            f"{_span([_summary(c, 'max_activation') for c in gated], _fixed(0))}; max/median >= {RATIO_TARGET} in "
+            f"{big} seed{'s' if big != 1 else ''} of {len(plain)}; static W8A8 {static(plain)} ungated vs {static(gated)} "
+            f"gated ({POINT}): the INT8 gap is not reached")
+
+
+HEADLINES = {f.__name__: f for f in (quickstart, bondarenko_table2, bondarenko_table2_paper, qiu_table4, hyga_ablation,
+                                     sink_leak_toy, kv_eviction, context_extension, massive_activation_intervention,
+                                     cpu_recipe_search, cpu_recipe)}
+
+
+def render(text: str) -> str:
+    """``text`` with every headline block regenerated (one block per experiment above)."""
+    names = sorted(m.group(2) for m in BLOCK.finditer(text))
+    if names != sorted(HEADLINES):
+        raise ValueError(f"headline blocks {names} do not match the experiments {sorted(HEADLINES)}")
+
+    def block(m: re.Match) -> str:
+        body = HEADLINES[m.group(2)]()
+        assert "|" not in body and "\n" not in body, body  # it lives in a table cell
+        return f"{m.group(1)}{body}{m.group(4)}"
+
+    return BLOCK.sub(block, text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README is not what this would write")
+    args = ap.parse_args()
+    old = README.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            sys.exit(f"{README}: headlines differ from the results; run python scripts/headlines.py")
+    elif new != old:
+        README.write_text(new)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""experiments/README.md: its headlines are what scripts/headlines.py generates from the committed results."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def headlines():
+    spec = importlib.util.spec_from_file_location("headlines", ROOT / "scripts" / "headlines.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_headlines_are_generated(headlines):
+    text = headlines.README.read_text()
+    assert headlines.render(text) == text, "experiments/README.md is stale: run python scripts/headlines.py"
+
+
+def test_check_fails_on_a_hand_edited_number(headlines, tmp_path, monkeypatch):
+    readme = tmp_path / "README.md"
+    readme.write_text(headlines.README.read_text().replace("perplexity 106 -> 239", "perplexity 106 -> 240"))
+    monkeypatch.setattr(headlines, "README", readme)
+    monkeypatch.setattr("sys.argv", ["headlines.py", "--check"])
+    with pytest.raises(SystemExit) as stop:
+        headlines.main()
+    assert stop.value.code  # a message, i.e. exit status 1
+
+
+def test_hyga_low_rank_16_change_by_hand():
+    """The largest static W8A8 change of the HyGA ablation (the README once said all were under 0.2%)."""
+    cells = json.loads((ROOT / "results" / "hyga_ablation" / "metrics.json").read_text())["cells"]
+    cell = next(c for c in cells if c["id"] == "gqa/hyga:low_rank=16")
+    fp = cell["float"]["quantgate_ppl"]["word_perplexity"]
+    static = cell["schemes"]["w8a8-int8-static"]["results"]["quantgate_ppl"]["word_perplexity"]
+    assert f"{100 * (static - fp) / fp:+.2f}%" == "+0.24%"
+    block = re.search(r"<!-- headlines:hyga_ablation -->(.*?)<!-- /headlines -->",
+                      (ROOT / "experiments" / "README.md").read_text()).group(1)
+    assert "static W8A8 changes -0.19% to +0.24%" in block
