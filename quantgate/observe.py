@@ -1,9 +1,13 @@
 """Observe: stream outlier, sink and gate statistics over a dataset in bounded memory.
 
 ``qg.observe(model, batches)`` runs the model over the batches with forward hooks that fold every
-activation into running statistics and then drop it, so memory does not grow with the dataset;
-the attention mass on the first keys comes from gated_sdpa's log-sum-exp path, never from an
-N x N probability matrix. Per block it measures:
+activation into running statistics and then drop it, so memory does not grow with the dataset and
+stays close to a plain forward pass at long context: a hook keeps no tensor alive, folds it in chunks
+of tokens, and without labels the LM head (full-vocabulary logits) does not run. The attention mass
+on the first keys comes from gated_sdpa's log-sum-exp path, never from an N x N probability matrix.
+Tensors are measured per token wherever a token axis can be found (see ``_by_token``; padding is left
+out); one without (none in the supported families) is measured whole, as one sequence. Per block it
+measures:
 
 * tensors: the residual stream after the block (``block_out``), the attention output before and
   after the output projection (``attn_pre_o``, ``attn_out``), the FFN output (``ffn_out``), the
@@ -22,9 +26,11 @@ N x N probability matrix. Per block it measures:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +48,7 @@ log = logging.getLogger("quantgate")
 
 LOG_LO, LOG_HI, LOG_BINS = -10.0, 10.0, 2000  # |x| histogram over 1e-10 .. 1e10, 0.01 decade per bin
 HIST_SAMPLE = 1 << 16  # elements per update that feed the |x| histogram (median); the rest is exact
+CHUNK = 1 << 22  # elements of a tensor folded in at a time: bounds TensorStats' temporaries (~50 MB)
 UNIT_BINS = 20  # histograms of values in [0, 1] (gates, sink mass)
 HEADLINE = ("block_out", "attn_out", "ffn_out")  # with norm_in.*: the tensors behind max_inf_norm and kurtosis
 
@@ -74,51 +81,72 @@ class TensorStats:
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None):
-        """Fold in ``x`` (B, T, ...); ``valid`` (B, T) marks real (non-padding) tokens."""
-        x = x.detach().float()
-        x = x.reshape(x.shape[0], x.shape[1], -1)
-        if valid is not None and not bool(valid.all()):
-            for i in range(x.shape[0]):  # padded batch: one sequence at a time, real tokens only
-                keep = valid[i]
-                self._update(x[i:i + 1, keep], None if input_ids is None else input_ids[i:i + 1, keep])
-        else:
-            self._update(x, input_ids)
+        """Fold in ``x`` (B, T, ...), C = prod(...) features per token; ``valid`` (B, T) marks real
+        (non-padding) tokens, the only ones measured; positions count real tokens.
 
-    def _update(self, x: torch.Tensor, input_ids):
-        b, t, c = x.shape
-        if t == 0:
+        Two passes over chunks of about CHUNK elements (whole sequences, or one sequence's tokens in
+        pieces): maxima, channels, histogram sample and sums, then the centred moments (float64
+        accumulation); no full-size copy of ``x`` is made.
+        """
+        b, t = x.shape[:2]
+        keep = None if valid is None or bool(valid.all()) else valid.to(x.device, torch.bool)
+        real = torch.full((b,), t) if keep is None else keep.sum(1).cpu()  # (B,) real tokens
+        c, n = math.prod(x.shape[2:]), int(real.sum())
+        if n == 0:
             return
-        a = x.abs()
-        tok_max, tok_arg = a.reshape(-1, c).max(dim=1)  # one pass: each token's largest |x| and its channel
-        if not bool(torch.isfinite(tok_max).all()):  # NaN/inf: count them, keep them out of the statistics
-            bad = ~torch.isfinite(x)
-            self.nonfinite += int(bad.sum())
-            x = x.masked_fill(bad, 0.0)
-            a = x.abs()
-            tok_max, tok_arg = a.reshape(-1, c).max(dim=1)
-        seq_max, pos = tok_max.view(b, t).max(dim=1)
+        rows, step = (max(1, CHUNK // (t * c)), t) if t * c <= CHUNK else (1, max(1, CHUNK // c))
+        spans = [(slice(i, i + rows), slice(j, j + step)) for i in range(0, b, rows) for j in range(0, t, step)]
+        stride, offset, samples, finite = _stride(n * c, c), 0, [], True
+        total = torch.zeros(b, dtype=torch.float64, device=x.device)
+        seq_max, pos = torch.full((b,), -1.0, device=x.device), torch.zeros(b, dtype=torch.long, device=x.device)
+        cmax, top = torch.zeros(c, device=x.device), torch.zeros(c, dtype=torch.long, device=x.device)
+        for r, s in spans:
+            xc, k = _tokens(x, keep, r, s)
+            a = xc.abs() if k is None else xc.abs().masked_fill_(~k, -1.0)  # padding: never a maximum nor sampled
+            tok_max, tok_arg = a.max(dim=2)  # each token's largest |x| and its channel
+            if not bool(torch.isfinite(tok_max).all()):  # NaN/inf: count them, keep them out of the statistics
+                self.nonfinite += int((~torch.isfinite(xc)).sum())
+                finite, xc = False, xc.nan_to_num(0.0, 0.0, 0.0)
+                tok_max, tok_arg = a.nan_to_num_(0.0, 0.0, 0.0).max(dim=2)
+            m, p = tok_max.max(dim=1)
+            better = m > seq_max[r]  # strict: the first position of a tie wins, as in one pass
+            seq_max[r], pos[r] = torch.where(better, m, seq_max[r]), torch.where(better, p + s.start, pos[r])
+            top += torch.bincount(tok_arg.reshape(-1) if k is None else tok_arg[k[..., 0]], minlength=c)
+            cmax = torch.maximum(cmax, a.reshape(-1, c).amax(dim=0))
+            total[r] += xc.sum(dim=2).double().sum(dim=1)
+            samples.append(a.reshape(-1)[-offset % stride:: stride].clone())  # every stride-th element of all chunks
+            offset += a.numel()
+        count = (real * c).to(x.device, torch.float64)
+        mean = (total / count.clamp_min(1)).float().view(b, 1, 1)
+        m2, m4 = torch.zeros_like(total), torch.zeros_like(total)
+        for r, s in spans:  # kurtosis mu4 / sigma^4 over each sequence's flattened T x C tensor
+            xc, k = _tokens(x, keep, r, s)
+            d = (xc if finite else xc.nan_to_num(0.0, 0.0, 0.0)) - mean[r]
+            if k is not None:
+                d.masked_fill_(~k, 0.0)
+            m2[r] += d.square_().sum(dim=2).double().sum(dim=1)
+            m4[r] += d.square_().sum(dim=2).double().sum(dim=1)
+        ok = (count > 0) & (m2 > 0)
+        self.kurtosis_sum += float((m4[ok] * count[ok] / m2[ok].square()).sum())  # (m4 / n) / (m2 / n)^2
+        self.kurtosis_n += int(ok.sum())
+        sample = torch.cat(samples)
+        if keep is not None:
+            sample = sample[sample >= 0]  # padding is -1
+        if sample.numel():
+            logs = torch.log10(sample.clamp_min(10**LOG_LO)).clamp_max_(LOG_HI - 1e-6)
+            hist = torch.histc(logs, bins=LOG_BINS, min=LOG_LO, max=LOG_HI).double().cpu()
+            self.hist += hist * (n * c / sample.numel())  # the sample stands for all n * c elements
+        self.channel_max = cmax if self.channel_max is None else torch.maximum(self.channel_max, cmax)
+        self.channel_top = top if self.channel_top is None else self.channel_top + top
+        seqs = (real > 0).nonzero().squeeze(1)
+        seq_max, pos = seq_max.cpu()[seqs], pos.cpu()[seqs]
         self.inf_norm_sum += float(seq_max.sum())
         self.max_abs = max(self.max_abs, float(seq_max.max()))
-        xf = x.reshape(b, -1)
-        sq = (xf - xf.mean(dim=1, keepdim=True)).square_()
-        var = sq.mean(dim=1)
-        ok = var > 0
-        if ok.any():
-            self.kurtosis_sum += float((sq.square_().mean(dim=1)[ok] / var[ok].square()).sum())
-            self.kurtosis_n += int(ok.sum())
-        sample = a.reshape(-1)[:: _stride(a.numel(), c)]  # a strided sample sets the median
-        logs = torch.log10(sample.clamp_min(10**LOG_LO)).clamp_max_(LOG_HI - 1e-6)
-        self.hist += torch.histc(logs, bins=LOG_BINS, min=LOG_LO, max=LOG_HI).double() * (a.numel() / sample.numel())
-        top = torch.bincount(tok_arg, minlength=c)
-        cmax = a.reshape(-1, c).amax(dim=0)
-        if self.channel_max is None:
-            self.channel_max, self.channel_top = cmax, top
-        else:
-            self.channel_max, self.channel_top = torch.maximum(self.channel_max, cmax), self.channel_top + top
-        self.max_positions.update(pos.tolist())
+        real_pos = pos if keep is None else keep.cpu()[seqs].cumsum(1).gather(1, pos[:, None]).squeeze(1) - 1
+        self.max_positions.update(real_pos.tolist())
         if input_ids is not None and input_ids.shape[1] == t:
-            self.max_tokens.update(input_ids[torch.arange(b), pos].tolist())
-        self.sequences += b
+            self.max_tokens.update(input_ids.cpu()[seqs, pos].tolist())
+        self.sequences += len(seqs)
 
     @property
     def median_abs(self) -> float:
@@ -153,6 +181,17 @@ class TensorStats:
         return out
 
 
+def _tokens(x: torch.Tensor, keep: torch.Tensor | None, rows: slice, tokens: slice):
+    """``x[rows, tokens]`` (x: (B, T, ...)) as float32 (b, L, C) with padding set to 0 (a view of ``x``
+    where it is float32 and unpadded: never to be written), and its mask ``keep`` (b, L, 1) or None."""
+    xc = x[rows, tokens]
+    xc = xc.reshape(*xc.shape[:2], -1).float()
+    if keep is None:
+        return xc, None
+    k = keep[rows, tokens, None]
+    return xc.masked_fill(~k, 0.0), k
+
+
 class MassiveActivations:
     """Sun et al.'s massive activations: |x| > 100 and > 1000 x the sequence's median |x|."""
 
@@ -163,7 +202,7 @@ class MassiveActivations:
 
     @torch.no_grad()
     def update(self, x: torch.Tensor, input_ids: torch.Tensor | None):
-        a = x.detach().float().abs().nan_to_num(0.0)
+        a = x.detach().float().abs().nan_to_num_(0.0)  # one full-size copy
         b, t = a.shape[:2]
         a = a.reshape(b, t, -1)
         med = a.reshape(b, -1).median(dim=1).values.view(b, 1, 1)
@@ -243,7 +282,7 @@ class _Observer:
         self.layers = [_Layer() for _ in self.blocks]
         self.final = TensorStats()
         self.input_ids = self.valid = None
-        self.seen: dict[tuple, tuple] = {}  # tensors measured in the current forward pass
+        self.seen: dict[int, tuple] = {}  # id -> (weak reference, version, stats) of the tensors measured so far
         self.handles: list = []
         self.attn_layer: dict[int, int] = {}
 
@@ -295,17 +334,21 @@ class _Observer:
         self.handles.append(module.register_forward_hook(fn))
 
     def _record(self, layer: _Layer, name: str, out, massive: bool = False, then=None) -> None:
-        """Fold a hooked tensor into the layer's statistics (returns None: hooks must not replace outputs)."""
+        """Fold a hooked tensor into the layer's statistics and let it go (returns None: hooks must not
+        replace outputs). The same tensor object feeding several modules (q/k/v, gate/up) is measured
+        once; ``seen`` holds only a weak reference to it, so no activation outlives its use."""
         x = out[0] if isinstance(out, tuple) else out
-        b, t = self.input_ids.shape
-        if x.dim() == 2 and x.shape[0] == b * t:  # OPT flattens (B, T) before its FFN
-            x = x.view(b, t, -1)
-        key = (x.data_ptr(), tuple(x.shape), x.stride(), x._version)
-        if key in self.seen:  # the same tensor feeds several modules (q/k/v, gate/up): measure it once
-            layer.tensors.setdefault(name, self.seen[key][0])
-        else:  # keep x alive for this forward pass so its memory (and key) cannot be reused by another tensor
-            self.seen[key] = (layer.stats(name), x)
-            layer.stats(name).update(x, self.input_ids, self.valid)
+        ref, version, stats = self.seen.get(id(x), (None, None, None))
+        if ref is not None and ref() is x and version == x._version:
+            layer.tensors.setdefault(name, stats)
+        else:
+            stats = layer.stats(name)
+            self.seen[id(x)] = (weakref.ref(x), x._version, stats)
+            tokens = _by_token(x, *self.input_ids.shape)
+            if tokens is None:
+                stats.update(x.reshape(1, -1, x.shape[-1]))
+            else:
+                stats.update(tokens, self.input_ids, self.valid)
         if massive:
             layer.massive.update(x, self.input_ids)
         if then is not None:
@@ -323,6 +366,22 @@ class _Observer:
         rows = mass.float().transpose(0, 1)[:, keep]  # (H, kept queries)
         if rows.numel():
             layer.sink.update(rows)
+
+
+def _by_token(x: torch.Tensor, b: int, t: int) -> torch.Tensor | None:
+    """``x`` as a view with batch and tokens first, (B, T, ...), or None when no axis holds the tokens.
+
+    (B, T, ...) stays as is; (B, ..., T, ..., d) has its first axis of size T before the features
+    moved to 1 (MLA's latent (B, 1, T, r) into kv_b_proj); (B * T, ...) is unflattened (OPT flattens
+    the tokens before its FFN).
+    """
+    if x.dim() >= 3 and x.shape[0] == b:
+        for axis in range(1, x.dim() - 1):
+            if x.shape[axis] == t:
+                return x if axis == 1 else x.movedim(axis, 1)
+    if x.shape[0] == b * t:
+        return x.unflatten(0, (b, t))
+    return None
 
 
 def _final_norm(model: nn.Module, family) -> nn.Module | None:
@@ -410,7 +469,8 @@ def _mean(values):
 def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int | None = None,
             tokenizer=None, progress: bool = True) -> ObserveReport:
     """Stream statistics of ``model`` over ``batches`` (dicts with input_ids, optional attention_mask
-    and labels) and return an :class:`ObserveReport`. The model is put in eval mode."""
+    and labels, (B, T)) and return an :class:`ObserveReport`. The model is put in eval mode. Batches
+    without labels run the base model only (no LM head, no logits); with labels, the model and its loss."""
     if variant_of(model) is None:
         apply_variant(model)  # route attention through quantgate (the model's own attention, unchanged)
     tokenizer = tokenizer if tokenizer is not None else getattr(batches, "tokenizer", None)
@@ -418,21 +478,23 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    losses, tokens, sequences, seq_len = [], 0, 0, 0
-    total = min(len(batches), max_batches) if hasattr(batches, "__len__") and max_batches else (
-        max_batches or (len(batches) if hasattr(batches, "__len__") else None))
+    losses, tokens, sequences, seq_len, n_batches = [], 0, 0, 0, 0
+    total = len(batches) if hasattr(batches, "__len__") else None
+    if max_batches is not None:
+        total = max_batches if total is None else min(total, max_batches)
     try:
         with _Observer(model, sink_tokens) as obs:
-            for i, batch in enumerate(tqdm(batches, total=total, desc="observe", disable=not progress)):
-                if max_batches is not None and i >= max_batches:
-                    break
+            for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe",
+                              disable=not progress):
                 ids = batch["input_ids"]
                 mask = batch.get("attention_mask")
                 obs.input_ids, obs.seen = ids, {}
                 obs.valid = mask.bool() if mask is not None else None
-                out = model(**{k: v.to(device) for k, v in batch.items()})
+                forward = model if "labels" in batch else model.base_model
+                out = forward(**{k: v.to(device) for k, v in batch.items()})
                 if getattr(out, "loss", None) is not None:
                     losses.append(float(out.loss))
+                n_batches += 1
                 tokens += int(mask.sum()) if mask is not None else ids.numel()
                 sequences += ids.shape[0]
                 seq_len = max(seq_len, ids.shape[1])
@@ -463,7 +525,7 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     if obs.final.sequences:
         summary["final_norm_in"] = obs.final.summary(decode)
     meta = {"variant": str(variant_of(model)), "family": family_of(model).name, "sink_tokens": sink_tokens,
-            "sequences": sequences, "seq_len": seq_len, "batches": i + 1 if sequences else 0,
+            "sequences": sequences, "seq_len": seq_len, "batches": n_batches,
             "data": getattr(batches, "split", None), "model": getattr(model.config, "_name_or_path", "") or None}
     return ObserveReport(summary, layers, meta)
 

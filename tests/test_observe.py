@@ -1,7 +1,10 @@
 """observe: every statistic against a hand computation on planted data or an independent path."""
 
 import copy
+import importlib
 import math
+import weakref
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -10,6 +13,10 @@ import torch
 import quantgate as qg
 from quantgate.data import batches
 from quantgate.observe import MassiveActivations, ObserveReport, TensorStats, UnitStats, observe
+
+from conftest import FAMILY_PRESETS
+
+ob = importlib.import_module("quantgate.observe")  # the module (quantgate.observe is the function)
 
 
 def test_planted_outlier_channel_and_token():
@@ -179,3 +186,146 @@ def test_unsupported_family_is_named():
 def test_empty_data_is_an_error():
     with pytest.raises(ValueError, match="observe got no batches"):
         observe(qg.build("tiny-llama"), [], progress=False)
+
+
+def test_max_batches_stops_without_pulling_another_batch():
+    model = qg.build("tiny-llama")
+    pulled, forwards = [], []
+    model.model.register_forward_hook(lambda m, a, o: forwards.append(1))
+
+    def stream():
+        for i in range(5):
+            pulled.append(i)
+            yield {"input_ids": torch.randint(5, 8192, (2, 8))}
+
+    report = observe(model, stream(), max_batches=2, progress=False)
+    assert len(forwards) == 2 and len(pulled) == 2
+    assert report.meta["batches"] == 2 and report.meta["sequences"] == 4
+    assert observe(model, stream(), progress=False).meta["batches"] == 5  # no limit: every batch
+
+
+@pytest.mark.parametrize("preset", [*FAMILY_PRESETS, "tiny-qwen3-next"])
+def test_padded_batch_matches_the_sequences_run_one_at_a_time(preset):
+    """Right-padded batch (3 x 12; 12, 9 and 5 real tokens) against each sequence alone, unpadded:
+    the residual stream from independent block hooks, every tensor and the sink mass from observe."""
+    model = qg.build(preset).eval()
+    lengths = [12, 9, 5]
+    ids = torch.randint(5, 8192, (3, 12))
+    mask = (torch.arange(12) < torch.tensor(lengths)[:, None]).long()
+    ids = ids.masked_fill(mask == 0, 0)
+    blocks = qg.models.families.family_of(model).blocks(model)
+    outs = []
+    hooks = [b.register_forward_hook(lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o)[0]))
+             for b in blocks]
+    for i, n in enumerate(lengths):
+        with torch.no_grad():
+            model(ids[i:i + 1, :n])
+    for h in hooks:
+        h.remove()
+    alone = [observe(model, [{"input_ids": ids[i:i + 1, :n]}], progress=False) for i, n in enumerate(lengths)]
+    per_block = [outs[i::len(blocks)] for i in range(len(blocks))]  # [block][sequence] (n, d)
+    report = observe(model, [{"input_ids": ids, "attention_mask": mask}], progress=False)
+    assert report.summary["tokens"] == sum(lengths)
+    for layer, seqs in zip(report.layers, per_block):
+        res = layer["tensors"]["block_out"]
+        assert res["max_abs"] == pytest.approx(max(float(s.abs().max()) for s in seqs), rel=1e-4)
+        assert res["inf_norm"] == pytest.approx(sum(float(s.abs().max()) for s in seqs) / 3, rel=1e-4)
+    causal = preset != "tiny-bert"
+    for j, layer in enumerate(report.layers):
+        ref = [r.layers[j] for r in alone]
+        assert set(layer["tensors"]) == set(ref[0]["tensors"])
+        for name, t in layer["tensors"].items():
+            each = [r["tensors"][name] for r in ref]
+            assert t["sequences"] == 3, name
+            assert t["max_abs"] == pytest.approx(max(e["max_abs"] for e in each), rel=1e-4), name
+            assert t["inf_norm"] == pytest.approx(sum(e["inf_norm"] for e in each) / 3, rel=1e-4), name
+            assert t["kurtosis"] == pytest.approx(sum(e["kurtosis"] for e in each) / 3, rel=1e-3), name
+        queries = [n - causal for n in lengths]  # query 0 sees only the sink key under a causal mask
+        sink = [sum(r["sink"]["per_head"][h] * q for r, q in zip(ref, queries)) / sum(queries)
+                for h in range(len(ref[0]["sink"]["per_head"]))]
+        assert layer["sink"]["per_head"] == pytest.approx(sink, abs=1e-5)
+
+
+def test_token_layouts_map_back_to_batch_and_tokens():
+    x = torch.randn(2, 3, 5, 4)  # (B, H, T, d): heads before tokens
+    assert torch.equal(ob._by_token(x, 2, 5).reshape(2, 5, -1), x.movedim(2, 1).reshape(2, 5, 12))
+    y = torch.randn(2, 5, 3, 4)  # (B, T, H, d)
+    assert ob._by_token(y, 2, 5) is y
+    z = torch.randn(10, 4)  # (B * T, d)
+    assert torch.equal(ob._by_token(z, 2, 5), z.view(2, 5, 4))
+    assert ob._by_token(torch.randn(7, 4), 2, 5) is None  # no token axis: measured whole (one "sequence")
+
+
+@pytest.mark.parametrize("chunk", [100, 1300])  # 6 tokens of one sequence; 2 whole sequences
+def test_chunked_statistics_equal_one_pass(monkeypatch, chunk):
+    """Folding a tensor in chunks gives the statistics of one pass, padding included."""
+    x = torch.randn(3, 40, 16)
+    x[1, 17, 5] = 300.0
+    ids = torch.randint(10, 100, (3, 40))
+    valid = torch.ones(3, 40, dtype=torch.bool)
+    valid[2, :7] = False  # left padding: positions count real tokens
+    x[2, :7] = 1e6
+    x[2, 30, 3] = -200.0
+    whole = TensorStats()
+    whole.update(x, ids, valid)
+    monkeypatch.setattr(ob, "CHUNK", chunk)
+    chunked = TensorStats()
+    chunked.update(x, ids, valid)
+    a, b = whole.summary(), chunked.summary()
+    for key in ("inf_norm", "max_abs", "kurtosis", "median_abs"):
+        assert b[key] == pytest.approx(a[key], rel=1e-9), key
+    assert a["max_positions"] == b["max_positions"] and a["top_channels"] == b["top_channels"]
+    positions = Counter([int(x[0].abs().amax(-1).argmax()), 17, 30 - 7])  # row 2: 7 pads before token 30
+    assert sorted(map(tuple, b["max_positions"])) == sorted(positions.items())
+    assert dict(b["max_tokens"])[int(ids[2, 30])] >= 1
+    real = [x[0], x[1], x[2, 7:]]
+    flat = [r.reshape(-1).double() for r in real]
+    kurt = sum(float(((f - f.mean()) ** 4).mean() / ((f - f.mean()) ** 2).mean() ** 2) for f in flat) / 3
+    assert b["kurtosis"] == pytest.approx(kurt, rel=1e-6)
+    assert b["inf_norm"] == pytest.approx(sum(float(r.abs().max()) for r in real) / 3, rel=1e-7)
+
+
+def test_hooked_tensors_are_measured_once_and_not_kept_alive(monkeypatch):
+    """q/k/v (and gate/up) share one input tensor: one update; an activation dies when the forward pass
+    is done with it (observe holds no reference)."""
+    model = qg.build("tiny-llama")
+    calls, update = [], ob.TensorStats.update
+
+    def counted(self, *args, **kwargs):
+        calls.append(id(self))
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(ob.TensorStats, "update", counted)
+    down_in, alive = [], []
+    model.model.layers[0].mlp.down_proj.register_forward_pre_hook(lambda m, a: down_in.append(weakref.ref(a[0])))
+    model.model.layers[1].mlp.register_forward_pre_hook(lambda m, a: alive.append(down_in[-1]() is not None))
+    report = observe(model, [{"input_ids": torch.randint(5, 8192, (2, 8))}], progress=False)
+    assert alive == [False]  # layer 0's FFN activation is gone by the time layer 1's FFN runs
+    names = sum(len(L["tensors"]) for L in report.layers)
+    assert len(calls) == len(set(calls)) == names - 3 * len(report.layers)  # k, v share q's tensor; up shares gate's
+    for L in report.layers:
+        t = L["tensors"]
+        assert t["linear_in.self_attn.q_proj"] == t["linear_in.self_attn.k_proj"] == t["linear_in.self_attn.v_proj"]
+        assert t["linear_in.self_attn.q_proj"]["sequences"] == 2
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-bert"])
+def test_logits_only_for_the_loss(preset):
+    """Without labels the LM head never runs; with labels observe's loss is the model's own loss."""
+    model = qg.build(preset).eval()
+    ids = torch.randint(5, 8192, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    if preset == "tiny-bert":
+        labels = labels.masked_fill(torch.rand(ids.shape) > 0.3, -100)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        want = float(model(**batch).loss)
+    head = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, o: head.append(1))
+    report = observe(model, [batch], progress=False)
+    assert report.summary["loss"] == pytest.approx(want, rel=1e-5) and len(head) == 1
+    head.clear()
+    report = observe(model, [{"input_ids": ids, "attention_mask": mask}], progress=False)
+    assert report.summary["loss"] is None and head == []
