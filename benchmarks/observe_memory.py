@@ -96,6 +96,7 @@ def main() -> None:
                 rows[n, mode] = None
             else:
                 rows[n, mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"{mode} at {n} tokens: {rows[n, mode]}", file=sys.stderr, flush=True)  # progress
     done = [r for r in rows.values() if r]
     total = _kib("MemTotal", "/proc/meminfo") / 1024
     print(f"{args.model}, batch 1, {args.modes}; peak RSS growth over the loaded model "
