@@ -21,6 +21,16 @@ def _load_or_build(source: str, variant: str | None):
     return load(source, variant)
 
 
+def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwargs):
+    """Text batches for ``model`` (its objective), refusing a ``seq_len`` its positions cannot hold."""
+    from .data import batches
+    from .models import family_of
+
+    family = family_of(model)
+    family.check_seq_len(model.config, seq_len)
+    return batches(tokenizer, source, seq_len, batch_size, family.objective, **kwargs)
+
+
 def cmd_info(args) -> int:
     from .data.corpus import BUNDLED_SPLITS, DATASETS
     from .data.tokenizers import BUNDLED_TOKENIZERS
@@ -66,14 +76,11 @@ def cmd_info(args) -> int:
 
 
 def cmd_observe(args) -> int:
-    from .data import batches
-    from .models import family_of, tokenizer
+    from .models import tokenizer
     from .observe import observe
 
     model = _load_or_build(args.model, args.variant)
-    tok = tokenizer(model)
-    objective = family_of(model).objective
-    data = batches(tok, args.data, args.seq_len, args.batch_size, objective, max_batches=args.max_batches)
+    data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
     report = observe(model, data, sink_tokens=args.sink_tokens)
     out = report.save(args.out)
     print(report.markdown())
@@ -82,8 +89,7 @@ def cmd_observe(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .data import batches
-    from .models import family_of, tokenizer
+    from .models import tokenizer
     from .quant import SCHEMES, get_scheme, quant_error, quantize
     from .quant.checkpoint import save
 
@@ -96,10 +102,10 @@ def cmd_quantize(args) -> int:
     scheme = get_scheme(args.scheme)
     model = _load_or_build(args.model, args.variant)
     tok = tokenizer(model)
-    objective = family_of(model).objective
-    calib = batches(tok, args.calib_data, args.seq_len, args.batch_size, objective) if scheme.needs_calibration else None
+    held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
+    calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if scheme.needs_calibration else None
     q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib else {}))
-    report = quant_error(model, q, batches(tok, "validation", args.seq_len, args.batch_size, objective), max_batches=2)
+    report = quant_error(model, q, held_out, max_batches=2)
     print(f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
           + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"]))
     if report["overflow"]:
@@ -113,18 +119,17 @@ def cmd_quantize(args) -> int:
 def cmd_eval(args) -> int:
     import json
 
-    from .data import batches
-    from .evaluate import evaluate
-    from .models import family_of, tokenizer
+    from .evaluate import check_limit, evaluate
+    from .models import tokenizer
     from .quant import quantize
 
+    check_limit(args.limit)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant)
     tok = tokenizer(model)
     if args.scheme:
-        calib = batches(tok, "train", 128, 8, family_of(model).objective)
+        calib = _batches(model, tok, "train", 128, 8)
         model = quantize(model, args.scheme, calibration=calib)
-    limit = int(args.limit) if args.limit and args.limit >= 1 else args.limit
-    result = evaluate(model, tok, [t.strip() for t in args.tasks.split(",") if t.strip()], limit=limit,
+    result = evaluate(model, tok, [t.strip() for t in args.tasks.split(",") if t.strip()], limit=args.limit,
                       batch_size=args.batch_size)
     for task, metrics in result["results"].items():
         print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "sample_len"))
@@ -203,8 +208,12 @@ def cmd_study(args) -> int:
 
 def cmd_report(args) -> int:
     from .report import write_study_report
+    from .runlock import run_lock
 
-    print(f"wrote {write_study_report(args.run)}")
+    if not Path(args.run).is_dir():
+        raise FileNotFoundError(f"no study run directory {args.run}")
+    with run_lock(args.run):  # not while a study is writing there
+        print(f"wrote {write_study_report(args.run)}")
     return 0
 
 
@@ -218,6 +227,9 @@ def cmd_build_tokenizers(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"quantgate {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error, not one line")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="family, parameter count (gates separately), variant and dtype of a model")
@@ -233,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     obs.add_argument("--seq-len", type=int, default=128)
     obs.add_argument("--batch-size", type=int, default=8)
     obs.add_argument("--max-batches", type=int, default=8)
-    obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink")
+    obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink (>= 1)")
     obs.set_defaults(func=cmd_observe)
     qz = sub.add_parser("quantize", help="post-training INT8/FP8 quantization (simulated or torchao/bitsandbytes)")
     qz.add_argument("model", nargs="?", help="a preset, packaged model or model directory")
@@ -283,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", action="store_true", default=None, help="continue from the last checkpoint in --out")
     tr.set_defaults(func=cmd_train)
     st = sub.add_parser("study", help="run a study YAML: train/load -> observe -> quantize -> evaluate -> report")
-    st.add_argument("study", nargs="?", help="study file (default: experiments/quickstart.yaml)")
+    st.add_argument("study", nargs="?", help="study file (default: the quickstart study shipped with quantgate)")
     st.add_argument("--out", help="run directory (default: results/<study name>)")
     st.add_argument("--dry-run", action="store_true", help="validate the study and print its grid; run nothing")
     st.add_argument("--smoke", action="store_true",
@@ -301,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .data.corpus import OfflineError
     from .quant import HardwareUnavailable
+    from .runlock import RunDirectoryBusy
     from .train import TrainingDiverged
 
     args = build_parser().parse_args(argv)
@@ -309,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError, OfflineError, HardwareUnavailable,
-            TrainingDiverged) as e:  # the user's input or setup: one line; anything else is a bug, with its traceback
+            TrainingDiverged, RunDirectoryBusy) as e:  # the user's input or setup: one line; anything else is a bug, with its traceback
         if args.debug:
             raise
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)

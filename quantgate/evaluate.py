@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import platform
-import socket
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -31,12 +30,12 @@ import torch
 import torch.nn as nn
 
 from .data import batches
-from .data.corpus import OfflineError
+from .data.corpus import OfflineError, hub_reachable
 from .models.families import family_of
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 
-__all__ = ["evaluate", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics", "PseudoLogLikelihoodLM"]
+__all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics", "PseudoLogLikelihoodLM"]
 
 log = logging.getLogger("quantgate")
 TASK_DIR = Path(__file__).with_name("tasks")
@@ -59,10 +58,22 @@ def task_manager(include_defaults: bool = True):
     return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults)
 
 
+def check_limit(limit: int | float | None) -> int | float | None:
+    """lm-eval's ``limit``: None (every document), a whole number of documents >= 1, or a fraction in (0, 1)."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
+        raise ValueError(f"limit must be a number of documents (>= 1) or a fraction in (0, 1), got {limit!r}")
+    if limit >= 1 and limit != int(limit):
+        raise ValueError(f"limit {limit} is neither a whole number of documents nor a fraction below 1")
+    return int(limit) if limit >= 1 else float(limit)
+
+
 def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limit: int | float | None = None,
              batch_size: int | str = "auto", max_length: int | None = None) -> dict:
     """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
     "settings": ..., "versions": ...}`` with what is needed to reproduce the numbers."""
+    limit = check_limit(limit)
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     family = family_of(model)
@@ -130,7 +141,7 @@ def _check_tasks(tasks: list[str], objective: str) -> None:
         raise ValueError(f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
                          f"any lm-eval task name works online (lm-eval ls tasks)")
     remote = [t for t in tasks if t not in BUNDLED_TASKS]
-    if remote and not _hub_reachable():
+    if remote and not hub_reachable():
         hints = ", ".join(f"{t} -> {OFFLINE_EQUIVALENTS[t]}" for t in remote if t in OFFLINE_EQUIVALENTS)
         raise OfflineError(f"task(s) {', '.join(remote)} download their data from the Hugging Face hub, which is not "
                            f"reachable. Offline, use the bundled tasks: {', '.join(BUNDLED_TASKS)}"
@@ -144,18 +155,6 @@ def unknown_tasks(tasks) -> list[str]:
         return []
     known = set(task_manager().all_tasks)
     return [t for t in others if t not in known]
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    import os
-
-    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def _context_length(model: nn.Module) -> int:

@@ -471,6 +471,10 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     """Stream statistics of ``model`` over ``batches`` (dicts with input_ids, optional attention_mask
     and labels, (B, T)) and return an :class:`ObserveReport`. The model is put in eval mode. Batches
     without labels run the base model only (no LM head, no logits); with labels, the model and its loss."""
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 1:
+        raise ValueError(f"sink_tokens is how many leading keys count as the sink: a whole number >= 1, got "
+                         f"{sink_tokens!r}")
+    family = family_of(model)
     if variant_of(model) is None:
         apply_variant(model)  # route attention through quantgate (the model's own attention, unchanged)
     tokenizer = tokenizer if tokenizer is not None else getattr(batches, "tokenizer", None)
@@ -487,6 +491,10 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
             for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe",
                               disable=not progress):
                 ids = batch["input_ids"]
+                family.check_seq_len(model.config, ids.shape[1])
+                if sink_tokens >= ids.shape[1]:
+                    raise ValueError(f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
+                                     f"sequences; use fewer sink tokens or longer sequences")
                 mask = batch.get("attention_mask")
                 obs.input_ids, obs.seen = ids, {}
                 obs.valid = mask.bool() if mask is not None else None
@@ -524,7 +532,7 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     }
     if obs.final.sequences:
         summary["final_norm_in"] = obs.final.summary(decode)
-    meta = {"variant": str(variant_of(model)), "family": family_of(model).name, "sink_tokens": sink_tokens,
+    meta = {"variant": str(variant_of(model)), "family": family.name, "sink_tokens": sink_tokens,
             "sequences": sequences, "seq_len": seq_len, "batches": n_batches,
             "data": getattr(batches, "split", None), "model": getattr(model.config, "_name_or_path", "") or None}
     return ObserveReport(summary, layers, meta)

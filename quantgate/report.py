@@ -178,7 +178,7 @@ def study_markdown(metrics: dict) -> str:
     schemes = metrics["schemes"]
     m = metrics["machine"]
     lines = [f"# Study: {st['name']}", "", st.get("description", "").strip(), "",
-             f"Reproduce: `quantgate study {st.get('file', '<study.yaml>')}`; rebuild this page from metrics.json with "
+             f"Reproduce: `{('quantgate study ' + st.get('file', '<study.yaml>')).strip()}`; rebuild this page from metrics.json with "
              f"`quantgate report <this directory>`.",
              f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads); "
              + ", ".join(f"{k} {v}" for k, v in metrics["versions"].items() if v) + ".",

@@ -9,8 +9,9 @@ only what depends on it. Training checkpoints as it goes and resumes too.
 
 The run directory gets ``config.yaml`` (the resolved study), ``metrics.json`` (every number the report
 shows, and the per-layer detail behind the plots), ``report.md`` and PNG plots, all rebuilt by
-``quantgate report DIR`` from metrics.json alone. Study files are validated before any work starts;
-errors name the YAML line and the valid choices.
+``quantgate report DIR`` from metrics.json alone. One run writes a run directory at a time (it holds
+the directory's lock, :mod:`quantgate.runlock`). Study files are validated before any work starts, down
+to what each value must be; errors name the YAML line and the valid choices.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,13 +36,15 @@ from .models.presets import PRESETS
 from .models.sources import PACKAGED
 from .provenance import machine, versions
 from .quant.schemes import get_scheme
+from .runlock import run_lock
 from .train import TrainConfig
 from .variants import AttentionVariant
 
 __all__ = ["run_study", "load_study", "plan", "Study", "StudyError", "DEFAULT_STUDY"]
 
 log = logging.getLogger("quantgate")
-DEFAULT_STUDY = Path("experiments") / "quickstart.yaml"
+DEFAULT_STUDY = Path(__file__).with_name("studies") / "quickstart.yaml"  # the main job, shipped in the package
+HUB_ID = r"[\w-][\w.-]*/[\w.-]+"  # owner/name
 
 
 class StudyError(ValueError):
@@ -56,6 +62,39 @@ SECTION_KEYS = {
 TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", *SECTION_KEYS}
 MODEL_KEYS = {"name", "preset", "load", "config", "train", "variants", "schemes", "eval", "observe", "seeds"}
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "extra", "stop_after"}
+
+# Each value a study sets: (type, (test, what it wants) or None); None values take the defaults
+AT_LEAST_1 = (lambda x: x >= 1, ">= 1")
+AT_LEAST_0 = (lambda x: x >= 0, ">= 0")
+ABOVE_0 = (lambda x: x > 0, "> 0")
+FOLDER_NAME = (lambda s: not {"/", "\\"} & set(s), "without / or \\ (it names a folder)")
+TRAIN_RANGES = {
+    "steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "seq_len": AT_LEAST_1, "grad_accum": AT_LEAST_1,
+    "eval_batches": AT_LEAST_1, "log_every": AT_LEAST_1, "eval_every": AT_LEAST_0, "observe_every": AT_LEAST_0,
+    "checkpoint_every": AT_LEAST_0, "seed": AT_LEAST_0, "lr": ABOVE_0, "gate_lr": ABOVE_0, "max_grad_norm": ABOVE_0,
+    "warmup": AT_LEAST_0, "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"), "weight_decay": AT_LEAST_0,
+    "gate_weight_decay": AT_LEAST_0, "norm_weight_decay": AT_LEAST_0,
+    "betas": (lambda b: all(0 <= x < 1 for x in b), "each in [0, 1)"),
+}
+TRAIN_RULES = {k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS}
+TOP_RULES = {"name": (str, FOLDER_NAME), "description": (str, None), "seed": (int, AT_LEAST_0), "variants": (list[str], None),
+             "schemes": (list, None), "models": (list, None)}
+MODEL_RULES = {"name": (str, FOLDER_NAME), "preset": (str, None), "load": (str, None), "config": (dict | None, None),
+               "train": (dict | None, None), "variants": (list[str], None), "schemes": (list, None),
+               "seeds": (list[int], (lambda s: all(x >= 0 for x in s), "each >= 0")),
+               "eval": (dict | None, None), "observe": (dict | None, None)}
+DATA_RULES = {"data": (str, None), "batches": (int, AT_LEAST_1), "seq_len": (int, AT_LEAST_1),
+              "batch_size": (int, AT_LEAST_1)}
+SECTION_RULES = {
+    "calibration": DATA_RULES,
+    "observe": {**DATA_RULES, "sink_tokens": (int, AT_LEAST_1)},
+    "eval": {"tasks": (list[str], None),
+             "limit": (float | dict[str, float | None] | None,
+                       (lambda x: all(v is None or v > 0 for v in (x.values() if isinstance(x, dict) else [x])),
+                        "> 0 (a number of items, or a fraction below 1)")),
+             "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1"))},
+    "report": {"notes": (str, None)},
+}
 
 
 @dataclass
@@ -115,15 +154,19 @@ def _compose(text: str, path: str):
 
 
 def load_study(path: str | Path) -> Study:
-    """Read and validate a study file; every problem raises StudyError before any work starts."""
+    """Read and validate a study file; every problem a run would meet raises StudyError (naming the YAML
+    line) before any work starts."""
     path = Path(path)
     if not path.is_file():
         raise StudyError(f"no study file {path}; the default study is {DEFAULT_STUDY}")
     data, lines = _compose(path.read_text(), str(path))
 
     def fail(where: tuple, message: str):
-        line = lines.get(where) or lines.get(where[:-1]) or 1
-        raise StudyError(f"{path}:{line}: {message}")
+        raise StudyError(f"{path}:{_line(lines, where)}: {message}")
+
+    def first(*paths: tuple) -> tuple:
+        """The first of ``paths`` the file sets: where a merged setting (model's, else study's) was written."""
+        return next((p for p in paths if p in lines), paths[-1])
 
     def check_keys(obj, valid, where):
         if not isinstance(obj, dict):
@@ -133,43 +176,72 @@ def load_study(path: str | Path) -> Study:
                 fail((*where, key), f"unknown key {key!r}; valid: {', '.join(sorted(valid))}")
 
     check_keys(data, TOP_KEYS, ())
+    _check_values(data, TOP_RULES, (), fail)
     if not data.get("models"):
         fail(("models",), "a study needs a non-empty 'models' list")
     sections = {}
     for sec, defaults in SECTION_KEYS.items():
         given = data.get(sec) or {}
         check_keys(given, set(defaults), (sec,))
+        _check_values(given, SECTION_RULES[sec], (sec,), fail)
         sections[sec] = {**defaults, **given}
-    seed = int(data.get("seed", 0))
+    _check_limit(sections["eval"], ("eval",), fail)
+    seed = data.get("seed", 0)
     top_variants = data.get("variants") or ["vanilla"]
     top_schemes = data.get("schemes") or []
     models = []
     for i, m in enumerate(data["models"]):
         where = ("models", i)
         check_keys(m, MODEL_KEYS, where)
+        _check_values(m, MODEL_RULES, where, fail)
         if ("preset" in m) == ("load" in m):
             fail(where, "each model needs exactly one of 'preset' (built from config) or 'load' (a checkpoint)")
         if "preset" in m and m["preset"] not in PRESETS:
             fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
-        if "load" in m and m["load"] not in PACKAGED and not Path(str(m["load"])).is_dir() \
-                and str(m["load"]).count("/") != 1:
-            fail((*where, "load"), f"cannot load {m['load']!r}: give a packaged model ({', '.join(PACKAGED)}), a "
-                                   f"checkpoint directory or a hub id")
         if "train" in m and "preset" not in m:
             fail((*where, "train"), "'train' needs a 'preset' (fine-tuning a loaded model: use quantgate train)")
+        config, family = _model_config(m, where, fail)
+        objective = family.objective if family else None
+
+        def check_seq_len(sec: str, seq_len, at: tuple):
+            try:
+                if family:
+                    family.check_seq_len(config, seq_len)
+            except ValueError as e:
+                fail(at, f"{sec} seq_len: {e}")
+
         train = m.get("train")
         if train is not None:
-            check_keys(train, TRAIN_KEYS, (*where, "train"))
-            _check_source(train.get("data", "train"), (*where, "train", "data"), fail)
+            at = (*where, "train")
+            check_keys(train, TRAIN_KEYS, at)
+            _check_values(train, TRAIN_RULES, at, fail)
+            _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), fail)
+            try:
+                TrainConfig(**train).resolved(family.name)
+            except ValueError as e:  # the trainer's own check of the schedule
+                fail((*at, "schedule"), str(e))
+            for key in ("data", "eval_data"):
+                if train.get(key) is not None:
+                    _check_source(train[key], (*at, key), fail, objective)
+            check_seq_len("train", train.get("seq_len", TrainConfig.seq_len), first((*at, "seq_len"), at))
         variants = m.get("variants", top_variants)
         for j, v in enumerate(variants):
+            at = (*where, "variants", j) if "variants" in m else first(("variants", j), where)
             try:
-                AttentionVariant.parse(v)
+                variant = AttentionVariant.parse(v)
             except ValueError as e:
-                fail((*where, "variants", j) if "variants" in m else ("variants", j), str(e))
+                fail(at, str(e))
+            try:
+                _check_variant(variant, family, config, loaded="load" in m)
+            except ValueError as e:
+                fail(at, f"variant {v!r}: {e}")
+        for sec in ("eval", "observe"):
+            check_keys(m.get(sec) or {}, set(SECTION_KEYS[sec]), (*where, sec))
+            _check_values(m.get(sec) or {}, SECTION_RULES[sec], (*where, sec), fail)
         ev = {**sections["eval"], **(m.get("eval") or {})}
-        check_keys(m.get("eval") or {}, set(SECTION_KEYS["eval"]), (*where, "eval"))
         _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), fail)
+        if "limit" in (m.get("eval") or {}):
+            _check_limit(ev, (*where, "eval"), fail)
         schemes = []
         for j, s in enumerate(m.get("schemes", top_schemes)):
             at = (*where, "schemes", j) if "schemes" in m else ("schemes", j)
@@ -185,25 +257,100 @@ def load_study(path: str | Path) -> Study:
                                      f"so that its numbers compare with the float model's; got {tasks}")
             schemes.append({"scheme": name, "tasks": tasks})
         ob = {**sections["observe"], **(m.get("observe") or {})}
-        check_keys(m.get("observe") or {}, set(SECTION_KEYS["observe"]), (*where, "observe"))
+        if ob["sink_tokens"] >= ob["seq_len"]:
+            fail(first((*where, "observe", "sink_tokens"), ("observe", "sink_tokens"), where),
+                 f"sink_tokens ({ob['sink_tokens']}) must be fewer than observe's seq_len ({ob['seq_len']})")
+        for sec, cfg in (("observe", ob), ("calibration", sections["calibration"])):
+            _check_source(cfg["data"], first((*where, sec, "data"), (sec, "data"), where), fail, objective)
+            check_seq_len(sec, cfg["seq_len"], first((*where, sec, "seq_len"), (sec, "seq_len"), where))
         name = str(m.get("name") or m.get("preset") or m.get("load"))
         source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
-        seeds = [int(s) for s in (m.get("seeds") or [seed])]
+        seeds = list(m.get("seeds") or [seed])
         models.append(ModelSpec(name, source, train, list(variants), list(schemes), ev, ob, seeds))
-    for sec, where in (("calibration", ("calibration", "data")), ("observe", ("observe", "data"))):
-        _check_source(sections[sec]["data"], where, fail)
-    names = [m.name for m in models]
-    if len(set(names)) != len(names):
-        fail(("models",), f"model names must be unique, got {names}")
-    raw = {"name": data.get("name") or path.stem, "file": str(path), "description": data.get("description", ""),
-           "seed": seed,
-           "models": [dataclasses.asdict(m) for m in models], **{k: sections[k] for k in ("calibration", "report")}}
-    return Study(raw["name"], raw["description"], models, sections["calibration"], sections["report"], raw)
+    study = Study(data.get("name") or path.stem, data.get("description", ""), models, sections["calibration"],
+                  sections["report"])
+    _check_folders(study, lines, fail)
+    default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
+    study.raw = {"name": study.name, "file": "" if default else str(path), "description": study.description,
+                 "seed": seed, "models": [dataclasses.asdict(m) for m in models],
+                 **{k: sections[k] for k in ("calibration", "report")}}
+    return study
 
 
-def _check_source(source: str, where, fail) -> None:
-    if source in (*BUNDLED_SPLITS, "backcopy") or source.startswith("hf:") or source.split(":")[0] in DATASETS:
+def _line(lines: dict, where: tuple) -> int:
+    return lines.get(where) or lines.get(where[:-1]) or 1
+
+
+def _fits(value, hint) -> bool:
+    """Whether a YAML value has the type ``hint`` (int, float, str, list[...], tuple[...], dict[...], X | None)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_fits, value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint) if hint is not type(None) else value is None
+
+
+def _check_values(given: dict, rules: dict, where: tuple, fail) -> None:
+    """Check each value of ``given`` against its rule: (type, (test, what the test wants) or None)."""
+    for key, value in given.items():
+        hint, test = rules.get(key, (object, None))
+        if _fits(value, hint) and (value is None or test is None or test[0](value)):
+            continue
+        wants = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hint)) + (f", {test[1]}" if test else "")
+        fail((*where, key), f"{key} must be {wants}; got {value!r}{_number_as_text(value)}")
+
+
+def _number_as_text(value) -> str:
+    """A note for numbers YAML 1.1 reads as text: 1e-3 (an exponent needs a point and a sign: 1.0e-3)."""
+    try:
+        number = float(value) if isinstance(value, str) and "e" in value.lower() else math.nan
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    text = str(int(number)) if number.is_integer() else re.sub(r"^(-?\d+)e", r"\1.0e", repr(number))
+    return f" (YAML reads {value} as text; write {text})"
+
+
+def _check_precision(value, where: tuple, fail) -> None:
+    from accelerate.utils import PrecisionType
+
+    choices = ("auto", *PrecisionType.list())
+    if value not in choices:
+        fail(where, f"mixed_precision must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_limit(ev: dict, where: tuple, fail) -> None:
+    """A per-task limit names only tasks the evaluation runs (a misspelt task would run in full)."""
+    limit = ev["limit"]
+    unknown = sorted(set(limit) - set(ev["tasks"])) if isinstance(limit, dict) else []
+    if unknown:
+        fail((*where, "limit", unknown[0]), f"limit names {', '.join(map(repr, unknown))}, not among the evaluated "
+                                            f"tasks ({', '.join(ev['tasks'])})")
+
+
+def _check_source(source: str, where, fail, objective: str | None = None) -> None:
+    from .data.corpus import _hf_spec
+
+    if source == "backcopy" and objective == "mlm":
+        fail(where, "data source 'backcopy' is a causal-LM task and this model is a masked LM; use a text source")
+    if source in (*BUNDLED_SPLITS, "backcopy"):
         return
+    if source.startswith("hf:") or source.split(":")[0] in DATASETS:
+        try:
+            _hf_spec(source)
+            return
+        except ValueError as e:
+            fail(where, str(e))
     fail(where, f"unknown data source {source!r}; valid: {', '.join(BUNDLED_SPLITS)}, backcopy, "
                 f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>")
 
@@ -213,6 +360,67 @@ def _check_tasks(tasks, where, fail) -> None:
 
     for t in unknown_tasks(tasks):
         fail(where, f"unknown task {t!r}; bundled: {', '.join(BUNDLED_TASKS)} (any lm-eval task name online)")
+
+
+def _model_config(m: dict, where: tuple, fail):
+    """The transformers config and family a model will have: its preset's with the study's overrides, or its
+    checkpoint's. (None, None) where reading it would take long (a packaged GGUF model, converted on first
+    load) or needs the network (a hub id): the run checks those when it loads them."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from .models.families import family_of, get_family
+    from .models.io import read_config
+    from .models.sources import resolve
+
+    if "preset" in m:
+        preset, overrides = PRESETS[m["preset"]], m.get("config") or {}
+        family = get_family(preset.family)
+        cls = family.config_class()
+        try:
+            config = cls(**{**preset.config, **overrides})
+        except (StrictDataclassError, ValueError, TypeError) as e:
+            named = re.search(r"field '(\w+)'", str(e))
+            key = named.group(1) if named and named.group(1) in overrides else None
+            fail((*where, "config", key) if key else (*where, "config"), f"config: {' '.join(str(e).split())}")
+        known = vars(cls())
+        for key in overrides:  # transformers keeps an unknown key as a plain attribute; known ones it uses
+            if key in vars(config) and key not in known:
+                fail((*where, "config", key), f"unknown config key {key!r} for {cls.__name__}; valid: "
+                                              f"{', '.join(sorted(k for k in known if not k.startswith('_')))}")
+        return config, family
+    load = m["load"]
+    if (load in PACKAGED and PACKAGED[load].gguf_file) or (re.fullmatch(HUB_ID, load) and not Path(load).exists()):
+        return None, None
+    if load not in PACKAGED and not Path(load).exists():
+        fail((*where, "load"), f"cannot load {load!r}: no such checkpoint directory; give a packaged model "
+                               f"({', '.join(PACKAGED)}), a checkpoint directory or a hub id (owner/name)")
+    try:
+        config = read_config(resolve(load))
+        return config, family_of(config)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+        fail((*where, "load"), f"cannot load {load!r}: {e}")
+
+
+def _check_variant(variant: AttentionVariant, family, config, loaded: bool) -> None:
+    """Raise ValueError when the run could not swap ``variant`` into the model (the check of
+    :func:`~quantgate.models.swap.apply_variant`). A loaded model's 'vanilla' means its own attention."""
+    from .models.swap import _check_expressible
+
+    if family is not None and not (loaded and variant.is_vanilla):
+        _check_expressible(family, variant, config)
+
+
+def _check_folders(study: Study, lines: dict, fail) -> None:
+    """Two cells must not share a run folder (names that differ only in characters a folder name drops)."""
+    seen: dict[str, dict] = {}
+    for cell in study.cells():
+        other = seen.setdefault(cell["slug"], cell)
+        if other is not cell:
+            i, j = (next(n for n, m in enumerate(study.models) if m is c["model"]) for c in (other, cell))
+            at = [("models", n, "name") if ("models", n, "name") in lines else ("models", n) for n in (i, j)]
+            fail(at[1], f"cells {other['id']!r} (line {_line(lines, at[0])}) and {cell['id']!r} (line "
+                        f"{_line(lines, at[1])}) would share the folder cells/{cell['slug']}: give the models "
+                        f"names that differ in letters, digits or . _ -")
 
 
 # --- running ---------------------------------------------------------------------------------------
@@ -243,12 +451,15 @@ def plan(path: str | Path) -> str:
              f"{', '.join(dict.fromkeys(x['scheme'] for m in study.models for x in m.schemes))}"]
     for cell in study.cells():
         m = cell["model"]
-        if m.train is None:
+        preset = " ".join(str(x) for x in (m.source.get("preset"), m.source.get("config")) if x)
+        if "load" in m.source:
             what = f"load {m.source['load']}"
+        elif m.train is None:
+            what = f"build {preset} untrained"
         else:
             c = TrainConfig(**m.train)
-            what = (f"train {m.source['preset']} {m.source['config'] or ''} on {c.data}: {c.steps} steps x "
-                    f"{c.batch_size * c.grad_accum} x {c.seq_len} = {c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens")
+            what = (f"train {preset} on {c.data}: {c.steps} steps x {c.batch_size * c.grad_accum} x {c.seq_len} = "
+                    f"{c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens")
         lines.append(f"  {cell['id']} (seed {cell['seed']}): {what}; eval {', '.join(m.eval['tasks'])}")
     return "\n".join(lines)
 
@@ -274,22 +485,22 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, s
     study = load_study(path)
     study = shrink(study) if smoke else study
     out = Path(out) if out else Path("results") / study.name
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(study.raw, sort_keys=False))
-    cells = study.cells()
-    started = time.perf_counter()
-    records = []
-    for n, cell in enumerate(cells, 1):
-        log.info("[%d/%d] %s", n, len(cells), cell["id"])
-        records.append(_run_cell(study, cell, out / "cells" / cell["slug"]))
-    order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
-    metrics = {"study": study.raw, "cells": records, "schemes": order, "versions": versions(), "machine": machine(),
-               "wall_seconds": {"this_invocation": round(time.perf_counter() - started, 1),
-                                "steps_total": round(sum(r["seconds"] for r in records), 1)}}
-    _write_json(out / "metrics.json", metrics)
-    from .report import write_study_report
+    with run_lock(out):  # one writer per run directory: a second run on it stops here, naming the first
+        (out / "config.yaml").write_text(yaml.safe_dump(study.raw, sort_keys=False))
+        cells = study.cells()
+        started = time.perf_counter()
+        records = []
+        for n, cell in enumerate(cells, 1):
+            log.info("[%d/%d] %s", n, len(cells), cell["id"])
+            records.append(_run_cell(study, cell, out / "cells" / cell["slug"]))
+        order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
+        metrics = {"study": study.raw, "cells": records, "schemes": order, "versions": versions(),
+                   "machine": machine(), "wall_seconds": {"this_invocation": round(time.perf_counter() - started, 1),
+                                                          "steps_total": round(sum(r["seconds"] for r in records), 1)}}
+        _write_json(out / "metrics.json", metrics)
+        from .report import write_study_report
 
-    write_study_report(out)
+        write_study_report(out)
     return out
 
 
@@ -363,13 +574,13 @@ def _materialise(m: ModelSpec, cell: dict, cdir: Path, seed: int, model_key: str
     model = build(m.source["preset"], cell["variant"], seed=seed, **m.source["config"])
     tok = get_tokenizer(model)
     if m.train is not None:
-        from .train import train
+        from .train import can_resume, train
 
         if not _same_key(train_dir, model_key):
             shutil.rmtree(train_dir, ignore_errors=True)
         train_dir.mkdir(parents=True, exist_ok=True)
         (train_dir / "study-key").write_text(model_key)
-        resume = (train_dir / "checkpoints").is_dir() and any((train_dir / "checkpoints").glob("step-*"))
+        resume = can_resume(train_dir)
         steps = int(m.train.get("steps", TrainConfig.steps))
         cfg = TrainConfig(**{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, "out": str(train_dir),
                              "resume": resume})

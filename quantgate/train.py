@@ -2,32 +2,56 @@
 sink and gate statistics logged as training goes.
 
 The same code runs on a CPU, one GPU, and many (``accelerate launch``; DDP, or FSDP through an
-accelerate config). Every data batch is a *global* micro-batch; each process trains on its share,
-so N processes with per-device batch B see exactly what one process with batch N x B sees.
+accelerate config, without checkpoints). Every data batch is a *global* micro-batch; each process trains
+on its share, so N processes with per-device batch B see exactly what one process with batch N x B sees.
 
-Output directory: ``log.jsonl`` (one record per logged step, eval and observe pass),
-``checkpoints/step-N`` (accelerate state: safetensors weights, optimizer, scheduler, RNG, data
-position; plus ``trainer.json``), ``model/`` (the final model, ``qg.save``) and ``training.png``.
+Output directory (one writer at a time: the run holds ``.quantgate.lock``, see :mod:`quantgate.runlock`)::
+
+    log.jsonl                 one record per logged step, eval and observe pass
+    checkpoints/step-N/       everything a resume needs, as safetensors and JSON (never pickle):
+        model.safetensors         the unwrapped weights (tied weights stored once)
+        optimizer.safetensors     AdamW moments and step counts, keyed "<parameter index>.<name>"
+        rng-<rank>.safetensors    each process's torch CPU/CUDA generator states; python's and numpy's
+                                  as JSON in its metadata
+        trainer.json              format, model identity, config, process count, progress, optimizer
+                                  param groups, LR scheduler, data position, fp16 grad scaler
+    model/                    the final model (``qg.save``), and training.png
+    last-good-model/          after a divergence: the last finite weights (see :func:`train`)
+
+A folder is written as ``.<name>.tmp`` beside its place, fsynced, and renamed into place once complete,
+so an interrupted write never leaves a partial ``step-N`` or ``model``; the next run removes the
+leftover with a warning. ``--resume`` continues from the newest complete checkpoint (skipping, with a
+warning, folders that are not one) and refuses changed settings (:data:`FREE_ON_RESUME`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
+import random
+import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
+import numpy as np
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .data import batches as text_batches
 from .models.families import family_of
 from .models.swap import gate_parameters, variant_of
+from .runlock import run_lock
 
-__all__ = ["TrainConfig", "train", "TrainingDiverged", "FAMILY_DEFAULTS", "make_data"]
+__all__ = ["TrainConfig", "train", "can_resume", "TrainingDiverged", "FAMILY_DEFAULTS", "make_data"]
 
 log = logging.getLogger("quantgate")
 
@@ -83,8 +107,19 @@ class TrainConfig:
         return c
 
 
+# Settings a resumed run may change: when this invocation stops, what it evaluates, observes and logs,
+# how often it checkpoints. Every other field (steps, batch_size, seq_len, grad_accum, lr and the
+# schedule, optimizer settings, data, seed, mixed_precision) changes the data stream or the updates, so
+# the resumed run would match neither the saved config nor the new one: resume refuses them, and a
+# change in the number of processes (the global batch is per-process batch_size x processes).
+FREE_ON_RESUME = frozenset({"stop_after", "eval_data", "eval_every", "eval_batches", "observe_every",
+                            "checkpoint_every", "log_every", "out", "resume", "extra"})
+CHECKPOINT_FORMAT = 1  # trainer.json "format"; earlier checkpoints were accelerate's pickles and are not loaded
+MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.safetensors", "trainer.json"
+
+
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN/inf; the last good state was saved."""
+    """The loss or the gradient norm became NaN/inf; the last finite weights were saved (see :func:`train`)."""
 
 
 def make_data(config: TrainConfig, tokenizer, objective: str, world: int = 1, source: str | None = None,
@@ -149,99 +184,120 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _Progress:
-    """The trainer's own state saved with each checkpoint: step and token counts."""
+@dataclass
+class _Run:
+    """The training state a checkpoint saves and a resume restores (with each process's RNG states)."""
 
-    def __init__(self):
-        self.step = 0
-        self.tokens = 0
-
-    def state_dict(self):
-        return {"step": self.step, "tokens": self.tokens}
-
-    def load_state_dict(self, state):
-        self.step, self.tokens = state["step"], state["tokens"]
+    acc: object  # accelerate.Accelerator
+    model: nn.Module  # unwrapped
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data: object  # resumable global micro-batches (state_dict / load_state_dict)
+    step: int = 0
+    tokens: int = 0
 
 
 def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = None) -> nn.Module:
     """Train ``model`` and return it (unwrapped). ``data`` yields global micro-batches; by default
     ``config.data`` through :func:`make_data`. With ``config.out``, logs, checkpoints, the final
-    model and a plot of outlier emergence are written there."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    model and a plot of outlier emergence are written there (layout: the module docstring), while the
+    main process holds the directory's lock (:class:`~quantgate.runlock.RunDirectoryBusy` if another
+    run holds it).
 
-    family = family_of(model)
-    c = (config or TrainConfig()).resolved(family.name)
+    Divergence is caught before the step's update can spoil the weights: a non-finite loss before the
+    backward pass, a non-finite gradient norm before the optimizer step (except under fp16 loss scaling,
+    whose scaler skips such steps itself). The model then still holds the weights of the last completed
+    step, a state the run really had; when they are all finite they are written to ``last-good-model``
+    (no per-step copy is kept: a model that was never finite, or an update that overflowed with a finite
+    gradient, leaves none, and the message says so). Then :class:`TrainingDiverged` is raised."""
+    from accelerate import Accelerator
+
+    c = (config or TrainConfig()).resolved(family_of(model).name)
+    family_of(model).check_seq_len(model.config, c.seq_len)
     if variant_of(model) is None:
         from .models.swap import apply_variant
 
         apply_variant(model)
     mp = c.mixed_precision if c.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     acc = Accelerator(gradient_accumulation_steps=c.grad_accum, mixed_precision=mp, cpu=not torch.cuda.is_available())
+    out = Path(c.out) if c.out else None
+    with run_lock(out) if out is not None and acc.is_main_process else contextlib.nullcontext():
+        return _train(acc, model, tokenizer, data, c, out)
+
+
+def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | None) -> nn.Module:
+    from accelerate.utils import set_seed
+
+    family = family_of(model)
     set_seed(c.seed)
     world, rank = acc.num_processes, acc.process_index
     data = data if data is not None else make_data(c, tokenizer, family.objective, world)
-    out = Path(c.out) if c.out else None
+    if out is not None and (c.checkpoint_every or c.stop_after or c.resume):
+        _check_checkpointable(acc, data)
+    if out is not None and acc.is_main_process:
+        _remove_leftovers(out)
     identity = _identity(model)
     opt = torch.optim.AdamW(_param_groups(model, c), lr=c.lr, betas=c.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(c))
     model, opt = acc.prepare(model, opt)  # the schedule steps once per optimizer step, on every process
-    progress = _Progress()
-    acc.register_for_checkpointing(sched, progress, data)
-    if c.resume:
-        _resume(acc, out, identity)
     raw = acc.unwrap_model(model)
+    run = _Run(acc, raw, opt, sched, data)
+    if c.resume:
+        _resume(run, out, identity, c)
     eval_data = _eval_batches(c, tokenizer, family.objective) if c.eval_data else None
-    logger = _JsonLog(out / "log.jsonl" if out and acc.is_main_process else None, append=c.resume)
+    logger = _JsonLog(out / "log.jsonl" if out and acc.is_main_process else None,
+                      keep_until=run.step if c.resume else None)
     if not c.resume:
         logger.write({"event": "config", "config": asdict(c), "identity": identity, "world_size": world})
     model.train()
     it = iter(data)
-    bar = tqdm(total=c.steps, initial=progress.step, desc="train", disable=not acc.is_main_process)
-    t_last, tok_last = time.perf_counter(), progress.tokens
-    stop = min(c.steps, c.stop_after or c.steps)
-    while progress.step < stop:
-        loss_sum = 0.0
-        for _ in range(c.grad_accum):
-            batch = _shard(next(it), rank, world, acc.device)
-            with acc.accumulate(model):
-                loss = _masked_lm_loss(raw, batch) if world == 1 and family.objective == "mlm" else model(**batch).loss
-                if not torch.isfinite(loss):
-                    _diverged(acc, raw, out, progress.step, batch)
-                acc.backward(loss)
-                grad_norm = None
-                if acc.sync_gradients:
-                    grad_norm = acc.clip_grad_norm_(model.parameters(), c.max_grad_norm)
-                opt.step()  # accelerate skips it until the last micro-step of the accumulation
-                if acc.sync_gradients:
-                    sched.step()
-                opt.zero_grad(set_to_none=True)
-            loss_sum += float(loss.detach())
-            progress.tokens += int(batch["attention_mask"].sum()) * world
-        progress.step += 1
-        bar.update(1)
-        step = progress.step
-        if step % c.log_every == 0 or step == c.steps:
-            now = time.perf_counter()
-            rate = (progress.tokens - tok_last) / max(now - t_last, 1e-9)
-            t_last, tok_last = now, progress.tokens
-            record = {"event": "train", "step": step, "loss": loss_sum / c.grad_accum, "lr": sched.get_last_lr()[0],
-                      "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": progress.tokens,
-                      "tokens_per_s": rate}
-            logger.write(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}")
-        if eval_data is not None and ((c.eval_every and step % c.eval_every == 0) or step == c.steps):
-            logger.write({"event": "eval", "step": step, "loss": _eval_loss(raw, eval_data, acc.device)})
-        if eval_data is not None and ((c.observe_every and step % c.observe_every == 0) or step == c.steps):
-            logger.write({"event": "observe", "step": step, **_light_observe(raw, eval_data[:1])})
-        if out is not None and ((c.checkpoint_every and step % c.checkpoint_every == 0) or step == stop < c.steps):
-            _checkpoint(acc, out / "checkpoints" / f"step-{step}", identity, c)
-    bar.close()
+    mlm_single = world == 1 and family.objective == "mlm"  # see _masked_lm_loss
+    with tqdm(total=c.steps, initial=run.step, desc="train", disable=not acc.is_main_process) as bar:
+        t_last, tok_last = time.perf_counter(), run.tokens
+        stop = min(c.steps, c.stop_after or c.steps)
+        while run.step < stop:
+            loss_sum = 0.0
+            for _ in range(c.grad_accum):
+                batch = _shard(next(it), rank, world, acc.device)
+                with acc.accumulate(model):
+                    loss = _masked_lm_loss(raw, batch) if mlm_single else model(**batch).loss
+                    if not torch.isfinite(loss):
+                        _diverged(run, out, f"the loss became non-finite at step {run.step + 1}"
+                                            f"{_first_nonfinite_block(raw, batch)}")
+                    acc.backward(loss)
+                    grad_norm = None
+                    if acc.sync_gradients:
+                        grad_norm = acc.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+                        if acc.scaler is None and not torch.isfinite(grad_norm):
+                            _diverged(run, out, f"the gradient norm became non-finite at step {run.step + 1} (its "
+                                                f"loss was finite: the backward pass overflowed)")
+                    opt.step()  # accelerate skips it until the last micro-step of the accumulation
+                    if acc.sync_gradients:
+                        sched.step()
+                    opt.zero_grad(set_to_none=True)
+                loss_sum += float(loss.detach())
+                run.tokens += int(batch["attention_mask"].sum()) * world
+            run.step += 1
+            bar.update(1)
+            step = run.step
+            if step % c.log_every == 0 or step == c.steps:
+                now = time.perf_counter()
+                rate = (run.tokens - tok_last) / max(now - t_last, 1e-9)
+                t_last, tok_last = now, run.tokens
+                record = {"event": "train", "step": step, "loss": loss_sum / c.grad_accum, "lr": sched.get_last_lr()[0],
+                          "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": run.tokens,
+                          "tokens_per_s": rate}
+                logger.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}")
+            if eval_data is not None and ((c.eval_every and step % c.eval_every == 0) or step == c.steps):
+                logger.write({"event": "eval", "step": step, "loss": _eval_loss(raw, eval_data, acc.device)})
+            if eval_data is not None and ((c.observe_every and step % c.observe_every == 0) or step == c.steps):
+                logger.write({"event": "observe", "step": step, **_light_observe(raw, eval_data[:1])})
+            if out is not None and ((c.checkpoint_every and step % c.checkpoint_every == 0) or step == stop < c.steps):
+                _checkpoint(run, out / "checkpoints" / f"step-{step}", identity, c)
     acc.wait_for_everyone()
-    if out is not None and acc.is_main_process and progress.step == c.steps:
-        from .quant.checkpoint import save
-
-        save(raw, out / "model", tokenizer)
+    if out is not None and acc.is_main_process and run.step == c.steps:
+        _save_model(raw, out / "model", tokenizer)
         from .plots import plot_training
 
         plot_training(logger.path, out / "training.png")
@@ -295,40 +351,200 @@ def _light_observe(model: nn.Module, data: list[dict]) -> dict:
                                               "gate_mean")}}
 
 
-def _checkpoint(acc, path: Path, identity: dict, c: TrainConfig) -> None:
-    acc.save_state(str(path))
+def _check_checkpointable(acc, data) -> None:
+    """Before any work: refuse checkpoints this trainer cannot write or resume correctly."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise ValueError(f"checkpoints (checkpoint_every, stop_after, resume) are not supported under "
+                         f"{acc.distributed_type.value}: its sharded state has no pickle-free format here; use "
+                         f"DDP (accelerate's default multi-GPU config), or train without checkpoints")
+    if not (hasattr(data, "state_dict") and hasattr(data, "load_state_dict")):
+        raise ValueError(f"checkpoints (checkpoint_every, stop_after, resume) need data that can resume: "
+                         f"{type(data).__name__} has no state_dict/load_state_dict; pass quantgate.data.batches "
+                         f"(or an object with both), or train without checkpoints")
+
+
+def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
+    """Write checkpoint ``path`` (layout: the module docstring) into a temporary folder, then rename it.
+    Under DDP the weights and optimizer state are the same on every process: the main process writes
+    them; each process writes its RNG states."""
+    acc = run.acc
+    tmp = _temporary(path)
     if acc.is_main_process:
-        (path / "trainer.json").write_text(json.dumps({"identity": identity, "config": asdict(c)}, indent=1))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    acc.wait_for_everyone()
+    _save_rng(tmp / f"rng-{acc.process_index}.safetensors")
+    if acc.is_main_process:
+        from .quant.checkpoint import _dedupe
+
+        save_file({k: v.detach().contiguous() for k, v in _dedupe(run.model.state_dict())[0].items()},
+                  str(tmp / MODEL_FILE))
+        opt = run.optimizer.state_dict()
+        save_file({f"{i}.{name}": t.contiguous() for i, state in opt["state"].items() for name, t in state.items()},
+                  str(tmp / OPTIMIZER_FILE))
+        trainer = {"format": CHECKPOINT_FORMAT, "identity": identity, "config": asdict(c),
+                   "world_size": acc.num_processes, "progress": {"step": run.step, "tokens": run.tokens},
+                   "optimizer": {"param_groups": opt["param_groups"]}, "scheduler": run.scheduler.state_dict(),
+                   "data": run.data.state_dict(), "scaler": acc.scaler.state_dict() if acc.scaler is not None else None}
+        (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        _publish(tmp, path)
 
 
-def _resume(acc, out: Path | None, identity: dict) -> None:
-    ckpts = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1])) if out else []
-    if not ckpts:
-        raise FileNotFoundError(f"nothing to resume: no checkpoints under {out}/checkpoints (train with "
-                                f"checkpoint_every > 0 first, or drop --resume)")
-    saved = json.loads((ckpts[-1] / "trainer.json").read_text())["identity"]
-    if saved != identity:
-        raise ValueError(f"{ckpts[-1]} belongs to another model ({saved['family']}, variant {saved['variant']}, "
-                         f"{saved['parameters']} tensors) than this one ({identity['family']}, variant "
+def _resume(run: _Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
+    """Restore ``run`` from the newest complete checkpoint of the same model and settings."""
+    path, saved = _newest_checkpoint(out)
+    if saved["identity"] != identity:
+        s = saved["identity"]
+        raise ValueError(f"{path} belongs to another model ({s['family']}, variant {s['variant']}, "
+                         f"{s['parameters']} tensors) than this one ({identity['family']}, variant "
                          f"{identity['variant']}, {identity['parameters']} tensors); resume with the same model and "
                          f"variant, or train into a new directory")
-    acc.load_state(str(ckpts[-1]))
-    log.info("resumed from %s", ckpts[-1])
+    now = json.loads(json.dumps(asdict(c)))  # as trainer.json holds it (tuples as lists)
+    changed = [f"{k} {saved['config'].get(k)!r} -> {v!r}" for k, v in now.items()
+               if k not in FREE_ON_RESUME and saved["config"].get(k) != v]
+    if saved["world_size"] != run.acc.num_processes:
+        changed.append(f"processes {saved['world_size']} -> {run.acc.num_processes}")
+    if changed:
+        raise ValueError(f"cannot resume {path} with changed settings: {', '.join(changed)}. They change the data "
+                         f"or the updates, so the run would match neither config; resume with the saved values, "
+                         f"or train into a new --out")
+    _load_checkpoint(run, path, saved)
+    log.info("resumed from %s", path)
 
 
-def _diverged(acc, model: nn.Module, out: Path | None, step: int, batch: dict):
-    """Loss is NaN/inf: find the first block with a non-finite output, save the last good state, stop."""
-    where = _first_nonfinite_block(model, batch)
+def can_resume(out: str | Path) -> bool:
+    """Whether run directory ``out`` holds a complete checkpoint that ``resume=True`` would continue from."""
+    try:
+        _newest_checkpoint(Path(out))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
+    """The newest complete ``checkpoints/step-N`` and its trainer.json; incomplete ones are skipped with a warning."""
+    found = [(int(m[1]), p) for p in (out / "checkpoints").glob("step-*")
+             if (m := re.fullmatch(r"step-(\d+)", p.name))] if out else []
+    for _, path in sorted(found, reverse=True):
+        try:
+            return path, _read_trainer(path)
+        except ValueError as e:
+            log.warning("skipping checkpoint %s: %s", path, e)
+    raise FileNotFoundError(f"nothing to resume: no complete checkpoint under {out}/checkpoints (train with "
+                            f"checkpoint_every > 0 first, or drop --resume)")
+
+
+def _read_trainer(path: Path) -> dict:
+    """trainer.json of checkpoint ``path``; ValueError saying why ``path`` is not a complete checkpoint."""
+    try:
+        saved = json.loads((path / TRAINER_FILE).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"it has no {TRAINER_FILE} (its write was interrupted)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"unreadable {TRAINER_FILE} ({e})") from None
+    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError("it is in an older format (accelerate's pickled state), which quantgate does not load")
+    ranks = [f"rng-{r}.safetensors" for r in range(saved["world_size"])]
+    missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE, *ranks) if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"it lacks {', '.join(missing)}")
+    return saved
+
+
+def _load_checkpoint(run: _Run, path: Path, saved: dict) -> None:
+    """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only."""
+    from .models.io import _load_state, _read_safetensors
+
+    _load_state(run.model, _read_safetensors([path / MODEL_FILE]), path / MODEL_FILE)
+    state: dict[int, dict] = {}
+    for key, t in _read_safetensors([path / OPTIMIZER_FILE]).items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = t
+    run.optimizer.load_state_dict({"state": state, "param_groups": saved["optimizer"]["param_groups"]})
+    run.scheduler.load_state_dict(saved["scheduler"])
+    run.data.load_state_dict(saved["data"])
+    if run.acc.scaler is not None:
+        run.acc.scaler.load_state_dict(saved["scaler"])
+    run.step, run.tokens = saved["progress"]["step"], saved["progress"]["tokens"]
+    _load_rng(path / f"rng-{run.acc.process_index}.safetensors")
+
+
+def _save_rng(file: Path) -> None:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    _, key, pos, has_gauss, gauss = np.random.get_state()
+    save_file(tensors, str(file), metadata={"python": json.dumps(random.getstate()),
+                                            "numpy": json.dumps([key.tolist(), pos, has_gauss, gauss])})
+
+
+def _load_rng(file: Path) -> None:
+    with safe_open(str(file), framework="pt") as fh:
+        meta = fh.metadata()
+        torch.set_rng_state(fh.get_tensor("torch"))
+        cuda = sorted((k for k in fh.keys() if k.startswith("cuda.")), key=lambda k: int(k[5:]))
+        if cuda and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([fh.get_tensor(k) for k in cuda])
+    version, internal, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(internal), gauss))
+    key, pos, has_gauss, gauss = json.loads(meta["numpy"])
+    np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def _diverged(run: _Run, out: Path | None, what: str) -> NoReturn:
+    """Stop: ``what`` happened before this step's update, so the model holds the last completed step's
+    weights; write them to ``out/last-good-model`` when all are finite (see :func:`train`)."""
     saved = ""
-    if out is not None:
-        from .quant.checkpoint import save
+    if out is not None and run.acc.is_main_process:
+        if all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
+            _save_model(run.model, out / "last-good-model")
+            saved = (f"; the last finite weights (after step {run.step}) are in {out}/last-good-model, to "
+                     f"continue from with --model")
+        else:
+            saved = f"; the weights were already non-finite, so no last-good-model was written (see {out}/checkpoints)"
+    raise TrainingDiverged(f"{what}{saved}. Lower the learning rate or use bf16/fp32")
 
-        acc.save_state(str(out / "checkpoints" / "last-good"))
-        save(model, out / "last-good-model")
-        saved = f"; the last good state (before this step's update) is in {out}/checkpoints/last-good and " \
-                f"{out}/last-good-model"
-    raise TrainingDiverged(f"the loss became non-finite at step {step + 1}{where}{saved}. Lower the learning rate or "
-                           f"use bf16/fp32")
+
+def _save_model(model: nn.Module, path: Path, tokenizer=None) -> None:
+    from .quant.checkpoint import save
+
+    tmp = _temporary(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    save(model, tmp, tokenizer)
+    _publish(tmp, path)
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Make the fully written folder ``tmp`` appear as ``path`` with one rename (replacing an older ``path``)."""
+    for f in tmp.iterdir():
+        _fsync(f)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary folders of writes that an earlier run did not finish."""
+    for tmp in [*out.glob(".*.tmp"), *(out / "checkpoints").glob(".*.tmp")]:
+        log.warning("removing %s: an interrupted write of %s", tmp, tmp.name[1:-4])
+        shutil.rmtree(tmp)
 
 
 @torch.no_grad()
@@ -348,14 +564,30 @@ def _first_nonfinite_block(model: nn.Module, batch: dict) -> str:
 
 
 class _JsonLog:
-    def __init__(self, path: Path | None, append: bool):
+    """log.jsonl. A fresh run starts it empty; a resumed one keeps the records up to the checkpoint's step
+    (those after it came from the interrupted run and are logged again as the steps are retrained)."""
+
+    def __init__(self, path: Path | None, keep_until: int | None):
         self.path = path
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:
-                path.write_text("")
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_until is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if _step_of(line, keep_until + 1) <= keep_until]
+        tmp = _temporary(path)
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
 
     def write(self, record: dict) -> None:
         if self.path is not None:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+
+
+def _step_of(line: str, unreadable: int) -> int:
+    """The step of a log record (0 for the config record); ``unreadable`` for a line cut off mid-write."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return unreadable

@@ -20,9 +20,47 @@ variant; the printed form lists only parameters that differ from their defaults.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-__all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "VariantLike"]
+__all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "VariantLike", "Range"]
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric parameter: finite, between ``lo`` and ``hi`` (each end open or closed)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def check(self, owner: str, name: str, value: float) -> None:
+        """Raise ValueError ``owner: name must be ...`` unless ``value`` is finite and in the range."""
+        if not math.isfinite(value):
+            raise ValueError(f"{owner}: {name} must be a finite number, got {value}")
+        if value < self.lo or value > self.hi or (self.lo_open and value == self.lo) or \
+                (self.hi_open and value == self.hi):
+            raise ValueError(f"{owner}: {name} must be {self}, got {value:g}")
+
+    def __str__(self) -> str:
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo == -math.inf:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def _ranged(default, valid: Range):
+    """A dataclass field whose valid values are ``valid`` (checked by :func:`_check_ranges`)."""
+    return field(default=default, metadata={"valid": valid})
+
+
+def _check_ranges(spec, owner: str) -> None:
+    """Check every field of ``spec`` declared with :func:`_ranged` (None: not set)."""
+    for f in fields(spec):
+        value = getattr(spec, f.name)
+        if "valid" in f.metadata and value is not None:
+            f.metadata["valid"].check(owner, f.name, value)
 
 
 @dataclass(frozen=True)
@@ -123,19 +161,14 @@ class GateSpec:
 class ClipSpec:
     """Clipped softmax (Bondarenko et al.): ``clip((zeta - gamma) * p + gamma, 0, 1)``."""
 
-    gamma: float | None = -0.025
-    zeta: float = 1.0
-    alpha: float | None = None
+    gamma: float | None = _ranged(-0.025, Range(hi=0.0))  # stretches below 0, so small probabilities reach 0
+    zeta: float = _ranged(1.0, Range(lo=1.0))  # stretches above 1, so large probabilities reach 1
+    alpha: float | None = _ranged(None, Range(lo=0.0))  # gamma = -alpha / T
 
     def __post_init__(self):
         if (self.gamma is None) == (self.alpha is None):
             raise ValueError("clipped: give exactly one of gamma (fixed) or alpha (gamma = -alpha / T)")
-        if self.gamma is not None and self.gamma > 0:
-            raise ValueError(f"clipped: gamma must be <= 0, got {self.gamma}")
-        if self.alpha is not None and self.alpha < 0:
-            raise ValueError(f"clipped: alpha must be >= 0, got {self.alpha}")
-        if self.zeta < 1:
-            raise ValueError(f"clipped: zeta must be >= 1, got {self.zeta}")
+        _check_ranges(self, "clipped")
 
     def params(self, n_keys: int) -> tuple[float, float]:
         """(gamma, zeta) for rows of ``n_keys`` keys."""
@@ -155,7 +188,10 @@ class ClipSpec:
 class SinkSpec:
     """Learnable attention sink: one logit per head, initialised to ``init``."""
 
-    init: float = 0.0
+    init: float = _ranged(0.0, Range())
+
+    def __post_init__(self):
+        _check_ranges(self, "sink")
 
     def __str__(self) -> str:
         return "sink" + (f":init={self.init!r}" if self.init != 0.0 else "")

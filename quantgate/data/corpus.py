@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import json
 import lzma
+import os
+import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["Document", "corpus", "BUNDLED_SPLITS", "DATASETS", "OfflineError"]
+__all__ = ["Document", "corpus", "BUNDLED_SPLITS", "DATASETS", "OfflineError", "hub_reachable"]
 
 CORPUS_DIR = Path(__file__).with_name("corpus")
 BUNDLED_SPLITS = ("train", "validation", "test")
@@ -81,9 +84,38 @@ def _hf_spec(source: str) -> tuple[list[tuple[str, str | None, str]], str]:
     return DATASETS[name], split
 
 
+def hub_offline() -> bool:
+    """Whether the user declared the Hugging Face hub off limits (then only the local caches are read)."""
+    return os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether huggingface.co answers within ``timeout`` seconds, name lookup included (one TCP connection,
+    in a daemon thread: a resolver with no network can hang for many seconds). False when declared offline."""
+    if hub_offline():
+        return False
+    answered = []
+
+    def connect():
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+            answered.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(answered)
+
+
 def _hf_documents(source: str) -> Iterator[Document]:
     specs, split = _hf_spec(source)
     for path, config, column in specs:
+        if not hub_offline() and not hub_reachable():  # before datasets' minute of retries
+            raise OfflineError(f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable. "
+                               f"Offline, use the bundled corpus: {', '.join(BUNDLED_SPLITS)} (or set "
+                               f"HF_DATASETS_OFFLINE=1 to read a copy already in the datasets cache)")
         try:
             import datasets
 

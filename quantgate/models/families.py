@@ -33,6 +33,7 @@ class Family:
     native_gate: str | None = None  # a gate the architecture has built in
     v_head_dim: str | None = None  # config field of the value head dim where it differs from q/k's (MLA)
     value_gate: bool = True  # whether a G2 gate on v_proj's output can be expressed
+    learned_positions: bool = False  # a position-embedding table: sequences longer than it cannot run
 
     def config_class(self):
         return getattr(transformers, self.config_cls)
@@ -60,6 +61,16 @@ class Family:
         kv = getattr(config, "num_key_value_heads", None) or heads
         return AttentionDims(config.hidden_size, heads, kv, head_dim)
 
+    def check_seq_len(self, config, seq_len: int) -> None:
+        """Raise ValueError when ``seq_len`` tokens do not fit the model's positions (learned tables only:
+        RoPE models run past ``max_position_embeddings``, though beyond what they were trained on)."""
+        limit = getattr(config, "max_position_embeddings", None) if self.learned_positions else None
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
+        if limit is not None and seq_len > limit:
+            raise ValueError(f"seq_len {seq_len} is longer than this {self.name} model's {limit} positions "
+                             f"(max_position_embeddings); use --seq-len {limit} or less")
+
     @staticmethod
     def init_std(config) -> float:
         return float(getattr(config, "initializer_range", None) or getattr(config, "init_std", 0.02))
@@ -80,9 +91,10 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("bert", ("bert",), "BertConfig", "BertForMaskedLM", "mlm", "encoder.layer", "attention.self",
-               "attention.self.query", "attention.self.value", "attention.output.dense", "output.dense"),
+               "attention.self.query", "attention.self.value", "attention.output.dense", "output.dense",
+               learned_positions=True),
         Family("opt", ("opt",), "OPTConfig", "OPTForCausalLM", "clm", "decoder.layers", "self_attn",
-               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj", "fc2"),
+               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj", "fc2", learned_positions=True),
         Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER),
         Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
         Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),

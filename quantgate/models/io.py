@@ -21,7 +21,7 @@ from transformers import AutoConfig
 
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, family_of, get_family
-from .presets import get_preset
+from .presets import get_preset, preset_config
 from .sources import resolve
 from .sources import tokenizer as get_tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, variant_of
@@ -39,7 +39,7 @@ def build(preset: str, variant: VariantLike = None, *, seed: int = 0, dtype: tor
     """
     preset_ = get_preset(preset)
     family = get_family(preset_.family)
-    config = family.config_class()(**{**preset_.config, **config_overrides})
+    config = preset_config(preset, config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = family.model_class()(config)
@@ -80,7 +80,9 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
     (``smollm2-135m``, ``minilm-l6``) or, online, a Hugging Face hub id.
 
     ``variant`` swaps a variant into an ungated checkpoint; new gate parameters are initialised
-    (with ``seed``) and listed in the log. A checkpoint saved with a gate loads with that gate.
+    (with ``seed``) and listed in the log. A checkpoint saved with a gate loads with that gate. The
+    weights of a checkpoint written by :func:`save` must fit the model its config.json describes
+    exactly: a tensor it does not use, or one it lacks, is an error (its config.json was edited).
     """
     path = resolve(source)
     config = read_config(path)
@@ -97,10 +99,13 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
     if qiu:
         model = _load_qiu(family, path, config, saved, seed)
     else:
-        model = _from_pretrained(family, path, config)
+        model = _from_pretrained(family, path, config, strict=saved is not None)
+        gates = path / VARIANT_WEIGHTS
         if saved is not None and not saved.is_vanilla:
             apply_variant(model, saved, seed=seed)
-            _load_state(model, _read_safetensors([path / VARIANT_WEIGHTS]), path, only=gate_parameters(model))
+            _load_state(model, _read_safetensors([gates]), gates, only=gate_parameters(model))
+        elif gates.is_file():  # a vanilla model has no gate weights to take
+            _load_state(model, _read_safetensors([gates]), gates, only={})
     apply_variant(model, target, backend=backend, seed=seed)
     model.eval()
     return model.to(dtype) if dtype is not None else model
@@ -150,25 +155,48 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path, only: dict | None = None) -> None:
-    """Load ``state`` into ``model``; every key of ``only`` (default: the whole state dict) must be covered."""
+def _load_state(model: nn.Module, state: dict[str, torch.Tensor], where: Path, only: dict | None = None) -> None:
+    """Load ``state`` (read from ``where``) into ``model``; every key of ``only`` (default: the whole
+    state dict) must be covered and every tensor of ``state`` used."""
     expected = set(only if only is not None else model.state_dict())
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {id(params[k]) for k in state if k in params}
-    missing = sorted(k for k in expected - set(state) if not (k in params and id(params[k]) in loaded))
-    unexpected = sorted(set(state) - set(model.state_dict()))
-    if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match config.json (missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}); the checkpoint is incomplete or from another model")
+    missing = {k for k in expected - set(state) if not (k in params and id(params[k]) in loaded)}
+    _check_fit(where, missing, set(state) - set(model.state_dict()))
     model.load_state_dict(state, strict=False)
 
 
-def _from_pretrained(family: Family, path: Path, config) -> nn.Module:
+def _check_fit(where: Path | str, missing: set[str], unused: set[str]) -> None:
+    """Raise ValueError naming a few of the ``missing`` and ``unused`` tensors of the weights at ``where``."""
+    if not (missing or unused):
+        return
+
+    def few(keys):
+        keys = sorted(keys)
+        return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+
+    parts = ([f"holds {len(unused)} tensors the model built from config.json does not use ({few(unused)})"]
+             if unused else [])
+    parts += [f"lacks {len(missing)} tensors it needs ({few(missing)})"] if missing else []
+    raise ValueError(f"{where} {' and '.join(parts)}: config.json (its variant, family or sizes) disagrees with "
+                     f"the weights, or the checkpoint is incomplete; restore the config.json saved with these "
+                     f"weights, or save the model again")
+
+
+def _from_pretrained(family: Family, path: Path, config, strict: bool) -> nn.Module:
+    """transformers' from_pretrained; ``strict`` (checkpoints written by :func:`save`): the weights must fit
+    the model exactly. Other checkpoints may carry heads the model does not use (transformers warns)."""
     try:
-        return family.model_class(config).from_pretrained(path, config=config, use_safetensors=True)
+        model, info = family.model_class(config).from_pretrained(path, config=config, use_safetensors=True,
+                                                                 output_loading_info=True)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match "
                          f"config.json") from None
+    if strict:
+        files = _weight_files(path)
+        _check_fit(files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",
+                   set(info["missing_keys"]), set(info["unexpected_keys"]))
+    return model
 
 
 # --- Qiu et al.'s gated Qwen3 layout: q_proj emits [queries | gates] per key/value group ----------

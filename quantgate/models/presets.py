@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Preset", "PRESETS", "get_preset"]
+__all__ = ["Preset", "PRESETS", "get_preset", "preset_config"]
 
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
@@ -91,3 +91,31 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def preset_config(name: str, overrides: dict | None = None):
+    """The transformers config of preset ``name`` with ``overrides`` applied. An override must name a
+    field of the family's config class and have its type (an int where an int is expected; a float
+    field takes an int too); anything else is a ValueError listing the valid fields."""
+    from .families import get_family
+
+    preset = get_preset(name)
+    cls = get_family(preset.family).config_class()
+    defaults = {**cls().to_dict(), **preset.config}
+    for key, value in (overrides or {}).items():
+        if key not in defaults or key.startswith("_") or key in ("model_type", "transformers_version"):
+            valid = ", ".join(sorted(k for k in defaults if not k.startswith("_")))
+            raise ValueError(f"{name}: {key!r} is not a {cls.__name__} field (training settings such as lr or "
+                             f"steps are options of their own, e.g. --lr); valid: {valid}")
+        expected = defaults[key]
+        if expected is not None and not _same_type(value, expected):
+            raise ValueError(f"{name}: {key} expects {type(expected).__name__} (default {expected!r}), got {value!r}")
+    return cls(**{**preset.config, **(overrides or {})})
+
+
+def _same_type(value, expected) -> bool:
+    if isinstance(expected, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(expected, bool)
+    if isinstance(expected, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(expected))

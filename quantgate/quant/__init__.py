@@ -37,12 +37,14 @@ def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplac
     """Quantize ``model`` with ``scheme`` (a name from ``SCHEMES``, optionally ``name:key=value,...``);
     ``options`` are the same keys as keyword arguments. Static schemes read ``scheme.calib`` batches
     from ``calibration`` (an iterable of model-input dicts). Returns a quantized copy, or the model
-    itself when ``inplace``; the source model is never modified otherwise."""
+    itself when ``inplace``; the source model is never modified otherwise. NaN or inf in the weights or
+    the calibration activations is refused (ValueError naming the tensor)."""
     scheme = _with_options(get_scheme(scheme), options)
     if scheme.needs_cuda and not _cuda_fp8():
         raise HardwareUnavailable(f"{scheme.name} cannot run here: {scheme.needs_cuda}")
     if scheme.needs_calibration and calibration is None:
         raise ValueError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
+    _check_finite(model)
     fingerprint = _fingerprint(model)
     target = model if inplace else copy.deepcopy(model)
     if variant_of(target) is None:
@@ -105,6 +107,17 @@ def _calibrate(model: nn.Module, batches, n: int) -> dict:
     if count == 0:
         raise ValueError("the calibration set is empty: give at least one batch")
     return {"batches": count, "tokens": tokens}
+
+
+def _check_finite(model: nn.Module) -> None:
+    """Refuse NaN or inf weights: their quantized copy would be as broken, behind a normal manifest."""
+    for name, p in model.named_parameters():
+        if type(p.data) is torch.Tensor and p.is_floating_point():
+            bad = int((~torch.isfinite(p.detach())).sum())
+            if bad:
+                raise ValueError(f"{name} holds {bad} NaN or inf value{'s' if bad > 1 else ''}: the float model is "
+                                 f"broken (diverged training or a corrupt checkpoint); quantize a model whose "
+                                 f"weights are all finite")
 
 
 def _fingerprint(model: nn.Module) -> str:

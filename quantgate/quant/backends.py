@@ -47,7 +47,7 @@ def apply_torchao(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bool
         spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
         handles = []
         for name, linear in linears:
-            observers[name] = ActQuant(spec)
+            observers[name] = ActQuant(spec, f"{name} input")
             handles.append(linear.register_forward_pre_hook(_observe_input(observers[name])))
         calibrate(model)
         for h in handles:

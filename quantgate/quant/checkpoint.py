@@ -3,9 +3,10 @@
 A quantized directory holds config.json (with the variant and the quantization record),
 ``quantized.safetensors`` (torchao tensor subclasses flattened with torchao's helpers; tensors that
 share storage, like tied embeddings, stored once) and ``quantization.json``: scheme and options,
-calibration data and size, the source model and the sha256 of its weights, library versions.
-Loading rebuilds the model from config.json, lays out the scheme's structure without calibrating,
-and loads the state: outputs are identical to the saved model's.
+calibration data and size, the source model and the sha256 of its weights, the sha256 of
+``quantized.safetensors``, library versions. Loading checks the manifest (its fields, their agreement
+with config.json and the weights file's sha256), rebuilds the model from config.json, lays out the
+scheme's structure without calibrating, and loads the state: outputs are identical to the saved model's.
 
 ``qg.save`` / ``qg.load`` come from here: they handle float and quantized models alike.
 """
@@ -13,6 +14,7 @@ and loads the state: outputs are identical to the saved model's.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import platform
 from importlib import metadata
@@ -28,14 +30,18 @@ from ..models.families import family_of
 from ..models.sources import resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..models.swap import apply_variant, variant_of
+from ..variants import AttentionVariant
 from .backends import torchao_input_ndims
 from .schemes import get_scheme
+from .simulate import check_ranges
 
 __all__ = ["save", "load", "MANIFEST", "WEIGHTS"]
 
 MANIFEST = "quantization.json"
 WEIGHTS = "quantized.safetensors"
 _PACKAGES = ("torch", "transformers", "torchao", "bitsandbytes", "safetensors", "quantgate")
+_FIELDS = {"scheme": str, "variant": str, "family": str, "aliases": dict, "input_ndims": dict, "weights_sha256": str}
+_RESAVE = "save the quantized model again (qg.save, or quantgate quantize)"
 
 
 def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
@@ -43,6 +49,7 @@ def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
     if not quant:
         return model_io.save(model, path, tokenizer)
+    check_ranges(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _dedupe(model.state_dict())
@@ -59,6 +66,7 @@ def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
         "family": family_of(model).name,
         "aliases": aliases,
         "input_ndims": torchao_input_ndims(model),
+        "weights_sha256": _sha256(path / WEIGHTS),
         "versions": {**{p: _version(p) for p in _PACKAGES}, "python": platform.python_version()},
     }
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -79,10 +87,15 @@ def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str
         return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed)
     from . import HANDLERS
 
-    manifest = json.loads((path / MANIFEST).read_text())
+    config = model_io.read_config(path)
+    manifest = _read_manifest(path, config)
     if variant is not None and str(variant) != manifest["variant"]:
         raise ValueError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
-    config = model_io.read_config(path)
+    state = _read(path / WEIGHTS)
+    if _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
+        raise ValueError(f"{path / WEIGHTS} does not match the sha256 recorded in {path / MANIFEST} (field "
+                         f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
+                         f"save; {_RESAVE}")
     meta = config.quantgate
     config = copy.deepcopy(config)
     config.__dict__.pop("quantgate")
@@ -93,7 +106,6 @@ def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str
     apply_variant(model, manifest["variant"], backend=backend)
     HANDLERS[scheme.backend](model, scheme, None, skeleton=True,
                              **({"ndims": manifest["input_ndims"]} if scheme.name == "torchao-int8-static" else {}))
-    state = _read(path / WEIGHTS)
     for alias, original in manifest["aliases"].items():
         state[alias] = state[original]
     try:
@@ -103,6 +115,45 @@ def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str
     model.config.quantgate = {**meta}
     model.eval()
     return model.to(dtype) if dtype is not None else model
+
+
+def _read_manifest(path: Path, config) -> dict:
+    """The manifest of ``path``, checked: its fields and their types, a valid scheme and variant, and the
+    same scheme, variant and family as config.json's quantgate record."""
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); {_RESAVE}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(manifest).__name__}; {_RESAVE}")
+    for field, typ in _FIELDS.items():
+        if field not in manifest:
+            raise ValueError(f"{file}: field {field!r} is missing; {_RESAVE}")
+        if not isinstance(manifest[field], typ):
+            raise ValueError(f"{file}: field {field!r} must be {'a string' if typ is str else 'an object'}, got "
+                             f"{type(manifest[field]).__name__}; {_RESAVE}")
+    for field, parse in (("scheme", get_scheme), ("variant", AttentionVariant.parse)):
+        try:
+            parse(manifest[field])
+        except ValueError as e:
+            raise ValueError(f"{file}: field {field!r} is not a valid {field}: {e}; {_RESAVE}") from None
+    meta = getattr(config, "quantgate", None) or {}
+    recorded = {"scheme": (meta.get("quantization") or {}).get("scheme"), "variant": meta.get("variant"),
+                "family": family_of(config).name}
+    for field, value in recorded.items():
+        if manifest[field] != value:
+            raise ValueError(f"{file}: field {field!r} ({manifest[field]!r}) disagrees with {path / 'config.json'} "
+                             f"({value!r}): one of them was edited or comes from another save; {_RESAVE}")
+    return manifest
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _dedupe(state: dict) -> tuple[dict, dict]:

@@ -108,16 +108,18 @@ class RangeObserver:
       (0.005-decade bins, so within ~1.2 % of the exact value);
     * ``mse``: the clipping range whose expected squared error (clipping + uniform rounding noise
       scale^2 / 12 inside the range) over those histograms is smallest.
-    ``channel_dim`` keeps per-channel min/max (minmax and running-minmax only).
+    ``per_channel`` keeps per-channel min/max (minmax and running-minmax only). A tensor holding NaN or
+    inf is refused (ValueError naming ``name``): no range could cover it.
     """
 
     def __init__(self, estimator: str = "minmax", momentum: float = 0.9, percentile: float = 99.999,
-                 per_channel: bool = False):
+                 per_channel: bool = False, name: str = "activations"):
         if estimator not in ("minmax", "running-minmax", "percentile", "mse"):
             raise ValueError(f"unknown range estimator {estimator!r}; valid: minmax, running-minmax, percentile, mse")
         if per_channel and estimator not in ("minmax", "running-minmax"):
             raise ValueError("per-channel activation ranges support the minmax and running-minmax estimators")
         self.estimator, self.momentum, self.percentile, self.per_channel = estimator, momentum, percentile, per_channel
+        self.name = name
         self.lo = self.hi = self.run_lo = self.run_hi = None
         self.pos = torch.zeros(BINS, dtype=torch.float64)
         self.neg = torch.zeros(BINS, dtype=torch.float64)
@@ -127,7 +129,11 @@ class RangeObserver:
     def update(self, x: torch.Tensor) -> None:
         x = x.detach().float()
         dims = tuple(range(x.dim() - 1)) if self.per_channel else tuple(range(x.dim()))
-        lo, hi = x.amin(dim=dims), x.amax(dim=dims)
+        lo, hi = x.amin(dim=dims), x.amax(dim=dims)  # NaN and inf propagate into these
+        if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            raise ValueError(f"{self.name}: the calibration activations hold NaN or inf, which no quantization range "
+                             f"covers (the float model overflows or holds NaN on these batches); check the model and "
+                             f"its dtype in float (e.g. quantgate observe) or calibrate on other batches")
         if self.lo is None:
             self.lo, self.hi, self.run_lo, self.run_hi = lo, hi, lo, hi
         else:

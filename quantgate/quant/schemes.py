@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "OPTIONS"]
+from ..variants import Range
+from .quantizers import FP8, INT_BITS
+
+__all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "OPTIONS", "Option"]
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,8 @@ class TensorQuant:
     format: int8, int4, fp8-e4m3, fp8-e5m2. granularity: weights tensor/channel/group (group_size
     along the input dim); activations tensor/token/channel. dynamic: activation ranges from each
     batch instead of calibration. estimator: weights minmax/mse; static activations minmax,
-    running-minmax (momentum), percentile (percentile), mse.
+    running-minmax (momentum), percentile (percentile), mse. The other fields' valid values depend on
+    the role (weight or activation): the :class:`Scheme` holding it checks them (``OPTIONS``).
     """
 
     format: str
@@ -30,6 +34,10 @@ class TensorQuant:
     group_size: int = 128
     momentum: float = 0.9
     percentile: float = 99.999
+
+    def __post_init__(self):
+        if self.format not in (*INT_BITS, *FP8):
+            raise ValueError(f"unknown quantization format {self.format!r}; valid: {', '.join([*INT_BITS, *FP8])}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,15 @@ class Scheme:
     calib: int = 16  # calibration batches used when the scheme needs ranges
     threshold: float = 6.0  # llm-int8 outlier threshold
     needs_cuda: str | None = None  # why, when the scheme needs a GPU
+
+    def __post_init__(self):
+        for key, value in _options(self).items():
+            OPTIONS[key].check(self.name, key, value)
+        a = self.act
+        if a is not None and a.dynamic and a.granularity == "channel":
+            raise ValueError(f"{self.name}: dynamic activations are per tensor or per token, not per channel")
+        if a is not None and not a.dynamic and a.granularity == "token":
+            raise ValueError(f"{self.name}: per-token activation ranges are dynamic; add dynamic=true")
 
     @property
     def needs_calibration(self) -> bool:
@@ -64,35 +81,53 @@ def _fmt(v) -> str:
     return str(v)
 
 
-# option name -> (where it lives, field, type)
+@dataclass(frozen=True)
+class Option:
+    """A scheme option: where it lives (``weight``, ``act`` or None: the scheme), its field, type and
+    valid values (choices, or a numeric :class:`~quantgate.variants.Range`)."""
+
+    where: str | None
+    field: str
+    type: type
+    valid: tuple | Range | None = None
+
+    def check(self, scheme: str, key: str, value) -> None:
+        if isinstance(self.valid, Range):
+            self.valid.check(scheme, key, value)
+        elif self.valid is not None and value not in self.valid:
+            raise ValueError(f"{scheme}: {key} must be one of {', '.join(self.valid)}, got {value!r}")
+
+
 OPTIONS = {
-    "w_granularity": ("weight", "granularity", str), "w_estimator": ("weight", "estimator", str),
-    "w_symmetric": ("weight", "symmetric", bool), "group_size": ("weight", "group_size", int),
-    "a_granularity": ("act", "granularity", str), "a_symmetric": ("act", "symmetric", bool),
-    "dynamic": ("act", "dynamic", bool), "estimator": ("act", "estimator", str),
-    "momentum": ("act", "momentum", float), "percentile": ("act", "percentile", float),
-    "acts": (None, "acts", str), "keep": (None, "keep", tuple), "calib": (None, "calib", int),
-    "threshold": (None, "threshold", float),
-}
-_CHOICES = {
-    "w_granularity": ("tensor", "channel", "group"), "w_estimator": ("minmax", "mse"),
-    "a_granularity": ("tensor", "token", "channel"), "estimator": ("minmax", "running-minmax", "percentile", "mse"),
-    "acts": ("linear-inputs", "everything"),
+    "w_granularity": Option("weight", "granularity", str, ("tensor", "channel", "group")),
+    "w_estimator": Option("weight", "estimator", str, ("minmax", "mse")),
+    "w_symmetric": Option("weight", "symmetric", bool),
+    "group_size": Option("weight", "group_size", int, Range(lo=1)),
+    "a_granularity": Option("act", "granularity", str, ("tensor", "token", "channel")),
+    "a_symmetric": Option("act", "symmetric", bool),
+    "dynamic": Option("act", "dynamic", bool),
+    "estimator": Option("act", "estimator", str, ("minmax", "running-minmax", "percentile", "mse")),
+    "momentum": Option("act", "momentum", float, Range(0.0, 1.0, hi_open=True)),  # r = m r + (1 - m) x
+    "percentile": Option("act", "percentile", float, Range(50.0, 100.0, lo_open=True)),  # clips (100 - p)% each side
+    "acts": Option(None, "acts", str, ("linear-inputs", "everything")),
+    "keep": Option(None, "keep", tuple),
+    "calib": Option(None, "calib", int, Range(lo=1)),  # batches
+    "threshold": Option(None, "threshold", float, Range(lo=0.0)),  # LLM.int8 outlier magnitude; 0: none kept
 }
 _BACKEND_OPTIONS = {"simulate": set(OPTIONS) - {"threshold"}, "torchao": {"keep"}, "bnb": {"keep", "threshold"}}
 
 
 def _options(s: Scheme) -> dict:
     out = {}
-    for key, (where, name, _) in OPTIONS.items():
-        holder = s if where is None else getattr(s, where)
+    for key, opt in OPTIONS.items():
+        holder = s if opt.where is None else getattr(s, opt.where)
         if holder is not None:
-            out[key] = getattr(holder, name)
+            out[key] = getattr(holder, opt.field)
     return out
 
 
 def _allowed(s: Scheme) -> set[str]:
-    allowed = {k for k in _BACKEND_OPTIONS[s.backend] if OPTIONS[k][0] is None or getattr(s, OPTIONS[k][0])}
+    allowed = {k for k in _BACKEND_OPTIONS[s.backend] if OPTIONS[k].where is None or getattr(s, OPTIONS[k].where)}
     return allowed | ({"calib"} if s.name == "torchao-int8-static" else set())
 
 
@@ -129,31 +164,28 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
 
 
 def get_scheme(text: str | Scheme) -> Scheme:
-    """Parse ``name[:key=value,...]``; unknown names or options raise ValueError listing the valid ones."""
+    """Parse ``name[:key=value,...]``; unknown names or options, and values outside an option's valid
+    range (``OPTIONS``), raise ValueError naming the option."""
     if isinstance(text, Scheme):
         return text
     name, _, arg = str(text).strip().partition(":")
     if name not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
     scheme = SCHEMES[name]
+    changes = {None: {}, "weight": {}, "act": {}}
     for item in filter(None, (i.strip() for i in arg.split(","))):
         key, eq, raw = item.partition("=")
         key, raw = key.strip(), raw.strip()
         if not eq or key not in _allowed(scheme):
             raise ValueError(f"{name}: unknown option {item!r}; valid: {', '.join(sorted(_allowed(scheme)))}")
-        where, field, typ = OPTIONS[key]
+        opt = OPTIONS[key]
         try:
-            value = _convert(typ, raw)
+            value = _convert(opt.type, raw)
         except ValueError:
-            raise ValueError(f"{name}: {key} expects {typ.__name__}, got {raw!r}") from None
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise ValueError(f"{name}: {key} must be one of {', '.join(_CHOICES[key])}, got {raw!r}")
-        if where is None:
-            scheme = dataclasses.replace(scheme, **{field: value})
-        else:
-            scheme = dataclasses.replace(scheme, **{where: dataclasses.replace(getattr(scheme, where), **{field: value})})
-    _validate(scheme)
-    return scheme
+            raise ValueError(f"{name}: {key} expects {opt.type.__name__}, got {raw!r}") from None
+        changes[opt.where][opt.field] = value
+    parts = {w: dataclasses.replace(getattr(scheme, w), **c) for w, c in changes.items() if w is not None and c}
+    return dataclasses.replace(scheme, **parts, **changes[None])  # all at once: the Scheme checks the result
 
 
 def _convert(typ, raw: str):
@@ -166,15 +198,3 @@ def _convert(typ, raw: str):
     if typ is tuple:
         return tuple(p for p in raw.split("|") if p)
     return typ(raw)
-
-
-def _validate(s: Scheme) -> None:
-    a = s.act
-    if a is not None and a.dynamic and a.granularity == "channel":
-        raise ValueError(f"{s.name}: dynamic activations are per tensor or per token, not per channel")
-    if a is not None and not a.dynamic and a.granularity == "token":
-        raise ValueError(f"{s.name}: per-token activation ranges are dynamic; add dynamic=true")
-    if s.weight is not None and s.weight.granularity == "group" and s.weight.group_size < 1:
-        raise ValueError(f"{s.name}: group_size must be positive")
-    if s.calib < 1:
-        raise ValueError(f"{s.name}: calib must be at least 1 batch")

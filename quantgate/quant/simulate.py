@@ -20,7 +20,7 @@ from ..models.swap import attention_modules
 from .quantizers import fake_quant, quantize_weight, RangeObserver
 from .schemes import Scheme, TensorQuant  # noqa: F401  (TensorQuant: the ActQuant spec type)
 
-__all__ = ["ActQuant", "apply_simulated", "act_quantizers", "kept_modules", "quantizable_linears"]
+__all__ = ["ActQuant", "apply_simulated", "act_quantizers", "check_ranges", "kept_modules", "quantizable_linears"]
 
 
 class ActQuant(nn.Module):
@@ -30,16 +30,16 @@ class ActQuant(nn.Module):
     with the frozen range (buffers ``lo``/``hi``, a scalar or one value per channel), or with ranges
     taken from each tensor when the spec is dynamic (per tensor or per token). It counts FP8
     saturation (``overflow`` of ``values``) and, when ``track`` is on, the signal and noise energy
-    behind its SQNR.
+    behind its SQNR. ``name`` says which tensor it quantizes (``model.layers.0.mlp.up_proj input``).
     """
 
-    def __init__(self, spec: TensorQuant):
+    def __init__(self, spec: TensorQuant, name: str):
         super().__init__()
-        self.spec = spec
+        self.spec, self.name = spec, name
         self.register_buffer("lo", torch.zeros(()))
         self.register_buffer("hi", torch.zeros(()))
         self.calibrating = not spec.dynamic
-        self.observer = RangeObserver(spec.estimator, spec.momentum, spec.percentile,
+        self.observer = RangeObserver(spec.estimator, spec.momentum, spec.percentile, name=name,
                                       per_channel=spec.granularity == "channel") if self.calibrating else None
         self.overflow = self.values = 0
         self.track = False
@@ -112,13 +112,13 @@ def _quant_output(module, args, output):
 def apply_simulated(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bool = False) -> nn.Module:
     """Quantize ``model`` in place. ``calibrate(model)`` runs the calibration batches; ``skeleton``
     only attaches frozen quantizers (for loading a saved quantized model: weights come from the file)."""
-    for _, linear in quantizable_linears(model, scheme):
+    for name, linear in quantizable_linears(model, scheme):
         if scheme.weight is not None and not skeleton:
             w = scheme.weight
             linear.weight.data = quantize_weight(linear.weight.data, w.format, w.granularity, w.symmetric,
                                                  w.group_size, w.estimator)
         if scheme.act is not None:
-            linear.input_quant = ActQuant(scheme.act)
+            linear.input_quant = ActQuant(scheme.act, f"{name} input")
             linear.register_forward_pre_hook(_quant_input)
     if scheme.act is not None and scheme.acts == "everything":
         _quantize_everything(model, scheme, skeleton)
@@ -144,7 +144,7 @@ def _quantize_everything(model: nn.Module, scheme: Scheme, skeleton: bool) -> No
             continue
         is_norm = type(module).__name__.endswith("Norm") or isinstance(module, nn.LayerNorm)
         if isinstance(module, nn.Embedding) or is_norm:
-            module.output_quant = ActQuant(act)
+            module.output_quant = ActQuant(act, f"{name} output")
             module.register_forward_hook(_quant_output)
         if isinstance(module, nn.Embedding) and scheme.weight is not None and not skeleton:
             if head is not None and head.weight is module.weight:  # tied to the full-precision LM head: untie
@@ -153,13 +153,24 @@ def _quantize_everything(model: nn.Module, scheme: Scheme, skeleton: bool) -> No
             w = scheme.weight
             module.weight.data = quantize_weight(module.weight.data, w.format, "tensor", True, w.group_size,
                                                  w.estimator)
+    names = {id(m): n for n, m in model.named_modules()}
     for block in family.blocks(model):
-        block.output_quant = ActQuant(act)
+        block.output_quant = ActQuant(act, f"{names[id(block)]} output")
         block.register_forward_hook(_quant_output)
     per_tensor = dataclasses.replace(act, granularity="tensor")  # (B, H, N, .) tensors: one range each
     for attn in attention_modules(model):
-        attn.qg_fake_quant = nn.ModuleDict({k: ActQuant(per_tensor) for k in ("q", "k", "v", "scores", "probs")})
+        attn.qg_fake_quant = nn.ModuleDict({k: ActQuant(per_tensor, f"{names[id(attn)]} {k}")
+                                            for k in ("q", "k", "v", "scores", "probs")})
 
 
 def act_quantizers(model: nn.Module) -> list[ActQuant]:
     return [m for m in model.modules() if isinstance(m, ActQuant)]
+
+
+def check_ranges(model: nn.Module) -> None:
+    """Raise ValueError naming the first quantizer whose static range is not finite."""
+    for q in act_quantizers(model):
+        if not bool(torch.isfinite(q.lo).all() & torch.isfinite(q.hi).all()):
+            raise ValueError(f"{q.name}: its range [{float(q.lo.min()):g}, {float(q.hi.max()):g}] is not finite, so "
+                             f"every output would be NaN; quantize the model again from calibration batches that "
+                             f"give finite activations")

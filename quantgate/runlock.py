@@ -1,0 +1,48 @@
+"""One writer per run directory: an advisory ``flock`` on ``<dir>/.quantgate.lock``.
+
+The lock is released when its holder exits, even on SIGKILL, so a crashed run never leaves a stale
+lock behind. The file holds the holder's pid and command for the error message of the next writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["RunDirectoryBusy", "run_lock", "LOCK_FILE"]
+
+LOCK_FILE = ".quantgate.lock"
+
+
+class RunDirectoryBusy(RuntimeError):
+    """Another process is writing to this run directory."""
+
+
+@contextlib.contextmanager
+def run_lock(directory: str | Path):
+    """Hold the run directory's lock while the body runs; raise :class:`RunDirectoryBusy` naming the
+    holder's pid when another process holds it. Re-entrant within one process is not supported: take it
+    once, at the outermost writer."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text().strip() or "an unknown process"
+            raise RunDirectoryBusy(f"{directory} is in use by {holder}; wait for it to finish (or stop it), or "
+                                   f"write to another directory") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} ({' '.join(sys.argv[:3]) or 'python'})".encode())
+        try:
+            yield path
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

@@ -1,0 +1,108 @@
+"""A study that a run would reject is rejected by the dry run, naming the YAML line and the key; the
+default study ships in the package; one study run writes a run directory at a time."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from quantgate.runlock import RunDirectoryBusy, run_lock
+from quantgate.study import StudyError, load_study, plan, run_study
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "name: x\nmodels:\n  - name: tiny\n    preset: tiny-llama\n"
+
+# (study text, line of the error, what the message names)
+BAD = {
+    "steps-text": (TINY + "    train: {steps: ten}\n", 5, "steps must be int, >= 1; got 'ten'"),
+    "steps-negative": (TINY + "    train:\n      steps: -3\n", 6, "steps must be int, >= 1; got -3"),
+    "lr-text": (TINY + "    train:\n      steps: 4\n      lr: fast\n", 7, "lr must be float | None, > 0; got 'fast'"),
+    "lr-1e-3": (TINY + "    train: {lr: 1e-3}\n", 5, "got '1e-3' (YAML reads 1e-3 as text; write 0.001)"),
+    "betas": (TINY + "    train: {betas: [0.9, 1.0]}\n", 5, "betas must be tuple[float, float] | None, each in [0, 1)"),
+    "min-lr-ratio": (TINY + "    train: {min_lr_ratio: 1.5}\n", 5, "min_lr_ratio must be float, in [0, 1]"),
+    "eval-every": (TINY + "    train: {eval_every: -1}\n", 5, "eval_every must be int, >= 0"),
+    "schedule": (TINY + "    train: {steps: 2,\n            schedule: cosinus}\n", 6, "unknown schedule 'cosinus'"),
+    "mixed-precision": (TINY + "    train: {mixed_precision: bf17}\n", 5, "mixed_precision must be one of auto, no"),
+    "eval-data": (TINY + "    train: {eval_data: validaton}\n", 5, "unknown data source 'validaton'"),
+    "hf-source": (TINY + "calibration: {data: 'hf:wikitext'}\n", 5, "hf sources are hf:<dataset>"),
+    "backcopy-mlm": ("name: x\nmodels:\n  - preset: tiny-bert\n    train: {data: backcopy}\n", 4,
+                     "data source 'backcopy' is a causal-LM task"),
+    "sink-tokens-0": (TINY + "observe: {sink_tokens: 0}\n", 5, "sink_tokens must be int, >= 1; got 0"),
+    "sink-tokens-all": (TINY + "    observe: {seq_len: 16, sink_tokens: 16}\n", 5,
+                        "sink_tokens (16) must be fewer than observe's seq_len (16)"),
+    "calibration-batches": (TINY + "calibration:\n  batches: 0\n", 6, "batches must be int, >= 1; got 0"),
+    "eval-limit": (TINY + "eval:\n  limit: 0\n", 6, "limit must be float | dict[str, float | None] | None, > 0"),
+    "eval-limit-task": (TINY + "eval:\n  tasks: [quantgate_ppl]\n  limit: {quantgate_pl: 2}\n", 7,
+                        "limit names 'quantgate_pl', not among the evaluated tasks"),
+    "eval-batch-size": (TINY + "    eval: {batch_size: big}\n", 5, "batch_size must be int | str, 'auto' or >= 1"),
+    "seed": (TINY + "seed: abc\n", 5, "seed must be int, >= 0; got 'abc'"),
+    "g2-value-on-mla": ("name: x\nmodels:\n  - preset: tiny-mla\n    variants: [vanilla, g2-value]\n", 4,
+                        "variant 'g2-value': mla: g2-value gates each key token's values"),
+    "vanilla-qwen3-next": ("name: x\nmodels:\n  - preset: tiny-qwen3-next\n", 3,
+                           "variant 'vanilla': qwen3-next has a built-in g1-elementwise gate"),
+    "train-seq-len-opt": ("name: x\nmodels:\n  - preset: tiny-opt\n    train: {steps: 2, seq_len: 4096}\n", 4,
+                          "train seq_len: seq_len 4096 is longer than this opt model's 2048 positions"),
+    "observe-seq-len-opt": ("name: x\nmodels:\n  - preset: tiny-opt\nobserve:\n  seq_len: 4096\n", 5,
+                            "observe seq_len: seq_len 4096 is longer than this opt model's 2048 positions"),
+    "positions-override": ("name: x\nmodels:\n  - preset: tiny-opt\n    config: {max_position_embeddings: 64}\n", 3,
+                           "observe seq_len: seq_len 128 is longer than this opt model's 64 positions"),
+    "config-unknown-key": (TINY + "    config: {num_hidden_layer: 4}\n", 5,
+                           "unknown config key 'num_hidden_layer' for LlamaConfig; valid: "),
+    "config-type": (TINY + "    config:\n      num_hidden_layers: four\n", 6,
+                    "config: Validation error for field 'num_hidden_layers'"),
+    "load-missing": ("name: x\nmodels:\n  - load: ./no-such-model\n", 3, "cannot load './no-such-model'"),
+    "name-separator": ("name: x\nmodels:\n  - name: a/b\n    preset: tiny-llama\n", 3,
+                       "name must be str, without / or \\ (it names a folder); got 'a/b'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_dry_run_rejects_what_a_run_would(case, tmp_path):
+    text, line, message = BAD[case]
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(StudyError) as err:
+        load_study(f)  # what --dry-run runs first
+    assert f"bad.yaml:{line}: " in str(err.value) and message in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_load_directory_without_a_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    f = tmp_path / "bad.yaml"
+    f.write_text(f"name: x\nmodels:\n  - load: {tmp_path / 'empty'}\n")
+    with pytest.raises(StudyError, match=r"bad\.yaml:3: cannot load .*empty has no config\.json"):
+        load_study(f)
+
+
+def test_names_sharing_a_folder_are_named_with_their_lines(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: x\nmodels:\n  - name: tiny a\n    preset: tiny-llama\n"
+                 "  - name: tiny_a\n    preset: tiny-opt\n")
+    with pytest.raises(StudyError) as err:
+        load_study(f)
+    assert ("bad.yaml:5: cells 'tiny a/vanilla' (line 3) and 'tiny_a/vanilla' (line 5) would share the folder "
+            "cells/tiny_a--vanilla") in str(err.value)
+
+
+def test_dry_run_of_an_untrained_preset(tmp_path):
+    f = tmp_path / "untrained.yaml"
+    f.write_text("name: x\nmodels:\n  - preset: tiny-llama\n    config: {num_hidden_layers: 1}\n")
+    assert "tiny-llama/vanilla (seed 0): build tiny-llama {'num_hidden_layers': 1} untrained" in plan(f)
+
+
+def test_default_study_is_found_from_any_directory(tmp_path, monkeypatch, capsys):
+    from quantgate.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["study", "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("study quickstart: 4 cells")
+    assert not (ROOT / "experiments" / "quickstart.yaml").exists()  # one copy: the packaged one
+
+
+def test_a_second_run_on_a_busy_directory_stops_before_writing(tmp_path):
+    out = tmp_path / "run"
+    with run_lock(out):
+        with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
+            run_study(ROOT / "experiments" / "smoke.yaml", out)
+    assert sorted(p.name for p in out.iterdir()) == [".quantgate.lock"]
