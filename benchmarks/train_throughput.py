@@ -13,10 +13,9 @@ headwise <= 3%. On 2-core CPU machines glibc malloc makes step times swing; jema
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from roundrobin import median_time, ratio, round_robin
 
 import quantgate as qg
 from quantgate.train import TrainConfig, _param_groups
@@ -41,24 +40,26 @@ def main() -> None:
         runs[v] = (model, torch.optim.AdamW(_param_groups(model, config), lr=config.lr, betas=config.betas))
     data = list(qg.data.batches(qg.tokenizer(args.preset), "train", args.seq_len, args.batch_size,
                                 max_batches=args.rounds + args.warmup))
-    times = {v: [] for v in args.variants}
-    for i, batch in enumerate(data):
-        for v, (model, opt) in runs.items():
-            t0 = time.perf_counter()
-            model(**batch).loss.backward()
+
+    def step(model, opt):
+        def run(i: int):
+            model(**data[i]).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            if i >= args.warmup:
-                times[v].append(time.perf_counter() - t0)
+        return run
+
+    times = round_robin({v: step(*run) for v, run in runs.items()}, args.rounds, args.warmup)
     tokens = args.batch_size * args.seq_len
-    base = tokens / statistics.median(times["vanilla"])
+    base = tokens / median_time(times, "vanilla")
     print(f"{args.preset}, {args.batch_size} x {args.seq_len} tokens per step, {torch.get_num_threads()} threads, "
           f"median of {args.rounds} round-robin steps after {args.warmup} warm-up")
-    print("| variant | tokens/s | x vanilla | slower by |\n|---|---|---|---|")
-    for v, t in times.items():
-        rate = tokens / statistics.median(t)
-        print(f"| {v} | {rate:,.0f} | {rate / base:.3f} | {100 * (1 - rate / base):+.1f}% |")
+    print("| variant | tokens/s | x vanilla | slower by | step time x vanilla (median per round, IQR) |\n"
+          "|---|---|---|---|---|")
+    for v in times:
+        rate = tokens / median_time(times, v)
+        print(f"| {v} | {rate:,.0f} | {rate / base:.3f} | {100 * (1 - rate / base):+.1f}% | "
+              f"{ratio(times, v, 'vanilla')} |")
 
 
 if __name__ == "__main__":

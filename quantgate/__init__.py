@@ -18,7 +18,7 @@ from .models import apply_variant, build, gate_parameters, set_backend, tokenize
 from .evaluate import evaluate
 from .observe import ObserveReport, observe
 from .quant import SCHEMES, quant_error, quantization_of, quantize
-from .quant.checkpoint import load, save
+from .checkpoint import load, save
 from .variants import AttentionVariant
 
 __version__ = "0.1.0"

@@ -14,7 +14,7 @@ def _load_or_build(source: str, variant: str | None):
     """Packaged checkpoints and directories load; other preset names build a fresh model."""
     from .models import PRESETS, build
     from .models.sources import PACKAGED
-    from .quant.checkpoint import load
+    from .checkpoint import load
 
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
         return build(source, variant)
@@ -91,7 +91,7 @@ def cmd_observe(args) -> int:
 def cmd_quantize(args) -> int:
     from .models import tokenizer
     from .quant import SCHEMES, get_scheme, quant_error, quantize
-    from .quant.checkpoint import save
+    from .checkpoint import save
 
     if args.list:
         for name, scheme in SCHEMES.items():
@@ -152,7 +152,7 @@ def cmd_compare(args) -> int:
 
 def cmd_train(args) -> int:
     from .models import build, tokenizer
-    from .quant.checkpoint import load
+    from .checkpoint import load
     from .train import TrainConfig, train
 
     if bool(args.preset) == bool(args.model):

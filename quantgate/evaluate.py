@@ -15,6 +15,12 @@
   accuracy of the copied tokens (the one place the task needs attention) on held-out sequences of
   the same task; computed here.
 Standard lm-eval tasks (wikitext, lambada_openai, hellaswag, ...) pass straight through online.
+
+Besides each task's metrics, the result keeps each document's values (``result["documents"][task]``,
+columns as :mod:`quantgate.stats` reads them): the summed log-likelihood with the document's words,
+bytes and tokens for perplexity tasks, acc (and acc_norm) per item for multiple-choice and cloze tasks,
+the summed log-likelihood and token count per sequence for the computed tasks. From them
+:func:`quantgate.stats.paired_delta` puts an interval on the change between two evaluations.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from .data.corpus import OfflineError, hub_reachable
 from .models.families import family_of
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
+from .stats import METRICS, aggregate
 
 __all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics", "PseudoLogLikelihoodLM"]
 
@@ -72,7 +79,8 @@ def check_limit(limit: int | float | None) -> int | float | None:
 def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limit: int | float | None = None,
              batch_size: int | str = "auto", max_length: int | None = None) -> dict:
     """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
-    "settings": ..., "versions": ...}`` with what is needed to reproduce the numbers."""
+    "documents": {task: {column: [one value per document]}}, "settings": ..., "versions": ...}`` with what
+    is needed to reproduce the numbers."""
     limit = check_limit(limit)
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -83,6 +91,7 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
     max_length = max_length or _context_length(model)
     results: dict[str, dict] = {}
+    documents: dict[str, dict] = {}
     lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
     if lm_tasks:
         lm_eval = _require_lm_eval()
@@ -93,17 +102,22 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         try:
             manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
             out = lm_eval.simple_evaluate(model=lm, tasks=lm_tasks, task_manager=manager, limit=limit,
-                                          log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+                                          log_samples=True, bootstrap_iters=0, verbosity="ERROR")
         finally:
             model.train(was_training)
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
+        documents.update({task: _documents(samples, out["configs"][task], tokenizer)
+                          for task, samples in out["samples"].items() if samples})
     if "quantgate_mlm_ppl" in tasks:
-        results["quantgate_mlm_ppl"] = {"perplexity": mlm_perplexity(model, tokenizer, limit=limit)}
+        documents["quantgate_mlm_ppl"] = _mlm_documents(model, tokenizer, limit=limit)
+        results["quantgate_mlm_ppl"] = {"perplexity": aggregate(documents["quantgate_mlm_ppl"], "perplexity")}
     if "quantgate_backcopy" in tasks:
-        results["quantgate_backcopy"] = backcopy_metrics(model, tokenizer, limit=limit)
+        documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
+        results["quantgate_backcopy"] = _backcopy_results(documents["quantgate_backcopy"])
     quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
     return {
         "results": results,
+        "documents": documents,
         "settings": {"tasks": tasks, "limit": limit, "batch_size": batch_size, "max_length": max_length,
                      "model": getattr(model.config, "_name_or_path", None) or None, "family": family.name,
                      "variant": str(variant_of(model)), "quantization": quant["scheme"] if quant else None,
@@ -185,6 +199,31 @@ def _clean(metrics: dict) -> dict:
     return out
 
 
+def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
+    """Per-document values of one lm-eval task from its logged samples (one filter: the first): the
+    per-document value of each metric quantgate.stats aggregates, split where lm-eval logs a pair
+    (word_perplexity: (loglikelihood, words)), and for rolling log-likelihood tasks the token count."""
+    rows = [s for s in samples if s["filter"] == samples[0]["filter"]]
+    docs = {"ids": [s["doc_id"] for s in rows]}
+    for name, metric in METRICS.items():
+        if name not in rows[0]:
+            continue
+        values = [s[name] for s in rows]
+        if isinstance(values[0], (tuple, list)):  # a weighted aggregation's (value, weight)
+            docs[metric.value], docs[metric.weight] = [_number(v[0]) for v in values], [_number(v[1]) for v in values]
+        else:
+            docs[metric.value] = [_number(v) for v in values]
+    if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
+        docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
+    return docs
+
+
+def _number(v) -> int | float:
+    """A JSON-compact number: whole values (hits, counts) as int."""
+    v = float(v)
+    return int(v) if v.is_integer() else v
+
+
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -192,13 +231,20 @@ def _version(package: str) -> str | None:
         return None
 
 
-@torch.no_grad()
 def mlm_perplexity(model: nn.Module, tokenizer, *, split: str = "test", seq_len: int = 128, batch_size: int = 16,
                    seed: int = 0, limit: int | float | None = None) -> float:
     """Masked-token perplexity: exp(mean cross-entropy over the 15% masked positions), fixed masks."""
+    docs = _mlm_documents(model, tokenizer, split=split, seq_len=seq_len, batch_size=batch_size, seed=seed, limit=limit)
+    return aggregate(docs, "perplexity")
+
+
+@torch.no_grad()
+def _mlm_documents(model: nn.Module, tokenizer, *, split: str = "test", seq_len: int = 128, batch_size: int = 16,
+                   seed: int = 0, limit: int | float | None = None) -> dict:
+    """Per sequence: the log-likelihood summed over its masked positions, and how many there are."""
     data = batches(tokenizer, split, seq_len, batch_size, "mlm", seed=seed)
     n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
-    total = count = 0.0
+    loglik, tokens = [], []
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -209,23 +255,34 @@ def mlm_perplexity(model: nn.Module, tokenizer, *, split: str = "test", seq_len:
             logits = model(input_ids=batch["input_ids"].to(device),
                            attention_mask=batch["attention_mask"].to(device)).logits.float()
             labels = batch["labels"].to(device)
-            total += float(nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1),
-                                                       ignore_index=-100, reduction="sum"))
-            count += int((labels != -100).sum())
+            nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
+            loglik += (-nll.sum(1)).tolist()
+            tokens += (labels != -100).sum(1).tolist()
     finally:
         model.train(was_training)
-    return math.exp(total / count)
+    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens}
 
 
-@torch.no_grad()
 def backcopy_metrics(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16,
                      limit: int | float | None = None) -> dict:
     """Held-out backcopy sequences (``limit`` batches, default 8): perplexity over all predicted tokens,
     and accuracy (greedy) on the copied tokens."""
+    return _backcopy_results(_backcopy_documents(model, tokenizer, seq_len=seq_len, batch_size=batch_size, limit=limit))
+
+
+def _backcopy_results(docs: dict) -> dict:
+    return {"perplexity": aggregate(docs, "perplexity"), "copy_acc": aggregate(docs, "copy_acc")}
+
+
+@torch.no_grad()
+def _backcopy_documents(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16,
+                        limit: int | float | None = None) -> dict:
+    """Per held-out sequence: summed log-likelihood and count of its predicted tokens, greedy hits on
+    and count of its copied tokens."""
     data = batches(tokenizer, "backcopy", seq_len, batch_size, seed=BACKCOPY_HELD_OUT_SEED,
                    max_batches=int(limit) if limit and limit >= 1 else 8)
     device = next(model.parameters()).device
-    nll = count = hits = copies = 0.0
+    docs = {"ids": [], "loglikelihood": [], "tokens": [], "copied": [], "copies": []}
     was_training = model.training
     model.eval()
     try:
@@ -233,15 +290,16 @@ def backcopy_metrics(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_s
             ids = batch["input_ids"].to(device)
             logits = model(input_ids=ids).logits.float()[:, :-1]
             target = ids[:, 1:]
-            nll += float(nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                     reduction="sum"))
-            count += target.numel()
+            nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
             copy = data.copy_positions(ids)[:, 1:]
-            hits += int(((logits.argmax(-1) == target) & copy).sum())
-            copies += int(copy.sum())
+            docs["loglikelihood"] += (-nll.sum(1)).tolist()
+            docs["tokens"] += [target.shape[1]] * len(target)
+            docs["copied"] += ((logits.argmax(-1) == target) & copy).sum(1).tolist()
+            docs["copies"] += copy.sum(1).tolist()
     finally:
         model.train(was_training)
-    return {"perplexity": math.exp(nll / count), "copy_acc": hits / max(copies, 1)}
+    docs["ids"] = list(range(len(docs["tokens"])))
+    return docs
 
 
 @lru_cache(maxsize=1)

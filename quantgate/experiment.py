@@ -94,7 +94,7 @@ def first_token_attention(model: nn.Module, ids: torch.Tensor, mask: torch.Tenso
 def trained_models(run_dir: str | Path, seed: int = 0) -> dict:
     """{variant: model} of the trained cells of a study run (cells of ``seed``, or without seeds)."""
     from .models.swap import variant_of
-    from .quant.checkpoint import load
+    from .checkpoint import load
 
     run_dir = Path(run_dir)
     cells = sorted(d for d in (run_dir / "cells").glob("*") if (d / "train").is_dir()) if run_dir.is_dir() else []

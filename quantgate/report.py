@@ -1,5 +1,5 @@
 """Tables and plots across runs: ``compare`` sets evaluation results side by side, float against
-quantized, with the change each scheme causes."""
+quantized, with the change each scheme causes and its 95% interval (:mod:`quantgate.stats`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,17 @@ import csv
 import json
 from pathlib import Path
 
-__all__ = ["compare", "collect_evals", "write_study_report", "study_markdown", "spearman", "pearson"]
+from .stats import NOISE_LEGEND, change, format_delta, seed_delta
+
+__all__ = ["compare", "collect_evals", "write_study_report", "study_markdown", "spearman", "pearson", "ppl_of",
+           "ppl_change", "peak_activation"]
 
 HEADLINE = ("quantgate_ppl/word_perplexity", "quantgate_ppl/bits_per_byte", "quantgate_cloze/acc",
             "quantgate_nextsent/acc", "quantgate_mlm_ppl/perplexity")
+MIN_CORRELATION_N = 5  # correlations across fewer cells are not printed
+DELTA_LEGEND = ("Change (delta): quantized / float - 1 for perplexities, quantized - float for accuracies "
+                "(percentage points) and bits per byte, with its 95% interval from a paired bootstrap over the "
+                "evaluated documents (1,000 resamples, BCa). " + NOISE_LEGEND + ".")
 
 
 def collect_evals(paths) -> list[dict]:
@@ -27,63 +34,85 @@ def collect_evals(paths) -> list[dict]:
         for f in files:
             data = json.loads(f.read_text())
             s = data["settings"]
-            metrics = {f"{task}/{m}": v for task, ms in data["results"].items() for m, v in ms.items()
-                       if m != "sample_len"}
-            records.append({"model": s.get("model") or f.parent.name, "variant": s.get("variant"),
-                            "scheme": s.get("quantization") or "float", "path": str(f), **metrics})
+            records.append({"model": s.get("model") or f.parent.name, "variant": s.get("variant"), "seed": None,
+                            "scheme": s.get("quantization") or "float", "path": str(f),
+                            "documents": data.get("documents") or {}, **_flat(data["results"])})
     return records
 
 
-def _study_records(metrics: dict, path: Path) -> list[dict]:
-    def flat(results):
-        return {f"{task}/{m}": v for task, ms in (results or {}).items() for m, v in ms.items() if m != "sample_len"}
+def _flat(results: dict | None) -> dict:
+    return {f"{task}/{m}": v for task, ms in (results or {}).items() for m, v in ms.items() if m != "sample_len"}
 
+
+def _study_records(metrics: dict, path: Path) -> list[dict]:
     out = []
     for c in metrics["cells"]:
-        label = f"{metrics['study']['name']}:{c['model']}"
-        out.append({"model": label, "variant": c["variant"], "scheme": "float", "path": str(path), **flat(c["float"])})
-        out += [{"model": label, "variant": c["variant"], "scheme": s, "path": str(path), **flat(r.get("results"))}
+        run = {"model": f"{metrics['study']['name']}:{c['model']}", "variant": c["variant"], "seed": c["seed"],
+               "path": str(path)}
+        out.append({**run, "scheme": "float", "documents": c.get("float_documents") or {}, **_flat(c["float"])})
+        out += [{**run, "scheme": s, "documents": r.get("documents") or {}, **_flat(r.get("results"))}
                 for s, r in c["schemes"].items()]
     return out
 
 
 def compare(paths, out: str | Path | None = None) -> str:
     """Markdown table of every run, with each quantized run's change from the float run of the same
-    model and variant; with ``out``, also compare.md, compare.csv and compare.png there."""
+    model, variant and seed and its 95% interval; with ``out``, also compare.md, compare.csv (the
+    change and its interval bounds as numbers) and compare.png there."""
     records = collect_evals(paths)
     metrics = [m for m in HEADLINE if any(m in r for r in records)] or sorted(
         {k for r in records for k in r if "/" in k})
-    base = {(r["model"], r["variant"]): r for r in records if r["scheme"] == "float"}
+    base = {(r["model"], r["variant"], r["seed"]): r for r in records if r["scheme"] == "float"}
     rows = []
-    for r in sorted(records, key=lambda r: (r["model"], str(r["variant"]), r["scheme"] != "float", r["scheme"])):
-        ref = base.get((r["model"], r["variant"]))
-        row = {"model": r["model"], "variant": r["variant"], "scheme": r["scheme"]}
+    for r in sorted(records, key=lambda r: (r["model"], str(r["variant"]), r["seed"] or 0, r["scheme"] != "float",
+                                            r["scheme"])):
+        ref = base.get((r["model"], r["variant"], r["seed"]))
+        row = {"model": r["model"], "variant": r["variant"], "seed": r["seed"], "scheme": r["scheme"]}
         for m in metrics:
             row[m] = r.get(m)
-            if ref is not None and r is not ref and r.get(m) is not None and ref.get(m) is not None:
-                row[f"{m} delta"] = r[m] - ref[m]
+            if ref is not None and r is not ref:
+                task, metric = m.split("/", 1)
+                row[f"{m} delta"] = change(metric, ref.get(m), r.get(m), ref["documents"].get(task),
+                                           r["documents"].get(task))
         rows.append(row)
-    columns = ["model", "variant", "scheme"] + [c for m in metrics for c in (m, f"{m} delta")]
+    columns = ["model", "variant", "seed", "scheme"] + [c for m in metrics for c in (m, f"{m} delta")]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(c), c.endswith("delta")) for c in columns) + " |")
-    table = "\n".join(lines) + "\n"
+        lines.append("| " + " | ".join(format_delta(row.get(c)) if c.endswith("delta") else _fmt(row.get(c))
+                                       for c in columns) + " |")
+    table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + "\n"
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.md").write_text(table)
-        with open(out / "compare.csv", "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=columns)
-            writer.writeheader()
-            writer.writerows({c: row.get(c) for c in columns} for row in rows)
+        _write_csv(rows, metrics, out / "compare.csv")
         _plot(rows, metrics, out / "compare.png")
     return table
+
+
+def _write_csv(rows: list[dict], metrics: list[str], path: Path) -> None:
+    """One row per run; each delta as three numbers: the change, and its interval's low and high ends."""
+    run = ["model", "variant", "seed", "scheme"]
+    columns = run + [c for m in metrics for c in (m, f"{m} delta", f"{m} delta low", f"{m} delta high")]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            flat = {c: row.get(c) for c in (*run, *metrics)}
+            for m in metrics:
+                d = row.get(f"{m} delta")
+                if d is not None:
+                    flat |= {f"{m} delta": d.value, f"{m} delta low": d.low, f"{m} delta high": d.high}
+            writer.writerow(flat)
 
 
 def _plot(rows, metrics, path: Path) -> None:
     from .plots import bar_panels
 
-    bar_panels({m: [(f"{r['model']}\n{r['variant']}\n{r['scheme']}", r.get(m)) for r in rows] for m in metrics}, path,
+    def label(r):
+        return "\n".join(str(r[k]) for k in ("model", "variant", "seed", "scheme") if r[k] is not None)
+
+    bar_panels({m: [(label(r), r.get(m)) for r in rows] for m in metrics}, path,
                title="float vs quantized")
 
 
@@ -93,11 +122,42 @@ def _plot(rows, metrics, path: Path) -> None:
 PPL_KEYS = (("quantgate_ppl", "word_perplexity"), ("quantgate_mlm_ppl", "perplexity"),
             ("quantgate_backcopy", "perplexity"))
 ACCURACY = (("quantgate_cloze", "acc"), ("quantgate_nextsent", "acc"), ("quantgate_backcopy", "copy_acc"))
+OUTLIER_LEGEND = (
+    "Max inf-norm: per tensor, each sequence's max |x| averaged over sequences (Bondarenko et al.), the largest "
+    "over blocks and tensors. Max activation: the largest |x| of the residual stream (block outputs) over blocks; "
+    "max / median: that block's max |x| over its median |x|, so that a smaller maximum at the same ratio reads as a "
+    "smaller scale, not fewer outliers. Kurtosis: mu4 / sigma^4 (non-excess, Gaussian = 3) of each sequence's "
+    "flattened tokens x channels tensor, averaged over sequences, then over each block's output (the residual "
+    "stream), attention output, FFN output and norm inputs, then over blocks. Bondarenko et al. average the same "
+    "per-sequence kurtosis over the FFN and LayerNorm outputs of each BERT layer, and over the layer, attention, FFN "
+    "and LayerNorm outputs of each OPT layer (reference code): their set holds norm outputs where ours holds norm "
+    "inputs, so the two kurtoses compare in trend, not digit for digit.")
 
 
 def ppl_of(results: dict | None) -> float | None:
     """The headline perplexity in an evaluation's results (see PPL_KEYS), or None."""
     return next((v for v in (_get(results, k) for k in PPL_KEYS) if v is not None), None)
+
+
+def ppl_change(cell: dict, scheme: str):
+    """The change of the headline perplexity that ``scheme`` causes in a study cell, a
+    :class:`~quantgate.stats.Delta` (interval n/a where the cell kept no per-document values), or None."""
+    key = next((k for k in PPL_KEYS if _get(cell["float"], k) is not None), None)
+    return _scheme_change(cell, scheme, key) if key else None
+
+
+def _scheme_change(cell: dict, scheme: str, task_metric):
+    r = cell["schemes"].get(scheme) or {}
+    task, metric = task_metric
+    return change(metric, _get(cell["float"], task_metric), _get(r.get("results"), task_metric),
+                  (cell.get("float_documents") or {}).get(task), (r.get("documents") or {}).get(task))
+
+
+def peak_activation(cell: dict) -> tuple[float | None, float | None]:
+    """A cell's largest residual-stream activation and the max / median |x| of the block that holds it."""
+    summary, layers = cell["observe"]["summary"], cell["observe"].get("layers") or []
+    top = max(layers, key=lambda L: L["max_activation"], default=None)
+    return summary.get("max_activation"), top.get("max_median_ratio") if top else summary.get("max_median_ratio")
 
 
 def _run(cell: dict) -> list[str]:
@@ -111,20 +171,12 @@ def _get(results: dict | None, task_metric) -> float | None:
     return ((results or {}).get(task) or {}).get(metric)
 
 
-def _fmt(v, signed: bool = False) -> str:
+def _fmt(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        if v != v:
-            return "nan"
-        return f"{v:+.4g}" if signed else f"{v:.4g}"
+        return "nan" if v != v else f"{v:.4g}"
     return str(v)
-
-
-def _rel(a, b) -> str:
-    if a is None or b is None or not a:
-        return "-"
-    return f"{100 * (b - a) / a:+.1f}%"
 
 
 def _ranks(values: list[float]) -> list[float]:
@@ -157,14 +209,14 @@ def spearman(x: list[float], y: list[float]) -> float | None:
     return pearson(_ranks(x), _ranks(y))
 
 
-def _quantities(cell: dict) -> dict:
+def _quantities(cell: dict, schemes: list[str], changes: dict) -> dict:
     s = cell["observe"]["summary"]
-    fp = ppl_of(cell["float"])
-    out = {"gate mean": s.get("gate_mean"), "sink mass": s.get("sink_mass"), "max activation": s.get("max_activation"),
-           "FP ppl": fp}
-    for scheme, r in cell["schemes"].items():
-        q = ppl_of(r.get("results"))
-        out[f"ppl increase {scheme}"] = (q - fp) / fp if q is not None and fp else None
+    peak, ratio = peak_activation(cell)
+    out = {"gate mean": s.get("gate_mean"), "sink mass": s.get("sink_mass"), "max activation": peak,
+           "max / median": ratio, "FP ppl": ppl_of(cell["float"])}
+    for scheme in schemes:
+        d = changes[cell["id"], scheme]
+        out[f"ppl increase {scheme}"] = d.value if d is not None else None
     return out
 
 
@@ -176,6 +228,7 @@ def _cost(cell: dict) -> list[str]:
 def study_markdown(metrics: dict) -> str:
     st, cells = metrics["study"], metrics["cells"]
     schemes = metrics["schemes"]
+    changes = {(c["id"], s): ppl_change(c, s) for c in cells for s in schemes}
     m = metrics["machine"]
     lines = [f"# Study: {st['name']}", "", st.get("description", "").strip(), "",
              f"Reproduce: `{('quantgate study ' + st.get('file', '<study.yaml>')).strip()}`; rebuild this page from metrics.json with "
@@ -184,34 +237,36 @@ def study_markdown(metrics: dict) -> str:
              + ", ".join(f"{k} {v}" for k, v in metrics["versions"].items() if v) + ".",
              f"Compute: {metrics['wall_seconds']['steps_total']:.0f} s over all steps of all cells "
              f"({len(cells)} cells).", ""]
-    lines += ["## What the numbers show", ""] + _sentences(cells, schemes) + [""]
+    lines += ["## What the numbers show", ""] + _sentences(cells, schemes, changes) + [""]
     # Bondarenko-style table
-    head = ["model", "variant", "seed", "tokens trained", "FP ppl", "max inf-norm", "kurtosis", "sink mass",
-            "gate mean"]
+    head = ["model", "variant", "seed", "tokens trained", "FP ppl", "max inf-norm", "max activation", "max / median",
+            "kurtosis", "sink mass", "gate mean"]
     for s in schemes:
-        head += [f"{s} ppl", "change"]
+        head += [f"{s} ppl", "change [95% CI]"]
     lines += ["## Outliers, sinks and quantized perplexity (Bondarenko et al.'s table)", "",
               "Perplexity is `quantgate_ppl` word perplexity on held-out text for causal LMs, `quantgate_mlm_ppl` "
-              "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; max inf-norm and "
-              "kurtosis follow Bondarenko et al. (per sequence, averaged; max over layers / mean over layers); sink "
-              "mass is the mean attention on the first token. All rows ran on the machine above.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+              "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; sink mass is the mean "
+              "attention on the first token. All rows ran on the machine above.", "", OUTLIER_LEGEND, "",
+              DELTA_LEGEND, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
-        fp = ppl_of(c["float"])
-        row = [c["model"], c["variant"], *_run(c), _fmt(fp), _fmt(s["max_inf_norm"]), _fmt(s["kurtosis"]), _fmt(s["sink_mass"]),
-               _fmt(s["gate_mean"])]
+        row = [c["model"], c["variant"], *_run(c), _fmt(ppl_of(c["float"])), _fmt(s["max_inf_norm"]),
+               *map(_fmt, peak_activation(c)), _fmt(s["kurtosis"]), _fmt(s["sink_mass"]), _fmt(s["gate_mean"])]
         for sch in schemes:
             r = c["schemes"].get(sch, {})
-            q = ppl_of(r.get("results"))
-            row += [_fmt(q) if "error" not in r else "n/a", _rel(fp, q)]
+            row += [_fmt(ppl_of(r.get("results"))) if "error" not in r else "n/a", format_delta(changes[c["id"], sch])]
         lines.append("| " + " | ".join(row) + " |")
+    lines += _across_seeds(cells, schemes, changes)
     acc_rows = [(c, t) for t in ACCURACY for c in cells if _get(c["float"], t) is not None]
     if acc_rows:
-        head = ["model", "variant", "seed", "task", "FP acc"] + [f"{s} acc" for s in schemes]
-        lines += ["", "## Accuracy (bundled tasks)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        head = ["model", "variant", "seed", "task", "FP acc"] + [x for s in schemes for x in (f"{s} acc", "change")]
+        lines += ["", "## Accuracy (bundled tasks)", "", "Change in percentage points, with its 95% paired-bootstrap "
+                  "interval over the items; " + NOISE_LEGEND + ".", "", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head)]
         for c, t in acc_rows:
             row = [c["model"], c["variant"], str(c["seed"]), t[0], _fmt(_get(c["float"], t))]
-            row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)) for s in schemes]
+            for s in schemes:
+                row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)), format_delta(_scheme_change(c, s, t))]
             lines.append("| " + " | ".join(row) + " |")
     # Qiu-style table and correlations
     head = ["model", "variant", "seed", "tokens trained", "mean gate", "max activation", "max / median",
@@ -220,24 +275,11 @@ def study_markdown(metrics: dict) -> str:
               "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
-        lines.append("| " + " | ".join([c["model"], c["variant"], *_run(c), _fmt(s["gate_mean"]), _fmt(s["max_activation"]),
-                                        _fmt(s["max_median_ratio"]), _fmt(s["sink_mass"]),
+        lines.append("| " + " | ".join([c["model"], c["variant"], *_run(c), _fmt(s["gate_mean"]),
+                                        *map(_fmt, peak_activation(c)), _fmt(s["sink_mass"]),
                                         _fmt(ppl_of(c["float"])), *_cost(c)]) + " |")
-    lines += ["", "Correlations across cells (Spearman / Pearson, n = cells with both numbers; none below 3):", ""]
-    qs = [_quantities(c) for c in cells]
-    names = list(qs[0]) if qs else []
-    lines += ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
-    for a in names:
-        row = [a]
-        for b in names:
-            pairs = [(q[a], q[b]) for q in qs if q.get(a) is not None and q.get(b) is not None]
-            if a == b or len(pairs) < 3:
-                row.append("-")
-                continue
-            x, y = [p[0] for p in pairs], [p[1] for p in pairs]
-            row.append(f"{_fmt(spearman(x, y))} / {_fmt(pearson(x, y))} (n={len(pairs)})")
-        lines.append("| " + " | ".join(row) + " |")
-    lines += _side_by_side(cells, schemes)
+    lines += _correlations([_quantities(c, schemes, changes) for c in cells])
+    lines += _side_by_side(cells, schemes, changes)
     # quantization error
     lines += ["", "## Where quantization hurts", "", "| model | variant | scheme | logits SQNR (dB) | worst blocks (dB) | "
               "FP8 saturated values |", "|---|---|---|---|---|---|"]
@@ -264,7 +306,53 @@ def study_markdown(metrics: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _side_by_side(cells: list[dict], schemes: list[str]) -> list[str]:
+def _across_seeds(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:
+    """Per model and variant trained with several seeds: the mean perplexity change over the seeds, with
+    a t-interval across them."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c["model"], c["variant"]), []).append(c)
+    groups = {k: g for k, g in groups.items() if len(g) > 1}
+    if not groups:
+        return []
+    head = ["model", "variant", "seeds", "FP ppl (mean)"] + [f"{s} change, mean [95% t-interval]" for s in schemes]
+    lines = ["", "## Across seeds", "", "Each seed's perplexity change from the table above, averaged over the seeds, "
+             "with a 95% Student t-interval across the seeds (seed-to-seed spread; the per-seed intervals are "
+             "over documents). " + NOISE_LEGEND + ".", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (model, variant), group in groups.items():
+        fp = [ppl_of(c["float"]) for c in group if ppl_of(c["float"]) is not None]
+        row = [model, variant, ", ".join(str(c["seed"]) for c in group), _fmt(sum(fp) / len(fp) if fp else None)]
+        for s in schemes:
+            deltas = [changes[c["id"], s] for c in group if changes[c["id"], s] is not None]
+            row.append(format_delta(seed_delta([d.value for d in deltas], deltas[0].kind)) if deltas else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _correlations(qs: list[dict]) -> list[str]:
+    """Spearman / Pearson between every two quantities across cells, where at least MIN_CORRELATION_N
+    cells have both."""
+    lines = ["", f"Correlations across cells (Spearman / Pearson; n = cells with both numbers; omitted below "
+                 f"n = {MIN_CORRELATION_N}):", ""]
+    names = list(qs[0]) if qs else []
+    rows = []
+    for a in names:
+        row = [a]
+        for b in names:
+            pairs = [(q[a], q[b]) for q in qs if q.get(a) is not None and q.get(b) is not None]
+            if a == b or len(pairs) < MIN_CORRELATION_N:
+                row.append("-")
+                continue
+            x, y = [p[0] for p in pairs], [p[1] for p in pairs]
+            row.append(f"{_fmt(spearman(x, y))} / {_fmt(pearson(x, y))} (n={len(pairs)})")
+        rows.append(row)
+    if all(v == "-" for row in rows for v in row[1:]):
+        return lines + [f"None: fewer than {MIN_CORRELATION_N} cells have any two of the numbers."]
+    return lines + ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)] + [
+        "| " + " | ".join(row) + " |" for row in rows]
+
+
+def _side_by_side(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:
     """The variants that several models share, one row each, the models' numbers in adjacent columns."""
     models = list(dict.fromkeys(c["model"] for c in cells))
     by = {(c["model"], c["variant"]): c for c in cells if c["seed"] == cells[0]["seed"]}
@@ -272,11 +360,15 @@ def _side_by_side(cells: list[dict], schemes: list[str]) -> list[str]:
     if len(models) < 2 or not shared:
         return []
     scheme = schemes[0] if schemes else None
+
+    def peak(c):
+        top, ratio = peak_activation(c)
+        return f"{_fmt(top)} ({_fmt(ratio)})"
+
     metrics = [("FP ppl", lambda c: _fmt(ppl_of(c["float"]))),
                ("first-token attn", lambda c: _fmt(c["observe"]["summary"]["sink_mass"])),
-               ("max activation", lambda c: _fmt(c["observe"]["summary"]["max_activation"])),
-               *([(f"{scheme} change", lambda c: _rel(ppl_of(c["float"]), ppl_of(c["schemes"].get(scheme, {}).get("results"))))]
-                 if scheme else []),
+               ("max activation (max / median)", peak),
+               *([(f"{scheme} change", lambda c: format_delta(changes[c["id"], scheme]))] if scheme else []),
                ("gate params", lambda c: _cost(c)[0])]
     head = ["variant"] + [f"{m}: {name}" for name, _ in metrics for m in models]
     lines = ["", f"## Models side by side ({' vs '.join(models)})", "", "| " + " | ".join(head) + " |",
@@ -287,11 +379,11 @@ def _side_by_side(cells: list[dict], schemes: list[str]) -> list[str]:
     return lines
 
 
-def _sentences(cells: list[dict], schemes: list[str]) -> list[str]:
+def _sentences(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:
     out = []
     for c in cells:
         s = c["observe"]["summary"]
-        ratio = s.get("max_median_ratio")
+        peak, ratio = peak_activation(c)
         massive = s.get("massive_activations", 0)
         where = ""
         if s.get("top_massive"):
@@ -299,18 +391,17 @@ def _sentences(cells: list[dict], schemes: list[str]) -> list[str]:
             where = f" (largest: channel {top['channel']} in layer {top['layer']}, at token positions " \
                     f"{[p for p, _ in top['positions']]})"
         gate = f"; mean gate {_fmt(s['gate_mean'])}" if s.get("gate_mean") is not None else ""
-        text = (f"- **{c['model']} / {c['variant']}**: largest residual activation {_fmt(s['max_activation'])} "
-                f"({_fmt(ratio)} x the median), {massive} massive activations by Sun et al.'s criterion{where}; "
-                f"mean first-token attention {_fmt(s['sink_mass'])}{gate}.")
+        text = (f"- **{c['model']} / {c['variant']}**: largest residual activation {_fmt(peak)} "
+                f"({_fmt(ratio)} x its block's median), {massive} massive activations by Sun et al.'s criterion"
+                f"{where}; mean first-token attention {_fmt(s['sink_mass'])}{gate}.")
         fp = ppl_of(c["float"])
-        changes = []
+        moves = []
         for sch in schemes:
-            r = c["schemes"].get(sch, {})
-            q = ppl_of(r.get("results"))
+            q = ppl_of(c["schemes"].get(sch, {}).get("results"))
             if q is not None and fp is not None:
-                changes.append(f"{sch} {_fmt(fp)} -> {_fmt(q)} ({_rel(fp, q)})")
-        if changes:
-            text += " Perplexity: " + "; ".join(changes) + "."
+                moves.append(f"{sch} {_fmt(fp)} -> {_fmt(q)} ({format_delta(changes[c['id'], sch])})")
+        if moves:
+            text += " Perplexity: " + "; ".join(moves) + "."
         out.append(text)
     return out
 

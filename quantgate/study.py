@@ -45,6 +45,7 @@ __all__ = ["run_study", "load_study", "plan", "Study", "StudyError", "DEFAULT_ST
 log = logging.getLogger("quantgate")
 DEFAULT_STUDY = Path(__file__).with_name("studies") / "quickstart.yaml"  # the main job, shipped in the package
 HUB_ID = r"[\w-][\w.-]*/[\w.-]+"  # owner/name
+EVAL_FORMAT = "per-document values"  # in the evaluation steps' keys: older cached evaluations lack them, so rerun
 
 
 class StudyError(ValueError):
@@ -539,20 +540,21 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
     ob_cfg = m.observe
     observed = step("observe", _key(model_key, ob_cfg), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
     ev_cfg = m.eval
-    float_eval = step("eval-float", _key(model_key, ev_cfg), lambda: _evaluate(model(), tokenizer(), ev_cfg))
+    float_eval = step("eval-float", _key(model_key, ev_cfg, EVAL_FORMAT),
+                      lambda: _evaluate(model(), tokenizer(), ev_cfg))
     cost = step("cost", model_key, lambda: _cost(model()))
     schemes = {}
     for entry in m.schemes:
         scheme = entry["scheme"]
         cfg = {**ev_cfg, "tasks": entry["tasks"] or ev_cfg["tasks"]}
-        key = _key(model_key, scheme, study.calibration, cfg, m.observe)
+        key = _key(model_key, scheme, study.calibration, cfg, m.observe, EVAL_FORMAT)
         schemes[scheme] = step(f"scheme-{_slug(scheme)}", key,
                                lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, study.calibration, c, m, seed))
     return {"id": cell["id"], "model": m.name, "variant": cell["variant"], "seed": seed, "source": m.source,
             "trained": {k: v for k, v in trained.items() if k not in ("key", "seconds")},
             "observe": observed["observe"], "cost": {k: cost[k] for k in ("gate_params", "gate_flops_per_token")},
-            "float": float_eval["results"], "schemes": {k: {kk: vv for kk, vv in v.items() if kk != "key"}
-                                                         for k, v in schemes.items()},
+            "float": float_eval["results"], "float_documents": float_eval["documents"],
+            "schemes": {k: {kk: vv for kk, vv in v.items() if kk != "key"} for k, v in schemes.items()},
             "seconds": round(seconds, 1)}
 
 
@@ -562,7 +564,7 @@ def _materialise(m: ModelSpec, cell: dict, cdir: Path, seed: int, model_key: str
 
     from .models import build
     from .models.sources import tokenizer as get_tokenizer
-    from .quant.checkpoint import load
+    from .checkpoint import load
 
     if "load" in m.source:
         model = load(m.source["load"], cell["variant"] if cell["variant"] != "vanilla" else None)
@@ -637,13 +639,16 @@ def _cost(model) -> dict:
 
 
 def _evaluate(model, tok, cfg: dict) -> dict:
+    """Metrics per task, and each document's values (the report's paired intervals need them)."""
     from .evaluate import evaluate
 
-    results = {}
+    results, documents = {}, {}
     for task in cfg["tasks"]:  # one task at a time: each may carry its own limit
         limit = cfg["limit"].get(task) if isinstance(cfg["limit"], dict) else cfg["limit"]
-        results.update(evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"])["results"])
-    return {"results": results}
+        out = evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"])
+        results.update(out["results"])
+        documents.update(out["documents"])
+    return {"results": results, "documents": documents}
 
 
 def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
@@ -664,7 +669,7 @@ def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec,
                        max_batches=1)
     err = quant_error(model, q, held_out, max_batches=1)
     out = _evaluate(q, tok, ev_cfg)
-    return {"results": out["results"], "logits_sqnr_db": err["logits_sqnr_db"],
+    return {"results": out["results"], "documents": out["documents"], "logits_sqnr_db": err["logits_sqnr_db"],
             "worst_layers": err["worst_layers"], "overflow": err["overflow"],
             "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration")}
 

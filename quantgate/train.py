@@ -46,6 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from .checkpoint import dedupe, save
 from .data import batches as text_batches
 from .models.families import family_of
 from .models.swap import gate_parameters, variant_of
@@ -377,9 +378,7 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     acc.wait_for_everyone()
     _save_rng(tmp / f"rng-{acc.process_index}.safetensors")
     if acc.is_main_process:
-        from .quant.checkpoint import _dedupe
-
-        save_file({k: v.detach().contiguous() for k, v in _dedupe(run.model.state_dict())[0].items()},
+        save_file({k: v.detach().contiguous() for k, v in dedupe(run.model.state_dict())[0].items()},
                   str(tmp / MODEL_FILE))
         opt = run.optimizer.state_dict()
         save_file({f"{i}.{name}": t.contiguous() for i, state in opt["state"].items() for name, t in state.items()},
@@ -510,8 +509,6 @@ def _diverged(run: _Run, out: Path | None, what: str) -> NoReturn:
 
 
 def _save_model(model: nn.Module, path: Path, tokenizer=None) -> None:
-    from .quant.checkpoint import save
-
     tmp = _temporary(path)
     shutil.rmtree(tmp, ignore_errors=True)
     save(model, tmp, tokenizer)

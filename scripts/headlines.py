@@ -5,8 +5,10 @@
 
 Each headline sits between ``<!-- headlines:NAME -->`` and ``<!-- /headlines -->`` and is written by
 the function NAME below from results/ (metrics.json; for cpu_recipe_search the search's summary.json
-files) or, for the study not run here, from its study file. The results hold no intervals: every
-change is a single run's point value.
+files) or, for the study not run here, from its study file. A quantization change carries its 95%
+interval (``+12.3% [+9.8, +14.9]``, :mod:`quantgate.stats`): over documents where the metrics hold
+per-document values, across seeds where a study trained several; where neither exists the headline
+says the interval is unavailable (``[n/a]``) rather than invent one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from quantgate.report import ppl_of, spearman
+from quantgate.report import peak_activation, ppl_change, ppl_of, spearman
+from quantgate.stats import Delta, change, format_delta, seed_delta
 from quantgate.study import load_study
 from quantgate.train import TrainConfig
 
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "experiments" / "README.md"
 BLOCK = re.compile(r"(<!-- headlines:(\w+) -->)(.*?)(<!-- /headlines -->)", re.S)
 POINT = "point values, no interval recorded"
+NO_DOCUMENTS = "intervals n/a: the committed metrics hold no per-document values"
 SINK_TARGET, RATIO_TARGET = 0.3, 50  # the CPU recipe search's targets (results/cpu_recipe/search.md)
 SCHEMES = {"w8a8-int8-static": "static W8A8", "w8a8-int8-dynamic": "dynamic INT8", "w8a8-fp8-e4m3": "FP8",
            "llm-int8": "LLM.int8", "torchao-int8-dynamic": "torchao INT8"}
@@ -48,6 +52,11 @@ def _fixed(decimals: int):
     return lambda x: f"{x:.{decimals}f}"
 
 
+def _ratio(x: float) -> str:
+    """A max / median ratio, two significant digits."""
+    return _num(x, 2)
+
+
 def _pct(x: float) -> str:
     return f"{x:+.2f}%" if abs(x) < 10 else f"{x:+.0f}%"
 
@@ -57,10 +66,33 @@ def _span(values, fmt=_num, sep: str = "-") -> str:
     return lo if lo == hi else f"{lo}{sep}{hi}"
 
 
-def _change(cell: dict, scheme: str) -> float:
-    """Perplexity change (%) that ``scheme`` causes in ``cell``."""
-    fp = ppl_of(cell["float"])
-    return 100 * (ppl_of(cell["schemes"][scheme]["results"]) - fp) / fp
+def _change(cell: dict, scheme: str) -> Delta:
+    """The perplexity change that ``scheme`` causes in ``cell``, with its interval where there is one."""
+    return ppl_change(cell, scheme)
+
+
+def _delta(d: Delta) -> str:
+    return format_delta(d, noise=", within noise")
+
+
+def _changes(deltas: list[Delta]) -> str:
+    """The span of several changes (%)."""
+    return _span([100 * d.value for d in deltas], _pct, " to ")
+
+
+def _noise(deltas: list[Delta]) -> str:
+    """What the intervals of ``deltas`` say: how many exclude 0, or that there are none."""
+    known = [d for d in deltas if d.low is not None]
+    if not known:
+        return NO_DOCUMENTS
+    missing = f", {len(deltas) - len(known)} without one" if len(known) < len(deltas) else ""
+    return f"{sum(not d.within_noise for d in known)} of {len(known)} intervals exclude 0{missing}"
+
+
+def _peaks(cells, fmt) -> str:
+    """The span of the cells' largest residual activations, and of the max / median of their blocks."""
+    pairs = [peak_activation(c) for c in cells]
+    return f"{_span([p for p, _ in pairs], fmt)}, max/median {_span([r for _, r in pairs], _ratio)}"
 
 
 def _summary(cell: dict, key: str):
@@ -81,20 +113,21 @@ def quickstart() -> str:
     cells = _cells("quickstart")
     smol = cells.pop("smollm2-135m/vanilla")
     fp, static = ppl_of(smol["float"]), ppl_of(smol["schemes"]["w8a8-int8-static"]["results"])
-    others = ", ".join(f"{label} {_pct(_change(smol, s))}" for s, label in SCHEMES.items() if s != "w8a8-int8-static")
+    others = ", ".join(f"{label} {_delta(_change(smol, s))}" for s, label in SCHEMES.items() if s != "w8a8-int8-static")
     tiny = [_change(c, s) for c in cells.values() for s in c["schemes"]]
     return (f"static W8A8 takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
-            f"({_pct(_change(smol, 'w8a8-int8-static'))}); {others}; the tiny trio changes by "
-            f"{_span(tiny, _pct, ' to ')} under all five ({POINT})")
+            f"({_delta(_change(smol, 'w8a8-int8-static'))}); {others}; the tiny trio changes by "
+            f"{_changes(tiny)} under all five ({_noise(tiny)})")
 
 
 def bondarenko_table2() -> str:
     cells = list(_cells("bondarenko_table2").values())
     changes = [_change(c, s) for c in cells for s in c["schemes"]]
     return (f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
-            f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, kurtosis "
-            f"{_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}, W8A8 changes "
-            f"{_span(changes, _pct, ' to ')} ({POINT}), far from the paper's BERT-base outliers: the pipeline and "
+            f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, largest residual activation "
+            f"{_peaks(cells, _fixed(1))}, kurtosis (mean over blocks of their output, attention, FFN and norm-input "
+            f"tensors) {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}, W8A8 changes "
+            f"{_changes(changes)} ({_noise(changes)}), far from the paper's BERT-base outliers: the pipeline and "
             "definitions, not the effect")
 
 
@@ -114,7 +147,7 @@ def qiu_table4() -> str:
     rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
     return (f"{_steps_tokens(cells)}: no row grows a sink (first-token attention "
             f"{_span([_summary(c, 'sink_mass') for c in cells], _fixed(3))}) or outliers (max "
-            f"{_span([_summary(c, 'max_activation') for c in cells], _fixed(1))}); mean gates "
+            f"{_peaks(cells, _fixed(1))}); mean gates "
             f"{_span([_summary(c, 'gate_mean') for c in gated if c['variant'] != 'g1-ns-sigmoid'], _fixed(2))}"
             f" (NS-sigmoid {_span(ns, _fixed(2))}); correlations across rows are noise (gate mean vs sink "
             f"mass Spearman {rho:.2f}, n={len(gated)}), unlike the paper's exact rank agreement")
@@ -129,19 +162,24 @@ def hyga_ablation() -> str:
         return " -> ".join(fmt(cells[f"{model}/{v}"]) for v in ("vanilla", "g1-elementwise", "hyga"))
 
     def activation(c):
-        return _num(_summary(c, "max_activation"))
+        return _num(peak_activation(c)[0])
+
+    def ratio(c):
+        return _ratio(peak_activation(c)[1])
 
     def ppl(c):
         return _num(ppl_of(c["float"]))
 
     changes = {s: [_change(c, s) for c in cells.values()] for s in ("w8a8-int8-static", "w8a8-int8-dynamic")}
+    every = [d for v in changes.values() for d in v]
     return (f"{_steps_tokens(cells.values())}, d={cells['gqa/vanilla']['source']['config']['hidden_size']}: max "
-            f"activation vanilla -> G1 -> HyGA {trio('gqa', activation)} (GQA) and {trio('mla', activation)} (MLA); "
+            f"activation vanilla -> G1 -> HyGA {trio('gqa', activation)}, max/median {trio('gqa', ratio)} (GQA) and "
+            f"{trio('mla', activation)}, max/median {trio('mla', ratio)} (MLA); "
             f"ppl "
             f"{trio('gqa', ppl)} (GQA); no sinks at this scale (first-token attention "
             f"{_span([_summary(c, 'sink_mass') for c in cells.values()], _fixed(3))}); "
-            + "; ".join(f"{SCHEMES[s]} changes {_span(v, _pct, ' to ')}" for s, v in changes.items())
-            + f" ({POINT}); gate params {small['cost']['gate_params'] / 1e3:.0f} k ({small['variant']}) to "
+            + "; ".join(f"{SCHEMES[s]} changes {_changes(v)}" for s, v in changes.items())
+            + f" ({_noise(every)}); gate params {small['cost']['gate_params'] / 1e3:.0f} k ({small['variant']}) to "
             f"{large['cost']['gate_params'] / 1e3:.0f} k ({large['variant']})")
 
 
@@ -200,14 +238,15 @@ def massive_activation_intervention() -> str:
     def ppl(label, digits=3):
         return _num(r[label]["ppl"], digits)
 
-    def change(label):
-        return _pct(100 * (r[label]["ppl"] - base) / base)
+    def change_of(label):
+        return format_delta(change("perplexity", base, r[label]["ppl"]))
 
     zero = r["zero"]["ppl"]
     return (f"SmolLM2 massive activations (channels {', '.join(map(str, found['channels']))} at token "
             f"{', '.join(map(str, found['positions']))}, from block {found['layer']}, up to {_num(found['max_abs'])}): "
-            f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M; mean -> {ppl('mean', 4)} ({change('mean')}); "
-            f"zeroing {len(found['channels'])} ordinary channels {change('zero, random channels (control)')} ({POINT})")
+            f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M; mean -> {ppl('mean', 4)} ({change_of('mean')}); "
+            f"zeroing {len(found['channels'])} ordinary channels {change_of('zero, random channels (control)')} "
+            f"({NO_DOCUMENTS})")
 
 
 def cpu_recipe_search() -> str:
@@ -235,19 +274,22 @@ def cpu_recipe() -> str:
     gated = [c for c in cells if c["variant"] != "vanilla"]
     sinks = [_max_layer_sink(c) for c in plain]
     layers = "/".join(map(str, sorted({i for _, i in sinks})))
-    big = sum(_summary(c, "max_median_ratio") >= RATIO_TARGET for c in plain)
+    big = sum(peak_activation(c)[1] >= RATIO_TARGET for c in plain)
 
     def static(group):
-        return _span([_change(c, "w8a8-int8-static") for c in group], _pct, " to ")
+        deltas = [_change(c, "w8a8-int8-static") for c in group]
+        mean = seed_delta([d.value for d in deltas], "perplexity")
+        return f"{_changes(deltas)} (mean {_delta(mean)})"
 
     return (f"{sum(s >= SINK_TARGET for s, _ in sinks)}/{len(plain)} ungated seeds grow a layer-{layers} sink "
             f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
-            f"{_span([_summary(c, 'max_activation') for c in plain], _fixed(0))}; their G1 twins stay at "
+            f"{_peaks(plain, _fixed(0))}; their G1 twins stay at "
             f"{_span([_max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
             f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
-            f"{_span([_summary(c, 'max_activation') for c in gated], _fixed(0))}; max/median >= {RATIO_TARGET} in "
+            f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in "
             f"{big} seed{'s' if big != 1 else ''} of {len(plain)}; static W8A8 {static(plain)} ungated vs {static(gated)} "
-            f"gated ({POINT}): the INT8 gap is not reached")
+            f"gated (t-intervals across {len(plain)} seeds; per-seed {NO_DOCUMENTS.removeprefix('intervals ')}): the "
+            "INT8 gap is not reached")
 
 
 HEADLINES = {f.__name__: f for f in (quickstart, bondarenko_table2, bondarenko_table2_paper, qiu_table4, hyga_ablation,

@@ -56,15 +56,22 @@ def test_eval_and_compare(tmp_path, capsys):
     capsys.readouterr()
     assert main(["compare", str(tmp_path), "--out", str(tmp_path / "cmp")]) == 0
     table = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "| tiny-opt | vanilla | float |" in table and "| tiny-opt | vanilla | w8-int8 |" in table
+    assert "| tiny-opt | vanilla | - | float |" in table and "| tiny-opt | vanilla | - | w8-int8 |" in table
     import csv
     import json
 
+    from quantgate.stats import format_delta, paired_delta
+
     rows = list(csv.DictReader(open(tmp_path / "cmp" / "compare.csv")))
-    fp = json.loads((tmp_path / "fp" / "eval.json").read_text())["results"]["quantgate_nextsent"]["acc"]
-    w8 = json.loads((tmp_path / "w8" / "eval.json").read_text())["results"]["quantgate_nextsent"]["acc"]
+    fp, w8 = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("fp", "w8"))
     delta = float(rows[1]["quantgate_nextsent/acc delta"])
-    assert delta == pytest.approx(w8 - fp)
+    assert delta == pytest.approx(w8["results"]["quantgate_nextsent"]["acc"] -
+                                  fp["results"]["quantgate_nextsent"]["acc"])
+    # eval.json keeps each item's values: the change carries its paired-bootstrap interval
+    paired = paired_delta(fp["documents"]["quantgate_nextsent"], w8["documents"]["quantgate_nextsent"], "acc")
+    assert [float(rows[1][f"quantgate_nextsent/acc delta {end}"]) for end in ("low", "high")] == pytest.approx(
+        [paired.low, paired.high])
+    assert f"| {format_delta(paired)} |" in table and "~ marks a change whose 95% interval includes 0" in table
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     assert main(["compare", str(tmp_path / "nowhere")]) == 2
 

@@ -11,6 +11,7 @@ import quantgate as qg
 from quantgate.data import corpus
 from quantgate.data.corpus import OfflineError
 from quantgate.evaluate import evaluate, mlm_perplexity
+from quantgate.stats import aggregate
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,45 @@ def test_bits_per_byte_equals_the_models_own_loss(tiny):
     assert res["bits_per_byte"] == pytest.approx(-loglik / n_bytes / math.log(2), rel=1e-4)
     assert res["byte_perplexity"] == pytest.approx(math.exp(-loglik / n_bytes), rel=1e-4)
     assert res["word_perplexity"] == pytest.approx(math.exp(-loglik / len(doc.split())), rel=1e-3)
+
+
+def test_per_document_values_recompute_lm_evals_metrics(tiny):
+    """Each task's kept documents aggregate (quantgate.stats, as lm-eval aggregates) to exactly the metrics
+    lm-eval reported; a perplexity document's token count is what the model scores (the text, BOS-prefixed)."""
+    tok = qg.tokenizer(tiny)
+    out = evaluate(tiny, tok, ["quantgate_ppl", "quantgate_cloze", "quantgate_nextsent"], limit=3)
+    for task, metrics in out["results"].items():
+        docs = out["documents"][task]
+        assert docs["ids"] == [0, 1, 2]
+        for metric, value in metrics.items():
+            if metric != "sample_len":
+                assert aggregate(docs, metric) == pytest.approx(value, rel=1e-12), (task, metric)
+    ppl = out["documents"]["quantgate_ppl"]
+    assert set(ppl) == {"ids", "loglikelihood", "words", "bytes", "tokens"}
+    docs = list(corpus("test"))[:3]
+    assert ppl["bytes"] == [len(d.text.encode("utf-8")) for d in docs]
+    assert ppl["tokens"] == [tok(d.text, return_tensors="pt").input_ids.shape[1] - 1 for d in docs]
+    assert set(out["documents"]["quantgate_nextsent"]) == {"ids", "acc", "acc_norm"}
+    assert set(out["documents"]["quantgate_cloze"]) == {"ids", "loglikelihood", "acc"}
+
+
+def test_computed_tasks_keep_per_sequence_values():
+    from quantgate.evaluate import backcopy_metrics
+
+    bert = qg.build("tiny-bert", seed=0).eval()
+    out = evaluate(bert, None, ["quantgate_mlm_ppl"], limit=1)
+    docs = out["documents"]["quantgate_mlm_ppl"]
+    assert len(docs["ids"]) == 16 and all(n > 0 for n in docs["tokens"])  # one batch of 16 sequences
+    assert out["results"]["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(
+        math.exp(-sum(docs["loglikelihood"]) / sum(docs["tokens"])), rel=1e-12)
+    assert mlm_perplexity(bert, qg.tokenizer(bert), limit=1) == pytest.approx(
+        out["results"]["quantgate_mlm_ppl"]["perplexity"], rel=1e-6)
+    llama = qg.build("tiny-llama", seed=0).eval()
+    out = evaluate(llama, None, ["quantgate_backcopy"], limit=1)
+    docs = out["documents"]["quantgate_backcopy"]
+    assert set(docs) == {"ids", "loglikelihood", "tokens", "copied", "copies"} and len(docs["ids"]) == 16
+    assert out["results"]["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
+    assert backcopy_metrics(llama, qg.tokenizer(llama), limit=1) == pytest.approx(out["results"]["quantgate_backcopy"])
 
 
 def test_cloze_and_nextsent_against_direct_scores(tiny):

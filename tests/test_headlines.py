@@ -43,3 +43,34 @@ def test_hyga_low_rank_16_change_by_hand():
     block = re.search(r"<!-- headlines:hyga_ablation -->(.*?)<!-- /headlines -->",
                       (ROOT / "experiments" / "README.md").read_text()).group(1)
     assert "static W8A8 changes -0.19% to +0.24%" in block
+
+
+def _block(name: str) -> str:
+    return re.search(rf"<!-- headlines:{name} -->(.*?)<!-- /headlines -->",
+                     (ROOT / "experiments" / "README.md").read_text()).group(1)
+
+
+def test_headline_changes_carry_an_interval_or_say_there_is_none():
+    """The committed quickstart kept no per-document values: its changes say so instead of standing bare;
+    cpu_recipe trained three seeds: its mean change has a t-interval across them, computed here by hand."""
+    quickstart = _block("quickstart")
+    assert "(+124.6% [n/a])" in quickstart
+    assert "intervals n/a: the committed metrics hold no per-document values" in quickstart
+    cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]
+    changes = []
+    for c in cells:
+        if c["variant"] == "vanilla":
+            fp = c["float"]["quantgate_backcopy"]["perplexity"]
+            q = c["schemes"]["w8a8-int8-static"]["results"]["quantgate_backcopy"]["perplexity"]
+            changes.append(100 * (q / fp - 1))
+    mean = sum(changes) / 3
+    half = 4.302652729911275 * (sum((x - mean) ** 2 for x in changes) / 2) ** 0.5 / 3 ** 0.5  # t(0.975, 2 dof)
+    recipe = _block("cpu_recipe")
+    assert f"(mean {mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}], within noise) ungated" in recipe
+    assert "t-intervals across 3 seeds" in recipe
+
+
+def test_headline_maxima_come_with_their_max_over_median():
+    assert "max activations 35-85, max/median 40-77;" in _block("cpu_recipe")
+    assert "max 2.3-5.2, max/median 4.8-29" in _block("qiu_table4")
+    assert "HyGA 14.9 -> 7.79 -> 4.87, max/median 6.9 -> 7 -> 6.2 (GQA)" in _block("hyga_ablation")

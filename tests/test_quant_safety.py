@@ -51,11 +51,11 @@ def test_non_finite_calibration_names_the_quantizer(scheme, value):
     assert qg.quantization_of(model) is None
 
 
-def test_everything_quantizers_are_named_by_module_and_tensor():
-    q = qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static:acts=everything", calibration=_batches(1))
+def test_bondarenko_quantizers_are_named_by_module_and_tensor():
+    q = qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static:acts=bondarenko", calibration=_batches(1))
     named = {n: m.name for n, m in q.named_modules() if m in set(act_quantizers(q))}
-    assert named["model.decoder.layers.0.fc1.input_quant"] == "model.decoder.layers.0.fc1 input"
-    assert named["model.decoder.embed_tokens.output_quant"] == "model.decoder.embed_tokens output"
+    assert named["model.decoder.layers.0.fc2.input_quant"] == "model.decoder.layers.0.fc2 input"
+    assert named["model.decoder.layers.0.input_quant"] == "model.decoder.layers.0 input"  # the embedding sum
     assert named["model.decoder.layers.1.self_attn.qg_fake_quant.probs"] == "model.decoder.layers.1.self_attn probs"
     assert named["model.decoder.layers.1.output_quant"] == "model.decoder.layers.1 output"
 

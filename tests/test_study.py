@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.report import pearson, spearman, write_study_report
+from quantgate.report import pearson, spearman, study_markdown, write_study_report
 from quantgate.study import StudyError, load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,11 +134,79 @@ def test_correlations_against_hand_computation():
     assert pearson([1, 2], [3, 4]) is None and pearson([1, 1, 1], [1, 2, 3]) is None
 
 
+def test_cells_keep_per_document_values_and_the_report_shows_their_intervals(smoke_run):
+    from quantgate.stats import format_delta, paired_delta
+
+    metrics = json.loads((smoke_run / "metrics.json").read_text())
+    cell = metrics["cells"][1]
+    fp, static = cell["float_documents"], cell["schemes"]["w8a8-int8-static"]["documents"]
+    assert len(fp["quantgate_nextsent"]["ids"]) == 8 and len(fp["quantgate_ppl"]["ids"]) == 1
+    acc = paired_delta(fp["quantgate_nextsent"], static["quantgate_nextsent"], "acc")
+    assert acc.low is not None
+    report = (smoke_run / "report.md").read_text()
+    fp_acc = cell["float"]["quantgate_nextsent"]["acc"]
+    q_acc = cell["schemes"]["w8a8-int8-static"]["results"]["quantgate_nextsent"]["acc"]
+    assert f"| quantgate_nextsent | {fp_acc:.4g} | {q_acc:.4g} | {format_delta(acc)} |" in report
+    ppl = cell["schemes"]["w8a8-int8-static"]["results"]["quantgate_ppl"]["word_perplexity"]
+    one = paired_delta(fp["quantgate_ppl"], static["quantgate_ppl"], "word_perplexity")
+    assert one.low is None and f"| {ppl:.4g} | {format_delta(one)}" in report  # one perplexity document: no interval
+    # with more documents, the perplexity change of the table carries its paired interval
+    words = [100, 200, 300]
+    cell["float_documents"]["quantgate_ppl"] = {"ids": [0, 1, 2], "loglikelihood": [-3.0 * w for w in words],
+                                                "words": words}
+    for scheme, loss in (("w8a8-int8-static", 3.1), ("w8a8-int8-dynamic", 3.0)):
+        cell["schemes"][scheme]["documents"]["quantgate_ppl"] = {
+            "ids": [0, 1, 2], "loglikelihood": [-loss * w for w in words], "words": words}
+    report = study_markdown(metrics)
+    assert "| +10.5% [+10.5, +10.5] |" in report and "| +0.00% [+0.00, +0.00] ~ |" in report  # on every resample
+    del cell["schemes"]["w8a8-int8-dynamic"]["documents"]["quantgate_ppl"]["ids"][-1]
+    with pytest.raises(ValueError, match="cover different documents"):  # a mismatched set is refused, not averaged
+        study_markdown(metrics)
+
+
+def _static_change(cell: dict) -> float:
+    """The backcopy perplexity change static W8A8 causes in a cpu_recipe cell."""
+    fp = cell["float"]["quantgate_backcopy"]["perplexity"]
+    return cell["schemes"]["w8a8-int8-static"]["results"]["quantgate_backcopy"]["perplexity"] / fp - 1
+
+
+def test_reports_of_runs_without_per_document_values():
+    """Committed runs made before per-document values: intervals n/a, correlations only from n = 5,
+    seeds averaged with a t-interval, max / median of the block holding the max, kurtosis's tensors named."""
+    quickstart = json.loads((ROOT / "results" / "quickstart" / "metrics.json").read_text())
+    report = study_markdown(quickstart)
+    assert "| 238.7 | +124.6% [n/a] |" in report and "[n/a]: no interval" in report
+    assert "None: fewer than 5 cells have any two of the numbers." in report and "(n=4)" not in report
+    # tiny/clipped: the largest activation (4.668) is in a block whose max / median is 7.836, not the 8.073 of
+    # another block
+    assert "| tiny | clipped:alpha=4 | 0 | 819,200 | - | 4.668 | 7.836 | 0.03303 |" in report
+    assert "then over each block's output (the residual stream), attention output, FFN output and norm inputs" in report
+    assert "(n=10)" in study_markdown(json.loads((ROOT / "results" / "qiu_table4" / "metrics.json").read_text()))
+    recipe = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())
+    changes = [_static_change(c) for c in recipe["cells"][:3]]  # tiny/vanilla, seeds 0, 1, 2
+    mean = sum(changes) / 3
+    half = 4.302652729911275 * math.sqrt(sum((x - mean) ** 2 for x in changes) / 2) / math.sqrt(3)
+    assert f"| tiny | vanilla | 0, 1, 2 | 4.305 | {100 * mean:+.2f}% [{100 * (mean - half):+.2f}, " \
+           f"{100 * (mean + half):+.2f}] ~ |" in study_markdown(recipe)
+
+
 def test_compare_reads_study_runs(smoke_run):
     from quantgate.report import compare
 
     table = compare([smoke_run])
-    assert "| smoke:tiny | g1-headwise | float |" in table and "| smoke:tiny | g1-headwise | w8a8-int8-static |" in table
+    assert "| smoke:tiny | g1-headwise | 0 | float |" in table
+    assert "| smoke:tiny | g1-headwise | 0 | w8a8-int8-static |" in table
+
+
+def test_compare_matches_each_seed_with_its_own_float_run():
+    from quantgate.report import compare
+
+    cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]
+    seed1 = next(c for c in cells if c["id"] == "tiny/vanilla-seed1")
+    q = seed1["schemes"]["w8a8-int8-static"]["results"]["quantgate_backcopy"]["perplexity"]
+    row = next(line for line in compare([ROOT / "results" / "cpu_recipe"]).splitlines()
+               if line.startswith("| cpu_recipe:tiny | vanilla | 1 | w8a8-int8-static |"))
+    assert f"| {q:.4g} | {100 * _static_change(seed1):+.2f}% [n/a] |" in row  # against seed 1's float run, not seed 2's
 
 
 def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatch):

@@ -2,7 +2,9 @@
 
 A family is data: the transformers classes, and the paths (inside one block) of the module that
 calls the attention function and of its projections. Swapping a variant in touches only those
-modules, so pretrained weights load into gated models unchanged.
+modules, so pretrained weights load into gated models unchanged. The norms, residual branches and
+embedding sum are data too: simulated quantization places its quantizers by them
+(:mod:`quantgate.quant.simulate`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ class Family:
     v_head_dim: str | None = None  # config field of the value head dim where it differs from q/k's (MLA)
     value_gate: bool = True  # whether a G2 gate on v_proj's output can be expressed
     learned_positions: bool = False  # a position-embedding table: sequences longer than it cannot run
+    # where the residual stream is formed (paths in a block unless said otherwise; a path a block lacks,
+    # as in hybrid or MoE layers, is skipped there):
+    attn_norm: str = "input_layernorm"  # norm before the attention (pre-norm) or after its residual sum (post)
+    ffn_norm: str = "post_attention_layernorm"  # the same for the feed-forward
+    pre_norm: bool | str = True  # False: norms take the residual sums (BERT); a str: the config flag saying it
+    branches: tuple[str, ...] = ("self_attn.o_proj", "mlp")  # modules whose outputs the residual sums add
+    inner_inputs: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # Linears fed by elementwise ops
+    embed_sum: str | None = None  # from model.base_model: the module whose input is the sum of embeddings
+    outer_outputs: tuple[str, ...] = ("norm",)  # from model.base_model: outputs around the blocks (final norm)
+    head: str | None = None  # from the model: the task head (default: the output embeddings)
 
     def config_class(self):
         return getattr(transformers, self.config_cls)
@@ -60,6 +72,9 @@ class Family:
             head_dim = getattr(config, self.v_head_dim)
         kv = getattr(config, "num_key_value_heads", None) or heads
         return AttentionDims(config.hidden_size, heads, kv, head_dim)
+
+    def is_pre_norm(self, config) -> bool:
+        return bool(getattr(config, self.pre_norm)) if isinstance(self.pre_norm, str) else self.pre_norm
 
     def check_seq_len(self, config, seq_len: int) -> None:
         """Raise ValueError when ``seq_len`` tokens do not fit the model's positions (learned tables only:
@@ -92,19 +107,28 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("bert", ("bert",), "BertConfig", "BertForMaskedLM", "mlm", "encoder.layer", "attention.self",
                "attention.self.query", "attention.self.value", "attention.output.dense", "output.dense",
-               learned_positions=True),
+               learned_positions=True, attn_norm="attention.output.LayerNorm", ffn_norm="output.LayerNorm",
+               pre_norm=False, branches=("attention.output.dense", "output.dense"),
+               inner_inputs=("attention.output.dense", "output.dense"), embed_sum="embeddings.LayerNorm",
+               outer_outputs=("embeddings.LayerNorm",), head="cls"),
         Family("opt", ("opt",), "OPTConfig", "OPTForCausalLM", "clm", "decoder.layers", "self_attn",
-               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj", "fc2", learned_positions=True),
+               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj", "fc2", learned_positions=True,
+               attn_norm="self_attn_layer_norm", ffn_norm="final_layer_norm", pre_norm="do_layer_norm_before",
+               branches=("self_attn.out_proj", "fc2"), inner_inputs=("self_attn.out_proj", "fc2"),
+               embed_sum="decoder.layers.0", outer_outputs=("decoder.final_layer_norm", "decoder.project_out")),
         Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER),
         Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
         Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),
         Family("qwen3-next", ("qwen3_next",), "Qwen3NextConfig", "Qwen3NextForCausalLM", **_DECODER,
-               native_gate="g1-elementwise"),
+               native_gate="g1-elementwise", branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),
+               inner_inputs=("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj",
+                             "mlp.shared_expert.down_proj")),
         # DeepSeek-V3 multi-head latent attention: queries and keys/values through low-rank latents
         # (q_a/q_b, kv_a_proj_with_mqa/kv_b_proj), decoupled RoPE dims, q/k head dim != v head dim
         Family("mla", ("deepseek_v3",), "DeepseekV3Config", "DeepseekV3ForCausalLM", "clm", "layers", "self_attn",
                "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp", v_head_dim="v_head_dim",
-               value_gate=False),
+               value_gate=False, inner_inputs=("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
+                                               "mlp.down_proj", "mlp.shared_experts.down_proj")),
     )
 }
 

@@ -8,7 +8,7 @@ calibration data and size, the source model and the sha256 of its weights, the s
 with config.json and the weights file's sha256), rebuilds the model from config.json, lays out the
 scheme's structure without calibrating, and loads the state: outputs are identical to the saved model's.
 
-``qg.save`` / ``qg.load`` come from here: they handle float and quantized models alike.
+``qg.save`` / ``qg.load`` (:mod:`quantgate.checkpoint`) send quantized models here.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint import QUANTIZED_MANIFEST, dedupe
 from ..models import io as model_io
 from ..models.families import family_of
-from ..models.sources import resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..models.swap import apply_variant, variant_of
 from ..variants import AttentionVariant
@@ -35,24 +35,22 @@ from .backends import torchao_input_ndims
 from .schemes import get_scheme
 from .simulate import check_ranges
 
-__all__ = ["save", "load", "MANIFEST", "WEIGHTS"]
+__all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS"]
 
-MANIFEST = "quantization.json"
+MANIFEST = QUANTIZED_MANIFEST
 WEIGHTS = "quantized.safetensors"
 _PACKAGES = ("torch", "transformers", "torchao", "bitsandbytes", "safetensors", "quantgate")
 _FIELDS = {"scheme": str, "variant": str, "family": str, "aliases": dict, "input_ndims": dict, "weights_sha256": str}
 _RESAVE = "save the quantized model again (qg.save, or quantgate quantize)"
 
 
-def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
-    """Save a float or quantized model (and its tokenizer) to directory ``path``."""
-    quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
-    if not quant:
-        return model_io.save(model, path, tokenizer)
+def save_quantized(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+    """Save a quantized model (and its tokenizer) to directory ``path`` (``qg.save`` sends it here)."""
+    quant = model.config.quantgate["quantization"]
     check_ranges(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors, aliases = _dedupe(model.state_dict())
+    tensors, aliases = dedupe(model.state_dict())
     metadata_ = {}
     if any(type(t) is not torch.Tensor for t in tensors.values()):
         from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
@@ -80,11 +78,8 @@ def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     return path
 
 
-def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto", seed: int = 0):
-    """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources)."""
-    path = resolve(source)
-    if not (path / MANIFEST).is_file():
-        return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed)
+def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto"):
+    """Load the quantized checkpoint in directory ``path`` (``qg.load`` sends it here)."""
     from . import HANDLERS
 
     config = model_io.read_config(path)
@@ -154,18 +149,6 @@ def _sha256(file: Path) -> str:
         while chunk := fh.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _dedupe(state: dict) -> tuple[dict, dict]:
-    """Drop entries that share storage with an earlier one (tied weights); return (tensors, aliases)."""
-    kept, aliases, seen = {}, {}, {}
-    for key, t in state.items():
-        ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if type(t) is torch.Tensor else id(t)
-        if ident in seen:
-            aliases[key] = seen[ident]
-        else:
-            seen[ident], kept[key] = key, t
-    return kept, aliases
 
 
 def _read(file: Path) -> dict:

@@ -1,11 +1,20 @@
 """Quantizers by definition: integer and FP8 fake quantization, weight quantization at a granularity,
 and range estimators that stream calibration data in bounded memory.
 
-Integer grids: symmetric b-bit uses q in [-(2^(b-1) - 1), 2^(b-1) - 1] with zero point 0 (int8:
--127..127); asymmetric uses q in [0, 2^b - 1] with an integer zero point, and its range is widened
-to include 0 so that 0 is represented exactly. ``fake_int(x) = (clamp(round(x / s) + z) - z) * s``.
-FP8 scales x by ``amax / fmax`` (e4m3: 448, e5m2: 57344), clamps to +-fmax (counting the values
-that hit the limit: torch's cast saturates silently) and rounds through the float8 dtype.
+Integer grids (any width b in 2..8): symmetric uses q in [-(2^(b-1) - 1), 2^(b-1) - 1] with zero point 0
+(int8: -127..127, 2^b - 1 levels); asymmetric uses q in [0, 2^b - 1] (2^b levels) with an integer zero
+point, and its range is widened to include 0 so that 0 is represented exactly.
+``fake_int(x) = (clamp(round(x * (1 / s)) + z) - z) * s``. FP8 scales x by ``amax / fmax`` (e4m3: 448,
+e5m2: 57344), clamps to +-fmax (counting the values that hit the limit: the cast saturates silently)
+and rounds through the float8 dtype.
+
+Library numerics: scales and zero points come from torchao's ``choose_qparams_affine_with_min_max``,
+FP8 round trips from its ``_quantize_affine_float8`` / ``_dequantize_affine_float8`` (what its float8
+tensors run); integer round trips from PyTorch's fused ``fake_quantize_per_tensor_affine`` /
+``fake_quantize_per_channel_affine``, which give the same numbers as torchao's ``quantize_affine`` then
+``dequantize_affine`` (tests/test_bits.py checks it) in one pass where torchao's ``_fake_quantize_affine``
+takes seven. Where torchao is not installed (the simulated schemes run without it) the two formulas
+it would supply are written out below.
 """
 
 from __future__ import annotations
@@ -14,10 +23,15 @@ import math
 
 import torch
 
-__all__ = ["FP8", "int_grid", "int_qparams", "fake_int", "fake_fp8", "quantize_weight", "RangeObserver"]
+try:
+    from torchao.quantization import quant_primitives as ao
+except ImportError:  # the simulated schemes run without torchao: the formulas it would supply, below
+    ao = None
+
+__all__ = ["FP8", "INT_BITS", "int_grid", "int_qparams", "fake_int", "fake_fp8", "quantize_weight", "RangeObserver"]
 
 FP8 = {"fp8-e4m3": (torch.float8_e4m3fn, 448.0), "fp8-e5m2": (torch.float8_e5m2, 57344.0)}
-INT_BITS = {"int8": 8, "int4": 4}
+INT_BITS = {f"int{b}": b for b in range(2, 9)}  # int2 .. int8
 EPS = 1e-12
 
 
@@ -26,35 +40,51 @@ def int_grid(bits: int, symmetric: bool) -> tuple[int, int]:
 
 
 def int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool):
-    """Scale and zero point that map [lo, hi] onto the b-bit grid (0 always exactly representable)."""
+    """Scale and zero point (float32) that map [lo, hi] onto the b-bit grid (0 always exactly representable)."""
     qmin, qmax = int_grid(bits, symmetric)
-    if symmetric:
-        scale = torch.maximum(lo.abs(), hi.abs()) / qmax
-        return scale.clamp_min(EPS), torch.zeros_like(scale)
+    lo, hi = lo.float(), hi.float()
+    if ao is not None:
+        mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
+        return ao.choose_qparams_affine_with_min_max(lo, hi, mapping, [], torch.int8 if symmetric else torch.uint8,
+                                                     qmin, qmax, eps=EPS, zero_point_dtype=torch.float32)
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    if symmetric:
+        scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
+        return scale.clamp_min(EPS), torch.zeros_like(scale)
     scale = ((hi - lo) / (qmax - qmin)).clamp_min(EPS)
     zero = (qmin - torch.round(lo / scale)).clamp(qmin, qmax)
     return scale, zero
 
 
 def fake_int(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """Round trip of ``x`` through the b-bit grid. ``scale`` and ``zero`` hold one value, one per channel of
+    the last dim (shape (C,) or (..., C)), or one per row of it (shape x.shape[:-1] + (1,))."""
     qmin, qmax = int_grid(bits, symmetric)
-    q = torch.clamp(torch.round(x / scale) + zero, qmin, qmax)
-    return (q - zero) * scale
+    scale, zero = scale.float(), torch.round(zero).to(torch.int32)
+    if scale.numel() == 1:
+        return torch.fake_quantize_per_tensor_affine(x, scale.reshape(()), zero.reshape(()), qmin, qmax)
+    rows = x.reshape(-1, x.shape[-1])
+    axis = 0 if scale.shape[-1] == 1 else 1
+    y = torch.fake_quantize_per_channel_affine(rows, scale.reshape(-1), zero.reshape(-1), axis, qmin, qmax)
+    return y.reshape(x.shape)
 
 
 def fake_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, int]:
     """FP8 round trip of ``x / scale``; returns (values, number of values that saturated)."""
     dtype, fmax = FP8[fmt]
-    y = x / scale
-    overflow = int((y.abs() > fmax).sum())
-    return y.clamp(-fmax, fmax).to(dtype).to(x.dtype) * scale, overflow
+    overflow = int((x.abs() > fmax * scale).sum())
+    scale = scale.reshape((1,) * (x.dim() - scale.dim()) + tuple(scale.shape))  # torchao wants x's rank
+    if ao is not None:
+        return ao._dequantize_affine_float8(ao._quantize_affine_float8(x, scale, dtype), scale, x.dtype), overflow
+    y = (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+    return (y.float() * scale).to(x.dtype), overflow
 
 
 def fake_quant(x, lo, hi, fmt: str, symmetric: bool) -> tuple[torch.Tensor, int]:
     """Fake-quantize ``x`` with range [lo, hi] (broadcastable) in ``fmt``; returns (values, overflow count)."""
     if fmt in FP8:
-        scale = (torch.maximum(lo.abs(), hi.abs()) / FP8[fmt][1]).clamp_min(EPS)
+        # torchao's float8 scale (_choose_scale_float8) reads a tensor, not a calibrated range: its formula
+        scale = (torch.maximum(lo.abs(), hi.abs()).float() / FP8[fmt][1]).clamp_min(EPS)
         return fake_fp8(x, scale, fmt)
     scale, zero = int_qparams(lo, hi, INT_BITS[fmt], symmetric)
     return fake_int(x, scale, zero, INT_BITS[fmt], symmetric), 0

@@ -1,7 +1,10 @@
 """Named quantization schemes, with options in the variant grammar: ``name[:key=value,...]``.
 
-``w8a8-int8-static:w_granularity=channel,estimator=percentile,percentile=99.99,acts=everything``
+``w8a8-int8-static:w_granularity=channel,estimator=percentile,percentile=99.99,acts=bondarenko,a_bits=6``
 starts from the named scheme and changes what the options say; ``str(scheme)`` prints it back.
+``acts`` names the placement of the activation quantizers (:mod:`quantgate.quant.simulate`);
+``a_bits`` / ``w_bits`` set the width of an integer format (2..8), not of FP8 (E4M3 / E5M2 are
+formats of their own: the scheme name picks one).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ __all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "OPTIONS", "Option"
 class TensorQuant:
     """How one kind of tensor is quantized.
 
-    format: int8, int4, fp8-e4m3, fp8-e5m2. granularity: weights tensor/channel/group (group_size
+    format: int2 .. int8, fp8-e4m3, fp8-e5m2. granularity: weights tensor/channel/group (group_size
     along the input dim); activations tensor/token/channel. dynamic: activation ranges from each
     batch instead of calibration. estimator: weights minmax/mse; static activations minmax,
     running-minmax (momentum), percentile (percentile), mse. The other fields' valid values depend on
@@ -47,8 +50,9 @@ class Scheme:
     description: str
     weight: TensorQuant | None = None
     act: TensorQuant | None = None
-    acts: str = "linear-inputs"  # which activations: linear-inputs | everything (Bondarenko)
+    acts: str = "linear-inputs"  # where activations are quantized: linear-inputs | bondarenko (simulate.py)
     keep: tuple[str, ...] = ()  # module-name patterns kept in full precision, besides the LM head
+    gates: bool = False  # quantize the attention-gate projections too (default: full precision)
     calib: int = 16  # calibration batches used when the scheme needs ranges
     threshold: float = 6.0  # llm-int8 outlier threshold
     needs_cuda: str | None = None  # why, when the scheme needs a GPU
@@ -83,19 +87,39 @@ def _fmt(v) -> str:
 
 @dataclass(frozen=True)
 class Option:
-    """A scheme option: where it lives (``weight``, ``act`` or None: the scheme), its field, type and
-    valid values (choices, or a numeric :class:`~quantgate.variants.Range`)."""
+    """A scheme option: where it lives (``weight``, ``act`` or None: the scheme), its field, type,
+    valid values (choices, or a numeric :class:`~quantgate.variants.Range`) and accepted aliases."""
 
     where: str | None
     field: str
     type: type
     valid: tuple | Range | None = None
+    aliases: tuple[tuple[str, str], ...] = ()  # (alias, the value it stands for)
 
     def check(self, scheme: str, key: str, value) -> None:
         if isinstance(self.valid, Range):
             self.valid.check(scheme, key, value)
         elif self.valid is not None and value not in self.valid:
             raise ValueError(f"{scheme}: {key} must be one of {', '.join(self.valid)}, got {value!r}")
+
+    def read(self, holder):
+        return getattr(holder, self.field)
+
+    def write(self, value):
+        """The field value that option value ``value`` stands for."""
+        return dict(self.aliases).get(value, value)
+
+
+@dataclass(frozen=True)
+class BitsOption(Option):
+    """The width of an integer format, kept in the format's name (``a_bits=6``: format ``int6``);
+    None for FP8 formats, whose width is fixed."""
+
+    def read(self, holder):
+        return INT_BITS.get(holder.format)
+
+    def write(self, value):
+        return f"int{value}"
 
 
 OPTIONS = {
@@ -109,20 +133,26 @@ OPTIONS = {
     "estimator": Option("act", "estimator", str, ("minmax", "running-minmax", "percentile", "mse")),
     "momentum": Option("act", "momentum", float, Range(0.0, 1.0, hi_open=True)),  # r = m r + (1 - m) x
     "percentile": Option("act", "percentile", float, Range(50.0, 100.0, lo_open=True)),  # clips (100 - p)% each side
-    "acts": Option(None, "acts", str, ("linear-inputs", "everything")),
+    "a_bits": BitsOption("act", "format", int, Range(2, 8)),
+    "w_bits": BitsOption("weight", "format", int, Range(2, 8)),
+    # "everything" was a placement that missed the mid-block residual sums: it now means bondarenko
+    "acts": Option(None, "acts", str, ("linear-inputs", "bondarenko"), aliases=(("everything", "bondarenko"),)),
     "keep": Option(None, "keep", tuple),
+    "gates": Option(None, "gates", bool),
     "calib": Option(None, "calib", int, Range(lo=1)),  # batches
     "threshold": Option(None, "threshold", float, Range(lo=0.0)),  # LLM.int8 outlier magnitude; 0: none kept
 }
-_BACKEND_OPTIONS = {"simulate": set(OPTIONS) - {"threshold"}, "torchao": {"keep"}, "bnb": {"keep", "threshold"}}
+_BACKEND_OPTIONS = {"simulate": set(OPTIONS) - {"threshold"}, "torchao": {"keep", "gates"},
+                    "bnb": {"keep", "gates", "threshold"}}
 
 
 def _options(s: Scheme) -> dict:
     out = {}
     for key, opt in OPTIONS.items():
         holder = s if opt.where is None else getattr(s, opt.where)
-        if holder is not None:
-            out[key] = getattr(holder, opt.field)
+        value = opt.read(holder) if holder is not None else None
+        if value is not None:
+            out[key] = value
     return out
 
 
@@ -134,9 +164,17 @@ def _allowed(s: Scheme) -> set[str]:
 _I8_STATIC_ACT = TensorQuant("int8", "tensor", symmetric=False, estimator="running-minmax")
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     Scheme("w8a8-int8-static", "simulate",
-           "INT8 weights (symmetric, per tensor) and activations (asymmetric, per tensor, static ranges: running "
-           "min-max over calibration batches): Bondarenko et al.'s setup",
-           TensorQuant("int8"), _I8_STATIC_ACT),
+           "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
+           "running min-max over 16 calibration batches) at the input of every nn.Linear but the LM head and the "
+           "attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm outputs and the "
+           "attention's q/k/v and softmax stay in float", TensorQuant("int8"), _I8_STATIC_ACT),
+    Scheme("w8a8-int8-bondarenko", "simulate",
+           "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
+           "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
+           "tensor, running min-max, momentum 0.9, 16 calibration batches) at every site of acts=bondarenko: "
+           "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
+           "FFN activation and output; the LM head and the attention gates stay in full precision",
+           TensorQuant("int8"), _I8_STATIC_ACT, acts="bondarenko"),
     Scheme("w8a8-int8-dynamic", "simulate",
            "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
            TensorQuant("int8", "channel"), TensorQuant("int8", "token", dynamic=True)),
@@ -183,9 +221,20 @@ def get_scheme(text: str | Scheme) -> Scheme:
             value = _convert(opt.type, raw)
         except ValueError:
             raise ValueError(f"{name}: {key} expects {opt.type.__name__}, got {raw!r}") from None
-        changes[opt.where][opt.field] = value
+        if isinstance(opt, BitsOption):
+            _check_bits(scheme, key, value)
+        changes[opt.where][opt.field] = opt.write(value)
     parts = {w: dataclasses.replace(getattr(scheme, w), **c) for w, c in changes.items() if w is not None and c}
     return dataclasses.replace(scheme, **parts, **changes[None])  # all at once: the Scheme checks the result
+
+
+def _check_bits(scheme: Scheme, key: str, value: int) -> None:
+    fmt = getattr(scheme, OPTIONS[key].where).format
+    if fmt in FP8:
+        raise ValueError(f"{scheme.name}: {key} sets the width of an integer format, but this scheme's "
+                         f"{OPTIONS[key].where}s are {fmt}, a float format of fixed width (pick E4M3 or E5M2 by "
+                         f"scheme name, or use an INT scheme such as w8a8-int8-static:{key}={value})")
+    OPTIONS[key].check(scheme.name, key, value)
 
 
 def _convert(typ, raw: str):

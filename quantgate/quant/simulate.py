@@ -1,10 +1,83 @@
 """Simulated (fake) quantization wired into a model: weights are replaced by their quantized values,
-activations pass through :class:`ActQuant` modules attached where the scheme says.
+activations pass through :class:`ActQuant` modules placed where the scheme's ``acts`` says.
 
-* ``linear-inputs``: the input of every nn.Linear except the kept ones (the LM head by default);
-* ``everything`` (Bondarenko et al.): also embedding outputs (and embedding weights), norm outputs,
-  the residual stream after each block, the attention's q, k, v, softmax input (scores) and
-  softmax output (probabilities). Softmax quantization runs on gated_sdpa's eager backend.
+What the reference quantizes. Bondarenko et al. 2023's code (github Qualcomm-AI-research/
+outlier-free-transformers, commit 1e59744, read for this list) wraps each op in a quantizer of its
+*output*: ``quantization/autoquant_utils.py`` (QuantLinear, QuantLayerNorm, QuantEmbedding),
+``quantization/hijacker.py`` (weights quantized in forward, output after an activation fused into
+the Linear: fc1+ReLU, dense+GELU), ``transformers_language/models/quantized_opt.py`` and
+``quantized_bert.py`` (the sites below), ``transformers_language/quant_configs.py``, ``utils.py``
+(val_qparams, 16-batch range estimation), ``validate_clm.py`` / ``validate_mlm.py`` and the README's
+INT8 commands. Per block, in order:
+
+* q, k, v: the outputs of the q/k/v Linears (OPT multiplies q by d^-1/2 after its quantizer; before
+  it here, the same grid when d^-1/2 is a power of two: d = 16, 64, 256);
+* the softmax input (scores, after the 1/sqrt(d) scaling, before the mask) and its output (after
+  clipping, for clipped softmax);
+* the attention output P @ V ("context"): BERT quantizes it after the gate, OPT before it (the gate's
+  product then enters out_proj unquantized);
+* out_proj / dense output; the residual sum after attention;
+* the LayerNorm outputs (pre-LN OPT: before attention and FFN, their inputs being the residual sums;
+  post-LN BERT: the LN input *is* the residual sum, also quantized);
+* fc1 + ReLU (OPT) / dense + GELU (BERT) output, fc2 / dense output, the residual sum after the FFN.
+Outside the blocks: embedding lookups are not re-quantized (their tables are quantized weights), the
+sums of embeddings are (OPT: token + position; BERT: word + type, then + position, then the LN output),
+the final LayerNorm output is (OPT). Full precision: the LM head (OPT ``--quant_setup fp32_head``;
+BERT keeps its whole MLM head ``cls``: transform dense, GELU, LN, decoder), the attention gate
+(``self.alpha``: "do not quantize for now"; its input is the quantized LN output), Linear biases.
+Weights: all Linear, Embedding and LayerNorm weights, per tensor, symmetric (-2^(b-1)..2^(b-1)-1),
+min-max (BERT) or MSE grid search (OPT's validate_clm.py). Activations: per tensor, asymmetric
+(0..2^b - 1), running min-max with momentum 0.9; 16 calibration batches (quant_configs.py, BERT's
+README command; OPT's README command uses 4 batches of one 512-token sequence and per-batch 99.999
+percentiles in the running min-max).
+
+Placements (``acts``):
+
+* ``linear-inputs``: the input of every nn.Linear but the kept ones (the LM head, the attention gates
+  unless ``gates=true``, ``keep`` patterns), and nothing else: the residual stream, norm outputs,
+  q/k/v and softmax stay in float.
+* ``bondarenko`` (``everything`` is an alias): the reference's sites, for every family, from the
+  Family data (models/families.py). A projection and the elementwise ops that follow it up to the
+  next matmul (ReLU/GELU, SwiGLU's act(gate) * up, RoPE, QK-norm, the attention gate) count as one
+  op, quantized where it enters that matmul, as fc1 + ReLU is in the reference; so the attention
+  output is quantized after the gate (BERT's choice). Sites in a block (names as the quantizers
+  print them, ``<module> input|output`` or ``<attention> q|k|v|scores|probs``):
+
+  ======================  ============================  =================================  ==================
+  reference site          opt (pre-LN)                  llama, qwen2/3, qwen3-next, mla    bert (post-LN)
+  ======================  ============================  =================================  ==================
+  LN before attention     self_attn_layer_norm output   input_layernorm output             --
+  q, k, v, scores, probs  self_attn q k v scores probs  self_attn q k v scores probs       attention.self ...
+  context (P @ V)         self_attn.out_proj input      self_attn.o_proj input             a.output.dense in
+  out_proj output         self_attn.out_proj output     self_attn.o_proj output            a.output.dense out
+  residual sum 1          final_layer_norm input        post_attention_layernorm input     a.output.LN input
+  LN output               final_layer_norm output       post_attention_layernorm output    a.output.LN output
+  fc1 + act output        fc2 input                     mlp.down_proj input                output.dense input
+  fc2 output              fc2 output                    mlp output                         output.dense out
+  residual sum 2          <block> output                <block> output                     output.LN input
+  LN output               --                            --                                 output.LN output
+  ======================  ============================  =================================  ==================
+
+  Post-LN OPT (``do_layer_norm_before=false``, OPT-350m) has bert's norm sites.
+  Model level: the embedding sum (opt: ``decoder.layers.0 input``; bert: ``embeddings.LayerNorm
+  input``; llama-style models have a single lookup, on the quantized table), the final norm output
+  (``norm`` / ``decoder.final_layer_norm``; bert: ``embeddings.LayerNorm output``). MLA adds
+  ``self_attn.q_b_proj input`` and ``self_attn.kv_b_proj input`` (the latents after their norms);
+  qwen3-next's linear-attention blocks add ``linear_attn.out_proj`` input and output and its MoE
+  blocks ``mlp.shared_expert.down_proj input``. Weights: every quantized Linear, and per tensor the
+  embedding tables (untied from a full-precision head) and norm weights. Full precision: the head
+  (bert: all of ``cls``), the attention gates unless ``gates=true`` (then their Linears' weights,
+  inputs and outputs, the sigmoid input, are quantized too; qwen3-next's built-in gate is part of
+  q_proj and always quantized with it), biases, and what is no nn.Linear: fused MoE expert tensors,
+  routers, linear-attention convolutions and state, per-head gate matrices. Differences from the
+  reference: BERT's word + type partial sum has no hook point in transformers (only the full sum is
+  quantized), the context is quantized after the gate in OPT as in BERT, and RoPE models quantize
+  q and k after RoPE, where they enter the matmul. ``w8a8-int8-bondarenko`` takes min-max weight
+  ranges (BERT's protocol); ``w_estimator=mse`` is OPT's.
+
+The residual sum after attention of a pre-norm block is quantized in place at the FFN norm's input:
+the block keeps that tensor as its residual, so the FFN's sum adds the quantized value, as the
+reference does. Softmax quantization runs on gated_sdpa's eager backend.
 """
 
 from __future__ import annotations
@@ -18,7 +91,7 @@ import torch.nn as nn
 from ..models.families import family_of
 from ..models.swap import attention_modules
 from .quantizers import fake_quant, quantize_weight, RangeObserver
-from .schemes import Scheme, TensorQuant  # noqa: F401  (TensorQuant: the ActQuant spec type)
+from .schemes import Scheme, TensorQuant
 
 __all__ = ["ActQuant", "apply_simulated", "act_quantizers", "check_ranges", "kept_modules", "quantizable_linears"]
 
@@ -27,7 +100,7 @@ class ActQuant(nn.Module):
     """Fake-quantizes the tensors that flow through it.
 
     While ``calibrating`` it only observes (ranges for static quantization); afterwards it quantizes
-    with the frozen range (buffers ``lo``/``hi``, a scalar or one value per channel), or with ranges
+    with the frozen range (float32 buffers ``lo``/``hi``, a scalar or one value per channel), or with ranges
     taken from each tensor when the spec is dynamic (per tensor or per token). It counts FP8
     saturation (``overflow`` of ``values``) and, when ``track`` is on, the signal and noise energy
     behind its SQNR. ``name`` says which tensor it quantizes (``model.layers.0.mlp.up_proj input``).
@@ -55,7 +128,7 @@ class ActQuant(nn.Module):
             dims = -1 if self.spec.granularity == "token" else tuple(range(x.dim()))
             lo, hi = x.detach().amin(dim=dims, keepdim=True), x.detach().amax(dim=dims, keepdim=True)
         else:
-            lo, hi = self.lo.to(x.dtype), self.hi.to(x.dtype)
+            lo, hi = self.lo, self.hi
         y, over = fake_quant(x, lo, hi, self.spec.format, self.spec.symmetric)
         self.overflow += over
         self.values += x.numel()
@@ -86,12 +159,19 @@ class ActQuant(nn.Module):
 
 
 def kept_modules(model: nn.Module, scheme: Scheme) -> set[str]:
-    """Names of the modules left in full precision: the LM head and the scheme's ``keep`` patterns."""
-    names = dict((id(m), n) for n, m in model.named_modules())
+    """Names of the modules left in full precision, with everything inside them: the LM head (under
+    ``acts=bondarenko`` the family's whole task head), the attention gates unless ``scheme.gates``,
+    and the scheme's ``keep`` patterns."""
+    names = {id(m): n for n, m in model.named_modules()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    kept = {names[id(head)]} if head is not None and id(head) in names else set()
-    kept |= {n for n in names.values() if any(fnmatch.fnmatch(n, p) for p in scheme.keep)}
-    return kept
+    roots = {names[id(head)]} if head is not None and id(head) in names else set()
+    family = family_of(model)
+    if scheme.acts == "bondarenko" and family.head is not None:
+        roots.add(family.head)
+    if not scheme.gates:
+        roots |= {names[id(attn.gate)] for attn in attention_modules(model) if hasattr(attn, "gate")}
+    roots |= {n for n in names.values() if any(fnmatch.fnmatch(n, p) for p in scheme.keep)}
+    return {n for n in names.values() if n in roots or any(n.startswith(r + ".") for r in roots if r)}
 
 
 def quantizable_linears(model: nn.Module, scheme: Scheme) -> list[tuple[str, nn.Linear]]:
@@ -103,25 +183,41 @@ def _quant_input(module, args):
     return (module.input_quant(args[0]), *args[1:])
 
 
+def _quant_input_inplace(module, args):
+    """A pre-norm block's first residual sum: its norm's input is also the block's residual."""
+    q = module.input_quant(args[0])
+    if q is not args[0]:  # calibrating quantizers pass the tensor through
+        args[0].copy_(q)
+
+
 def _quant_output(module, args, output):
     if isinstance(output, tuple):
         return (module.output_quant(output[0]), *output[1:])
     return module.output_quant(output)
 
 
+def _on_input(module: nn.Module, spec: TensorQuant, name: str, inplace: bool = False) -> None:
+    module.input_quant = ActQuant(spec, f"{name} input")
+    module.register_forward_pre_hook(_quant_input_inplace if inplace else _quant_input)
+
+
+def _on_output(module: nn.Module, spec: TensorQuant, name: str) -> None:
+    module.output_quant = ActQuant(spec, f"{name} output")
+    module.register_forward_hook(_quant_output)
+
+
 def apply_simulated(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bool = False) -> nn.Module:
     """Quantize ``model`` in place. ``calibrate(model)`` runs the calibration batches; ``skeleton``
     only attaches frozen quantizers (for loading a saved quantized model: weights come from the file)."""
-    for name, linear in quantizable_linears(model, scheme):
-        if scheme.weight is not None and not skeleton:
-            w = scheme.weight
+    if scheme.weight is not None and not skeleton:
+        w = scheme.weight
+        for _, linear in quantizable_linears(model, scheme):
             linear.weight.data = quantize_weight(linear.weight.data, w.format, w.granularity, w.symmetric,
                                                  w.group_size, w.estimator)
-        if scheme.act is not None:
-            linear.input_quant = ActQuant(scheme.act, f"{name} input")
-            linear.register_forward_pre_hook(_quant_input)
-    if scheme.act is not None and scheme.acts == "everything":
-        _quantize_everything(model, scheme, skeleton)
+        if scheme.acts == "bondarenko":
+            _quantize_tables(model, scheme)
+    if scheme.act is not None:
+        PLACEMENTS[scheme.acts](model, scheme)
     quantizers = act_quantizers(model)
     if skeleton:
         for q in quantizers:
@@ -133,34 +229,76 @@ def apply_simulated(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bo
     return model
 
 
-def _quantize_everything(model: nn.Module, scheme: Scheme, skeleton: bool) -> None:
-    """Bondarenko et al.'s 'everything': embeddings, norm outputs, residual sums, softmax in/out, q/k/v."""
-    family = family_of(model)
-    act = scheme.act
-    kept = kept_modules(model, scheme)
-    head = model.get_output_embeddings()
-    for name, module in model.named_modules():
-        if name in kept:
-            continue
-        is_norm = type(module).__name__.endswith("Norm") or isinstance(module, nn.LayerNorm)
-        if isinstance(module, nn.Embedding) or is_norm:
-            module.output_quant = ActQuant(act, f"{name} output")
-            module.register_forward_hook(_quant_output)
-        if isinstance(module, nn.Embedding) and scheme.weight is not None and not skeleton:
-            if head is not None and head.weight is module.weight:  # tied to the full-precision LM head: untie
-                module.weight = nn.Parameter(module.weight.detach().clone())
-                model.config.tie_word_embeddings = False
-            w = scheme.weight
-            module.weight.data = quantize_weight(module.weight.data, w.format, "tensor", True, w.group_size,
-                                                 w.estimator)
+def _place_linear_inputs(model: nn.Module, scheme: Scheme) -> None:
+    for name, linear in quantizable_linears(model, scheme):
+        _on_input(linear, scheme.act, name)
+
+
+def _place_bondarenko(model: nn.Module, scheme: Scheme) -> None:
+    """The reference's sites (module docstring), found through the model's Family."""
+    family, act, base = family_of(model), scheme.act, model.base_model
     names = {id(m): n for n, m in model.named_modules()}
+
+    def inputs(owner: nn.Module, *paths: str, inplace: bool = False) -> None:
+        for module in filter(None, (_submodule(owner, p) for p in paths)):
+            _on_input(module, act, names[id(module)], inplace)
+
+    def outputs(owner: nn.Module, *paths: str) -> None:
+        for module in filter(None, (_submodule(owner, p) for p in paths)):
+            _on_output(module, act, names[id(module)])
+
+    if family.embed_sum:
+        inputs(base, family.embed_sum)
+    outputs(base, *family.outer_outputs)
+    pre_norm = family.is_pre_norm(model.config)
     for block in family.blocks(model):
-        block.output_quant = ActQuant(act, f"{names[id(block)]} output")
-        block.register_forward_hook(_quant_output)
+        if pre_norm:  # residual sum 1 enters the FFN norm and, as the same tensor, the block's second sum
+            inputs(block, family.ffn_norm, inplace=True)
+            _on_output(block, act, names[id(block)])  # residual sum 2
+        else:  # the norms take the residual sums
+            inputs(block, family.attn_norm, family.ffn_norm)
+        outputs(block, family.attn_norm, family.ffn_norm, *family.branches)
+        inputs(block, *family.inner_inputs)
     per_tensor = dataclasses.replace(act, granularity="tensor")  # (B, H, N, .) tensors: one range each
     for attn in attention_modules(model):
         attn.qg_fake_quant = nn.ModuleDict({k: ActQuant(per_tensor, f"{names[id(attn)]} {k}")
                                             for k in ("q", "k", "v", "scores", "probs")})
+        if scheme.gates and hasattr(attn, "gate"):  # each gate Linear's input and output (the sigmoid input)
+            for name, linear in attn.gate.named_modules(prefix=names[id(attn.gate)]):
+                if isinstance(linear, nn.Linear):
+                    _on_input(linear, act, name)
+                    _on_output(linear, act, name)
+
+
+PLACEMENTS = {"linear-inputs": _place_linear_inputs, "bondarenko": _place_bondarenko}
+
+
+def _submodule(owner: nn.Module, path: str) -> nn.Module | None:
+    """``owner.get_submodule(path)``, or None where this block or model has no such module."""
+    try:
+        return owner.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "RMSNorm" in type(module).__name__
+
+
+@torch.no_grad()
+def _quantize_tables(model: nn.Module, scheme: Scheme) -> None:
+    """Embedding tables and norm weights, per tensor and symmetric as the reference quantizes them; an
+    embedding tied to the full-precision head gets its own copy."""
+    kept, w = kept_modules(model, scheme), scheme.weight
+    head = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        table = isinstance(module, nn.Embedding) or _is_norm(module)
+        if name in kept or not table or not isinstance(getattr(module, "weight", None), nn.Parameter):
+            continue
+        if head is not None and head.weight is module.weight:
+            module.weight = nn.Parameter(module.weight.detach().clone())
+            model.config.tie_word_embeddings = False
+        module.weight.data = quantize_weight(module.weight.data, w.format, "tensor", True, w.group_size, w.estimator)
 
 
 def act_quantizers(model: nn.Module) -> list[ActQuant]:

@@ -1,0 +1,52 @@
+"""``qg.save`` / ``qg.load``: one pair of verbs for float and quantized models.
+
+A float model is a transformers checkpoint plus quantgate's variant record and gate weights
+(:mod:`quantgate.models.io`); a quantized one adds a manifest (:mod:`quantgate.quant.checkpoint`), which
+is imported only when a quantized model is saved or loaded. :func:`dedupe` stores tied tensors once,
+for every writer of safetensors here (quantized checkpoints, training checkpoints).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .models import io as model_io
+from .models.sources import resolve
+
+__all__ = ["save", "load", "dedupe", "QUANTIZED_MANIFEST"]
+
+QUANTIZED_MANIFEST = "quantization.json"  # its presence marks a quantized checkpoint
+
+
+def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+    """Save a float or quantized model (and its tokenizer) to directory ``path``."""
+    if (getattr(model.config, "quantgate", None) or {}).get("quantization"):
+        from .quant.checkpoint import save_quantized
+
+        return save_quantized(model, path, tokenizer)
+    return model_io.save(model, path, tokenizer)
+
+
+def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto", seed: int = 0):
+    """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources)."""
+    path = resolve(source)
+    if (path / QUANTIZED_MANIFEST).is_file():
+        from .quant.checkpoint import load_quantized
+
+        return load_quantized(path, variant, dtype=dtype, backend=backend)
+    return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed)
+
+
+def dedupe(state: dict) -> tuple[dict, dict]:
+    """Drop entries that share storage with an earlier one (tied weights); return (tensors, aliases)."""
+    kept, aliases, seen = {}, {}, {}
+    for key, t in state.items():
+        ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if type(t) is torch.Tensor else id(t)
+        if ident in seen:
+            aliases[key] = seen[ident]
+        else:
+            seen[ident], kept[key] = key, t
+    return kept, aliases

@@ -1,0 +1,193 @@
+"""Intervals on the change quantization causes: per-document values in, a delta with its 95% interval out.
+
+An evaluation keeps, per task, the values of each document (``qg.evaluate(...)["documents"][task]``):
+columns of equal length, ``ids`` first, e.g. ``{"ids": [0, 1], "loglikelihood": [-812.5, -95.1],
+"words": [129, 17], "bytes": [783, 96], "tokens": [188, 25]}``. :data:`METRICS` says how each reported
+metric is computed from them, as lm-eval aggregates it (a ratio of sums over documents), so that
+
+* :func:`paired_delta` compares a float and a quantized evaluation of the same documents: the relative
+  change of a perplexity (``ppl_q / ppl_f - 1``) or the difference of an accuracy or bits per byte,
+  with a 95% interval from a paired bootstrap over documents (``scipy.stats.bootstrap``, BCa; the
+  aggregate is recomputed on every resample);
+* :func:`seed_delta` summarises the deltas of several training seeds: their mean and a t-interval;
+* :func:`format_delta` prints one as ``+12.3% [+9.8, +14.9]``, with ``~`` where the interval holds 0.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["METRICS", "Delta", "aggregate", "paired_delta", "seed_delta", "change", "format_delta", "NOISE_LEGEND"]
+
+CONFIDENCE = 0.95
+RESAMPLES = 1000
+NOISE_LEGEND = ("~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
+                "values recorded, or a single document)")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric as a ratio of sums over documents: sum(value) / sum(weight) (weight None, or an optional
+    weight the documents lack: one per document), then exp(-x) for a perplexity, -x / ln 2 for bits per
+    byte, x for an accuracy."""
+
+    value: str
+    weight: str | None
+    kind: str  # "perplexity" (its change is relative), "bits" or "accuracy" (a difference)
+    optional_weight: bool = False
+
+
+METRICS = {
+    "word_perplexity": Metric("loglikelihood", "words", "perplexity"),
+    "byte_perplexity": Metric("loglikelihood", "bytes", "perplexity"),
+    "bits_per_byte": Metric("loglikelihood", "bytes", "bits"),
+    # tokens: computed tasks (masked, backcopy); lm-eval's loglikelihood tasks (cloze) record none, and
+    # their perplexity is per document, exp(-mean loglikelihood)
+    "perplexity": Metric("loglikelihood", "tokens", "perplexity", optional_weight=True),
+    "acc": Metric("acc", None, "accuracy"),
+    "acc_norm": Metric("acc_norm", None, "accuracy"),
+    "copy_acc": Metric("copied", "copies", "accuracy"),
+}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A change and its interval (low/high None where there is none); ``method`` says how it was found."""
+
+    value: float
+    low: float | None
+    high: float | None
+    kind: str  # as Metric.kind, or "difference" (a metric stats does not aggregate)
+    n: int  # documents, or seeds
+    method: str
+
+    @property
+    def within_noise(self) -> bool | None:
+        return None if self.low is None else self.low <= 0 <= self.high
+
+    def __str__(self) -> str:
+        return format_delta(self)
+
+
+def _metric(name: str) -> Metric:
+    if name not in METRICS:
+        raise ValueError(f"no per-document aggregate for metric {name!r}; known: {', '.join(METRICS)}")
+    return METRICS[name]
+
+
+def _columns(docs: dict, metric: Metric) -> tuple[np.ndarray, np.ndarray]:
+    needed = (metric.value,) if metric.optional_weight or metric.weight is None else (metric.value, metric.weight)
+    missing = [c for c in needed if c not in docs]
+    if missing:
+        raise ValueError(f"the per-document values hold no {', '.join(missing)} column (they have "
+                         f"{', '.join(k for k in docs if k != 'ids')})")
+    value = np.asarray(docs[metric.value], dtype=np.float64)
+    weight = np.asarray(docs[metric.weight], dtype=np.float64) if metric.weight in docs else np.ones_like(value)
+    return value, weight
+
+
+def _transform(kind: str, x):
+    return np.exp(-x) if kind == "perplexity" else -x / math.log(2) if kind == "bits" else x
+
+
+def aggregate(docs: dict, metric: str) -> float:
+    """``metric`` over the documents, as lm-eval aggregates it (e.g. word_perplexity =
+    exp(-sum loglikelihood / sum words))."""
+    m = _metric(metric)
+    value, weight = _columns(docs, m)
+    return float(_transform(m.kind, value.sum() / weight.sum()))
+
+
+def _change(kind: str, vf, wf, vq, wq, axis=-1):
+    """The change from float to quantized of the aggregate (vectorised along ``axis`` for the bootstrap)."""
+    sf, sq = vf.sum(axis) / wf.sum(axis), vq.sum(axis) / wq.sum(axis)
+    if kind == "perplexity":
+        return np.expm1(sf - sq)  # exp(-sq) / exp(-sf) - 1
+    return _transform(kind, sq) - _transform(kind, sf)
+
+
+def paired_delta(float_docs: dict, quant_docs: dict, metric: str, *, resamples: int = RESAMPLES, seed: int = 0,
+                 confidence: float = CONFIDENCE) -> Delta:
+    """The change of ``metric`` from the float to the quantized evaluation of the same documents
+    (relative for a perplexity, a difference otherwise) with a paired bootstrap interval over documents."""
+    if list(float_docs["ids"]) != list(quant_docs["ids"]):
+        raise ValueError(f"the float and quantized evaluations cover different documents ({len(float_docs['ids'])} "
+                         f"vs {len(quant_docs['ids'])} ids, first difference at "
+                         f"{_first_difference(float_docs['ids'], quant_docs['ids'])}): evaluate both on the same "
+                         f"tasks with the same limit")
+    m = _metric(metric)
+    data = (*_columns(float_docs, m), *_columns(quant_docs, m))
+    value = float(_change(m.kind, *data))
+    n = len(data[0])
+    if n < 2:
+        return Delta(value, None, None, m.kind, n, f"no interval: {n} document")
+    import scipy.stats
+
+    def statistic(*columns, axis=-1):
+        return _change(m.kind, *columns, axis=axis)
+
+    common = dict(paired=True, vectorized=True, confidence_level=confidence, batch=min(resamples, 250))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # BCa on a distribution without spread: handled below
+        res = scipy.stats.bootstrap(data, statistic, n_resamples=resamples, rng=seed, **common)
+        method = "BCa"
+        if not np.isfinite([res.confidence_interval.low, res.confidence_interval.high]).all():
+            # BCa is undefined where every resample (or jackknife) gives the same value: percentile instead
+            res = scipy.stats.bootstrap(data, statistic, n_resamples=0, bootstrap_result=res, method="percentile",
+                                        **common)
+            method = "percentile"
+    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return Delta(value, low, high, m.kind, n,
+                 f"paired bootstrap over {n} documents ({resamples:,} resamples, {method}, seed {seed})")
+
+
+def _first_difference(a, b) -> str:
+    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"position {i}"
+
+
+def seed_delta(deltas: list[float], kind: str, confidence: float = CONFIDENCE) -> Delta:
+    """Mean of one delta per training seed, with a Student t-interval across the seeds."""
+    x = np.asarray(deltas, dtype=np.float64)
+    k, mean = len(x), float(x.mean())
+    if k < 2:
+        return Delta(mean, None, None, kind, k, f"no interval: {k} seed")
+    import scipy.stats
+
+    half = float(scipy.stats.t.ppf((1 + confidence) / 2, k - 1) * x.std(ddof=1) / math.sqrt(k))
+    return Delta(mean, mean - half, mean + half, kind, k, f"mean over {k} seeds, t-interval across seeds")
+
+
+def change(metric: str, float_value: float | None, quant_value: float | None, float_docs: dict | None = None,
+           quant_docs: dict | None = None) -> Delta | None:
+    """The change of ``metric``: with its paired interval where both evaluations kept per-document
+    values, else the point change from the two aggregates, without an interval; None without both values."""
+    if float_value is None or quant_value is None:
+        return None
+    if float_docs and quant_docs and metric in METRICS:
+        return paired_delta(float_docs, quant_docs, metric)
+    kind = METRICS[metric].kind if metric in METRICS else "perplexity" if "perplexity" in metric else "difference"
+    value = quant_value / float_value - 1 if kind == "perplexity" else quant_value - float_value
+    return Delta(value, None, None, kind, 0, "no interval: no per-document values recorded")
+
+
+def format_delta(d: Delta | None, noise: str = " ~") -> str:
+    """``+12.3% [+9.8, +14.9]`` (relative), ``-1.5 pp [-3.0, +0.0] ~`` (accuracy, in percentage points),
+    ``+0.0123 [+0.0101, +0.0147]`` (other differences); ``[n/a]`` without an interval; ``noise`` marks a
+    change whose interval includes 0."""
+    if d is None:
+        return "-"
+    scale = 100 if d.kind in ("perplexity", "accuracy") else 1
+    values = [v * scale for v in (d.value, d.low, d.high) if v is not None]
+    if d.kind not in ("perplexity", "accuracy"):
+        fmt = "{:+.3g}".format
+    else:
+        decimals = 2 if max(abs(v) for v in values) < 1 else 1
+        fmt = f"{{:+.{decimals}f}}".format
+    unit = {"perplexity": "%", "accuracy": " pp"}.get(d.kind, "")
+    interval = "[n/a]" if d.low is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
+    return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")

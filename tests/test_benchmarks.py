@@ -1,0 +1,38 @@
+"""The benchmark scripts' shared timing (round-robin rounds, per-round ratios) and that each script runs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import roundrobin  # noqa: E402
+
+
+def test_sides_take_turns_and_warmup_rounds_are_not_timed():
+    calls = []
+    times = roundrobin.round_robin({"a": lambda i: calls.append(("a", i)), "b": lambda i: calls.append(("b", i))},
+                                   rounds=3, warmup=2)
+    assert calls == [(s, i) for i in range(5) for s in "ab"]
+    assert [len(t) for t in times.values()] == [3, 3]
+
+
+def test_ratio_is_the_median_of_per_round_ratios_with_its_quartiles():
+    # a machine that slows 10x in round 3 moves both sides: the per-round ratio stays 2
+    times = {"base": [1.0, 1.0, 10.0, 1.0, 1.0], "side": [2.0, 2.0, 20.0, 2.2, 1.8]}
+    assert roundrobin.ratio(times, "side", "base") == "2.00x (IQR 1.90-2.10 over 5 rounds)"
+    assert roundrobin.ratio({"b": [1.0, 2.0], "s": [3.0, 2.0]}, "s", "b") == "2.00x (range 1.00-3.00 over 2 rounds)"
+
+
+@pytest.mark.parametrize("script, args", [
+    ("quant_speed.py", ["--model", "tiny-llama", "--schemes", "w8-int8", "w8a8-int8-static", "--rounds", "2",
+                        "--batches", "1", "--calib", "1", "--batch-size", "2", "--seq-len", "32"]),
+    ("observe_overhead.py", ["--model", "tiny-opt", "--rounds", "2", "--batches", "1", "--batch-size", "2",
+                             "--seq-len", "32"]),
+])
+def test_benchmark_scripts_print_their_ratio(script, args):
+    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "x (range" in run.stdout
