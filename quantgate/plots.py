@@ -8,8 +8,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
-__all__ = ["plot_observe", "bar_panels", "plot_training", "plot_study_layers", "plot_study_quant",
+__all__ = ["plot_observe", "bar_panels", "plot_training", "plot_study_layers", "plot_study_quant", "plot_bit_sweeps",
            "plot_study_training"]
 
 
@@ -158,6 +159,30 @@ def plot_study_quant(cells: list[dict], schemes: list[str], ppl_of, path: Path) 
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], [c["id"] for c in cells], fontsize=7, rotation=20)
     ax.set(yscale="log", ylabel="perplexity", title="held-out perplexity, float vs quantized")
     ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, Path(path))
+
+
+def plot_bit_sweeps(sweeps: dict, cell_ids: list[str], budget: float, path: Path) -> Path:
+    """Perplexity change vs activation bits, one line per cell (error bars: the 95% intervals), one panel
+    per swept scheme; ``sweeps``: ``{base: [(bits, {cell id: Delta or None}), ...]}``."""
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(5.5 * len(sweeps), 4.2), squeeze=False)
+    for ax, (base, points) in zip(axes[0], sweeps.items()):
+        for cid in cell_ids:
+            pts = [(b, d[cid]) for b, d in points if d.get(cid) is not None]
+            if not pts:
+                continue
+            xs, ys = [b for b, _ in pts], [100 * d.value for _, d in pts]
+            err = [[100 * (d.value - d.low) if d.low is not None else 0 for _, d in pts],
+                   [100 * (d.high - d.value) if d.high is not None else 0 for _, d in pts]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=cid)
+        ax.axhline(100 * budget, color="grey", linestyle="--", linewidth=1, label=f"{budget:.0%} budget")
+        ax.set(xlabel="activation bits", ylabel="perplexity change (symlog)", title=base)
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:+g}%"))
+        ax.set_xticks(sorted({b for b, _ in points}))
+        ax.invert_xaxis()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     return _save(fig, Path(path))
 

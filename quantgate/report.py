@@ -257,6 +257,7 @@ def study_markdown(metrics: dict) -> str:
             row += [_fmt(ppl_of(r.get("results"))) if "error" not in r else "n/a", format_delta(changes[c["id"], sch])]
         lines.append("| " + " | ".join(row) + " |")
     lines += _across_seeds(cells, schemes, changes)
+    lines += _bit_budget(cells, schemes, changes)
     acc_rows = [(c, t) for t in ACCURACY for c in cells if _get(c["float"], t) is not None]
     if acc_rows:
         head = ["model", "variant", "seed", "task", "FP acc"] + [x for s in schemes for x in (f"{s} acc", "change")]
@@ -304,6 +305,55 @@ def study_markdown(metrics: dict) -> str:
     if notes:
         lines += ["", "## Reading (from the study file)", "", notes]
     return "\n".join(lines).rstrip() + "\n"
+
+
+BUDGET = 0.01  # the perplexity increase a bit budget allows
+
+
+def bit_sweeps(schemes: list[str]) -> dict[str, list[tuple[int, str]]]:
+    """Schemes that differ only in their activation width: ``{base: [(bits, scheme), ...]}``, widest
+    first, for every base with at least two widths."""
+    from .quant.schemes import act_bits
+
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for scheme in schemes:
+        base, bits = act_bits(scheme)
+        if bits is not None:
+            groups.setdefault(base, []).append((bits, scheme))
+    return {base: sorted(g, reverse=True) for base, g in groups.items() if len(g) > 1}
+
+
+def budget(points: list[tuple[int, object]]) -> tuple[int, object] | None:
+    """The fewest bits whose perplexity increase, and that of every wider width, stays under
+    :data:`BUDGET`: ``(bits, its Delta)``; None when even the widest exceeds it. ``points`` widest first."""
+    found = None
+    for bits, d in points:
+        if d is None or d.value >= BUDGET:
+            break
+        found = (bits, d)
+    return found
+
+
+def _bit_budget(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:
+    sweeps = bit_sweeps(schemes)
+    if not sweeps:
+        return []
+    lines = ["## Bit budget", "",
+             f"The fewest activation bits at which the perplexity increase stays under {BUDGET:.0%} (at that width "
+             f"and every wider one), with the increase and its interval there; the sweep's changes beside it. A "
+             f"budget whose interval reaches past {BUDGET:.0%} is not resolved by this evaluation. Plot: "
+             f"study_bits.png.", ""]
+    for base, points in sweeps.items():
+        head = ["model", "variant", "seed", "budget", *[f"A{b}" for b, _ in points]]
+        lines += [f"`{base}`:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in cells:
+            deltas = [(b, changes.get((c["id"], sch))) for b, sch in points]
+            found = budget(deltas)
+            text = f"A{found[0]}: {format_delta(found[1])}" if found else f"none (A{points[0][0]} already over)"
+            lines.append("| " + " | ".join([c["model"], c["variant"], *_run(c)[:1], text,
+                                            *[format_delta(d) for _, d in deltas]]) + " |")
+        lines.append("")
+    return lines
 
 
 def _across_seeds(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:
@@ -408,6 +458,8 @@ def _sentences(cells: list[dict], schemes: list[str], changes: dict) -> list[str
 
 def _plot_names(metrics: dict) -> list[str]:
     names = ["study_layers.png", "study_quant.png"]
+    if bit_sweeps(metrics["schemes"]):
+        names.append("study_bits.png")
     if any(c["trained"].get("observe_curve") for c in metrics["cells"]):
         names.append("study_training.png")
     return names
@@ -418,6 +470,12 @@ def study_plots(metrics: dict, out: Path) -> None:
 
     plot_study_layers(metrics["cells"], out / "study_layers.png")
     plot_study_quant(metrics["cells"], metrics["schemes"], ppl_of, out / "study_quant.png")
+    if "study_bits.png" in _plot_names(metrics):
+        from .plots import plot_bit_sweeps
+
+        sweeps = {base: [(b, {c["id"]: ppl_change(c, sch) for c in metrics["cells"]}) for b, sch in points]
+                  for base, points in bit_sweeps(metrics["schemes"]).items()}
+        plot_bit_sweeps(sweeps, [c["id"] for c in metrics["cells"]], BUDGET, out / "study_bits.png")
     if "study_training.png" in _plot_names(metrics):
         plot_study_training(metrics["cells"], out / "study_training.png")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .models.presets import PRESETS
 from .models.sources import PACKAGED
 from .provenance import machine, versions
-from .quant.schemes import get_scheme
+from .quant.schemes import OPTIONS, get_scheme
 from .runlock import run_lock
 from .train import TrainConfig
 from .variants import AttentionVariant
@@ -247,16 +248,16 @@ def load_study(path: str | Path) -> Study:
         for j, s in enumerate(m.get("schemes", top_schemes)):
             at = (*where, "schemes", j) if "schemes" in m else ("schemes", j)
             entry = s if isinstance(s, dict) else {"scheme": s}
-            check_keys(entry, {"scheme", "tasks"}, at)
+            check_keys(entry, {"scheme", "tasks", *OPTIONS}, at)
             try:
-                name = str(get_scheme(entry.get("scheme", "")))
+                names = _expand_scheme(entry)
             except ValueError as e:
                 fail(at, str(e))
             tasks = entry.get("tasks")
             if tasks is not None and not set(tasks) <= set(ev["tasks"]):
                 fail((*at, "tasks"), f"a scheme evaluates a subset of the model's tasks ({', '.join(ev['tasks'])}), "
                                      f"so that its numbers compare with the float model's; got {tasks}")
-            schemes.append({"scheme": name, "tasks": tasks})
+            schemes += [{"scheme": name, "tasks": tasks} for name in names]
         ob = {**sections["observe"], **(m.get("observe") or {})}
         if ob["sink_tokens"] >= ob["seq_len"]:
             fail(first((*where, "observe", "sink_tokens"), ("observe", "sink_tokens"), where),
@@ -276,6 +277,17 @@ def load_study(path: str | Path) -> Study:
                  "seed": seed, "models": [dataclasses.asdict(m) for m in models],
                  **{k: sections[k] for k in ("calibration", "report")}}
     return study
+
+
+def _expand_scheme(entry: dict) -> list[str]:
+    """The canonical schemes of a ``schemes:`` entry: ``{scheme: S, <option>: value or [values], ...}``,
+    one per combination of the listed values (``a_bits: [8, 6, 5, 4]``: a bit sweep)."""
+    options = {k: v if isinstance(v, list) else [v] for k, v in entry.items() if k in OPTIONS}
+    names = []
+    for values in itertools.product(*options.values()):
+        given = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in zip(options, values))
+        names.append(str(get_scheme(f"{entry.get('scheme', '')}:{given}" if given else entry.get("scheme", ""))))
+    return list(dict.fromkeys(names))
 
 
 def _line(lines: dict, where: tuple) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..variants import Range
 from .quantizers import FP8, INT_BITS
 
-__all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "OPTIONS", "Option"]
+__all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "act_bits", "OPTIONS", "Option"]
 
 
 @dataclass(frozen=True)
@@ -247,3 +247,14 @@ def _convert(typ, raw: str):
     if typ is tuple:
         return tuple(p for p in raw.split("|") if p)
     return typ(raw)
+
+
+def act_bits(scheme: str | Scheme) -> tuple[str, int | None]:
+    """``(base, bits)``: the scheme printed without its activation width, and that width (None where
+    the activations are not integer): the schemes of a bit sweep share their base."""
+    s = get_scheme(scheme)
+    bits = _options(s).get("a_bits")
+    if bits is None:
+        return str(s), None
+    base = dataclasses.replace(s, act=dataclasses.replace(s.act, format=SCHEMES[s.name].act.format))
+    return str(base), bits
