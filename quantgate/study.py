@@ -91,9 +91,7 @@ SECTION_RULES = {
     "calibration": DATA_RULES,
     "observe": {**DATA_RULES, "sink_tokens": (int, AT_LEAST_1)},
     "eval": {"tasks": (list[str], None),
-             "limit": (float | dict[str, float | None] | None,
-                       (lambda x: all(v is None or v > 0 for v in (x.values() if isinstance(x, dict) else [x])),
-                        "> 0 (a number of items, or a fraction below 1)")),
+             "limit": (float | dict[str, float | None] | None, None),  # values: _check_limit
              "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1"))},
     "report": {"notes": (str, None)},
 }
@@ -343,12 +341,20 @@ def _check_precision(value, where: tuple, fail) -> None:
 
 
 def _check_limit(ev: dict, where: tuple, fail) -> None:
-    """A per-task limit names only tasks the evaluation runs (a misspelt task would run in full)."""
+    """Each limit is one evaluate accepts (:func:`quantgate.evaluate.check_limit`), and a per-task limit
+    names only tasks the evaluation runs (a misspelt task would run in full)."""
+    from .evaluate import check_limit
+
     limit = ev["limit"]
     unknown = sorted(set(limit) - set(ev["tasks"])) if isinstance(limit, dict) else []
     if unknown:
         fail((*where, "limit", unknown[0]), f"limit names {', '.join(map(repr, unknown))}, not among the evaluated "
                                             f"tasks ({', '.join(ev['tasks'])})")
+    for task, value in (limit.items() if isinstance(limit, dict) else [(None, limit)]):
+        try:
+            check_limit(value)
+        except ValueError as e:
+            fail((*where, "limit", task) if task else (*where, "limit"), str(e))
 
 
 def _check_source(source: str, where, fail, objective: str | None = None) -> None:

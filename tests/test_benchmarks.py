@@ -36,3 +36,11 @@ def test_benchmark_scripts_print_their_ratio(script, args):
     run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "x (range" in run.stdout
+
+
+def test_interval_width_prints_a_row_per_document_prefix():
+    run = subprocess.run([sys.executable, str(BENCH / "interval_width.py"), "--model", "tiny-llama", "--docs", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and "[n/a]" in rows[0] and "[n/a]" not in rows[1]
