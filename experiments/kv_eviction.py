@@ -6,7 +6,8 @@
 A rolling KV cache of w recent tokens is an attention mask: query i sees keys i-w+1 .. i, plus keys
 0..3 when the sink tokens are kept (Xiao et al. 2024). Positions stay the original ones (RoPE sees
 true distances; StreamingLLM re-indexes positions inside the cache instead). Perplexity is over the
-second half of each sequence, where every window has evicted tokens. Models: SmolLM2-135M (ungated,
+second half of each sequence, where every window has evicted tokens; every change of perplexity carries
+a 95% interval from a paired bootstrap over the sequences. Models: SmolLM2-135M (ungated,
 real) on held-out text, and the tiny ungated / gated models of the cpu_recipe study (seed 0) on
 held-out backcopy sequences.
 """
@@ -17,23 +18,32 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 import quantgate as qg
 from quantgate import experiment as ex
+from quantgate.stats import format_delta
 
 SINKS = 4
 
 
 def sweep(model, ids, windows: list[int]) -> dict:
+    """{"full" | "w/keep": per-sequence summed NLL (nats) of the second half of each sequence}."""
     length = ids.shape[1]
     start = length // 2
-    tokens = ids.shape[0] * (length - start)
-    full = ex.perplexity(ex.nll(model, ids, start=start), tokens)
-    rows = {"full": full}
+    rows = {"full": ex.nll(model, ids, start=start).tolist()}
     for w in windows:
         for keep in (0, SINKS):
             mask = ex.window_mask(length, w, keep).expand(ids.shape[0], -1, -1, -1)
-            rows[f"{w}/{keep}"] = ex.perplexity(ex.nll(model, ids, mask, start=start), tokens)
+            rows[f"{w}/{keep}"] = ex.nll(model, ids, mask, start=start).tolist()
     return rows
+
+
+def changes(r: dict) -> dict:
+    """Paired changes of perplexity: "sinks/w" evicting the sinks (w/0 vs w/4), "w/keep" vs full attention."""
+    t, nll = r["tokens_per_sequence"], r["nll"]
+    out = {f"sinks/{w}": ex.ppl_change(nll[f"{w}/{SINKS}"], nll[f"{w}/0"], t) for w in r["windows"]}
+    return out | {k: ex.ppl_change(nll["full"], v, t) for k, v in nll.items() if k != "full"}
 
 
 def main() -> None:
@@ -50,8 +60,10 @@ def main() -> None:
     results = {}
     for name, (model, source, length, n, windows) in runs.items():
         ids = ex.sequences(qg.tokenizer(model), source, length, n, seed=1_000_003)
+        nll, tokens = sweep(model, ids, windows), length - length // 2
         results[name] = {"data": source, "length": length, "sequences": n, "windows": windows,
-                         "ppl": sweep(model, ids, windows),
+                         "ppl": {k: ex.perplexity(torch.tensor(v), n * tokens) for k, v in nll.items()},
+                         "nll": nll, "tokens_per_sequence": tokens,
                          "first_token_attention": ex.first_token_attention(model, ids)[:, :, 1:].mean((1, 2)).tolist()}
         print(name, results[name]["ppl"], flush=True)
     seconds = time.perf_counter() - t0
@@ -63,26 +75,30 @@ def main() -> None:
                       "Does a rolling KV cache need the first tokens kept (StreamingLLM), and does a gated model "
                       "need them less?")
     lines += ["Perplexity over the second half of each sequence; 'w / 0' evicts everything older than w tokens, "
-              f"'w / {SINKS}' keeps the first {SINKS} tokens too. First-token attention: mean over layers, heads "
-              "and queries of the full-attention model. Trained models: seed 0 of the cpu_recipe study (its "
-              "report gives tokens trained).", ""]
+              f"'w / {SINKS}' keeps the first {SINKS} tokens too. Evicting the sinks costs: ppl(w / 0) / "
+              f"ppl(w / {SINKS}); vs full: the change from full attention. Each with a 95% interval from a paired "
+              "bootstrap over the sequences (~: the interval includes no change). First-token attention: mean over "
+              "layers, heads and queries of the full-attention model. Trained models: seed 0 of the cpu_recipe study "
+              "(its report gives tokens trained).", ""]
     for name, r in results.items():
         sink = sum(r["first_token_attention"]) / len(r["first_token_attention"])
+        d = changes(r)
         lines += [f"### {name} ({r['sequences']} x {r['length']} tokens of {r['data']}; full attention ppl "
                   f"{r['ppl']['full']:.3g}; first-token attention {sink:.3f}; max over layers "
                   f"{max(r['first_token_attention']):.3f})", "",
-                  "| window w | ppl, w / 0 | ppl, w / 4 | evicting the sinks costs |", "|---|---|---|---|"]
+                  f"| window w | ppl, w / 0 | ppl, w / {SINKS} | evicting the sinks costs | w / 0 vs full | "
+                  f"w / {SINKS} vs full |", "|---|---|---|---|---|---|"]
         for w in r["windows"]:
             a, b = r["ppl"][f"{w}/0"], r["ppl"][f"{w}/{SINKS}"]
-            lines.append(f"| {w} | {a:.3g} | {b:.3g} | {a / b:.2f}x |")
+            lines.append(f"| {w} | {a:.3g} | {b:.3g} | {ex.format_ratio(d[f'sinks/{w}'])} | "
+                         f"{format_delta(d[f'{w}/0'])} | {format_delta(d[f'{w}/{SINKS}'])} |")
         lines.append("")
     lines += ["![kv_eviction.png](kv_eviction.png)", "", "## Reading", ""]
     for name, r in results.items():
         w = r["windows"][0]
-        ratio = r["ppl"][f"{w}/0"] / r["ppl"][f"{w}/{SINKS}"]
         lines.append(f"- {name}: at the smallest window ({w}) dropping the first {SINKS} tokens multiplies "
-                     f"perplexity by {ratio:.2f} (first-token attention {max(r['first_token_attention']):.3f} in its "
-                     f"most sink-heavy layer).")
+                     f"perplexity by {ex.format_ratio(changes(r)[f'sinks/{w}'])} (first-token attention "
+                     f"{max(r['first_token_attention']):.3f} in its most sink-heavy layer).")
     ex.write(out, lines)
     print((out / "report.md").read_text())
 

@@ -8,7 +8,8 @@ Sun et al.'s criterion) on validation text: their channels, token positions and 
 first appear. At the output of that layer, a forward hook replaces those channels at the positions
 where they are massive by zero, or by their mean over the validation sequences; a control zeroes
 as many randomly chosen ordinary channels at the same positions. Perplexity is measured on
-held-out test sequences, together with the first-token attention of every layer.
+held-out test sequences, together with the first-token attention of every layer; each setting's change
+of perplexity from the original carries a 95% interval from a paired bootstrap over the test sequences.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import quantgate as qg
 from quantgate import experiment as ex
 from quantgate.models.families import family_of
 from quantgate.observe import observe
+from quantgate.stats import format_delta
 
 
 def find_massive(model, tok, seq_len: int, n: int) -> dict:
@@ -65,7 +67,8 @@ def run(model, block, ids, hook: Intervention | None) -> dict:
     finally:
         if handle is not None:
             handle.remove()
-    return {"ppl": ex.perplexity(total, ids.shape[0] * (ids.shape[1] - 1)), "first_token_attention": sink.tolist()}
+    return {"ppl": ex.perplexity(total, ids.shape[0] * (ids.shape[1] - 1)), "nll": total.tolist(),
+            "first_token_attention": sink.tolist()}
 
 
 def main() -> None:
@@ -100,10 +103,11 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps({"model": name, "massive": found, "mean_value": mean.tolist(),
-                                                  "results": results, "seq_len": seq_len, "sequences": n_eval},
-                                                 indent=1))
+                                                  "results": results, "seq_len": seq_len, "sequences": n_eval,
+                                                  "tokens_per_sequence": seq_len - 1}, indent=1))
     plot(results, out / "intervention.png")
-    base = results["original"]["ppl"]
+    delta = {label: ex.ppl_change(results["original"]["nll"], r["nll"], seq_len - 1)
+             for label, r in results.items() if label != "original"}
     lines = ex.header(f"Massive-activation intervention on {name}",
                       f"python experiments/massive_activation_intervention.py{' --smoke' if args.smoke else ''}",
                       seconds, "Sun et al. (2024): massive activations act as fixed biases. Setting them to zero "
@@ -111,20 +115,23 @@ def main() -> None:
     lines += [f"Massive activations first appear at the output of block {found['layer']} (channels "
               f"{found['channels']}, token positions {found['positions']}, largest |x| {found['max_abs']:.4g}); "
               f"blocks with massive activations: {found.get('layers_with_massive', [])}. Perplexity on "
-              f"{n_eval} held-out test sequences of {seq_len} tokens; first-token attention averaged over layers, "
-              "heads and queries 1..L-1.", "",
+              f"{n_eval} held-out test sequences of {seq_len} tokens; change: relative to the original, with a 95% "
+              "interval from a paired bootstrap over the sequences (~: the interval includes 0); first-token "
+              "attention averaged over layers, heads and queries 1..L-1.", "",
               "| setting at that block | perplexity | change | mean first-token attention |", "|---|---|---|---|"]
     for label, r in results.items():
         sink = sum(r["first_token_attention"]) / len(r["first_token_attention"])
-        lines.append(f"| {label} | {r['ppl']:.2f} | {100 * (r['ppl'] - base) / base:+.1f}% | {sink:.3f} |")
-    z, m = results["zero"]["ppl"], results["mean"]["ppl"]
+        lines.append(f"| {label} | {r['ppl']:.2f} | {format_delta(delta.get(label))} | {sink:.3f} |")
+    z, m = delta["zero"], delta["mean"]
     lines += ["", "![intervention.png](intervention.png)", "", "## Reading", "",
-              f"Zeroing the massive activations changes perplexity by {100 * (z - base) / base:+.1f}%, setting them "
-              f"to their mean by {100 * (m - base) / base:+.1f}%, zeroing as many ordinary channels by "
-              f"{100 * (results['zero, random channels (control)']['ppl'] - base) / base:+.1f}%. "
+              f"Zeroing the massive activations changes perplexity by {format_delta(z)} (a ratio of "
+              f"{ex.format_ratio(z)}), setting them to their mean by {format_delta(m)}, zeroing as many ordinary "
+              f"channels by {format_delta(delta['zero, random channels (control)'])}. "
               + ("As Sun et al. report, the values matter only as a near-constant bias: the mean keeps the model "
-                 "intact and zero breaks it." if z > 2 * base and m < 1.1 * base else
-                 "This does not match Sun et al.'s pattern (zero breaks, mean keeps); see the table.")]
+                 "intact (its interval stays under +10%) and zero breaks it (its interval lies above 2x)."
+                 if z.low is not None and z.low > 1 and m.high < 0.1 else
+                 "This does not match Sun et al.'s pattern (zero breaks, mean keeps) within the intervals; see the "
+                 "table.")]
     ex.write(out, lines)
     print((out / "report.md").read_text())
 

@@ -1,5 +1,6 @@
 """Helpers for the experiment scripts (experiments/*.py): evaluation sequences, perplexity under a
-custom attention mask, first-token attention per layer and query position, and the report header.
+custom attention mask, the change of perplexity between two settings with its paired interval over
+sequences, first-token attention per layer and query position, and the report header.
 
 Shapes: ids (B, L) int64; masks (B | 1, 1, L, L) bool, True = attend.
 """
@@ -17,9 +18,10 @@ import torch.nn as nn
 from .data import batches
 from .models.swap import attention_modules
 from .provenance import machine, versions
+from .stats import Delta, format_ratio, paired_delta  # format_ratio: for the scripts
 
-__all__ = ["sequences", "nll", "perplexity", "window_mask", "first_token_attention", "trained_models", "with_rope",
-           "header", "write", "script_args", "save_figure"]
+__all__ = ["sequences", "nll", "perplexity", "ppl_change", "format_ratio", "window_mask", "first_token_attention",
+           "trained_models", "with_rope", "header", "write", "script_args", "save_figure"]
 
 
 def sequences(tokenizer, source: str, seq_len: int, n: int, *, seed: int = 0) -> torch.Tensor:
@@ -44,6 +46,20 @@ def nll(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *
 
 def perplexity(total_nll: torch.Tensor, tokens: int) -> float:
     return math.exp(float(total_nll.sum()) / tokens)
+
+
+def ppl_change(base_nll, new_nll, tokens_per_sequence: int) -> Delta:
+    """The relative change of perplexity ppl_new / ppl_base - 1 between two settings evaluated on the same
+    sequences, with a 95% paired bootstrap interval over the sequences (:func:`quantgate.stats.paired_delta`).
+
+    ``base_nll``, ``new_nll``: per-sequence summed NLL in nats (as :func:`nll` returns), shape (B,), tensors or
+    lists, sequence i the same in both; ``tokens_per_sequence``: tokens each sum covers (L - start)."""
+
+    def documents(values) -> dict:
+        v = torch.as_tensor(values, dtype=torch.float64).tolist()
+        return {"ids": list(range(len(v))), "loglikelihood": [-x for x in v], "tokens": [tokens_per_sequence] * len(v)}
+
+    return paired_delta(documents(base_nll), documents(new_nll), "perplexity")
 
 
 def window_mask(length: int, window: int, sinks: int = 0) -> torch.Tensor:

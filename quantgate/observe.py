@@ -11,8 +11,8 @@ measures:
 
 * tensors: the residual stream after the block (``block_out``), the attention output before and
   after the output projection (``attn_pre_o``, ``attn_out``), the FFN output (``ffn_out``), the
-  input of every LayerNorm/RMSNorm (``norm_in.<path>``) and of every Linear (``linear_in.<path>``):
-  infinity norm (Bondarenko et al.: max |x| per sequence, averaged over sequences), kurtosis
+  input and output of every LayerNorm/RMSNorm (``norm_in.<path>``, ``norm_out.<path>``) and the input
+  of every Linear (``linear_in.<path>``): infinity norm (Bondarenko et al.: max |x| per sequence, averaged over sequences), kurtosis
   (mu4 / sigma^4, non-excess, per sequence over the flattened T x d tensor, averaged), max |x|,
   median |x| (from a 0.01-decade log histogram), the channels that most often hold a token's
   largest |x|, and the token positions (and token ids) where each sequence's max lands;
@@ -22,6 +22,13 @@ measures:
   and padded queries are left out), its mean and histogram;
 * gate values for gated variants (also Qwen3-Next's built-in gate): mean, fraction below 0.1,
   histogram, per head.
+
+The headline max inf-norm and kurtosis are taken over the tensors Bondarenko et al.'s reference code
+(Qualcomm-AI-research/outlier-free-transformers) hooks, see :func:`paper_tensors`: for BERT
+(validate_mlm.py) each layer's FFN output and the LayerNorm after it, whose input (the residual sum)
+joins the inf-norm only; for decoders (run_clm.py's OPT list) each block's output, attention output,
+FFN output and the outputs of its two norms, plus the final norm's output. Each tensor's per-sequence
+values are averaged over sequences, then the kurtosis over those tensors and the inf-norm's maximum.
 """
 
 from __future__ import annotations
@@ -50,7 +57,13 @@ LOG_LO, LOG_HI, LOG_BINS = -10.0, 10.0, 2000  # |x| histogram over 1e-10 .. 1e10
 HIST_SAMPLE = 1 << 16  # elements per update that feed the |x| histogram (median); the rest is exact
 CHUNK = 1 << 22  # elements of a tensor folded in at a time: bounds TensorStats' temporaries (~50 MB)
 UNIT_BINS = 20  # histograms of values in [0, 1] (gates, sink mass)
-HEADLINE = ("block_out", "attn_out", "ffn_out")  # with norm_in.*: the tensors behind max_inf_norm and kurtosis
+
+
+def paper_tensors(family) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Per block: the tensors of Bondarenko et al.'s kurtosis, and those added for the max inf-norm."""
+    if family.objective == "mlm":  # BERT, post-LN: the FFN output and LN(FFN output + residual)
+        return ("ffn_out", f"norm_out.{family.ffn_norm}"), (f"norm_in.{family.ffn_norm}",)
+    return ("block_out", "attn_out", "ffn_out", f"norm_out.{family.attn_norm}", f"norm_out.{family.ffn_norm}"), ()
 
 
 def _stride(n: int, channels: int) -> int:
@@ -280,7 +293,7 @@ class _Observer:
         self.family = family_of(model)
         self.blocks = self.family.blocks(model)
         self.layers = [_Layer() for _ in self.blocks]
-        self.final = TensorStats()
+        self.final, self.final_out = TensorStats(), TensorStats()  # the final norm's input and output
         self.input_ids = self.valid = None
         self.seen: dict[int, tuple] = {}  # id -> (weak reference, version, stats) of the tensors measured so far
         self.handles: list = []
@@ -318,10 +331,11 @@ class _Observer:
                 if isinstance(module, nn.Linear):
                     self._hook(module, lambda m, a, o, L=layer, n=name: self._record(L, f"linear_in.{n}", a[0]))
                 elif type(module).__name__.endswith("Norm") or isinstance(module, nn.LayerNorm):
-                    self._hook(module, lambda m, a, o, L=layer, n=name: self._record(L, f"norm_in.{n}", a[0]))
+                    self._hook(module, lambda m, a, o, L=layer, n=name: self._record(
+                        L, f"norm_in.{n}", a[0], then=(f"norm_out.{n}", o)))
         final = _final_norm(self.model, fam)
         if final is not None:
-            self._hook(final, lambda m, a, o: self.final.update(a[0], self.input_ids, self.valid))
+            self._hook(final, self._record_final)
         return self
 
     def __exit__(self, *exc):
@@ -332,6 +346,10 @@ class _Observer:
 
     def _hook(self, module, fn):
         self.handles.append(module.register_forward_hook(fn))
+
+    def _record_final(self, module, args, out) -> None:
+        self.final.update(args[0], self.input_ids, self.valid)
+        self.final_out.update(out, self.input_ids, self.valid)
 
     def _record(self, layer: _Layer, name: str, out, massive: bool = False, then=None) -> None:
         """Fold a hooked tensor into the layer's statistics and let it go (returns None: hooks must not
@@ -510,16 +528,19 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
         model.train(was_training)
     if sequences == 0:
         raise ValueError("observe got no batches: the data source is empty or max_batches is 0")
-    layers = [_layer_summary(L, decode) for L in obs.layers]
+    kurt_set, inf_extra = paper_tensors(family)
+    layers = [_layer_summary(L, decode, kurt_set, inf_extra) for L in obs.layers]
     nonfinite = [{"layer": i, "tensor": name, "count": t["nonfinite"]}
                  for i, L in enumerate(layers) for name, t in L["tensors"].items() if t.get("nonfinite")]
     if nonfinite:
         log.warning("observe: non-finite activations (excluded from the statistics): %s", nonfinite[:5])
     res = [L["tensors"]["block_out"] for L in layers]
     gate_means = [L["gate_mean"] for L in layers if L["gate_mean"] is not None]
+    final_out = obs.final_out.summary(decode) if obs.final_out.sequences and family.objective == "clm" else None
+    paper = [L["tensors"][n] for L in layers for n in kurt_set if n in L["tensors"]] + [final_out] * bool(final_out)
     summary = {
-        "max_inf_norm": max(L["max_inf_norm"] for L in layers),
-        "kurtosis": _mean(L["kurtosis"] for L in layers),
+        "max_inf_norm": max([t["inf_norm"] for t in paper] + [L["max_inf_norm"] for L in layers]),
+        "kurtosis": _mean(t["kurtosis"] for t in paper),  # over tensors, as the reference code averages
         "max_activation": max(r["max_abs"] for r in res),
         "max_median_ratio": max((r["max_median_ratio"] or 0.0) for r in res),
         "sink_mass": _mean(L["sink_mass"] for L in layers),
@@ -532,19 +553,21 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     }
     if obs.final.sequences:
         summary["final_norm_in"] = obs.final.summary(decode)
+    if final_out:
+        summary["final_norm_out"] = final_out
     meta = {"variant": str(variant_of(model)), "family": family.name, "sink_tokens": sink_tokens,
             "sequences": sequences, "seq_len": seq_len, "batches": n_batches,
             "data": getattr(batches, "split", None), "model": getattr(model.config, "_name_or_path", "") or None}
     return ObserveReport(summary, layers, meta)
 
 
-def _layer_summary(layer: _Layer, decode) -> dict:
+def _layer_summary(layer: _Layer, decode, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]) -> dict:
     tensors = {name: t.summary(decode) for name, t in layer.tensors.items()}
-    headline = [t for name, t in tensors.items() if name in HEADLINE or name.startswith("norm_in.")]
+    paper = [tensors[n] for n in kurt_set if n in tensors]
     sink, gate = layer.sink.summary(), layer.gate.summary()
     return {
-        "max_inf_norm": max(t["inf_norm"] for t in headline),
-        "kurtosis": _mean(t["kurtosis"] for t in headline),
+        "max_inf_norm": max(t["inf_norm"] for t in paper + [tensors[n] for n in inf_extra if n in tensors]),
+        "kurtosis": _mean(t["kurtosis"] for t in paper),
         "max_activation": tensors["block_out"]["max_abs"],
         "sink_mass": sink["mean"] if sink else None,
         "gate_mean": gate["mean"] if gate else None,

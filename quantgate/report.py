@@ -124,14 +124,13 @@ PPL_KEYS = (("quantgate_ppl", "word_perplexity"), ("quantgate_mlm_ppl", "perplex
 ACCURACY = (("quantgate_cloze", "acc"), ("quantgate_nextsent", "acc"), ("quantgate_backcopy", "copy_acc"))
 OUTLIER_LEGEND = (
     "Max inf-norm: per tensor, each sequence's max |x| averaged over sequences (Bondarenko et al.), the largest "
-    "over blocks and tensors. Max activation: the largest |x| of the residual stream (block outputs) over blocks; "
+    "over their tensors. Max activation: the largest |x| of the residual stream (block outputs) over blocks; "
     "max / median: that block's max |x| over its median |x|, so that a smaller maximum at the same ratio reads as a "
     "smaller scale, not fewer outliers. Kurtosis: mu4 / sigma^4 (non-excess, Gaussian = 3) of each sequence's "
-    "flattened tokens x channels tensor, averaged over sequences, then over each block's output (the residual "
-    "stream), attention output, FFN output and norm inputs, then over blocks. Bondarenko et al. average the same "
-    "per-sequence kurtosis over the FFN and LayerNorm outputs of each BERT layer, and over the layer, attention, FFN "
-    "and LayerNorm outputs of each OPT layer (reference code): their set holds norm outputs where ours holds norm "
-    "inputs, so the two kurtoses compare in trend, not digit for digit.")
+    "flattened tokens x channels tensor, averaged over sequences, then over Bondarenko et al.'s tensors (their "
+    "reference code): for BERT each layer's FFN output and the LayerNorm output after it (the inf-norm adds that "
+    "LayerNorm's input, the residual sum); for decoders each block's output, attention output, FFN output and the "
+    "outputs of its two norms, and the final norm's output.")
 
 
 def ppl_of(results: dict | None) -> float | None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["METRICS", "Delta", "aggregate", "paired_delta", "seed_delta", "change", "format_delta", "NOISE_LEGEND"]
+__all__ = ["METRICS", "Delta", "aggregate", "paired_delta", "seed_delta", "change", "format_delta", "format_ratio",
+           "NOISE_LEGEND"]
 
 CONFIDENCE = 0.95
 RESAMPLES = 1000
@@ -177,10 +178,12 @@ def change(metric: str, float_value: float | None, quant_value: float | None, fl
 
 def format_delta(d: Delta | None, noise: str = " ~") -> str:
     """``+12.3% [+9.8, +14.9]`` (relative), ``-1.5 pp [-3.0, +0.0] ~`` (accuracy, in percentage points),
-    ``+0.0123 [+0.0101, +0.0147]`` (other differences); ``[n/a]`` without an interval; ``noise`` marks a
-    change whose interval includes 0."""
+    ``+0.0123 [+0.0101, +0.0147]`` (other differences); a perplexity that grew 10x or more as the ratio
+    (:func:`format_ratio`); ``[n/a]`` without an interval; ``noise`` marks a change whose interval includes 0."""
     if d is None:
         return "-"
+    if d.kind == "perplexity" and d.value >= 9:
+        return format_ratio(d, noise)
     scale = 100 if d.kind in ("perplexity", "accuracy") else 1
     values = [v * scale for v in (d.value, d.low, d.high) if v is not None]
     if d.kind not in ("perplexity", "accuracy"):
@@ -191,3 +194,15 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
     unit = {"perplexity": "%", "accuracy": " pp"}.get(d.kind, "")
     interval = "[n/a]" if d.low is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
     return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")
+
+
+def format_ratio(d: Delta | None, noise: str = " ~") -> str:
+    """A perplexity change as the ratio ppl_new / ppl_base (1 + ``d``) with its interval, ``2.26x [1.90, 2.70]``;
+    ``[n/a]`` without an interval; ``noise`` marks one that includes 1."""
+    if d is None:
+        return "-"
+    r = [1 + v for v in (d.value, d.low, d.high) if v is not None]
+    decimals = 0 if max(r) >= 100 else 1 if max(r) >= 10 else 2 if len(r) == 1 or max(r) - min(r) >= 0.05 else 3
+    fmt = "{:.3g}".format if max(r) >= 1e6 else f"{{:,.{decimals}f}}".format
+    interval = "[n/a]" if d.low is None else f"[{fmt(1 + d.low)}, {fmt(1 + d.high)}]"
+    return f"{fmt(1 + d.value)}x {interval}" + (noise if d.within_noise else "")

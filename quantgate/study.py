@@ -92,7 +92,8 @@ SECTION_RULES = {
     "observe": {**DATA_RULES, "sink_tokens": (int, AT_LEAST_1)},
     "eval": {"tasks": (list[str], None),
              "limit": (float | dict[str, float | None] | None, None),  # values: _check_limit
-             "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1"))},
+             "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
+             "max_length": (int, AT_LEAST_1)},  # lm-eval's window (tokens); default: see _eval_settings
     "report": {"notes": (str, None)},
 }
 
@@ -182,7 +183,7 @@ def load_study(path: str | Path) -> Study:
     sections = {}
     for sec, defaults in SECTION_KEYS.items():
         given = data.get(sec) or {}
-        check_keys(given, set(defaults), (sec,))
+        check_keys(given, set(SECTION_RULES[sec]), (sec,))
         _check_values(given, SECTION_RULES[sec], (sec,), fail)
         sections[sec] = {**defaults, **given}
     _check_limit(sections["eval"], ("eval",), fail)
@@ -236,7 +237,7 @@ def load_study(path: str | Path) -> Study:
             except ValueError as e:
                 fail(at, f"variant {v!r}: {e}")
         for sec in ("eval", "observe"):
-            check_keys(m.get(sec) or {}, set(SECTION_KEYS[sec]), (*where, sec))
+            check_keys(m.get(sec) or {}, set(SECTION_RULES[sec]), (*where, sec))
             _check_values(m.get(sec) or {}, SECTION_RULES[sec], (*where, sec), fail)
         ev = {**sections["eval"], **(m.get("eval") or {})}
         _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), fail)
@@ -557,7 +558,7 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
     trained = step("model", model_key, lambda: _train_summary(model, cdir))
     ob_cfg = m.observe
     observed = step("observe", _key(model_key, ob_cfg), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
-    ev_cfg = m.eval
+    ev_cfg = _eval_settings(m)
     float_eval = step("eval-float", _key(model_key, ev_cfg, EVAL_FORMAT),
                       lambda: _evaluate(model(), tokenizer(), ev_cfg))
     cost = step("cost", model_key, lambda: _cost(model()))
@@ -642,7 +643,7 @@ def _observe(model, tok, cfg: dict, cdir: Path) -> dict:
     layers = [{k: L[k] for k in ("max_inf_norm", "kurtosis", "max_activation", "sink_mass", "gate_mean",
                                  "massive_activations")} | {"max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"]}
               for L in report.layers]
-    summary = {k: v for k, v in report.summary.items() if k not in ("final_norm_in", "nonfinite")}
+    summary = {k: v for k, v in report.summary.items() if k not in ("final_norm_in", "final_norm_out", "nonfinite")}
     summary["nonfinite"] = len(report.summary["nonfinite"])
     top = sorted(((i, e) for i, L in enumerate(report.layers) for e in L["massive"]), key=lambda t: -t[1]["max_abs"])
     summary["top_massive"] = [{"layer": i, "channel": e["channel"], "max_abs": e["max_abs"],
@@ -656,6 +657,19 @@ def _cost(model) -> dict:
     return gate_cost(model)
 
 
+ROLLING_TASKS = ("quantgate_ppl",)  # perplexity over whole documents, read in windows of max_length tokens
+
+
+def _eval_settings(m: ModelSpec) -> dict:
+    """The model's eval settings; a model trained here reads the documents of a perplexity task in windows of
+    its training length (beyond it a RoPE model extrapolates and a learned position table is untrained),
+    unless max_length says otherwise. Loaded models use their own context (:func:`quantgate.evaluate.evaluate`'s
+    default); item tasks (cloze, next sentence) always do: an item must fit whole."""
+    if m.train is None or "max_length" in m.eval or not set(m.eval["tasks"]) & set(ROLLING_TASKS):
+        return m.eval
+    return {**m.eval, "max_length": m.train.get("seq_len", TrainConfig.seq_len)}
+
+
 def _evaluate(model, tok, cfg: dict) -> dict:
     """Metrics per task, and each document's values (the report's paired intervals need them)."""
     from .evaluate import evaluate
@@ -663,7 +677,8 @@ def _evaluate(model, tok, cfg: dict) -> dict:
     results, documents = {}, {}
     for task in cfg["tasks"]:  # one task at a time: each may carry its own limit
         limit = cfg["limit"].get(task) if isinstance(cfg["limit"], dict) else cfg["limit"]
-        out = evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"])
+        window = cfg.get("max_length") if task in ROLLING_TASKS else None
+        out = evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"], max_length=window)
         results.update(out["results"])
         documents.update(out["documents"])
     return {"results": results, "documents": documents}

@@ -19,7 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from quantgate.report import peak_activation, ppl_change, ppl_of, spearman
+from quantgate import experiment as ex
+from quantgate.report import BUDGET, bit_sweeps, budget, peak_activation, ppl_change, ppl_of, spearman
 from quantgate.stats import Delta, change, format_delta, seed_delta
 from quantgate.study import load_study
 from quantgate.train import TrainConfig
@@ -27,11 +28,13 @@ from quantgate.train import TrainConfig
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "experiments" / "README.md"
 BLOCK = re.compile(r"(<!-- headlines:(\w+) -->)(.*?)(<!-- /headlines -->)", re.S)
-POINT = "point values, no interval recorded"
 NO_DOCUMENTS = "intervals n/a: the committed metrics hold no per-document values"
 SINK_TARGET, RATIO_TARGET = 0.3, 50  # the CPU recipe search's targets (results/cpu_recipe/search.md)
-SCHEMES = {"w8a8-int8-static": "static W8A8", "w8a8-int8-dynamic": "dynamic INT8", "w8a8-fp8-e4m3": "FP8",
-           "llm-int8": "LLM.int8", "torchao-int8-dynamic": "torchao INT8"}
+BONDARENKO = "w8a8-int8-bondarenko"
+SCHEMES = {BONDARENKO: "W8A8 at Bondarenko's sites", "w8a8-int8-static": "static W8A8 (Linear inputs)",
+           "w8a8-int8-dynamic": "dynamic INT8", "w8a8-fp8-e4m3": "FP8", "llm-int8": "LLM.int8",
+           "torchao-int8-dynamic": "torchao INT8"}
+KURTOSIS = "kurtosis (Bondarenko et al.'s tensors)"
 
 
 def _metrics(name: str) -> dict:
@@ -113,22 +116,26 @@ def quickstart() -> str:
     cells = _cells("quickstart")
     smol = cells.pop("smollm2-135m/vanilla")
     fp, static = ppl_of(smol["float"]), ppl_of(smol["schemes"]["w8a8-int8-static"]["results"])
-    others = ", ".join(f"{label} {_delta(_change(smol, s))}" for s, label in SCHEMES.items() if s != "w8a8-int8-static")
-    tiny = [_change(c, s) for c in cells.values() for s in c["schemes"]]
-    return (f"static W8A8 takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
+    others = ", ".join(f"{label} {_delta(_change(smol, s))}" for s, label in SCHEMES.items()
+                       if s in smol["schemes"] and s != "w8a8-int8-static")
+    tiny = {s: [_change(c, s) for c in cells.values()] for s in SCHEMES}
+    rest = [d for s, v in tiny.items() if s != BONDARENKO for d in v]
+    return (f"static W8A8 (Linear inputs) takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
             f"({_delta(_change(smol, 'w8a8-int8-static'))}); {others}; the tiny trio changes by "
-            f"{_changes(tiny)} under all five ({_noise(tiny)})")
+            f"{_changes(tiny[BONDARENKO])} at Bondarenko's sites ({_noise(tiny[BONDARENKO])}) and by "
+            f"{_changes(rest)} under the other five ({_noise(rest)})")
 
 
 def bondarenko_table2() -> str:
     cells = list(_cells("bondarenko_table2").values())
-    changes = [_change(c, s) for c in cells for s in c["schemes"]]
+    paper = [_change(c, s) for c in cells for s in c["schemes"] if s == BONDARENKO]
+    rest = [_change(c, s) for c in cells for s in c["schemes"] if s != BONDARENKO]
     return (f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
             f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, largest residual activation "
-            f"{_peaks(cells, _fixed(1))}, kurtosis (mean over blocks of their output, attention, FFN and norm-input "
-            f"tensors) {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}, W8A8 changes "
-            f"{_changes(changes)} ({_noise(changes)}), far from the paper's BERT-base outliers: the pipeline and "
-            "definitions, not the effect")
+            f"{_peaks(cells, _fixed(1))}, {KURTOSIS} {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}; "
+            f"W8A8 at the paper's sites changes {_changes(paper)} ({_noise(paper)}), static and dynamic INT8 at the "
+            f"Linear inputs {_changes(rest)} ({_noise(rest)}); far from the paper's BERT-base outliers: the pipeline "
+            "and definitions, not the effect")
 
 
 def bondarenko_table2_paper() -> str:
@@ -145,12 +152,15 @@ def qiu_table4() -> str:
     gated = [c for c in cells if _summary(c, "gate_mean") is not None]
     ns = [_summary(c, "gate_mean") for c in gated if c["variant"] == "g1-ns-sigmoid"]
     rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
+    paper = [_change(c, s) for c in cells for s in c["schemes"] if s == BONDARENKO]
     return (f"{_steps_tokens(cells)}: no row grows a sink (first-token attention "
             f"{_span([_summary(c, 'sink_mass') for c in cells], _fixed(3))}) or outliers (max "
             f"{_peaks(cells, _fixed(1))}); mean gates "
             f"{_span([_summary(c, 'gate_mean') for c in gated if c['variant'] != 'g1-ns-sigmoid'], _fixed(2))}"
-            f" (NS-sigmoid {_span(ns, _fixed(2))}); correlations across rows are noise (gate mean vs sink "
-            f"mass Spearman {rho:.2f}, n={len(gated)}), unlike the paper's exact rank agreement")
+            f" (NS-sigmoid {_span(ns, _fixed(2))}); "
+            + (f"W8A8 at Bondarenko's sites changes {_changes(paper)} ({_noise(paper)}); " if paper else "")
+            + f"correlations across rows are noise (gate mean vs sink mass Spearman {rho:.2f}, n={len(gated)}), "
+            "unlike the paper's exact rank agreement")
 
 
 def hyga_ablation() -> str:
@@ -170,7 +180,8 @@ def hyga_ablation() -> str:
     def ppl(c):
         return _num(ppl_of(c["float"]))
 
-    changes = {s: [_change(c, s) for c in cells.values()] for s in ("w8a8-int8-static", "w8a8-int8-dynamic")}
+    run = _metrics("hyga_ablation")["schemes"]
+    changes = {s: [_change(c, s) for c in cells.values()] for s in SCHEMES if s in run}
     every = [d for v in changes.values() for d in v]
     return (f"{_steps_tokens(cells.values())}, d={cells['gqa/vanilla']['source']['config']['hidden_size']}: max "
             f"activation vanilla -> G1 -> HyGA {trio('gqa', activation)}, max/median {trio('gqa', ratio)} (GQA) and "
@@ -203,17 +214,24 @@ def kv_eviction() -> str:
     m = _metrics("kv_eviction")
     smol, plain, gated = m["smollm2-135m"], m["cpu_recipe vanilla"], m["cpu_recipe g1-elementwise"]
 
-    def cost(r, w):
-        return r["ppl"][f"{w}/0"] / r["ppl"][f"{w}/4"]
+    def cost(r, w) -> Delta:
+        """ppl(w/0) / ppl(w/4) - 1, paired over the sequences where the metrics keep their NLL."""
+        if "nll" in r:
+            return ex.ppl_change(r["nll"][f"{w}/4"], r["nll"][f"{w}/0"], r["tokens_per_sequence"])
+        return change("perplexity", r["ppl"][f"{w}/4"], r["ppl"][f"{w}/0"])
+
+    def ratio(r, w) -> str:
+        return ex.format_ratio(cost(r, w), noise=", within noise")
 
     sink, layer = max((s, i) for i, s in enumerate(plain["first_token_attention"]))
     w = smol["windows"][0]
+    twin = [cost(gated, v) for v in gated["windows"]]
     return (f"window {w} on SmolLM2: ppl {_num(smol['ppl'][f'{w}/0'])} without the first 4 tokens vs "
-            f"{_num(smol['ppl'][f'{w}/4'])} with them ({cost(smol, w):.0f}x; full {_num(smol['ppl']['full'])}); tiny "
-            f"ungated (sink {sink:.2f} in layer {layer}): {cost(plain, plain['windows'][0]):.2f}x at window "
-            f"{plain['windows'][0]}; its G1-gated twin: {_span([cost(gated, w) for w in gated['windows']], _fixed(2))}x"
-            " "
-            f"at every window from {gated['windows'][0]} to {gated['windows'][-1]} ({POINT})")
+            f"{_num(smol['ppl'][f'{w}/4'])} with them ({ratio(smol, w)}; full {_num(smol['ppl']['full'])}); tiny "
+            f"ungated (sink {sink:.2f} in layer {layer}): {ratio(plain, plain['windows'][0])} at window "
+            f"{plain['windows'][0]}; its G1-gated twin: {ratio(gated, gated['windows'][0])} there, "
+            f"{_span([1 + d.value for d in twin], _fixed(2))}x at every window from {gated['windows'][0]} to "
+            f"{gated['windows'][-1]} ({_noise(twin).replace('exclude 0', 'exclude 1')})")
 
 
 def context_extension() -> str:
@@ -223,30 +241,41 @@ def context_extension() -> str:
     long = max(r["length"] for r in plain.values())
     sink = plain[f"{n}/default"]["first_token_attention_last_quarter"]
     layer = sink.index(max(sink))
+
+    def gate_change(key: str) -> str:
+        """G1's perplexity relative to the ungated model's on the same sequences (paired where the NLL is kept)."""
+        a, b = plain[key], gated[key]
+        if "nll" in a and "nll" in b:
+            return _delta(ex.ppl_change(a["nll"], b["nll"], a["length"] - 1))
+        return _delta(change("perplexity", a["ppl"], b["ppl"]))
+
     return (f"at {long // n}x the training length ({long} tokens), YaRN: ungated {plain[f'{n}/default']['ppl']:.2f} -> "
             f"{plain[f'{long}/yarn']['ppl']:.2f} ppl, G1 {gated[f'{n}/default']['ppl']:.2f} -> "
-            f"{gated[f'{long}/yarn']['ppl']:.2f}; unscaled RoPE: {plain[f'{long}/default']['ppl']:.2f} vs "
-            f"{gated[f'{long}/default']['ppl']:.2f}, and the ungated sink collapses ({sink[layer]:.2f} -> "
-            f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)")
+            f"{gated[f'{long}/yarn']['ppl']:.2f} (G1 vs ungated {gate_change(f'{long}/yarn')}); unscaled RoPE: "
+            f"{plain[f'{long}/default']['ppl']:.2f} vs {gated[f'{long}/default']['ppl']:.2f} "
+            f"({gate_change(f'{long}/default')}), and the ungated sink collapses ({sink[layer]:.2f} -> "
+            f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)"
+            + ("" if "nll" in plain[f"{n}/default"] else f" ({NO_DOCUMENTS})"))
 
 
 def massive_activation_intervention() -> str:
     m = _metrics("massive_activation_intervention")
     found, r = m["massive"], m["results"]
-    base = r["original"]["ppl"]
 
     def ppl(label, digits=3):
         return _num(r[label]["ppl"], digits)
 
-    def change_of(label):
-        return format_delta(change("perplexity", base, r[label]["ppl"]))
+    def change_of(label) -> Delta:
+        """The change from the original, paired over the test sequences."""
+        return ex.ppl_change(r["original"]["nll"], r[label]["nll"], m["tokens_per_sequence"])
 
     zero = r["zero"]["ppl"]
     return (f"SmolLM2 massive activations (channels {', '.join(map(str, found['channels']))} at token "
             f"{', '.join(map(str, found['positions']))}, from block {found['layer']}, up to {_num(found['max_abs'])}): "
-            f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M; mean -> {ppl('mean', 4)} ({change_of('mean')}); "
-            f"zeroing {len(found['channels'])} ordinary channels {change_of('zero, random channels (control)')} "
-            f"({NO_DOCUMENTS})")
+            f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M "
+            f"({ex.format_ratio(change_of('zero'), noise=', within noise')}); mean -> {ppl('mean', 4)} "
+            f"({_delta(change_of('mean'))}); zeroing {len(found['channels'])} ordinary channels "
+            f"{_delta(change_of('zero, random channels (control)'))}")
 
 
 def cpu_recipe_search() -> str:
@@ -269,27 +298,44 @@ def cpu_recipe_search() -> str:
 
 
 def cpu_recipe() -> str:
-    cells = _cells("cpu_recipe").values()
+    metrics = _metrics("cpu_recipe")
+    cells = metrics["cells"]
     plain = [c for c in cells if c["variant"] == "vanilla"]
     gated = [c for c in cells if c["variant"] != "vanilla"]
     sinks = [_max_layer_sink(c) for c in plain]
     layers = "/".join(map(str, sorted({i for _, i in sinks})))
     big = sum(peak_activation(c)[1] >= RATIO_TARGET for c in plain)
+    (_, widths), = bit_sweeps(metrics["schemes"]).items()
 
-    def static(group):
-        deltas = [_change(c, "w8a8-int8-static") for c in group]
+    def w8a8(group) -> tuple[list[Delta], str]:
+        deltas = [_change(c, BONDARENKO) for c in group]
         mean = seed_delta([d.value for d in deltas], "perplexity")
-        return f"{_changes(deltas)} (mean {_delta(mean)})"
+        return deltas, f"{_changes(deltas)} per seed ({_noise(deltas)}; mean {_delta(mean)})"
+
+    def budgets(group) -> str:
+        found = [budget([(b, _change(c, s)) for b, s in widths]) for c in group]
+        return ", ".join(f"A{f[0]}" if f else f"none (A{widths[0][0]} over)" for f in found)
+
+    (ungated, ungated_text), (twins, twins_text) = w8a8(plain), w8a8(gated)
+    apart = all(u.low is not None and g.high is not None and u.low > g.high for u, g in zip(ungated, twins))
+
+    def narrower(bits: int, scheme: str) -> str:
+        u, g = [_change(c, scheme) for c in plain], [_change(c, scheme) for c in gated]
+        above = sum(a.low is not None and b.high is not None and a.low > b.high for a, b in zip(u, g))
+        return f"A{bits} {_changes(u)} vs {_changes(g)} ({above} of {len(u)} seeds apart)"
 
     return (f"{sum(s >= SINK_TARGET for s, _ in sinks)}/{len(plain)} ungated seeds grow a layer-{layers} sink "
             f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
             f"{_peaks(plain, _fixed(0))}; their G1 twins stay at "
             f"{_span([_max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
             f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
-            f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in "
-            f"{big} seed{'s' if big != 1 else ''} of {len(plain)}; static W8A8 {static(plain)} ungated vs {static(gated)} "
-            f"gated (t-intervals across {len(plain)} seeds; per-seed {NO_DOCUMENTS.removeprefix('intervals ')}): the "
-            "INT8 gap is not reached")
+            f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in {big} seed{'s' if big != 1 else ''} of "
+            f"{len(plain)}; W8A8 at Bondarenko's sites {ungated_text} ungated vs {twins_text} gated "
+            f"(t-intervals across {len(plain)} seeds); bit budget (+{BUDGET:.0%}) {budgets(plain)} ungated vs "
+            f"{budgets(gated)} gated; "
+            + ("the ungated interval lies above its twin's in every seed at A8" if apart else
+               "the ungated and gated intervals overlap in at least one seed: no INT8 gap at this scale")
+            + "; with fewer activation bits, ungated vs gated: " + ", ".join(narrower(b, sch) for b, sch in widths[1:]))
 
 
 HEADLINES = {f.__name__: f for f in (quickstart, bondarenko_table2, bondarenko_table2_paper, qiu_table4, hyga_ablation,

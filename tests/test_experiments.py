@@ -12,6 +12,7 @@ import torch
 
 import quantgate as qg
 from quantgate import experiment as ex
+from quantgate.stats import Delta, format_delta
 from quantgate.study import load_study, plan, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,11 @@ def _loss_ppl(model, ids, start=1):
         return math.exp(model.eval()(input_ids=ids, labels=labels).loss.item())
 
 
+def _sequence_nll(model, ids, start=1):
+    """Per-sequence summed NLL (nats) of tokens start..L-1, from transformers' own loss of each sequence alone."""
+    return [math.log(_loss_ppl(model, ids[i:i + 1], start)) * (ids.shape[1] - start) for i in range(ids.shape[0])]
+
+
 def _metrics(out):
     return json.loads((out / "metrics.json").read_text())
 
@@ -125,25 +131,50 @@ def _check_massive_activation_intervention(out):
         hidden = model.eval()(ex.sequences(tok, "validation", 32, 2), output_hidden_states=True).hidden_states
     (mean,), = m["mean_value"]  # (positions, channels): block 0's output at token 0, channel 0
     assert mean == pytest.approx(hidden[1][:, 0, 0].mean().item(), abs=1e-6)
-    assert m["results"]["original"]["ppl"] == pytest.approx(_loss_ppl(model, ex.sequences(tok, "test", 32, 2)),
-                                                            rel=1e-5)
+    ids = ex.sequences(tok, "test", 32, 2)
+    assert m["results"]["original"]["ppl"] == pytest.approx(_loss_ppl(model, ids), rel=1e-5)
+    assert m["tokens_per_sequence"] == 31
+    assert m["results"]["original"]["nll"] == pytest.approx(_sequence_nll(model, ids), rel=1e-5)
+    text = (out / "report.md").read_text()
+    for label, r in m["results"].items():  # per-sequence NLL that add up to the perplexity, and the paired change
+        assert len(r["nll"]) == 2 and r["ppl"] == pytest.approx(math.exp(sum(r["nll"]) / 62), rel=1e-6)
+        if label != "original":
+            assert f"| {format_delta(ex.ppl_change(m['results']['original']['nll'], r['nll'], 31))} |" in text
 
 
 def _check_kv_eviction(out):
     m = _metrics(out)
+    text = (out / "report.md").read_text()
     for variant in ("vanilla", "g1-elementwise"):
         model = qg.build("tiny-llama", variant)
         ids = ex.sequences(qg.tokenizer(model), "backcopy", 32, 2, seed=1_000_003)
         second_half = _loss_ppl(model, ids, start=16)
-        assert m[f"tiny-llama {variant} (random)"]["ppl"]["full"] == pytest.approx(second_half, rel=1e-5)
+        r = m[f"tiny-llama {variant} (random)"]
+        assert r["ppl"]["full"] == pytest.approx(second_half, rel=1e-5)
+        assert r["tokens_per_sequence"] == 16 and r["nll"]["full"] == pytest.approx(_sequence_nll(model, ids, 16),
+                                                                                    rel=1e-5)
+        assert sorted(r["nll"]) == sorted(["full"] + [f"{w}/{k}" for w in (4, 8) for k in (0, 4)])
+        for w in (4, 8):  # the sinks' cost: ppl(w/0) / ppl(w/4) with its paired interval
+            cost = ex.ppl_change(r["nll"][f"{w}/4"], r["nll"][f"{w}/0"], 16)
+            assert 1 + cost.value == pytest.approx(r["ppl"][f"{w}/0"] / r["ppl"][f"{w}/4"], rel=1e-5)
+            assert f"| {w} | {r['ppl'][f'{w}/0']:.3g} | {r['ppl'][f'{w}/4']:.3g} | {ex.format_ratio(cost)} | " in text
 
 
 def _check_context_extension(out):
-    rows = _metrics(out)["results"]["vanilla"]
+    results = _metrics(out)["results"]
+    rows = results["vanilla"]
     model = qg.build("tiny-llama")
     tok = qg.tokenizer(model)
-    assert rows["16/default"]["ppl"] == pytest.approx(
-        _loss_ppl(model, ex.sequences(tok, "backcopy", 16, 2, seed=1_000_003)), rel=1e-5)
+    ids = ex.sequences(tok, "backcopy", 16, 2, seed=1_000_003)
+    assert rows["16/default"]["ppl"] == pytest.approx(_loss_ppl(model, ids), rel=1e-5)
+    assert rows["16/default"]["nll"] == pytest.approx(_sequence_nll(model, ids), rel=1e-5)
+    text = (out / "report.md").read_text()
+    for key, r in results["g1-elementwise"].items():  # gated vs ungated on the same sequences, with its interval
+        length, rope = key.split("/")
+        gated = format_delta(ex.ppl_change(rows[key]["nll"], r["nll"], int(length) - 1))
+        assert f"| g1-elementwise | {length} | {rope} | {rows[key]['ppl']:.3f} | {r['ppl']:.3f} | {gated} |" in text
+    vs_default = format_delta(ex.ppl_change(rows["32/default"]["nll"], rows["32/yarn"]["nll"], 31))
+    assert f"| vanilla | 32 | yarn | {rows['32/yarn']['ppl']:.3f} | {vs_default} |" in text
     config = copy.deepcopy(model.config)  # linear RoPE interpolation set up by transformers itself
     config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": 2.0}
     assert rows["32/linear"]["ppl"] == pytest.approx(
@@ -184,6 +215,22 @@ def test_sink_leak_toy_reproduces_the_seed():
     assert leaks[3] == pytest.approx(0.6275, abs=5e-5)  # the seed prints 0.628
     assert toy.toy_gap(4096) == pytest.approx(11.3, abs=0.05) and toy.toy_gap(131072) == pytest.approx(14.7, abs=0.05)
     assert toy.implied_gap(1000, toy.toy_leak(1000, 7.0) and 1 - toy.toy_leak(1000, 7.0)) == pytest.approx(7.0)
+
+
+def test_ppl_change_is_the_paired_perplexity_ratio():
+    """Two sequences of 10 tokens: perplexity exp(80 / 20) -> exp(83 / 20); each resample holds sequence 0, 1 or
+    both, so the interval lies within the single sequences' changes exp(6 / 10) - 1 and exp(-3 / 10) - 1."""
+    d = ex.ppl_change(torch.tensor([30.0, 50.0]), [36.0, 47.0], 10)
+    assert d.value == pytest.approx(math.exp((36 + 47 - 30 - 50) / 20) - 1, rel=1e-12) and d.n == 2
+    assert math.exp(-0.3) - 1 - 1e-12 <= d.low <= d.value <= d.high <= math.exp(0.6) - 1 + 1e-12
+    same = ex.ppl_change([30.0, 50.0, 41.0], [30.0, 50.0, 41.0], 10)
+    assert (same.value, same.low, same.high) == (0, 0, 0)
+    assert ex.format_ratio(same) == "1.000x [1.000, 1.000] ~"
+    assert ex.format_ratio(Delta(1.26, 0.9, 1.7, "perplexity", 4, "")) == "2.26x [1.90, 2.70]"
+    assert ex.format_ratio(Delta(57179.4, 30999.4, 1e5, "perplexity", 4, "")) == "57,180x [31,000, 100,001]"
+    assert ex.format_ratio(Delta(0.5, None, None, "perplexity", 0, "")) == "1.50x [n/a]"
+    with pytest.raises(ValueError):
+        ex.ppl_change([1.0, 2.0], [1.0], 10)
 
 
 def test_window_mask_is_a_rolling_cache_with_sinks():

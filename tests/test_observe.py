@@ -302,7 +302,9 @@ def test_hooked_tensors_are_measured_once_and_not_kept_alive(monkeypatch):
     report = observe(model, [{"input_ids": torch.randint(5, 8192, (2, 8))}], progress=False)
     assert alive == [False]  # layer 0's FFN activation is gone by the time layer 1's FFN runs
     names = sum(len(L["tensors"]) for L in report.layers)
-    assert len(calls) == len(set(calls)) == names - 3 * len(report.layers)  # k, v share q's tensor; up shares gate's
+    # per block, q/k/v share the first norm's output and gate/up the second's (5 repeats); layer 1's first norm
+    # reads layer 0's output; the final norm's input and output are two more
+    assert len(calls) == len(set(calls)) == names - 5 * len(report.layers) - 1 + 2
     for L in report.layers:
         t = L["tensors"]
         assert t["linear_in.self_attn.q_proj"] == t["linear_in.self_attn.k_proj"] == t["linear_in.self_attn.v_proj"]
@@ -329,3 +331,58 @@ def test_logits_only_for_the_loss(preset):
     head.clear()
     report = observe(model, [{"input_ids": ids, "attention_mask": mask}], progress=False)
     assert report.summary["loss"] is None and head == []
+
+
+# Bondarenko et al.'s tensors, written out by hand from the reference code (validate_mlm.py, run_clm.py)
+PAPER_TENSORS = {
+    "tiny-opt": (["decoder.layers.{j}", "decoder.layers.{j}.fc2", "decoder.layers.{j}.self_attn.out_proj",
+                  "decoder.layers.{j}.self_attn_layer_norm", "decoder.layers.{j}.final_layer_norm"],
+                 ["decoder.final_layer_norm"]),
+    "tiny-llama": (["layers.{j}", "layers.{j}.mlp", "layers.{j}.self_attn.o_proj", "layers.{j}.input_layernorm",
+                    "layers.{j}.post_attention_layernorm"], ["norm"]),
+    "tiny-bert": (["encoder.layer.{j}.output.dense", "encoder.layer.{j}.output.LayerNorm"], []),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PAPER_TENSORS))
+def test_kurtosis_and_inf_norm_over_the_papers_tensors(preset):
+    """The headline kurtosis is the mean over the reference's tensors of each tensor's per-sequence kurtosis
+    (averaged over sequences); the max inf-norm the largest per-tensor mean of sequence maxima (BERT: the
+    LayerNorm inputs too). Computed here with plain hooks on those modules."""
+    torch.manual_seed(0)
+    model = qg.build(preset)
+    obj = "mlm" if preset == "tiny-bert" else "clm"
+    data = list(batches(qg.tokenizer(model), "validation", 32, 2, obj, max_batches=2))
+    per_block, outer = PAPER_TENSORS[preset]
+    names = [n.format(j=j) for j in range(model.config.num_hidden_layers) for n in per_block] + outer
+    seen: dict[str, list] = {n: [] for n in names}  # per tensor: (sequences, tokens x channels) rows
+    ln_in: dict[str, list] = {}
+    rows = 0  # sequences in the current batch (OPT's FFN sees (B * T, C))
+
+    def hook(m, a, o, n):
+        seen[n].append((o[0] if isinstance(o, tuple) else o).reshape(rows, -1))
+        if preset == "tiny-bert" and n.endswith("LayerNorm"):
+            ln_in.setdefault(n, []).append(a[0].reshape(rows, -1))
+
+    handles = [model.base_model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n))
+               for n in names]
+    model.eval()
+    with torch.no_grad():
+        for b in data:
+            rows = b["input_ids"].shape[0]
+            model.base_model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+    for h in handles:
+        h.remove()
+
+    def kurt(rows):
+        x = torch.cat(rows).double()
+        c = x - x.mean(1, keepdim=True)
+        return float(((c**4).mean(1) / (c**2).mean(1) ** 2).mean())
+
+    def inf(rows):
+        return float(torch.cat(rows).abs().amax(1).double().mean())
+
+    report = observe(model, data, progress=False)
+    assert report.summary["kurtosis"] == pytest.approx(sum(kurt(seen[n]) for n in names) / len(names), rel=1e-4)
+    assert report.summary["max_inf_norm"] == pytest.approx(
+        max(inf(r) for r in [*seen.values(), *ln_in.values()]), rel=1e-5)

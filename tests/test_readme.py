@@ -19,10 +19,17 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_readme_python_examples_run(tmp_path, monkeypatch):
+    from quantgate.quant import SCHEMES
+
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    for example in _code_blocks("python"):  # in order, sharing names, as a reader would run them
-        exec(compile(example, "README.md", "exec"), namespace)
+    schemes = dict(SCHEMES)
+    try:
+        for example in _code_blocks("python"):  # in order, sharing names, as a reader would run them
+            exec(compile(example, "README.md", "exec"), namespace)
+    finally:  # the example registers a scheme: leave the registry as the other tests expect it
+        SCHEMES.clear()
+        SCHEMES.update(schemes)
     assert (tmp_path / "runs" / "observe" / "observe_sink.png").is_file()
     assert namespace["out"].shape == (1, 4, 32, 16) and namespace["mass"].shape == (1, 4, 32)
     assert qg_variant(namespace["q_model"]) == "g1-headwise"  # the quantized copy of the first model

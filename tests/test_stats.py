@@ -108,3 +108,10 @@ def test_change_without_documents_is_a_point_value():
     d = change("word_perplexity", 100.0, 125.0)
     assert d.value == pytest.approx(0.25) and format_delta(d) == "+25.0% [n/a]"
     assert change("acc", 0.5, 0.4).value == pytest.approx(-0.1) and change("acc", None, 0.4) is None
+
+
+def test_a_perplexity_that_grew_tenfold_prints_as_a_ratio():
+    assert format_delta(Delta(9.0, 4.0, 19.0, "perplexity", 4, "x")) == "10.0x [5.0, 20.0]"
+    assert format_delta(Delta(57179.0, 41283.0, 86011.0, "perplexity", 4, "x")) == "57,180x [41,284, 86,012]"
+    assert format_delta(Delta(6.5e11, 2.8e9, 3.2e12, "perplexity", 4, "x")) == "6.5e+11x [2.8e+09, 3.2e+12]"
+    assert format_delta(Delta(8.99, 4.0, 19.0, "perplexity", 4, "x")) == "+899.0% [+400.0, +1900.0]"

@@ -4,6 +4,7 @@ and rejects bad study files before any work."""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.report import pearson, spearman, study_markdown, write_study_report
+from quantgate.report import _fmt, peak_activation, pearson, spearman, study_markdown, write_study_report
 from quantgate.study import StudyError, load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,30 +165,51 @@ def test_cells_keep_per_document_values_and_the_report_shows_their_intervals(smo
         study_markdown(metrics)
 
 
-def _static_change(cell: dict) -> float:
-    """The backcopy perplexity change static W8A8 causes in a cpu_recipe cell."""
-    fp = cell["float"]["quantgate_backcopy"]["perplexity"]
-    return cell["schemes"]["w8a8-int8-static"]["results"]["quantgate_backcopy"]["perplexity"] / fp - 1
+def _without_documents(metrics: dict) -> dict:
+    """A committed run as it would be without per-document values (the runs made before they were kept)."""
+    cells = [{**{k: v for k, v in c.items() if k != "float_documents"},
+              "schemes": {s: {k: v for k, v in r.items() if k != "documents"} for s, r in c["schemes"].items()}}
+             for c in metrics["cells"]]
+    return {**metrics, "cells": cells}
 
 
-def test_reports_of_runs_without_per_document_values():
-    """Committed runs made before per-document values: intervals n/a, correlations only from n = 5,
-    seeds averaged with a t-interval, max / median of the block holding the max, kurtosis's tensors named."""
-    quickstart = json.loads((ROOT / "results" / "quickstart" / "metrics.json").read_text())
-    report = study_markdown(quickstart)
-    assert "| 238.7 | +124.6% [n/a] |" in report and "[n/a]: no interval" in report
-    assert "None: fewer than 5 cells have any two of the numbers." in report and "(n=4)" not in report
-    # tiny/clipped: the largest activation (4.668) is in a block whose max / median is 7.836, not the 8.073 of
-    # another block
-    assert "| tiny | clipped:alpha=4 | 0 | 819,200 | - | 4.668 | 7.836 | 0.03303 |" in report
-    assert "then over each block's output (the residual stream), attention output, FFN output and norm inputs" in report
-    assert "(n=10)" in study_markdown(json.loads((ROOT / "results" / "qiu_table4" / "metrics.json").read_text()))
-    recipe = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())
-    changes = [_static_change(c) for c in recipe["cells"][:3]]  # tiny/vanilla, seeds 0, 1, 2
+def _committed(name: str) -> dict:
+    return json.loads((ROOT / "results" / name / "metrics.json").read_text())
+
+
+def test_committed_reports_carry_intervals_and_say_when_there_are_none():
+    """Committed runs: every change has its paired interval; stripped of their per-document values they say
+    [n/a]; correlations only from n = 5; max / median of the block holding the max; kurtosis's tensors named."""
+    quickstart = _committed("quickstart")
+    with_docs, without = study_markdown(quickstart), study_markdown(_without_documents(quickstart))
+    assert re.search(r"\| [+-]\d+\.\d+% \[[+-]\d", with_docs)  # a change with its interval
+    assert not re.search(r"\d(%|x| pp) \[n/a\]", with_docs)  # no change without its interval
+    rows = "\n".join(line for line in without.splitlines() if line.startswith("|"))  # the tables, not the notes
+    assert not re.search(r"% \[[+-]\d", rows) and "[n/a]: no interval" in without
+    assert "None: fewer than 5 cells have any two of the numbers." in without and "(n=4)" not in without
+    for cell in quickstart["cells"]:  # the ratio is that of the block holding the largest activation
+        peak, ratio = peak_activation(cell)
+        assert f"| {_fmt(peak)} | {_fmt(ratio)} |" in with_docs
+    assert "then over Bondarenko et al.'s tensors (their reference code): for BERT each layer's FFN output" in with_docs
+    assert "(n=10)" in study_markdown(_committed("qiu_table4"))
+
+
+def test_seeds_average_with_a_t_interval_when_cells_lack_documents():
+    recipe = _without_documents(_committed("cpu_recipe"))
+    vanilla = [c for c in recipe["cells"] if c["variant"] == "vanilla"]
+    changes = [100 * _change(c, "w8a8-int8-bondarenko") for c in vanilla]  # the report's first scheme
     mean = sum(changes) / 3
     half = 4.302652729911275 * math.sqrt(sum((x - mean) ** 2 for x in changes) / 2) / math.sqrt(3)
-    assert f"| tiny | vanilla | 0, 1, 2 | 4.305 | {100 * mean:+.2f}% [{100 * (mean - half):+.2f}, " \
-           f"{100 * (mean + half):+.2f}] ~ |" in study_markdown(recipe)
+    d = 2 if max(abs(mean - half), abs(mean + half)) < 1 else 1  # format_delta's decimals
+    fp = sum(c["float"]["quantgate_backcopy"]["perplexity"] for c in vanilla) / 3
+    row = f"| tiny | vanilla | 0, 1, 2 | {_fmt(fp)} | {mean:+.{d}f}% [{mean - half:+.{d}f}, {mean + half:+.{d}f}]"
+    assert row in study_markdown(recipe)
+
+
+def _change(cell: dict, scheme: str) -> float:
+    """The backcopy perplexity change ``scheme`` causes in a cpu_recipe cell."""
+    fp = cell["float"]["quantgate_backcopy"]["perplexity"]
+    return cell["schemes"][scheme]["results"]["quantgate_backcopy"]["perplexity"] / fp - 1
 
 
 def test_compare_reads_study_runs(smoke_run):
@@ -206,7 +228,7 @@ def test_compare_matches_each_seed_with_its_own_float_run():
     q = seed1["schemes"]["w8a8-int8-static"]["results"]["quantgate_backcopy"]["perplexity"]
     row = next(line for line in compare([ROOT / "results" / "cpu_recipe"]).splitlines()
                if line.startswith("| cpu_recipe:tiny | vanilla | 1 | w8a8-int8-static |"))
-    assert f"| {q:.4g} | {100 * _static_change(seed1):+.2f}% [n/a] |" in row  # against seed 1's float run, not seed 2's
+    assert f"| {q:.4g} | {100 * _change(seed1, 'w8a8-int8-static'):+.2f}% [" in row  # against seed 1's float run
 
 
 def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatch):

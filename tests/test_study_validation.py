@@ -38,6 +38,7 @@ BAD = {
     "eval-limit-task": (TINY + "eval:\n  tasks: [quantgate_ppl]\n  limit: {quantgate_pl: 2}\n", 7,
                         "limit names 'quantgate_pl', not among the evaluated tasks"),
     "eval-batch-size": (TINY + "    eval: {batch_size: big}\n", 5, "batch_size must be int | str, 'auto' or >= 1"),
+    "eval-max-length": (TINY + "    eval: {max_length: 0}\n", 5, "max_length must be int, >= 1; got 0"),
     "seed": (TINY + "seed: abc\n", 5, "seed must be int, >= 0; got 'abc'"),
     "g2-value-on-mla": ("name: x\nmodels:\n  - preset: tiny-mla\n    variants: [vanilla, g2-value]\n", 4,
                         "variant 'g2-value': mla: g2-value gates each key token's values"),
@@ -109,3 +110,22 @@ def test_a_second_run_on_a_busy_directory_stops_before_writing(tmp_path):
         with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
             run_study(ROOT / "experiments" / "smoke.yaml", out)
     assert sorted(p.name for p in out.iterdir()) == [".quantgate.lock"]
+
+
+def test_models_trained_here_are_evaluated_within_their_training_length(tmp_path):
+    """lm-eval's windows default to the training seq_len for a trained model (not the model's position table:
+    a tiny model trained on 128 tokens would be scored at 4,096); loaded models and computed tasks keep theirs;
+    an explicit max_length wins."""
+    from quantgate.study import _eval_settings
+
+    text = ("name: x\nmodels:\n  - name: trained\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
+            "  - name: explicit\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
+            "    eval: {max_length: 256}\n"
+            "  - name: backcopy\n    preset: tiny-llama\n    train: {steps: 2, data: backcopy}\n"
+            "    eval: {tasks: [quantgate_backcopy]}\n"
+            "  - name: loaded\n    load: smollm2-135m\n")
+    (tmp_path / "s.yaml").write_text(text)
+    models = {m.name: m for m in load_study(tmp_path / "s.yaml").models}
+    assert _eval_settings(models["trained"])["max_length"] == 64
+    assert _eval_settings(models["explicit"])["max_length"] == 256
+    assert "max_length" not in _eval_settings(models["backcopy"]) and "max_length" not in _eval_settings(models["loaded"])

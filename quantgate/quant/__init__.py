@@ -15,18 +15,14 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from ..models.swap import apply_variant, variant_of
-from .backends import apply_bnb, apply_torchao
+from . import backends, simulate  # importing them registers the schemes' handlers
 from .error import quant_error
-from .schemes import SCHEMES, Scheme, _fmt, get_scheme
-from .simulate import apply_simulated
+from .schemes import HANDLERS, SCHEMES, Scheme, _fmt, get_scheme, handler_for
 
 __all__ = ["quantize", "quant_error", "SCHEMES", "Scheme", "get_scheme", "quantization_of", "HANDLERS",
-           "HardwareUnavailable"]
+           "handler_for", "HardwareUnavailable"]
 
 log = logging.getLogger("quantgate")
-
-HANDLERS = {"simulate": apply_simulated, "torchao": apply_torchao, "bnb": apply_bnb}
-
 
 class HardwareUnavailable(RuntimeError):
     """The scheme needs hardware this machine lacks (e.g. an FP8-capable GPU); the message names an alternative."""
@@ -54,7 +50,7 @@ def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplac
     def calibrate(m):
         seen.update(_calibrate(m, calibration, scheme.calib))
 
-    HANDLERS[scheme.backend](target, scheme, calibrate)
+    handler_for(scheme).apply(target, scheme, calibrate)
     target.config.quantgate["quantization"] = {
         "scheme": str(scheme),
         "calibration": {**seen, "source": getattr(calibration, "split", None),

@@ -7,59 +7,59 @@ import logging
 import torch
 import torch.nn as nn
 
-from .schemes import Scheme, TensorQuant
+from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
 from .simulate import ActQuant, quantizable_linears
 
-__all__ = ["apply_torchao", "apply_bnb", "replace_module", "torchao_input_ndims"]
+__all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "replace_module", "torchao_input_ndims"]
 
 log = logging.getLogger("quantgate")
 
 
-def _torchao_config(scheme: Scheme, static_scale: torch.Tensor | None = None):
-    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig,
-                                      Int8DynamicActivationInt8WeightConfig, Int8StaticActivationInt8WeightConfig,
-                                      Int8WeightOnlyConfig)
-    from torchao.quantization.granularity import PerRow, PerTensor
-
-    if scheme.name == "torchao-int8-static":
-        return Int8StaticActivationInt8WeightConfig(act_quant_scale=static_scale, granularity=[PerTensor(), PerRow()])
-    return {"torchao-int8-dynamic": Int8DynamicActivationInt8WeightConfig,
-            "torchao-int8-weight-only": Int8WeightOnlyConfig,
-            "torchao-fp8-weight-only": Float8WeightOnlyConfig,
-            "torchao-fp8-dynamic": Float8DynamicActivationFloat8WeightConfig}[scheme.name]()
-
-
-def apply_torchao(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bool = False, ndims=None) -> nn.Module:
-    """torchao's ``quantize_`` on every Linear but the kept ones. For int8 static, per-tensor symmetric
-    activation scales (max |x| / 127) come from the calibration batches (``ndims`` and placeholder
-    scales when only the structure is rebuilt for loading)."""
+def _quantize_(scheme: TorchaoScheme):
+    """torchao's ``quantize_``, or an error saying how to install torchao."""
     try:
         from torchao.quantization import quantize_
     except ImportError as e:
         raise ModuleNotFoundError(f"{scheme.name} needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
+    return quantize_
+
+
+@handles(TorchaoScheme, restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None), assign=True)
+def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate) -> nn.Module:
+    """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
+    targets = {id(m) for _, m in quantizable_linears(model, scheme)}
+    _quantize_(scheme)(model, scheme.torchao_config(), filter_fn=lambda m, fqn: id(m) in targets)
+    return model
+
+
+def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manifest: dict) -> nn.Module:
+    """The static layout with placeholder scales of the ranks recorded in the manifest (``input_ndims``)."""
+    return _with_input_scales(model, scheme, {n: torch.ones((1,) * d) for n, d in manifest["input_ndims"].items()})
+
+
+@handles(TorchaoStaticScheme, restore=restore_torchao_static, assign=True)
+def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate) -> nn.Module:
+    """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
+    scales (max |x| / 127) from the calibration batches."""
     linears = quantizable_linears(model, scheme)
-    if scheme.name != "torchao-int8-static":
-        targets = {id(m) for _, m in linears}
-        quantize_(model, _torchao_config(scheme), filter_fn=lambda m, fqn: id(m) in targets)
-        return model
-    observers = {}
-    if not skeleton:
-        spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
-        handles = []
-        for name, linear in linears:
-            observers[name] = ActQuant(spec, f"{name} input")
-            handles.append(linear.register_forward_pre_hook(_observe_input(observers[name])))
-        calibrate(model)
-        for h in handles:
-            h.remove()
-    for name, linear in linears:
-        if skeleton:
-            scale = torch.ones((1,) * ndims[name])
-        else:
-            q = observers[name]
-            lo, hi = q.observer.range("int8", True)
-            scale = (torch.maximum(lo.abs(), hi.abs()) / 127).clamp_min(1e-12).reshape((1,) * q.ndim)
-        quantize_(linear, _torchao_config(scheme, scale.to(linear.weight.device)), filter_fn=lambda m, fqn: m is linear)
+    spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
+    observers = {name: ActQuant(spec, f"{name} input") for name, _ in linears}
+    handles_ = [linear.register_forward_pre_hook(_observe_input(observers[name])) for name, linear in linears]
+    calibrate(model)
+    for h in handles_:
+        h.remove()
+    scales = {}
+    for name, q in observers.items():
+        lo, hi = q.observer.range("int8", True)
+        scales[name] = (torch.maximum(lo.abs(), hi.abs()) / 127).clamp_min(1e-12).reshape((1,) * q.ndim)
+    return _with_input_scales(model, scheme, scales)
+
+
+def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: dict[str, torch.Tensor]) -> nn.Module:
+    quantize_ = _quantize_(scheme)
+    for name, linear in quantizable_linears(model, scheme):
+        scale = scales[name].to(linear.weight.device)
+        quantize_(linear, scheme.torchao_config(scale), filter_fn=lambda m, fqn: m is linear)
         linear.qg_input_ndim = int(scale.dim())
     return model
 
@@ -70,7 +70,13 @@ def _observe_input(quant: ActQuant):
     return hook
 
 
-def apply_bnb(model: nn.Module, scheme: Scheme, calibrate=None, *, skeleton: bool = False) -> nn.Module:
+def restore_bnb(model: nn.Module, scheme: BnbScheme, manifest: dict | None = None) -> nn.Module:
+    """Empty Linear8bitLt modules in place of the Linears (their int8 weights come from the file)."""
+    return apply_bnb(model, scheme, None, skeleton=True)
+
+
+@handles(BnbScheme, restore=restore_bnb)
+def apply_bnb(model: nn.Module, scheme: BnbScheme, calibrate=None, *, skeleton: bool = False) -> nn.Module:
     """Replace every Linear but the kept ones with bitsandbytes' Linear8bitLt (LLM.int8, outlier threshold)."""
     try:
         import bitsandbytes as bnb

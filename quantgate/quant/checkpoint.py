@@ -32,7 +32,7 @@ from ..models.sources import tokenizer as get_tokenizer
 from ..models.swap import apply_variant, variant_of
 from ..variants import AttentionVariant
 from .backends import torchao_input_ndims
-from .schemes import get_scheme
+from .schemes import get_scheme, handler_for
 from .simulate import check_ranges
 
 __all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS"]
@@ -80,8 +80,6 @@ def save_quantized(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
 
 def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto"):
     """Load the quantized checkpoint in directory ``path`` (``qg.load`` sends it here)."""
-    from . import HANDLERS
-
     config = model_io.read_config(path)
     manifest = _read_manifest(path, config)
     if variant is not None and str(variant) != manifest["variant"]:
@@ -99,12 +97,12 @@ def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None
     with torch.random.fork_rng(devices=[]):
         model = family.model_class(config)(config)
     apply_variant(model, manifest["variant"], backend=backend)
-    HANDLERS[scheme.backend](model, scheme, None, skeleton=True,
-                             **({"ndims": manifest["input_ndims"]} if scheme.name == "torchao-int8-static" else {}))
+    handler = handler_for(scheme)
+    handler.restore(model, scheme, manifest)
     for alias, original in manifest["aliases"].items():
         state[alias] = state[original]
     try:
-        model.load_state_dict(state, strict=True, assign=scheme.backend == "torchao")
+        model.load_state_dict(state, strict=True, assign=handler.assign)
     except RuntimeError as e:
         raise ValueError(f"{path / WEIGHTS} does not match its config and manifest: {e}") from None
     model.config.quantgate = {**meta}

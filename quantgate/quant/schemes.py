@@ -5,17 +5,27 @@ starts from the named scheme and changes what the options say; ``str(scheme)`` p
 ``acts`` names the placement of the activation quantizers (:mod:`quantgate.quant.simulate`);
 ``a_bits`` / ``w_bits`` set the width of an integer format (2..8), not of FP8 (E4M3 / E5M2 are
 formats of their own: the scheme name picks one).
+
+A scheme is a config object, as in torchao: :class:`SimulatedScheme`, :class:`TorchaoScheme` (and
+:class:`TorchaoStaticScheme`, which calibrates) and :class:`BnbScheme`, each declaring the options
+it reads. Each config class has one registered :class:`Handler` (``@handles(SchemeClass)``, in the
+backend's module) that quantizes a model with it and lays the structure out again for loading; a new
+torchao config is one ``TorchaoScheme`` row in ``SCHEMES``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
+from typing import Callable, ClassVar
+
+import torch.nn as nn
 
 from ..variants import Range
 from .quantizers import FP8, INT_BITS
 
-__all__ = ["TensorQuant", "Scheme", "SCHEMES", "get_scheme", "act_bits", "OPTIONS", "Option"]
+__all__ = ["TensorQuant", "Scheme", "SimulatedScheme", "TorchaoScheme", "TorchaoStaticScheme", "BnbScheme",
+           "Handler", "handles", "handler_for", "SCHEMES", "get_scheme", "act_bits", "OPTIONS", "Option"]
 
 
 @dataclass(frozen=True)
@@ -45,21 +55,47 @@ class TensorQuant:
 
 @dataclass(frozen=True)
 class Scheme:
+    """What every scheme has: a name (its row in ``SCHEMES``), a description, the modules kept in full
+    precision (``keep`` patterns, besides the LM head; attention gates unless ``gates``), and, where the
+    scheme needs a GPU, why. ``options`` names the ``OPTIONS`` a scheme class reads."""
+
     name: str
-    backend: str  # simulate | torchao | bnb
     description: str
-    weight: TensorQuant | None = None
-    act: TensorQuant | None = None
-    acts: str = "linear-inputs"  # where activations are quantized: linear-inputs | bondarenko (simulate.py)
+    _: KW_ONLY
     keep: tuple[str, ...] = ()  # module-name patterns kept in full precision, besides the LM head
     gates: bool = False  # quantize the attention-gate projections too (default: full precision)
-    calib: int = 16  # calibration batches used when the scheme needs ranges
-    threshold: float = 6.0  # llm-int8 outlier threshold
     needs_cuda: str | None = None  # why, when the scheme needs a GPU
+    options: ClassVar[tuple[str, ...]] = ("keep", "gates")
 
     def __post_init__(self):
         for key, value in _options(self).items():
             OPTIONS[key].check(self.name, key, value)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether :func:`~quantgate.quant.quantize` needs calibration batches."""
+        return False
+
+    def __str__(self) -> str:
+        base = SCHEMES[self.name]
+        changed = [f"{k}={_fmt(v)}" for k, v in _options(self).items() if _options(base).get(k) != v]
+        return self.name + (":" + ",".join(changed) if changed else "")
+
+
+@dataclass(frozen=True)
+class SimulatedScheme(Scheme):
+    """Fake quantization in float (:mod:`quantgate.quant.simulate`): any integer width, FP8, any placement."""
+
+    weight: TensorQuant | None = None
+    act: TensorQuant | None = None
+    acts: str = "linear-inputs"  # where activations are quantized: linear-inputs | bondarenko (simulate.py)
+    calib: int = 16  # calibration batches used when the scheme needs ranges
+    options: ClassVar[tuple[str, ...]] = ("w_granularity", "w_estimator", "w_symmetric", "group_size",
+                                          "a_granularity", "a_symmetric", "dynamic", "estimator", "momentum",
+                                          "percentile", "a_bits", "w_bits", "acts", "keep", "gates", "calib")
+
+    def __post_init__(self):
+        super().__post_init__()
         a = self.act
         if a is not None and a.dynamic and a.granularity == "channel":
             raise ValueError(f"{self.name}: dynamic activations are per tensor or per token, not per channel")
@@ -68,13 +104,79 @@ class Scheme:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.name == "torchao-int8-static" or (self.backend == "simulate" and self.act is not None
-                                                      and not self.act.dynamic)
+        return self.act is not None and not self.act.dynamic
 
-    def __str__(self) -> str:
-        base = SCHEMES[self.name]
-        changed = [f"{k}={_fmt(v)}" for k, v in _options(self).items() if _options(base).get(k) != v]
-        return self.name + (":" + ",".join(changed) if changed else "")
+
+@dataclass(frozen=True)
+class TorchaoScheme(Scheme):
+    """torchao's ``quantize_`` with the named config class of ``torchao.quantization`` (real kernels)."""
+
+    config: str = ""
+
+    def torchao_config(self):
+        import torchao.quantization
+
+        return getattr(torchao.quantization, self.config)()
+
+
+@dataclass(frozen=True)
+class TorchaoStaticScheme(TorchaoScheme):
+    """torchao's static int8 config: per-tensor symmetric activation scales calibrated by quantgate."""
+
+    calib: int = 16
+    options: ClassVar[tuple[str, ...]] = ("keep", "gates", "calib")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    def torchao_config(self, act_scale=None):
+        """The config for one Linear whose input scale is ``act_scale`` (max |x| / 127)."""
+        import torchao.quantization
+        from torchao.quantization.granularity import PerRow, PerTensor
+
+        return getattr(torchao.quantization, self.config)(act_quant_scale=act_scale,
+                                                           granularity=[PerTensor(), PerRow()])
+
+
+@dataclass(frozen=True)
+class BnbScheme(Scheme):
+    """bitsandbytes' LLM.int8: int8 matmuls with the outlier features above ``threshold`` kept in 16-bit."""
+
+    threshold: float = 6.0
+    options: ClassVar[tuple[str, ...]] = ("keep", "gates", "threshold")
+
+
+@dataclass(frozen=True)
+class Handler:
+    """How one scheme class is applied. ``apply(model, scheme, calibrate)`` quantizes ``model`` in place
+    (``calibrate(model)`` runs the calibration batches); ``restore(model, scheme, manifest)`` lays out the
+    same structure without calibrating, for loading a saved model (``manifest``: its quantization.json);
+    ``assign``: the saved state replaces the parameters (tensor subclasses) instead of being copied in."""
+
+    apply: Callable[[nn.Module, Scheme, Callable], nn.Module]
+    restore: Callable[[nn.Module, Scheme, dict], nn.Module]
+    assign: bool = False
+
+
+HANDLERS: dict[type, Handler] = {}
+
+
+def handles(scheme_class: type, *, restore: Callable, assign: bool = False):
+    """Register the decorated ``apply`` function, with ``restore``, as the handler of ``scheme_class``."""
+    def register(apply: Callable) -> Callable:
+        HANDLERS[scheme_class] = Handler(apply, restore, assign)
+        return apply
+    return register
+
+
+def handler_for(scheme: Scheme) -> Handler:
+    """The handler registered for ``scheme``'s class (or its nearest registered base class)."""
+    for cls in type(scheme).__mro__:
+        if cls in HANDLERS:
+            return HANDLERS[cls]
+    raise TypeError(f"no handler is registered for {type(scheme).__name__} ({scheme.name}); register one with "
+                    f"@handles({type(scheme).__name__}, restore=...)")
 
 
 def _fmt(v) -> str:
@@ -142,13 +244,12 @@ OPTIONS = {
     "calib": Option(None, "calib", int, Range(lo=1)),  # batches
     "threshold": Option(None, "threshold", float, Range(lo=0.0)),  # LLM.int8 outlier magnitude; 0: none kept
 }
-_BACKEND_OPTIONS = {"simulate": set(OPTIONS) - {"threshold"}, "torchao": {"keep", "gates"},
-                    "bnb": {"keep", "gates", "threshold"}}
 
 
 def _options(s: Scheme) -> dict:
     out = {}
-    for key, opt in OPTIONS.items():
+    for key in type(s).options:
+        opt = OPTIONS[key]
         holder = s if opt.where is None else getattr(s, opt.where)
         value = opt.read(holder) if holder is not None else None
         if value is not None:
@@ -157,47 +258,51 @@ def _options(s: Scheme) -> dict:
 
 
 def _allowed(s: Scheme) -> set[str]:
-    allowed = {k for k in _BACKEND_OPTIONS[s.backend] if OPTIONS[k].where is None or getattr(s, OPTIONS[k].where)}
-    return allowed | ({"calib"} if s.name == "torchao-int8-static" else set())
+    """The options ``s`` can take: its class's, less those of a tensor kind it leaves unquantized."""
+    return {k for k in type(s).options if OPTIONS[k].where is None or getattr(s, OPTIONS[k].where)}
 
 
 _I8_STATIC_ACT = TensorQuant("int8", "tensor", symmetric=False, estimator="running-minmax")
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    Scheme("w8a8-int8-static", "simulate",
-           "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
-           "running min-max over 16 calibration batches) at the input of every nn.Linear but the LM head and the "
-           "attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm outputs and the "
-           "attention's q/k/v and softmax stay in float", TensorQuant("int8"), _I8_STATIC_ACT),
-    Scheme("w8a8-int8-bondarenko", "simulate",
-           "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
-           "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
-           "tensor, running min-max, momentum 0.9, 16 calibration batches) at every site of acts=bondarenko: "
-           "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
-           "FFN activation and output; the LM head and the attention gates stay in full precision",
-           TensorQuant("int8"), _I8_STATIC_ACT, acts="bondarenko"),
-    Scheme("w8a8-int8-dynamic", "simulate",
-           "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
-           TensorQuant("int8", "channel"), TensorQuant("int8", "token", dynamic=True)),
-    Scheme("w8a8-fp8-e4m3", "simulate",
-           "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
-           "saturation at 448 counted)", TensorQuant("fp8-e4m3"), TensorQuant("fp8-e4m3")),
-    Scheme("w8a8-fp8-e5m2", "simulate",
-           "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation counted)",
-           TensorQuant("fp8-e5m2"), TensorQuant("fp8-e5m2")),
-    Scheme("w8-int8", "simulate", "INT8 weight-only, symmetric per output channel", TensorQuant("int8", "channel")),
-    Scheme("w4-int4-group", "simulate", "INT4 weight-only, asymmetric, groups of 128 input channels",
-           TensorQuant("int4", "group", symmetric=False)),
-    Scheme("torchao-int8-dynamic", "torchao", "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)"),
-    Scheme("torchao-int8-weight-only", "torchao", "torchao Int8WeightOnlyConfig"),
-    Scheme("torchao-int8-static", "torchao",
-           "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales calibrated here, "
-           "per-channel weights"),
-    Scheme("torchao-fp8-weight-only", "torchao", "torchao Float8WeightOnlyConfig"),
-    Scheme("torchao-fp8-dynamic", "torchao", "torchao Float8DynamicActivationFloat8WeightConfig",
-           needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this machine "
-                      "use the simulated scheme w8a8-fp8-e4m3:dynamic=true"),
-    Scheme("llm-int8", "bnb", "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above "
-                              "the threshold (6.0) kept in 16-bit"),
+    SimulatedScheme(
+        "w8a8-int8-static",
+        "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
+        "running min-max over 16 calibration batches) at the input of every nn.Linear but the LM head and the "
+        "attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm outputs and the "
+        "attention's q/k/v and softmax stay in float", weight=TensorQuant("int8"), act=_I8_STATIC_ACT),
+    SimulatedScheme(
+        "w8a8-int8-bondarenko",
+        "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
+        "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
+        "tensor, running min-max, momentum 0.9, 16 calibration batches) at every site of acts=bondarenko: "
+        "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
+        "FFN activation and output; the LM head and the attention gates stay in full precision",
+        weight=TensorQuant("int8"), act=_I8_STATIC_ACT, acts="bondarenko"),
+    SimulatedScheme("w8a8-int8-dynamic",
+                    "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
+                    weight=TensorQuant("int8", "channel"), act=TensorQuant("int8", "token", dynamic=True)),
+    SimulatedScheme("w8a8-fp8-e4m3",
+                    "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
+                    "saturation at 448 counted)", weight=TensorQuant("fp8-e4m3"), act=TensorQuant("fp8-e4m3")),
+    SimulatedScheme("w8a8-fp8-e5m2",
+                    "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation "
+                    "counted)", weight=TensorQuant("fp8-e5m2"), act=TensorQuant("fp8-e5m2")),
+    SimulatedScheme("w8-int8", "INT8 weight-only, symmetric per output channel", weight=TensorQuant("int8", "channel")),
+    SimulatedScheme("w4-int4-group", "INT4 weight-only, asymmetric, groups of 128 input channels",
+                    weight=TensorQuant("int4", "group", symmetric=False)),
+    TorchaoScheme("torchao-int8-dynamic", "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)",
+                  config="Int8DynamicActivationInt8WeightConfig"),
+    TorchaoScheme("torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig"),
+    TorchaoStaticScheme("torchao-int8-static",
+                        "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales "
+                        "calibrated here, per-channel weights", config="Int8StaticActivationInt8WeightConfig"),
+    TorchaoScheme("torchao-fp8-weight-only", "torchao Float8WeightOnlyConfig", config="Float8WeightOnlyConfig"),
+    TorchaoScheme("torchao-fp8-dynamic", "torchao Float8DynamicActivationFloat8WeightConfig",
+                  config="Float8DynamicActivationFloat8WeightConfig",
+                  needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this "
+                             "machine use the simulated scheme w8a8-fp8-e4m3:dynamic=true"),
+    BnbScheme("llm-int8", "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above the "
+                          "threshold (6.0) kept in 16-bit"),
 )}
 
 

@@ -91,7 +91,7 @@ import torch.nn as nn
 from ..models.families import family_of
 from ..models.swap import attention_modules
 from .quantizers import fake_quant, quantize_weight, RangeObserver
-from .schemes import Scheme, TensorQuant
+from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
 
 __all__ = ["ActQuant", "apply_simulated", "act_quantizers", "check_ranges", "kept_modules", "quantizable_linears"]
 
@@ -166,7 +166,7 @@ def kept_modules(model: nn.Module, scheme: Scheme) -> set[str]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     roots = {names[id(head)]} if head is not None and id(head) in names else set()
     family = family_of(model)
-    if scheme.acts == "bondarenko" and family.head is not None:
+    if isinstance(scheme, SimulatedScheme) and scheme.acts == "bondarenko" and family.head is not None:
         roots.add(family.head)
     if not scheme.gates:
         roots |= {names[id(attn.gate)] for attn in attention_modules(model) if hasattr(attn, "gate")}
@@ -206,9 +206,15 @@ def _on_output(module: nn.Module, spec: TensorQuant, name: str) -> None:
     module.register_forward_hook(_quant_output)
 
 
-def apply_simulated(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bool = False) -> nn.Module:
+def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict | None = None) -> nn.Module:
+    """Attach frozen quantizers only, for loading a saved quantized model (weights come from the file)."""
+    return apply_simulated(model, scheme, None, skeleton=True)
+
+
+@handles(SimulatedScheme, restore=restore_simulated)
+def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, skeleton: bool = False) -> nn.Module:
     """Quantize ``model`` in place. ``calibrate(model)`` runs the calibration batches; ``skeleton``
-    only attaches frozen quantizers (for loading a saved quantized model: weights come from the file)."""
+    only attaches frozen quantizers (:func:`restore_simulated`)."""
     if scheme.weight is not None and not skeleton:
         w = scheme.weight
         for _, linear in quantizable_linears(model, scheme):
@@ -229,12 +235,12 @@ def apply_simulated(model: nn.Module, scheme: Scheme, calibrate, *, skeleton: bo
     return model
 
 
-def _place_linear_inputs(model: nn.Module, scheme: Scheme) -> None:
+def _place_linear_inputs(model: nn.Module, scheme: SimulatedScheme) -> None:
     for name, linear in quantizable_linears(model, scheme):
         _on_input(linear, scheme.act, name)
 
 
-def _place_bondarenko(model: nn.Module, scheme: Scheme) -> None:
+def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
     """The reference's sites (module docstring), found through the model's Family."""
     family, act, base = family_of(model), scheme.act, model.base_model
     names = {id(m): n for n, m in model.named_modules()}
@@ -286,7 +292,7 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def _quantize_tables(model: nn.Module, scheme: Scheme) -> None:
+def _quantize_tables(model: nn.Module, scheme: SimulatedScheme) -> None:
     """Embedding tables and norm weights, per tensor and symmetric as the reference quantizes them; an
     embedding tied to the full-precision head gets its own copy."""
     kept, w = kept_modules(model, scheme), scheme.weight
