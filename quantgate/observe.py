@@ -537,9 +537,10 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     res = [L["tensors"]["block_out"] for L in layers]
     gate_means = [L["gate_mean"] for L in layers if L["gate_mean"] is not None]
     final_out = obs.final_out.summary(decode) if obs.final_out.sequences and family.objective == "clm" else None
-    paper = [L["tensors"][n] for L in layers for n in kurt_set if n in L["tensors"]] + [final_out] * bool(final_out)
+    outer = [final_out] if final_out else []
+    paper = [L["tensors"][n] for L in layers for n in kurt_set if n in L["tensors"]] + outer
     summary = {
-        "max_inf_norm": max([t["inf_norm"] for t in paper] + [L["max_inf_norm"] for L in layers]),
+        "max_inf_norm": max([L["max_inf_norm"] for L in layers] + [t["inf_norm"] for t in outer]),
         "kurtosis": _mean(t["kurtosis"] for t in paper),  # over tensors, as the reference code averages
         "max_activation": max(r["max_abs"] for r in res),
         "max_median_ratio": max((r["max_median_ratio"] or 0.0) for r in res),
