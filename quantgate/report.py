@@ -142,10 +142,11 @@ def ppl_change(cell: dict, scheme: str):
     """The change of the headline perplexity that ``scheme`` causes in a study cell, a
     :class:`~quantgate.stats.Delta` (interval n/a where the cell kept no per-document values), or None."""
     key = next((k for k in PPL_KEYS if _get(cell["float"], k) is not None), None)
-    return _scheme_change(cell, scheme, key) if key else None
+    return scheme_change(cell, scheme, key) if key else None
 
 
-def _scheme_change(cell: dict, scheme: str, task_metric):
+def scheme_change(cell: dict, scheme: str, task_metric: tuple[str, str]):
+    """The change of ``task_metric`` (task, metric) that ``scheme`` causes in a study cell (as :func:`ppl_change`)."""
     r = cell["schemes"].get(scheme) or {}
     task, metric = task_metric
     return change(metric, _get(cell["float"], task_metric), _get(r.get("results"), task_metric),
@@ -266,7 +267,7 @@ def study_markdown(metrics: dict) -> str:
         for c, t in acc_rows:
             row = [c["model"], c["variant"], str(c["seed"]), t[0], _fmt(_get(c["float"], t))]
             for s in schemes:
-                row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)), format_delta(_scheme_change(c, s, t))]
+                row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)), format_delta(scheme_change(c, s, t))]
             lines.append("| " + " | ".join(row) + " |")
     # Qiu-style table and correlations
     head = ["model", "variant", "seed", "tokens trained", "mean gate", "max activation", "max / median",
@@ -356,18 +357,20 @@ def _bit_budget(cells: list[dict], schemes: list[str], changes: dict) -> list[st
 
 
 def _across_seeds(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:
-    """Per model and variant trained with several seeds: the mean perplexity change over the seeds, with
-    a t-interval across them."""
+    """Per model and variant trained with several seeds: the perplexity change averaged over the seeds
+    (:func:`stats.seed_delta`: geometric mean of the ratios), with a t-interval across them."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
         groups.setdefault((c["model"], c["variant"]), []).append(c)
     groups = {k: g for k, g in groups.items() if len(g) > 1}
     if not groups:
         return []
-    head = ["model", "variant", "seeds", "FP ppl (mean)"] + [f"{s} change, mean [95% t-interval]" for s in schemes]
-    lines = ["", "## Across seeds", "", "Each seed's perplexity change from the table above, averaged over the seeds, "
-             "with a 95% Student t-interval across the seeds (seed-to-seed spread; the per-seed intervals are "
-             "over documents). " + NOISE_LEGEND + ".", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = ["model", "variant", "seeds", "FP ppl (mean)"] + [f"{s} change, geometric mean [95% t-interval]"
+                                                            for s in schemes]
+    lines = ["", "## Across seeds", "", "Each seed's perplexity ratio from the table above, averaged geometrically "
+             "over the seeds, with a 95% Student t-interval on the log ratios across the seeds (seed-to-seed "
+             "spread; the per-seed intervals are over documents). " + NOISE_LEGEND + ".", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (model, variant), group in groups.items():
         fp = [ppl_of(c["float"]) for c in group if ppl_of(c["float"]) is not None]
         row = [model, variant, ", ".join(str(c["seed"]) for c in group), _fmt(sum(fp) / len(fp) if fp else None)]

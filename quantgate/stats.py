@@ -9,7 +9,8 @@ metric is computed from them, as lm-eval aggregates it (a ratio of sums over doc
   change of a perplexity (``ppl_q / ppl_f - 1``) or the difference of an accuracy or bits per byte,
   with a 95% interval from a paired bootstrap over documents (``scipy.stats.bootstrap``, BCa; the
   aggregate is recomputed on every resample);
-* :func:`seed_delta` summarises the deltas of several training seeds: their mean and a t-interval;
+* :func:`seed_delta` summarises the deltas of several training seeds: their mean (geometric for a perplexity
+  ratio) and a t-interval;
 * :func:`format_delta` prints one as ``+12.3% [+9.8, +14.9]``, with ``~`` where the interval holds 0.
 """
 
@@ -152,15 +153,24 @@ def _first_difference(a, b) -> str:
 
 
 def seed_delta(deltas: list[float], kind: str, confidence: float = CONFIDENCE) -> Delta:
-    """Mean of one delta per training seed, with a Student t-interval across the seeds."""
+    """One delta per training seed summarised with a Student t-interval across the seeds: for a perplexity,
+    the geometric mean of the ratios ``1 + delta`` with the interval taken on their logarithms (a ratio's
+    spread is multiplicative: 2x and 500x average to 32x, and the interval stays above 0x); otherwise the
+    arithmetic mean."""
     x = np.asarray(deltas, dtype=np.float64)
+    ratio = kind == "perplexity"
+    if ratio:
+        x = np.log1p(x)
     k, mean = len(x), float(x.mean())
+    back = np.expm1 if ratio else float
+    how = "geometric mean of the perplexity ratios" if ratio else "mean"
     if k < 2:
-        return Delta(mean, None, None, kind, k, f"no interval: {k} seed")
+        return Delta(float(back(mean)), None, None, kind, k, f"no interval: {k} seed")
     import scipy.stats
 
     half = float(scipy.stats.t.ppf((1 + confidence) / 2, k - 1) * x.std(ddof=1) / math.sqrt(k))
-    return Delta(mean, mean - half, mean + half, kind, k, f"mean over {k} seeds, t-interval across seeds")
+    return Delta(float(back(mean)), float(back(mean - half)), float(back(mean + half)), kind, k,
+                 f"{how} over {k} seeds, t-interval across seeds" + (" on log ratios" if ratio else ""))
 
 
 def change(metric: str, float_value: float | None, quant_value: float | None, float_docs: dict | None = None,
@@ -178,11 +188,12 @@ def change(metric: str, float_value: float | None, quant_value: float | None, fl
 
 def format_delta(d: Delta | None, noise: str = " ~") -> str:
     """``+12.3% [+9.8, +14.9]`` (relative), ``-1.5 pp [-3.0, +0.0] ~`` (accuracy, in percentage points),
-    ``+0.0123 [+0.0101, +0.0147]`` (other differences); a perplexity that grew 10x or more as the ratio
-    (:func:`format_ratio`); ``[n/a]`` without an interval; ``noise`` marks a change whose interval includes 0."""
+    ``+0.0123 [+0.0101, +0.0147]`` (other differences); a perplexity that grew 10x or more, or whose
+    interval reaches 10x, as the ratio (:func:`format_ratio`); ``[n/a]`` without an interval; ``noise`` marks
+    a change whose interval includes 0."""
     if d is None:
         return "-"
-    if d.kind == "perplexity" and d.value >= 9:
+    if d.kind == "perplexity" and max(d.value, d.high or 0) >= 9:
         return format_ratio(d, noise)
     scale = 100 if d.kind in ("perplexity", "accuracy") else 1
     values = [v * scale for v in (d.value, d.low, d.high) if v is not None]
@@ -203,6 +214,10 @@ def format_ratio(d: Delta | None, noise: str = " ~") -> str:
         return "-"
     r = [1 + v for v in (d.value, d.low, d.high) if v is not None]
     decimals = 0 if max(r) >= 100 else 1 if max(r) >= 10 else 2 if len(r) == 1 or max(r) - min(r) >= 0.05 else 3
-    fmt = "{:.3g}".format if max(r) >= 1e6 else f"{{:,.{decimals}f}}".format
+    wide = "{:.3g}".format if max(r) >= 1e6 else f"{{:,.{decimals}f}}".format
+
+    def fmt(v: float) -> str:  # a ratio below 1 keeps two significant digits beside a wide one: 0.019, not 0
+        return f"{v:.2g}" if v < 1 and decimals < 2 else wide(v)
+
     interval = "[n/a]" if d.low is None else f"[{fmt(1 + d.low)}, {fmt(1 + d.high)}]"
     return f"{fmt(1 + d.value)}x {interval}" + (noise if d.within_noise else "")

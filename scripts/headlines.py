@@ -14,14 +14,16 @@ says the interval is unavailable (``[n/a]``) rather than invent one.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
 from pathlib import Path
 
 from quantgate import experiment as ex
-from quantgate.report import BUDGET, bit_sweeps, budget, peak_activation, ppl_change, ppl_of, spearman
-from quantgate.stats import Delta, change, format_delta, seed_delta
+from quantgate.report import (BUDGET, bit_sweeps, budget, peak_activation, ppl_change, ppl_of, scheme_change,
+                              spearman)
+from quantgate.stats import Delta, format_delta, seed_delta
 from quantgate.study import load_study
 from quantgate.train import TrainConfig
 
@@ -215,10 +217,8 @@ def kv_eviction() -> str:
     smol, plain, gated = m["smollm2-135m"], m["cpu_recipe vanilla"], m["cpu_recipe g1-elementwise"]
 
     def cost(r, w) -> Delta:
-        """ppl(w/0) / ppl(w/4) - 1, paired over the sequences where the metrics keep their NLL."""
-        if "nll" in r:
-            return ex.ppl_change(r["nll"][f"{w}/4"], r["nll"][f"{w}/0"], r["tokens_per_sequence"])
-        return change("perplexity", r["ppl"][f"{w}/4"], r["ppl"][f"{w}/0"])
+        """ppl(w/0) / ppl(w/4) - 1, paired over the sequences."""
+        return ex.ppl_change(r["nll"][f"{w}/4"], r["nll"][f"{w}/0"], r["tokens_per_sequence"])
 
     def ratio(r, w) -> str:
         return ex.format_ratio(cost(r, w), noise=", within noise")
@@ -243,19 +243,16 @@ def context_extension() -> str:
     layer = sink.index(max(sink))
 
     def gate_change(key: str) -> str:
-        """G1's perplexity relative to the ungated model's on the same sequences (paired where the NLL is kept)."""
+        """G1's perplexity relative to the ungated model's on the same sequences, paired."""
         a, b = plain[key], gated[key]
-        if "nll" in a and "nll" in b:
-            return _delta(ex.ppl_change(a["nll"], b["nll"], a["length"] - 1))
-        return _delta(change("perplexity", a["ppl"], b["ppl"]))
+        return _delta(ex.ppl_change(a["nll"], b["nll"], a["length"] - 1))
 
     return (f"at {long // n}x the training length ({long} tokens), YaRN: ungated {plain[f'{n}/default']['ppl']:.2f} -> "
             f"{plain[f'{long}/yarn']['ppl']:.2f} ppl, G1 {gated[f'{n}/default']['ppl']:.2f} -> "
             f"{gated[f'{long}/yarn']['ppl']:.2f} (G1 vs ungated {gate_change(f'{long}/yarn')}); unscaled RoPE: "
             f"{plain[f'{long}/default']['ppl']:.2f} vs {gated[f'{long}/default']['ppl']:.2f} "
             f"({gate_change(f'{long}/default')}), and the ungated sink collapses ({sink[layer]:.2f} -> "
-            f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)"
-            + ("" if "nll" in plain[f"{n}/default"] else f" ({NO_DOCUMENTS})"))
+            f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)")
 
 
 def massive_activation_intervention() -> str:
@@ -310,7 +307,7 @@ def cpu_recipe() -> str:
     def w8a8(group) -> tuple[list[Delta], str]:
         deltas = [_change(c, BONDARENKO) for c in group]
         mean = seed_delta([d.value for d in deltas], "perplexity")
-        return deltas, f"{_changes(deltas)} per seed ({_noise(deltas)}; mean {_delta(mean)})"
+        return deltas, f"{_changes(deltas)} per seed ({_noise(deltas)}; geometric mean {_delta(mean)})"
 
     def budgets(group) -> str:
         found = [budget([(b, _change(c, s)) for b, s in widths]) for c in group]
@@ -338,9 +335,46 @@ def cpu_recipe() -> str:
             + "; with fewer activation bits, ungated vs gated: " + ", ".join(narrower(b, sch) for b, sch in widths[1:]))
 
 
+def _experiment(name: str):
+    """An experiment script as a module (for its own criterion code)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def twins_search() -> str:
+    search = _experiment("twins_search")
+    results = search.collect(ROOT / "results" / "twins_search")
+    parts = []
+    for name, metrics in results.items():
+        cells, widths = metrics["cells"], bit_sweeps(metrics["schemes"])[search.W8A8]
+        v = search.verdict(cells, widths)
+        plain = [c for c in cells if c["variant"] == "vanilla"]
+        gated = [c for c in cells if c["variant"] != "vanilla"]
+
+        def w8a8(group):
+            return _changes([_change(c, search.W8A8) for c in group])
+
+        def copy(group, bits=5):
+            scheme = dict(widths)[bits]
+            return _span([100 * scheme_change(c, scheme, search.COPY).value for c in group], _fixed(1), " to ")
+
+        ratios = _span([peak_activation(c)[1] for c in plain], _ratio)
+        copies = (f"; copy accuracy at A5 {copy(plain)} pp ungated vs {copy(gated)} pp gated"
+                  if search.COPY[0] in plain[0]["float"] else "")
+        parts.append(f"{name} ({v['seeds']} seed{'s' if v['seeds'] != 1 else ''}): ungated sink >= {search.SINK} in "
+                     f"{v['held']['ungated sink']}, max/median {ratios} (>= {search.RATIO} in "
+                     f"{v['held']['ungated ratio']}); W8A8 {w8a8(plain)} ungated vs {w8a8(gated)} gated, >= "
+                     f"{search.FACTOR}x and apart in {v['held']['W8A8 apart']}; widest width apart in every seed: "
+                     + (f"A{v['widest apart']}" if v["widest apart"] else "none") + copies)
+    met = [n for n, m in results.items() if search.verdict(m["cells"], bit_sweeps(m["schemes"])[search.W8A8])["met"]]
+    return (f"criterion met by {', '.join(met) if met else 'no candidate'} of {len(results)}: " + "; ".join(parts))
+
+
 HEADLINES = {f.__name__: f for f in (quickstart, bondarenko_table2, bondarenko_table2_paper, qiu_table4, hyga_ablation,
                                      sink_leak_toy, kv_eviction, context_extension, massive_activation_intervention,
-                                     cpu_recipe_search, cpu_recipe)}
+                                     cpu_recipe_search, cpu_recipe, twins_search)}
 
 
 def render(text: str) -> str:

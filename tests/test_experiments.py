@@ -22,7 +22,8 @@ STUDIES = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
 RUN_HERE = ["bondarenko_table2", "cpu_recipe", pytest.param("qiu_table4", marks=pytest.mark.slow),
             pytest.param("hyga_ablation", marks=pytest.mark.slow)]
 SCRIPTS = ["sink_leak_toy", "massive_activation_intervention", "kv_eviction", "context_extension",
-           "cpu_recipe_search"]
+           "cpu_recipe_search", "twins_search"]
+SLOW_SCRIPTS = {"twins_search"}  # its smoke trains and quantizes a pair six ways: about 1.5 min on two cores
 
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
@@ -71,7 +72,8 @@ def _added_parameters(cell: dict) -> int:
     return count(cell["variant"]) - count("vanilla")
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SCRIPTS else n
+                                  for n in SCRIPTS])
 def test_script_smoke(name, tmp_path, monkeypatch):
     """Each script's smoke run, and one or more of its figures recomputed independently."""
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--smoke", "--out", str(tmp_path)])
@@ -194,9 +196,24 @@ def _check_cpu_recipe_search(out):
         assert summary["final_eval_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
 
 
+def _check_twins_search(out):
+    """Each model's W8A8 change in the table is quantized over float perplexity from its study's metrics."""
+    lines = (out / "report.md").read_text().splitlines()
+    rows = {(r[0].lstrip("| "), r[1], r[2]): r for r in (line.split(" | ") for line in lines)
+            if len(r) > 9 and r[2].isdigit()}  # candidate, variant, seed
+    assert rows
+    for path in out.glob("*/seed*/metrics.json"):
+        for c in _metrics(path.parent)["cells"]:
+            fp = c["float"]["quantgate_backcopy"]["perplexity"]
+            q = c["schemes"]["w8a8-int8-bondarenko"]["results"]["quantgate_backcopy"]["perplexity"]
+            shown = rows[(path.parent.parent.name, c["variant"], str(c["seed"]))]  # W8A8: the ninth column
+            assert float(shown[8].split("%")[0]) == pytest.approx(100 * (q / fp - 1), abs=0.051)
+
+
 SMOKE_CHECKS = {"sink_leak_toy": _check_sink_leak_toy, "kv_eviction": _check_kv_eviction,
                 "massive_activation_intervention": _check_massive_activation_intervention,
-                "context_extension": _check_context_extension, "cpu_recipe_search": _check_cpu_recipe_search}
+                "context_extension": _check_context_extension, "cpu_recipe_search": _check_cpu_recipe_search,
+                "twins_search": _check_twins_search}
 
 
 def _module(name):
@@ -240,3 +257,32 @@ def test_window_mask_is_a_rolling_cache_with_sinks():
     assert m[7].tolist() == [True, True, False, False, False, True, True, True]
     assert m[2].tolist() == [True, True, True, False, False, False, False, False]
     assert not window_mask(8, 3)[0, 0, 7, :5].any()
+
+
+def test_twins_search_criterion_part_by_part(monkeypatch):
+    """The declared criterion on hand-made pairs: sink >= 0.5 and max/median >= 150 ungated, neither gated,
+    and W8A8 at least 5x the gated change with the intervals apart, in every seed."""
+    search = _module("twins_search")
+    widths = [(8, "w8a8-int8-bondarenko"), (6, "w8a8-int8-bondarenko:a_bits=6")]
+
+    def cell(seed, variant, sink, ratio, changes):
+        layers = [{"sink_mass": sink, "max_activation": ratio, "max_median_ratio": ratio}]
+        return {"seed": seed, "variant": variant, "changes": changes,
+                "observe": {"layers": layers, "summary": {"max_activation": ratio}}}
+
+    monkeypatch.setattr(search, "ppl_change", lambda c, s: c["changes"][s])
+    d = lambda v, lo, hi: Delta(v, lo, hi, "perplexity", 100, "")  # noqa: E731
+    u8, g8 = d(0.10, 0.08, 0.12), d(0.01, 0.00, 0.02)  # 10x, apart
+    u6, g6 = d(0.30, 0.20, 0.40), d(0.10, 0.05, 0.25)  # 3x and overlapping
+    cells = [c for s in range(3) for c in (cell(s, "vanilla", 0.9, 400, {widths[0][1]: u8, widths[1][1]: u6}),
+                                           cell(s, "g1-elementwise", 0.05, 20, {widths[0][1]: g8, widths[1][1]: g6}))]
+    v = search.verdict(cells, widths)
+    assert v["held"] == {"ungated sink": 3, "ungated ratio": 3, "gated neither": 3, "W8A8 apart": 3}
+    assert v["met"] and v["widest apart"] == 8
+    cells[1]["changes"][widths[0][1]] = d(0.03, 0.02, 0.04)  # seed 0's gated twin: only 3.3x below
+    cells[2]["observe"]["layers"][0]["max_median_ratio"] = 149  # seed 1's ungated ratio just under 150
+    cells[4]["changes"] = {widths[0][1]: d(0.10, 0.08, 0.12), widths[1][1]: d(0.5, 0.3, 0.6)}
+    v = search.verdict(cells, widths)
+    assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 2}
+    assert not v["met"] and v["widest apart"] is None
+    assert not search.verdict(cells[:4], widths)["met"]  # two seeds never meet it

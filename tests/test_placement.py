@@ -206,3 +206,17 @@ def test_bondarenko_weights_embeddings_and_norms_but_not_the_head():
         if name.startswith("cls."):
             assert torch.equal(value, before[name]), name
     assert not any(x.name.startswith("cls") for x in act_quantizers(q))
+
+
+def test_w8a16_and_w16a8_split_bondarenkos_w8a8_into_its_weight_and_activation_parts():
+    model = qg.build("tiny-llama", seed=0).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    full = qg.quantize(model, "w8a8-int8-bondarenko", calibration=_calib(1))
+    weights = qg.quantize(model, "w8a16-int8-bondarenko")
+    acts = qg.quantize(model, "w16a8-int8-bondarenko", calibration=_calib(1))
+    for name, value in full.state_dict().items():
+        if name in before:  # W8A16 writes exactly W8A8's weights; W16A8 leaves every weight as it was
+            assert torch.equal(weights.state_dict()[name], value), name
+            assert torch.equal(acts.state_dict()[name], before[name]), name
+    assert not act_quantizers(weights)
+    assert _sites(acts) == _sites(full)

@@ -36,8 +36,8 @@ def test_each_config_takes_only_its_own_options(text, option):
 
 def test_calibration_is_the_configs_to_say():
     need = {name for name, s in SCHEMES.items() if s.needs_calibration}
-    assert need == {"w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-fp8-e4m3", "w8a8-fp8-e5m2",
-                    "torchao-int8-static"}
+    assert need == {"w8a8-int8-static", "w8a8-int8-bondarenko", "w16a8-int8-bondarenko", "w8a8-fp8-e4m3",
+                    "w8a8-fp8-e5m2", "torchao-int8-static"}
     assert not get_scheme("w8a8-fp8-e4m3:dynamic=true").needs_calibration
 
 

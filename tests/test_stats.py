@@ -85,12 +85,26 @@ def test_one_document_has_no_interval():
 
 
 def test_seeds_get_a_t_interval():
-    d = seed_delta([0.01, 0.02, 0.03], "perplexity")
+    d = seed_delta([0.01, 0.02, 0.03], "accuracy")
     half = 4.302652729911275 * 0.01 / math.sqrt(3)  # t(0.975, 2 dof) x sd / sqrt(3)
     assert (d.value, d.low, d.high) == pytest.approx((0.02, 0.02 - half, 0.02 + half))
     assert d.method == "mean over 3 seeds, t-interval across seeds"
-    assert format_delta(d) == "+2.0% [-0.5, +4.5] ~"
+    assert format_delta(d) == "+2.0 pp [-0.5, +4.5] ~"
     assert seed_delta([0.01], "perplexity").low is None
+
+
+def test_seed_perplexity_ratios_average_geometrically():
+    # ratios 2x, 10x and 500x: geometric mean 21.5x; the t-interval is on ln 2, ln 10, ln 500
+    logs = [math.log(2), math.log(10), math.log(500)]
+    mean, sd = sum(logs) / 3, float(np.std(logs, ddof=1))
+    half = 4.302652729911275 * sd / math.sqrt(3)
+    d = seed_delta([1.0, 9.0, 499.0], "perplexity")
+    assert (d.value, d.low, d.high) == pytest.approx((math.exp(mean) - 1, math.exp(mean - half) - 1,
+                                                      math.exp(mean + half) - 1))
+    assert 1 + d.value == pytest.approx(10000 ** (1 / 3))  # (2 x 10 x 500) ** (1/3) = 21.5
+    assert d.low > -1  # a ratio's interval stays above 0x (the arithmetic one here reached below -300x)
+    assert format_delta(d) == "22x [0.019, 24,937] ~"  # spans 1x: within noise
+    assert d.method == "geometric mean of the perplexity ratios over 3 seeds, t-interval across seeds on log ratios"
 
 
 def test_format():
@@ -110,8 +124,10 @@ def test_change_without_documents_is_a_point_value():
     assert change("acc", 0.5, 0.4).value == pytest.approx(-0.1) and change("acc", None, 0.4) is None
 
 
-def test_a_perplexity_that_grew_tenfold_prints_as_a_ratio():
+def test_a_perplexity_that_grew_or_may_grow_tenfold_prints_as_a_ratio():
     assert format_delta(Delta(9.0, 4.0, 19.0, "perplexity", 4, "x")) == "10.0x [5.0, 20.0]"
     assert format_delta(Delta(57179.0, 41283.0, 86011.0, "perplexity", 4, "x")) == "57,180x [41,284, 86,012]"
     assert format_delta(Delta(6.5e11, 2.8e9, 3.2e12, "perplexity", 4, "x")) == "6.5e+11x [2.8e+09, 3.2e+12]"
-    assert format_delta(Delta(8.99, 4.0, 19.0, "perplexity", 4, "x")) == "+899.0% [+400.0, +1900.0]"
+    assert format_delta(Delta(2.0, 1.0, 8.0, "perplexity", 4, "x")) == "+200.0% [+100.0, +800.0]"
+    # an interval that reaches 10x prints as a ratio too: 3.2x [0.19, 55.9], not +221.9% [-81.5, +5494.2]
+    assert format_delta(Delta(2.219, -0.815, 54.942, "perplexity", 3, "x")) == "3.2x [0.19, 55.9] ~"

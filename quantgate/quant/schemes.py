@@ -278,6 +278,15 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
         "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
         "FFN activation and output; the LM head and the attention gates stay in full precision",
         weight=TensorQuant("int8"), act=_I8_STATIC_ACT, acts="bondarenko"),
+    SimulatedScheme(
+        "w8a16-int8-bondarenko",
+        "The weights of w8a8-int8-bondarenko alone (INT8, symmetric, per tensor, min-max; embeddings and norm "
+        "weights too), activations in float: with w16a8-int8-bondarenko, it splits W8A8's loss into its weight "
+        "and activation parts", weight=TensorQuant("int8"), acts="bondarenko"),
+    SimulatedScheme(
+        "w16a8-int8-bondarenko",
+        "The activations of w8a8-int8-bondarenko alone (INT8 at every site of acts=bondarenko, static per-tensor "
+        "ranges), weights in float", act=_I8_STATIC_ACT, acts="bondarenko"),
     SimulatedScheme("w8a8-int8-dynamic",
                     "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
                     weight=TensorQuant("int8", "channel"), act=TensorQuant("int8", "token", dynamic=True)),
