@@ -3,6 +3,7 @@
     python experiments/twins_search.py                      # every candidate, seed 0 (resumable)
     python experiments/twins_search.py --only d256-4L --seeds 0 1 2   # confirm one over three seeds
     python experiments/twins_search.py --report             # rebuild report.md and search.png from the runs
+    python experiments/twins_search.py --package d64-2L --seed 0   # ship that pair as twin-vanilla / twin-g1
     python experiments/twins_search.py --smoke              # seconds: the first candidate, a few steps
 
 Criterion, declared before the runs (issue 18): in 3 of 3 seeds, the ungated model grows a sink (first-token
@@ -12,11 +13,12 @@ the gated one's perplexity increase, with non-overlapping 95% intervals. Where W
 the table gives the widest activation width at which the quantization part holds.
 
 The twin is G1 elementwise (Qiu et al.'s best gate, the one cpu_recipe and the pilots used, so the rows
-compare). Each candidate is one study (``results/twins_search/<name>/study.yaml``, run by quantgate's study
-runner): its steps are cached, so a killed search continues where it stopped and more seeds train only the
-new models. d64-2L is cpu_recipe's recipe: its committed runs reused cpu_recipe's trained models (copied into
-its cells; the study checks they carry the same training key) and only evaluated them. Every candidate's own report.md has the full tables; this script writes the comparison,
-``results/twins_search/search.md`` and ``search.png``.
+compare). Each candidate and seed is one study (``results/twins_search/<name>/seed<k>/study.yaml``, run by
+quantgate's study runner): its steps are cached, so a killed search continues where it stopped and another
+seed trains only its own pair. d64-2L is cpu_recipe's recipe: its committed runs reused cpu_recipe's trained models (copied into
+its cells; the study checks they carry the same training key) and only evaluated them. Every candidate's
+own report.md has the full tables; this script writes the comparison, ``results/twins_search/report.md``
+and ``search.png``.
 """
 
 from __future__ import annotations
@@ -205,21 +207,67 @@ def plot(results: dict[str, dict], out: Path) -> None:
     ex.save_figure(fig, out / "search.png")
 
 
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / "quantgate" / "models" / "checkpoints"
+PACKAGED_NAMES = {"vanilla": "twin-vanilla", "g1-elementwise": "twin-g1"}
+SHIPPED = ("config.json", "generation_config.json", "model.safetensors", "quantgate.safetensors")  # tokenizer: bundled
+
+
+def package(results: dict[str, dict], name: str, seed: int) -> None:
+    """Copy one seed's pair into the package (quantgate/models/checkpoints/twin-*) with a model card."""
+    import shutil
+
+    cells = {c["variant"]: c for c in results[name]["cells"] if c["seed"] == seed}
+    widths = bit_sweeps(results[name]["schemes"])[W8A8]
+    _, model, _ = CANDIDATES[name]
+    for variant, packaged in PACKAGED_NAMES.items():
+        c = cells[variant]
+        src = c["run"] / "cells" / c["id"].replace("/", "--") / "train" / "model"
+        dst = PACKAGE_DIR / packaged
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
+        for f in SHIPPED:
+            shutil.copy2(src / f, dst / f)
+        found = budget([(b, ppl_change(c, s)) for b, s in widths])
+        sink, layer = _sink(c)
+        peak, ratio = peak_activation(c)
+        (dst / "README.md").write_text("\n".join([
+            f"# {packaged}: the {variant} model of the twins search's {name} pair, seed {seed}", "",
+            f"{CANDIDATES[name][1]['preset']} ({model.get('config') or 'preset shape'}), attention variant "
+            f"`{variant}`, trained from scratch on the synthetic bigram-backcopy task (token ids 5-516 of the "
+            f"bundled bpe-8192 tokenizer; it reads no text): {c['trained']['steps']} steps, "
+            f"{c['trained']['tokens']:,} tokens, seed {seed}, settings `{model['train']}`.", "",
+            "Measured on held-out backcopy sequences (results/twins_search/report.md):",
+            f"- float perplexity {ppl_of(c['float']):.4g}; first-token attention {sink:.2f} in layer {layer}; "
+            f"residual max {peak:.3g}, max / median {ratio:.3g}",
+            f"- W8A8 at Bondarenko et al.'s sites: {format_delta(ppl_change(c, W8A8))}; activation-bit budget "
+            f"(+{BUDGET:.0%}): " + (f"A{found[0]}" if found else "none"), "",
+            "Re-train and re-package (the training is deterministic on one machine and thread count; other "
+            "machines round differently):", "",
+            f"    python experiments/twins_search.py --only {name} --seeds {seed}",
+            f"    python experiments/twins_search.py --package {name} --seed {seed}", ""]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", choices=list(CANDIDATES), help="candidates to run (default: all)")
     ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="training seeds (default: 0)")
     ap.add_argument("--smoke", action="store_true", help="seconds: the first candidate, 4 steps (CI)")
     ap.add_argument("--report", action="store_true", help="only rebuild the comparison from the runs so far")
+    ap.add_argument("--package", choices=list(CANDIDATES), help="ship this candidate's pair (with --seed)")
+    ap.add_argument("--seed", type=int, default=0, help="the seed --package ships")
     ap.add_argument("--out", default="results/twins_search")
     args = ap.parse_args()
     out = Path(args.out)
-    names = [] if args.report else args.only or (list(CANDIDATES)[:1] if args.smoke else list(CANDIDATES))
+    everything = list(CANDIDATES)[:1] if args.smoke else list(CANDIDATES)
+    names = [] if args.report or args.package else args.only or everything
     started = time.perf_counter()
     for name in names:
         for seed in args.seeds:
             run_study(study_file(name, seed, out, args.smoke), out=out / name / f"seed{seed}")
     results = collect(out)
+    if args.package:
+        package(results, args.package, args.seed)
+        return
     plot(results, out)
     lines = ex.header("Twins search: which setup makes an ungated model and its G1 twin quantize differently?",
                       "python experiments/twins_search.py [--only NAME --seeds 0 1 2]",

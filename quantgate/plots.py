@@ -164,22 +164,23 @@ def plot_study_quant(cells: list[dict], schemes: list[str], ppl_of, path: Path) 
 
 
 def plot_bit_sweeps(sweeps: dict, cell_ids: list[str], budget: float, path: Path) -> Path:
-    """Perplexity change vs activation bits, one line per cell (error bars: the 95% intervals), one panel
-    per swept scheme; ``sweeps``: ``{base: [(bits, {cell id: Delta or None}), ...]}``."""
+    """Perplexity ratio (quantized / float, log scale) vs activation bits, one line per cell swept at two
+    widths or more (error bars: the 95% intervals), one panel per swept scheme; ``sweeps``:
+    ``{base: [(bits, {cell id: Delta or None}), ...]}``."""
     fig, axes = plt.subplots(1, len(sweeps), figsize=(5.5 * len(sweeps), 4.2), squeeze=False)
     for ax, (base, points) in zip(axes[0], sweeps.items()):
         for cid in cell_ids:
             pts = [(b, d[cid]) for b, d in points if d.get(cid) is not None]
-            if not pts:
+            if len(pts) < 2:  # a model quantized at one width only has no sweep to draw
                 continue
-            xs, ys = [b for b, _ in pts], [100 * d.value for _, d in pts]
-            err = [[100 * (d.value - d.low) if d.low is not None else 0 for _, d in pts],
-                   [100 * (d.high - d.value) if d.high is not None else 0 for _, d in pts]]
+            xs, ys = [b for b, _ in pts], [1 + d.value for _, d in pts]
+            err = [[d.value - d.low if d.low is not None else 0 for _, d in pts],
+                   [d.high - d.value if d.high is not None else 0 for _, d in pts]]
             ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=cid)
-        ax.axhline(100 * budget, color="grey", linestyle="--", linewidth=1, label=f"{budget:.0%} budget")
-        ax.set(xlabel="activation bits", ylabel="perplexity change (symlog)", title=base)
-        ax.set_yscale("symlog", linthresh=1.0)
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:+g}%"))
+        ax.axhline(1 + budget, color="grey", linestyle="--", linewidth=1, label=f"+{budget:.0%} budget")
+        ax.set(xlabel="activation bits", ylabel="perplexity ratio, quantized / float (log)", title=base)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
         ax.set_xticks(sorted({b for b, _ in points}))
         ax.invert_xaxis()
         ax.legend(fontsize=7)

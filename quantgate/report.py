@@ -237,6 +237,7 @@ def study_markdown(metrics: dict) -> str:
              + ", ".join(f"{k} {v}" for k, v in metrics["versions"].items() if v) + ".",
              f"Compute: {metrics['wall_seconds']['steps_total']:.0f} s over all steps of all cells "
              f"({len(cells)} cells).", ""]
+    lines += _answer(cells, schemes, changes, (st.get("report") or {}).get("pairs") or [])
     lines += ["## What the numbers show", ""] + _sentences(cells, schemes, changes) + [""]
     # Bondarenko-style table
     head = ["model", "variant", "seed", "tokens trained", "FP ppl", "max inf-norm", "max activation", "max / median",
@@ -429,6 +430,48 @@ def _side_by_side(cells: list[dict], schemes: list[str], changes: dict) -> list[
         row = [v] + [fn(by[(m, v)]) if (m, v) in by else "-" for _, fn in metrics for m in models]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _answer(cells: list[dict], schemes: list[str], changes: dict, pairs: list[list[str]]) -> list[str]:
+    """The study's answer first: per [ungated, gated] pair of models (``report: pairs``), the first scheme's
+    change with its interval and the activation-bit budgets; then each other model's changes."""
+    if not pairs:
+        return []
+    first = {}
+    for c in cells:
+        first.setdefault(c["model"], c)
+    lines = ["## The answer", ""]
+    for ungated, gated in pairs:
+        u, g = first[ungated], first[gated]
+        scheme = next(s for s in schemes if changes.get((u["id"], s)) and changes.get((g["id"], s)))
+        du, dg = changes[u["id"], scheme], changes[g["id"], scheme]
+        apart = du.low is not None and dg.high is not None and (du.low > dg.high or dg.low > du.high)
+
+        def about(c):
+            sink, layer = max((L["sink_mass"], i) for i, L in enumerate(c["observe"]["layers"]))
+            return f"first-token attention up to {sink:.2f} (layer {layer}), max / median {_fmt(peak_activation(c)[1])}"
+
+        text = (f"- **{ungated}** (ungated; {about(u)}) changes by {format_delta(du)} under `{scheme}`, its gated twin "
+                f"**{gated}** ({about(g)}) by {format_delta(dg)}: the intervals "
+                + ("are apart." if apart else "overlap, no difference at this width."))
+        for base, points in bit_sweeps(schemes).items():
+            budgets = [budget([(b, changes.get((c["id"], s))) for b, s in points]) for c in (u, g)]
+            text += (f" Activation-bit budget (`{base}`, +{BUDGET:.0%}): "
+                     + " vs ".join(f"A{f[0]}" if f else "none" for f in budgets) + "; "
+                     + "; ".join(f"A{b}: {format_delta(changes.get((u['id'], s)))} vs "
+                                 f"{format_delta(changes.get((g['id'], s)))}" for b, s in points[1:]) + ".")
+            for task_metric in (t for t in ACCURACY if _get(u["float"], t) is not None):
+                text += (f" {task_metric[1]} ({task_metric[0]}): "
+                         + "; ".join(f"A{b} {format_delta(scheme_change(u, s, task_metric))} vs "
+                                     f"{format_delta(scheme_change(g, s, task_metric))}" for b, s in points) + ".")
+        lines.append(text)
+    paired = {m for p in pairs for m in p}
+    for model, c in first.items():
+        if model not in paired:
+            moved = [f"{format_delta(changes[c['id'], s])} under `{s}`" for s in schemes if changes.get((c["id"], s))]
+            lines.append(f"- **{model}** ({c['variant']}; largest residual activation {_fmt(peak_activation(c)[0])}, "
+                         f"max / median {_fmt(peak_activation(c)[1])}): " + "; ".join(moved) + ".")
+    return lines + [""]
 
 
 def _sentences(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:

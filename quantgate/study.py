@@ -5,7 +5,9 @@ evaluate in float -> for each scheme: quantize, measure SQNR, evaluate. Every st
 file atomically under ``<out>/cells/<cell>/`` with a key: the hash of everything the step depends
 on (its settings and the keys of the steps before it). Re-running skips steps whose file carries the
 current key, so an interrupted study continues where it stopped and changing one setting re-runs
-only what depends on it. Training checkpoints as it goes and resumes too.
+only what depends on it. Training checkpoints as it goes and resumes too. ``eval``, ``observe`` and
+``calibration`` are study-wide settings that a model's entry can override, key by key (a model trained
+on the backcopy task observes and calibrates on it beside one that reads text).
 
 The run directory gets ``config.yaml`` (the resolved study), ``metrics.json`` (every number the report
 shows, and the per-layer detail behind the plots), ``report.md`` and PNG plots, all rebuilt by
@@ -62,7 +64,8 @@ SECTION_KEYS = {
     "report": {"notes": ""},
 }
 TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", *SECTION_KEYS}
-MODEL_KEYS = {"name", "preset", "load", "config", "train", "variants", "schemes", "eval", "observe", "seeds"}
+MODEL_KEYS = {"name", "preset", "load", "config", "train", "variants", "schemes", "eval", "observe", "calibration",
+              "seeds"}
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "extra", "stop_after"}
 
 # Each value a study sets: (type, (test, what it wants) or None); None values take the defaults
@@ -94,7 +97,8 @@ SECTION_RULES = {
              "limit": (float | dict[str, float | None] | None, None),  # values: _check_limit
              "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
              "max_length": (int, AT_LEAST_1)},  # lm-eval's window (tokens); default: see _eval_settings
-    "report": {"notes": (str, None)},
+    "report": {"notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
+               "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]"))},
 }
 
 
@@ -108,6 +112,7 @@ class ModelSpec:
     eval: dict
     observe: dict
     seeds: list[int]
+    calibration: dict  # the study's, updated by the model's own
 
 
 @dataclass
@@ -236,7 +241,7 @@ def load_study(path: str | Path) -> Study:
                 _check_variant(variant, family, config, loaded="load" in m)
             except ValueError as e:
                 fail(at, f"variant {v!r}: {e}")
-        for sec in ("eval", "observe"):
+        for sec in ("eval", "observe", "calibration"):
             check_keys(m.get(sec) or {}, set(SECTION_RULES[sec]), (*where, sec))
             _check_values(m.get(sec) or {}, SECTION_RULES[sec], (*where, sec), fail)
         ev = {**sections["eval"], **(m.get("eval") or {})}
@@ -261,13 +266,14 @@ def load_study(path: str | Path) -> Study:
         if ob["sink_tokens"] >= ob["seq_len"]:
             fail(first((*where, "observe", "sink_tokens"), ("observe", "sink_tokens"), where),
                  f"sink_tokens ({ob['sink_tokens']}) must be fewer than observe's seq_len ({ob['seq_len']})")
-        for sec, cfg in (("observe", ob), ("calibration", sections["calibration"])):
+        cal = {**sections["calibration"], **(m.get("calibration") or {})}
+        for sec, cfg in (("observe", ob), ("calibration", cal)):
             _check_source(cfg["data"], first((*where, sec, "data"), (sec, "data"), where), fail, objective)
             check_seq_len(sec, cfg["seq_len"], first((*where, sec, "seq_len"), (sec, "seq_len"), where))
         name = str(m.get("name") or m.get("preset") or m.get("load"))
         source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
         seeds = list(m.get("seeds") or [seed])
-        models.append(ModelSpec(name, source, train, list(variants), list(schemes), ev, ob, seeds))
+        models.append(ModelSpec(name, source, train, list(variants), list(schemes), ev, ob, seeds, cal))
     study = Study(data.get("name") or path.stem, data.get("description", ""), models, sections["calibration"],
                   sections["report"])
     _check_folders(study, lines, fail)
@@ -495,7 +501,7 @@ def shrink(study: Study) -> Study:
                                               "eval_batches": 1, "grad_accum": 1}
         models.append(dataclasses.replace(
             m, train=train, variants=m.variants[:1], seeds=m.seeds[:1], schemes=m.schemes[:1], eval={**m.eval, "limit": 1},
-            observe={**m.observe, **small, "batches": 1}))
+            observe={**m.observe, **small, "batches": 1}, calibration={**m.calibration, **small, "batches": 1}))
     return dataclasses.replace(study, models=models, calibration={**study.calibration, **small, "batches": 1})
 
 
@@ -566,9 +572,9 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
     for entry in m.schemes:
         scheme = entry["scheme"]
         cfg = {**ev_cfg, "tasks": entry["tasks"] or ev_cfg["tasks"]}
-        key = _key(model_key, scheme, study.calibration, cfg, m.observe, EVAL_FORMAT)
+        key = _key(model_key, scheme, m.calibration, cfg, m.observe, EVAL_FORMAT)
         schemes[scheme] = step(f"scheme-{_slug(scheme)}", key,
-                               lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, study.calibration, c, m, seed))
+                               lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, m.calibration, c, m, seed))
     return {"id": cell["id"], "model": m.name, "variant": cell["variant"], "seed": seed, "source": m.source,
             "trained": {k: v for k, v in trained.items() if k not in ("key", "seconds")},
             "observe": observed["observe"], "cost": {k: cost[k] for k in ("gate_params", "gate_flops_per_token")},

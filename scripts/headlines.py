@@ -115,17 +115,22 @@ def _steps_tokens(cells) -> str:
 
 
 def quickstart() -> str:
+    metrics = _metrics("quickstart")
     cells = _cells("quickstart")
-    smol = cells.pop("smollm2-135m/vanilla")
+    smol = cells["smollm2-135m/vanilla"]
     fp, static = ppl_of(smol["float"]), ppl_of(smol["schemes"]["w8a8-int8-static"]["results"])
     others = ", ".join(f"{label} {_delta(_change(smol, s))}" for s, label in SCHEMES.items()
                        if s in smol["schemes"] and s != "w8a8-int8-static")
-    tiny = {s: [_change(c, s) for c in cells.values()] for s in SCHEMES}
-    rest = [d for s, v in tiny.items() if s != BONDARENKO for d in v]
-    return (f"static W8A8 (Linear inputs) takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
-            f"({_delta(_change(smol, 'w8a8-int8-static'))}); {others}; the tiny trio changes by "
-            f"{_changes(tiny[BONDARENKO])} at Bondarenko's sites ({_noise(tiny[BONDARENKO])}) and by "
-            f"{_changes(rest)} under the other five ({_noise(rest)})")
+    (ungated, gated), = metrics["study"]["report"]["pairs"]
+    u, g = (next(c for c in cells.values() if c["model"] == name) for name in (ungated, gated))
+    (_, widths), = bit_sweeps(metrics["schemes"]).items()
+    found = [budget([(b, _change(c, s)) for b, s in widths]) for c in (u, g)]
+    narrower = "; ".join(f"A{b} {_delta(_change(u, s))} vs {_delta(_change(g, s))}" for b, s in widths[1:3])
+    return (f"twins (sink {_max_layer_sink(u)[0]:.2f} ungated vs {_max_layer_sink(g)[0]:.2f} gated): W8A8 at "
+            f"Bondarenko's sites {_delta(_change(u, BONDARENKO))} ungated vs {_delta(_change(g, BONDARENKO))} "
+            f"gated, activation-bit budget (+{BUDGET:.0%}) " + " vs ".join(f"A{f[0]}" if f else "none" for f in found)
+            + f"; {narrower}; static W8A8 (Linear inputs) takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
+            f"({_delta(_change(smol, 'w8a8-int8-static'))}); {others}")
 
 
 def bondarenko_table2() -> str:

@@ -163,7 +163,8 @@ def test_every_listed_name_has_a_tokenizer_that_round_trips(capsys):
     from quantgate.models import PRESETS
 
     names = _listed_names(capsys)
-    assert set(names["presets"]) == set(PRESETS) and names["packaged checkpoints"] == ["smollm2-135m", "minilm-l6"]
+    assert set(names["presets"]) == set(PRESETS) and names["packaged checkpoints"] == ["smollm2-135m", "minilm-l6",
+                                                                                         "twin-vanilla", "twin-g1"]
     assert names["bundled tokenizers"] == ["bpe-8192", "wordpiece-8192"]
     sentence = "It is a truth universally acknowledged"
     for name in sum(names.values(), []):
@@ -174,3 +175,4 @@ def test_every_listed_name_has_a_tokenizer_that_round_trips(capsys):
             continue
         ids = tok(sentence).input_ids
         assert len(ids) >= 6 and tok.decode(ids, skip_special_tokens=True).lower().strip() == sentence.lower(), name
+

@@ -31,6 +31,9 @@ BAD = {
     "sink-tokens-all": (TINY + "    observe: {seq_len: 16, sink_tokens: 16}\n", 5,
                         "sink_tokens (16) must be fewer than observe's seq_len (16)"),
     "calibration-batches": (TINY + "calibration:\n  batches: 0\n", 6, "batches must be int, >= 1; got 0"),
+    "model-calibration-batches": (TINY + "    calibration: {batches: 0}\n", 5, "batches must be int, >= 1; got 0"),
+    "model-calibration-backcopy-mlm": ("name: x\nmodels:\n  - preset: tiny-bert\n    calibration: {data: backcopy}\n",
+                                       4, "data source 'backcopy' is a causal-LM task"),
     "eval-limit": (TINY + "eval:\n  limit: 0\n", 6,
                    "limit must be a number of documents (>= 1) or a fraction in (0, 1), got 0"),
     "eval-limit-fraction": (TINY + "eval:\n  limit: 2.5\n", 6,
@@ -100,7 +103,7 @@ def test_default_study_is_found_from_any_directory(tmp_path, monkeypatch, capsys
 
     monkeypatch.chdir(tmp_path)
     assert main(["study", "--dry-run"]) == 0
-    assert capsys.readouterr().out.startswith("study quickstart: 4 cells")
+    assert capsys.readouterr().out.startswith("study quickstart: 3 cells")
     assert not (ROOT / "experiments" / "quickstart.yaml").exists()  # one copy: the packaged one
 
 
@@ -129,3 +132,11 @@ def test_models_trained_here_are_evaluated_within_their_training_length(tmp_path
     assert _eval_settings(models["trained"])["max_length"] == 64
     assert _eval_settings(models["explicit"])["max_length"] == 256
     assert "max_length" not in _eval_settings(models["backcopy"]) and "max_length" not in _eval_settings(models["loaded"])
+
+
+def test_a_model_overrides_the_studys_calibration_key_by_key(tmp_path):
+    (tmp_path / "s.yaml").write_text(TINY + "    calibration: {data: backcopy}\n  - name: other\n    preset: tiny-llama\n"
+                                     "calibration: {batches: 3}\n")
+    tiny, other = load_study(tmp_path / "s.yaml").models
+    assert tiny.calibration == {"data": "backcopy", "batches": 3, "seq_len": 128, "batch_size": 8}
+    assert other.calibration == {"data": "train", "batches": 3, "seq_len": 128, "batch_size": 8}

