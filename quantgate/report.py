@@ -443,7 +443,9 @@ def _answer(cells: list[dict], schemes: list[str], changes: dict, pairs: list[li
     lines = ["## The answer", ""]
     for ungated, gated in pairs:
         u, g = first[ungated], first[gated]
-        scheme = next(s for s in schemes if changes.get((u["id"], s)) and changes.get((g["id"], s)))
+        scheme = next((s for s in schemes if changes.get((u["id"], s)) and changes.get((g["id"], s))), None)
+        if scheme is None:  # no scheme evaluated on both
+            continue
         du, dg = changes[u["id"], scheme], changes[g["id"], scheme]
         apart = du.low is not None and dg.high is not None and (du.low > dg.high or dg.low > du.high)
 

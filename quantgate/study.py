@@ -277,6 +277,12 @@ def load_study(path: str | Path) -> Study:
     study = Study(data.get("name") or path.stem, data.get("description", ""), models, sections["calibration"],
                   sections["report"])
     _check_folders(study, lines, fail)
+    names = [m.name for m in models]
+    for i, pair in enumerate(sections["report"].get("pairs") or []):
+        for name in pair:
+            if name not in names:
+                fail(("report", "pairs", i), f"pair {pair} names {name!r}, not a model of this study; models: "
+                                             f"{', '.join(names)}")
     default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
     study.raw = {"name": study.name, "file": "" if default else str(path), "description": study.description,
                  "seed": seed, "models": [dataclasses.asdict(m) for m in models],

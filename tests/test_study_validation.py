@@ -31,6 +31,7 @@ BAD = {
     "sink-tokens-all": (TINY + "    observe: {seq_len: 16, sink_tokens: 16}\n", 5,
                         "sink_tokens (16) must be fewer than observe's seq_len (16)"),
     "calibration-batches": (TINY + "calibration:\n  batches: 0\n", 6, "batches must be int, >= 1; got 0"),
+    "report-pair": (TINY + "report:\n  pairs: [[tiny, tiny-g1]]\n", 6, "names 'tiny-g1', not a model of this study"),
     "model-calibration-batches": (TINY + "    calibration: {batches: 0}\n", 5, "batches must be int, >= 1; got 0"),
     "model-calibration-backcopy-mlm": ("name: x\nmodels:\n  - preset: tiny-bert\n    calibration: {data: backcopy}\n",
                                        4, "data source 'backcopy' is a causal-LM task"),
