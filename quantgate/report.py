@@ -160,6 +160,11 @@ def peak_activation(cell: dict) -> tuple[float | None, float | None]:
     return summary.get("max_activation"), top.get("max_median_ratio") if top else summary.get("max_median_ratio")
 
 
+def max_layer_sink(cell: dict) -> tuple[float, int]:
+    """A cell's largest per-layer first-token attention, and its layer."""
+    return max((L["sink_mass"], i) for i, L in enumerate(cell["observe"]["layers"]))
+
+
 def _run(cell: dict) -> list[str]:
     """The seed and training tokens of a cell, for its table rows."""
     t = cell["trained"]
@@ -450,11 +455,11 @@ def _answer(cells: list[dict], schemes: list[str], changes: dict, pairs: list[li
         apart = du.low is not None and dg.high is not None and (du.low > dg.high or dg.low > du.high)
 
         def about(c):
-            sink, layer = max((L["sink_mass"], i) for i, L in enumerate(c["observe"]["layers"]))
-            return f"first-token attention up to {sink:.2f} (layer {layer}), max / median {_fmt(peak_activation(c)[1])}"
+            (sink, layer), (_, ratio) = max_layer_sink(c), peak_activation(c)
+            return f"first-token attention up to {sink:.2f} (layer {layer}), max / median {_fmt(ratio)}"
 
-        text = (f"- **{ungated}** (ungated; {about(u)}) changes by {format_delta(du)} under `{scheme}`, its gated twin "
-                f"**{gated}** ({about(g)}) by {format_delta(dg)}: the intervals "
+        text = (f"- **{ungated}** (ungated; {about(u)}) changes by {format_delta(du)} under `{scheme}`, its gated "
+                f"twin **{gated}** ({about(g)}) by {format_delta(dg)}: the intervals "
                 + ("are apart." if apart else "overlap, no difference at this width."))
         for base, points in bit_sweeps(schemes).items():
             budgets = [budget([(b, changes.get((c["id"], s))) for b, s in points]) for c in (u, g)]
@@ -471,8 +476,9 @@ def _answer(cells: list[dict], schemes: list[str], changes: dict, pairs: list[li
     for model, c in first.items():
         if model not in paired:
             moved = [f"{format_delta(changes[c['id'], s])} under `{s}`" for s in schemes if changes.get((c["id"], s))]
-            lines.append(f"- **{model}** ({c['variant']}; largest residual activation {_fmt(peak_activation(c)[0])}, "
-                         f"max / median {_fmt(peak_activation(c)[1])}): " + "; ".join(moved) + ".")
+            peak, ratio = peak_activation(c)
+            lines.append(f"- **{model}** ({c['variant']}; largest residual activation {_fmt(peak)}, max / median "
+                         f"{_fmt(ratio)}): " + "; ".join(moved) + ".")
     return lines + [""]
 
 

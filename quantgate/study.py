@@ -580,7 +580,7 @@ def _run_cell(study: Study, cell: dict, cdir: Path) -> dict:
         cfg = {**ev_cfg, "tasks": entry["tasks"] or ev_cfg["tasks"]}
         key = _key(model_key, scheme, m.calibration, cfg, m.observe, EVAL_FORMAT)
         schemes[scheme] = step(f"scheme-{_slug(scheme)}", key,
-                               lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, m.calibration, c, m, seed))
+                               lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, c, m, seed))
     return {"id": cell["id"], "model": m.name, "variant": cell["variant"], "seed": seed, "source": m.source,
             "trained": {k: v for k, v in trained.items() if k not in ("key", "seconds")},
             "observe": observed["observe"], "cost": {k: cost[k] for k in ("gate_params", "gate_flops_per_token")},
@@ -696,16 +696,19 @@ def _evaluate(model, tok, cfg: dict) -> dict:
     return {"results": results, "documents": documents}
 
 
-def _quantized(model, tok, scheme: str, calib: dict, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
+def _quantized(model, tok, scheme: str, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
     from .data import batches
     from .models.families import family_of
     from .quant import HardwareUnavailable, quant_error, quantize
 
     objective = family_of(model).objective
     s = get_scheme(scheme)
-    calibration = batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], objective, shuffle=True,
-                          seed=seed) if s.needs_calibration else None
-    options = {"calib": calib["batches"]} if s.needs_calibration else {}
+    calibration, options = None, {}
+    if s.needs_calibration:
+        calib = m.calibration
+        calibration = batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], objective, shuffle=True,
+                              seed=seed)
+        options = {"calib": calib["batches"]}
     try:
         q = quantize(model, scheme, calibration=calibration, **options)
     except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 from quantgate import experiment as ex
-from quantgate.report import (BUDGET, bit_sweeps, budget, peak_activation, ppl_change, ppl_of, scheme_change,
-                              spearman)
+from quantgate.report import (BUDGET, bit_sweeps, budget, max_layer_sink, peak_activation, ppl_change, ppl_of,
+                              scheme_change, spearman)
 from quantgate.stats import Delta, format_delta, seed_delta
 from quantgate.study import load_study
 from quantgate.train import TrainConfig
@@ -104,11 +104,6 @@ def _summary(cell: dict, key: str):
     return cell["observe"]["summary"][key]
 
 
-def _max_layer_sink(cell: dict) -> tuple[float, int]:
-    """The largest per-layer first-token attention of a cell, and its layer."""
-    return max((L["sink_mass"], i) for i, L in enumerate(cell["observe"]["layers"]))
-
-
 def _steps_tokens(cells) -> str:
     (steps, tokens), = {(c["trained"]["steps"], c["trained"]["tokens"]) for c in cells}
     return f"{steps} steps ({tokens / 1e6:.1f} M tokens)"
@@ -126,7 +121,7 @@ def quickstart() -> str:
     (_, widths), = bit_sweeps(metrics["schemes"]).items()
     found = [budget([(b, _change(c, s)) for b, s in widths]) for c in (u, g)]
     narrower = "; ".join(f"A{b} {_delta(_change(u, s))} vs {_delta(_change(g, s))}" for b, s in widths[1:3])
-    return (f"twins (sink {_max_layer_sink(u)[0]:.2f} ungated vs {_max_layer_sink(g)[0]:.2f} gated): W8A8 at "
+    return (f"twins (sink {max_layer_sink(u)[0]:.2f} ungated vs {max_layer_sink(g)[0]:.2f} gated): W8A8 at "
             f"Bondarenko's sites {_delta(_change(u, BONDARENKO))} ungated vs {_delta(_change(g, BONDARENKO))} "
             f"gated, activation-bit budget (+{BUDGET:.0%}) " + " vs ".join(f"A{f[0]}" if f else "none" for f in found)
             + f"; {narrower}; static W8A8 (Linear inputs) takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
@@ -304,7 +299,7 @@ def cpu_recipe() -> str:
     cells = metrics["cells"]
     plain = [c for c in cells if c["variant"] == "vanilla"]
     gated = [c for c in cells if c["variant"] != "vanilla"]
-    sinks = [_max_layer_sink(c) for c in plain]
+    sinks = [max_layer_sink(c) for c in plain]
     layers = "/".join(map(str, sorted({i for _, i in sinks})))
     big = sum(peak_activation(c)[1] >= RATIO_TARGET for c in plain)
     (_, widths), = bit_sweeps(metrics["schemes"]).items()
@@ -329,7 +324,7 @@ def cpu_recipe() -> str:
     return (f"{sum(s >= SINK_TARGET for s, _ in sinks)}/{len(plain)} ungated seeds grow a layer-{layers} sink "
             f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
             f"{_peaks(plain, _fixed(0))}; their G1 twins stay at "
-            f"{_span([_max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
+            f"{_span([max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
             f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
             f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in {big} seed{'s' if big != 1 else ''} of "
             f"{len(plain)}; W8A8 at Bondarenko's sites {ungated_text} ungated vs {twins_text} gated "

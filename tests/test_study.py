@@ -246,7 +246,7 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
         monkeypatch.setattr(quantgate.quant, "quantize", quantize)
 
     fail(HardwareUnavailable("w8-int8 cannot run here: no such GPU"))
-    assert _quantized(model, tok, "w8-int8", {}, {}, None, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
+    assert _quantized(model, tok, "w8-int8", {}, None, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
     fail(RuntimeError("shape mismatch"))
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        _quantized(model, tok, "w8-int8", {}, {}, None, 0)
+        _quantized(model, tok, "w8-int8", {}, None, 0)
