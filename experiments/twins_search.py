@@ -4,7 +4,8 @@
     python experiments/twins_search.py --only d256-4L --seeds 0 1 2   # confirm one over three seeds
     python experiments/twins_search.py --report             # rebuild report.md and search.png from the runs
     python experiments/twins_search.py --package d64-2L --seed 0   # ship that pair as twin-vanilla / twin-g1
-    python experiments/twins_search.py --smoke              # seconds: the first candidate, a few steps
+    python experiments/twins_search.py --sites d128-2L --seed 0     # which tensors cost what (each site alone)
+    python experiments/twins_search.py --smoke              # seconds: the first candidate, a few steps, --sites
 
 Criterion, declared before the runs (issue 18): in 3 of 3 seeds, the ungated model grows a sink (first-token
 attention >= 0.5 in some layer) and a residual outlier ratio (max / median) >= 150 while its G1-gated twin
@@ -15,9 +16,9 @@ the table gives the widest activation width at which the quantization part holds
 The twin is G1 elementwise (Qiu et al.'s best gate, the one cpu_recipe and the pilots used, so the rows
 compare). Each candidate and seed is one study (``results/twins_search/<name>/seed<k>/study.yaml``, run by
 quantgate's study runner): its steps are cached, so a killed search continues where it stopped and another
-seed trains only its own pair. d64-2L is cpu_recipe's recipe: its committed runs reused cpu_recipe's trained models (copied into
-its cells; the study checks they carry the same training key) and only evaluated them. Every candidate's
-own report.md has the full tables; this script writes the comparison, ``results/twins_search/report.md``
+seed trains only its own pair. d64-2L is cpu_recipe's recipe: its committed runs reused cpu_recipe's trained
+models (copied into its cells; the study checks they carry the same training key) and only evaluated them. Every
+candidate's own report.md has the full tables; this script writes the comparison, ``results/twins_search/report.md``
 and ``search.png``.
 """
 
@@ -25,14 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
 import yaml
 
 from quantgate import experiment as ex
-from quantgate.report import BUDGET, bit_sweeps, budget, peak_activation, ppl_change, ppl_of, scheme_change
-from quantgate.stats import format_delta
+from quantgate.report import (BUDGET, bit_sweeps, budget, max_layer_sink, peak_activation, ppl_change, ppl_of,
+                              scheme_change)
+from quantgate.stats import Delta, format_delta
 from quantgate.study import run_study
 
 SINK, RATIO, FACTOR = 0.5, 150, 5  # the criterion's thresholds
@@ -101,11 +104,6 @@ def collect(out: Path) -> dict[str, dict]:
     return results
 
 
-def _sink(cell: dict) -> tuple[float, int]:
-    """The largest per-layer first-token attention and its layer."""
-    return max((L["sink_mass"], i) for i, L in enumerate(cell["observe"]["layers"]))
-
-
 def _apart(u, g) -> bool:
     """The quantization part of the criterion for one seed: ungated >= FACTOR x gated, intervals apart."""
     return (u is not None and g is not None and u.low is not None and g.high is not None and u.value > 0
@@ -122,10 +120,11 @@ def verdict(cells: list[dict], widths: list[tuple[int, str]]) -> dict:
     held = {"ungated sink": 0, "ungated ratio": 0, "gated neither": 0, "W8A8 apart": 0}
     for p in pairs:
         u, g = p["vanilla"], p["g1-elementwise"]
-        held["ungated sink"] += _sink(u)[0] >= SINK
+        held["ungated sink"] += max_layer_sink(u)[0] >= SINK
         held["ungated ratio"] += peak_activation(u)[1] >= RATIO
-        held["gated neither"] += _sink(g)[0] < SINK and peak_activation(g)[1] < RATIO
+        held["gated neither"] += max_layer_sink(g)[0] < SINK and peak_activation(g)[1] < RATIO
         held["W8A8 apart"] += _apart(ppl_change(u, W8A8), ppl_change(g, W8A8))
+
     def holds(scheme: str) -> bool:
         return bool(pairs) and all(_apart(ppl_change(p["vanilla"], scheme), ppl_change(p["g1-elementwise"], scheme))
                                    for p in pairs)
@@ -143,7 +142,7 @@ def table(results: dict[str, dict]) -> list[str]:
         widths = bit_sweeps(metrics["schemes"])[W8A8]
         for c in metrics["cells"]:
             peak, ratio = peak_activation(c)
-            sink, layer = _sink(c)
+            sink, layer = max_layer_sink(c)
             found = budget([(b, ppl_change(c, s)) for b, s in widths])
             changes = [ppl_change(c, s) for s in (W8A8, "w8a16-int8-bondarenko", "w16a8-int8-bondarenko")]
             changes += [ppl_change(c, s) for b, s in widths if b in (6, 5, 4)]
@@ -207,6 +206,106 @@ def plot(results: dict[str, dict], out: Path) -> None:
     ex.save_figure(fig, out / "search.png")
 
 
+SITE_SCHEMES = ["w16a8-int8-bondarenko", "w16a8-int8-bondarenko:a_bits=6"]  # activations alone, A8 and A6
+SHOWN = 6  # sites per model and scheme in the report
+
+
+def _model_dir(cell: dict) -> Path:
+    return cell["run"] / "cells" / cell["id"].replace("/", "--") / "train" / "model"
+
+
+def sites(results: dict[str, dict], name: str, seed: int) -> None:
+    """Quantize each model of one seed's pair as its study did (calibration batches, static per-tensor at
+    Bondarenko et al.'s sites), measure what each activation site costs alone on held-out batches, and
+    write ``sites.json`` beside the study's metrics; each (batch, token, channel) site also records its
+    largest |x| at the first token and at every other token (float model, same batches)."""
+    import torch
+
+    import quantgate as qg
+    from quantgate.quant import site_sensitivity
+    from quantgate.quant.simulate import act_quantizers
+
+    cells = [c for c in results[name]["cells"] if c["seed"] == seed]
+    study = yaml.safe_load((cells[0]["run"] / "study.yaml").read_text())
+    calib = study["calibration"]
+    out = {}
+    for c in cells:
+        model = qg.load(_model_dir(c))
+        tok = qg.tokenizer(model)
+        held_out = list(qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4,
+                                        seed=1_000 + seed))  # not the calibration stream
+        for scheme in SITE_SCHEMES:
+            calibration = qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], shuffle=True,
+                                          seed=seed)
+            q = qg.quantize(model, scheme, calibration=calibration, calib=calib["batches"])
+            peaks: dict[str, list[float]] = {}
+
+            def record(module, args):
+                x = args[0].detach().abs()
+                if x.dim() == 3:  # (batch, token, channel)
+                    first, rest = float(x[:, 0].max()), float(x[:, 1:].max())
+                    old = peaks.get(module.name, [0.0, 0.0])
+                    peaks[module.name] = [max(old[0], first), max(old[1], rest)]
+
+            hooks = [m.register_forward_pre_hook(record) for m in act_quantizers(q)]
+            for m in act_quantizers(q):
+                m.enabled = False
+            with torch.no_grad():
+                for b in held_out:
+                    q(**b)
+            for h in hooks:
+                h.remove()
+            found = site_sensitivity(q, held_out, max_batches=4)
+            for row in found["sites"]:
+                row["first_token_max"], row["other_tokens_max"] = peaks.get(row["name"], [None, None])
+            out.setdefault(c["variant"], {})[scheme] = found
+    (cells[0]["run"] / "sites.json").write_text(json.dumps(out, indent=1))
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _delta(r: dict) -> Delta:
+    return Delta(r["ppl_change"], r["low"], r["high"], "perplexity", 0, "paired bootstrap over sequences")
+
+
+def costliest_site(run: Path, variant: str, scheme: str = SITE_SCHEMES[0]) -> tuple[Delta, dict] | None:
+    """From one seed's ``sites.json``: (the change with all sites on, the costliest site alone)."""
+    path = run / "sites.json"
+    if not path.is_file():
+        return None
+    r = json.loads(path.read_text())[variant][scheme]
+    return _delta(r["all_change"]), r["sites"][0]
+
+
+def site_sentence(variant: str, total: Delta, row: dict) -> str:
+    where = (f"; its largest magnitude is {row['first_token_max']:.3g} at token 0 and {row['other_tokens_max']:.3g} at "
+             f"any other" if row["first_token_max"] is not None else "")
+    return (f"{variant}, {SITE_SCHEMES[0]}: {format_delta(total)} with all sites on; the costliest alone is "
+            f"`{row['name']}` ({format_delta(_delta(row))}){where}")
+
+
+def site_tables(out: Path) -> list[str]:
+    """The costliest activation sites of every pair that has a ``sites.json``."""
+    lines = []
+    for path in sorted(out.glob("*/seed*/sites.json")):
+        found = json.loads(path.read_text())
+        lines += [f"### {path.parent.parent.name}, {path.parent.name}", ""]
+        lines += [f"- {site_sentence(v, *costliest_site(path.parent, v))}." for v in found]
+        lines += ["", "| variant | scheme | all sites | site (alone) | perplexity change | SQNR (dB) | range | "
+                  "max at token 0 | max elsewhere |", "|---|---|---|---|---|---|---|---|---|"]
+        for variant, schemes in found.items():
+            for scheme, r in schemes.items():
+                for row in r["sites"][:SHOWN]:
+                    lines.append(f"| {variant} | {scheme} | {format_delta(_delta(r['all_change']))} | {row['name']} | "
+                                 f"{format_delta(_delta(row))} | {row['sqnr_db']:.1f} | "
+                                 f"[{row['lo']:.3g}, {row['hi']:.3g}] | {_num(row['first_token_max'])} | "
+                                 f"{_num(row['other_tokens_max'])} |")
+        lines.append("")
+    return lines
+
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "quantgate" / "models" / "checkpoints"
 PACKAGED_NAMES = {"vanilla": "twin-vanilla", "g1-elementwise": "twin-g1"}
 SHIPPED = ("config.json", "generation_config.json", "model.safetensors", "quantgate.safetensors")  # tokenizer: bundled
@@ -221,14 +320,14 @@ def package(results: dict[str, dict], name: str, seed: int) -> None:
     _, model, _ = CANDIDATES[name]
     for variant, packaged in PACKAGED_NAMES.items():
         c = cells[variant]
-        src = c["run"] / "cells" / c["id"].replace("/", "--") / "train" / "model"
+        src = _model_dir(c)
         dst = PACKAGE_DIR / packaged
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
         for f in SHIPPED:
             shutil.copy2(src / f, dst / f)
         found = budget([(b, ppl_change(c, s)) for b, s in widths])
-        sink, layer = _sink(c)
+        sink, layer = max_layer_sink(c)
         peak, ratio = peak_activation(c)
         (dst / "README.md").write_text("\n".join([
             f"# {packaged}: the {variant} model of the twins search's {name} pair, seed {seed}", "",
@@ -254,12 +353,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="seconds: the first candidate, 4 steps (CI)")
     ap.add_argument("--report", action="store_true", help="only rebuild the comparison from the runs so far")
     ap.add_argument("--package", choices=list(CANDIDATES), help="ship this candidate's pair (with --seed)")
-    ap.add_argument("--seed", type=int, default=0, help="the seed --package ships")
+    ap.add_argument("--sites", choices=list(CANDIDATES), help="measure what each activation site costs alone, "
+                    "in one seed's pair (with --seed)")
+    ap.add_argument("--seed", type=int, default=0, help="the seed --package or --sites reads")
     ap.add_argument("--out", default="results/twins_search")
     args = ap.parse_args()
     out = Path(args.out)
     everything = list(CANDIDATES)[:1] if args.smoke else list(CANDIDATES)
-    names = [] if args.report or args.package else args.only or everything
+    names = [] if args.report or args.package or args.sites else args.only or everything
     started = time.perf_counter()
     for name in names:
         for seed in args.seeds:
@@ -268,6 +369,8 @@ def main() -> None:
     if args.package:
         package(results, args.package, args.seed)
         return
+    if args.sites or args.smoke:
+        sites(results, args.sites or everything[0], args.seed)
     plot(results, out)
     lines = ex.header("Twins search: which setup makes an ungated model and its G1 twin quantize differently?",
                       "python experiments/twins_search.py [--only NAME --seeds 0 1 2]",
@@ -277,7 +380,17 @@ def main() -> None:
               "bits) are all static per-tensor at Bondarenko et al.'s sites; each candidate's report.md has its "
               "full tables. The wall time above is this invocation's; each study's metrics.json has its own.", "",
               "## The criterion, part by part", "", *verdicts(results), "", "## Every model", "", *table(results),
-              "", "![search.png](search.png)"]
+              "", "![search.png](search.png)", ""]
+    if any(out.glob("*/seed*/sites.json")):
+        lines += ["## Which tensors cost what", "",
+                  f"`--sites`: each activation quantizer switched on alone (weights in float), on 4 held-out batches "
+                  f"not used for calibration (paired 95% intervals over their sequences); the {SHOWN} costliest per model and scheme, with the change when all "
+                  "are on. SQNR is of that tensor with all sites on; range is its calibrated static range; the "
+                  "last two columns are the float model's largest |x| in that tensor at the first token (BOS) and "
+                  "at any other (- for attention tensors). A last block's FFN output at token 0 feeds only token 0's "
+                  "own prediction (no later layer reads it); on backcopy that is the prediction of the uniformly "
+                  "random first token, which must come out flat.", "",
+                  *site_tables(out)]
     ex.write(out, lines)
 
 

@@ -363,6 +363,9 @@ def twins_search() -> str:
         ratios = _span([peak_activation(c)[1] for c in plain], _ratio)
         copies = (f"; copy accuracy at A5 {copy(plain)} pp ungated vs {copy(gated)} pp gated"
                   if search.COPY[0] in plain[0]["float"] else "")
+        for c in cells:  # --sites: the costliest activation site of each model, where sites.json exists
+            found = search.costliest_site(c["run"], c["variant"])
+            copies += f"; seed {c['seed']} " + search.site_sentence(c["variant"], *found) if found else ""
         parts.append(f"{name} ({v['seeds']} seed{'s' if v['seeds'] != 1 else ''}): ungated sink >= {search.SINK} in "
                      f"{v['held']['ungated sink']}, max/median {ratios} (>= {search.RATIO} in "
                      f"{v['held']['ungated ratio']}); W8A8 {w8a8(plain)} ungated vs {w8a8(gated)} gated, >= "

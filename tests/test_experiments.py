@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import quantgate as qg
 from quantgate import experiment as ex
@@ -208,6 +209,19 @@ def _check_twins_search(out):
             q = c["schemes"]["w8a8-int8-bondarenko"]["results"]["quantgate_backcopy"]["perplexity"]
             shown = rows[(path.parent.parent.name, c["variant"], str(c["seed"]))]  # W8A8: the ninth column
             assert float(shown[8].split("%")[0]) == pytest.approx(100 * (q / fp - 1), abs=0.051)
+    search = _module("twins_search")  # --sites: every site off (W16) is the float model, on its held-out batches
+    run = next(out.glob("*/seed0"))
+    found = json.loads((run / "sites.json").read_text())
+    calib = yaml.safe_load((run / "study.yaml").read_text())["calibration"]
+    for c in _metrics(run)["cells"]:
+        model = qg.load(search._model_dir({**c, "run": run})).eval()
+        data = qg.data.batches(qg.tokenizer(model), calib["data"], calib["seq_len"], calib["batch_size"],
+                               max_batches=4, seed=1_000)
+        with torch.no_grad():
+            loss = sum(model(**b).loss.item() for b in data) / 4
+        for scheme in search.SITE_SCHEMES:
+            assert found[c["variant"]][scheme]["none"] == pytest.approx(loss, rel=1e-4)
+    assert "## Which tensors cost what" in (out / "report.md").read_text()
 
 
 SMOKE_CHECKS = {"sink_leak_toy": _check_sink_leak_toy, "kv_eviction": _check_kv_eviction,

@@ -9,6 +9,7 @@ import torch
 import quantgate as qg
 from quantgate.quant import get_scheme
 from quantgate.quant.error import sqnr_db
+from quantgate.quant.simulate import act_quantizers
 from quantgate.quant.quantizers import (FP8, RangeObserver, fake_fp8, fake_int, fake_quant, int_grid, int_qparams,
                                         quantize_weight)
 
@@ -159,6 +160,34 @@ def test_planted_outlier_breaks_static_int8_not_per_token_or_llm_int8():
     assert sqnr["w8a8-int8-dynamic"] > sqnr["w8a8-int8-static"] + 15  # per-tensor static error >> per-token
     assert sqnr["llm-int8"] > sqnr["w8a8-int8-static"] + 15  # the outlier decomposition recovers it
     assert sqnr["w8a8-int8-static"] < sqnr["w8a8-fp8-e4m3"] < sqnr["w8a8-int8-dynamic"]  # FP8 in between
+
+
+def test_site_sensitivity_measures_each_site_alone():
+    model = qg.load("twin-vanilla")  # trained (backcopy), so a broken tensor shows in its loss
+    tok = qg.tokenizer(model)
+    held_out = list(qg.data.batches(tok, "backcopy", 64, 4, max_batches=2, seed=7))
+    q = qg.quantize(model, "w16a8-int8-bondarenko", calibration=qg.data.batches(tok, "backcopy", 64, 4, seed=3),
+                    calib=2)
+
+    def loss(m):
+        with torch.no_grad():
+            return sum(float(m(**b).loss) for b in held_out) / len(held_out)
+
+    before = loss(q)
+    clean = qg.quant.site_sensitivity(q, held_out)
+    assert clean["none"] == pytest.approx(loss(model), rel=1e-4)  # W16: all off is the float model (HF sums differ)
+    assert clean["all"] == pytest.approx(before, rel=1e-4) and loss(q) == before  # quantizers back on after
+    site = next(m for m in act_quantizers(q) if m.name == "model.layers.0 output")
+    site.lo.fill_(-1e-3), site.hi.fill_(1e-3)  # clamp that one tensor to nothing
+    broken = qg.quant.site_sensitivity(q, held_out)
+    worst = broken["sites"][0]
+    assert worst["name"] == site.name and worst["ppl_change"] > 1 and worst["sqnr_db"] < 1
+    assert 0 < worst["low"] <= worst["ppl_change"] <= worst["high"]  # its paired interval excludes 0
+    assert broken["all_change"]["ppl_change"] == pytest.approx(math.exp(broken["all"] - broken["none"]) - 1)
+    others = {r["name"]: r["ppl_change"] for r in clean["sites"] if r["name"] != site.name}
+    assert {r["name"]: r["ppl_change"] for r in broken["sites"] if r["name"] != site.name} == pytest.approx(others)
+    with pytest.raises(ValueError, match="activation quantizers"):
+        qg.quant.site_sensitivity(qg.quantize(model, "w8-int8"), held_out)
 
 
 @pytest.mark.parametrize("scheme", ["w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w8a8-fp8-e5m2",

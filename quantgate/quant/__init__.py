@@ -2,6 +2,7 @@
 
     q_model = qg.quantize(model, "w8a8-int8-static", calibration=batches)   # a quantized copy
     qg.quant_error(model, q_model, batches)                                  # per-layer SQNR
+    qg.quant.site_sensitivity(q_model, batches)                              # loss each act. site costs
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from tqdm.auto import tqdm
 
 from ..models.swap import apply_variant, variant_of
 from . import backends, simulate  # importing them registers the schemes' handlers
-from .error import quant_error
+from .error import quant_error, site_sensitivity
 from .schemes import HANDLERS, SCHEMES, Scheme, _fmt, get_scheme, handler_for
 
-__all__ = ["quantize", "quant_error", "SCHEMES", "Scheme", "get_scheme", "quantization_of", "HANDLERS",
-           "handler_for", "HardwareUnavailable"]
+__all__ = ["quantize", "quant_error", "site_sensitivity", "SCHEMES", "Scheme", "get_scheme", "quantization_of",
+           "HANDLERS", "handler_for", "HardwareUnavailable"]
 
 log = logging.getLogger("quantgate")
 

@@ -1,4 +1,5 @@
-"""Where quantization hurts: per-layer SQNR of a quantized model against its float source."""
+"""Where quantization hurts: per-layer SQNR of a quantized model against its float source, and the
+loss each activation quantizer costs on its own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn as nn
 
 from ..models.families import family_of
 
-__all__ = ["quant_error", "sqnr_db"]
+__all__ = ["quant_error", "site_sensitivity", "sqnr_db"]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -70,6 +71,69 @@ def quant_error(fp_model: nn.Module, q_model: nn.Module, batches, *, max_batches
     return {"layers": layers, "logits_sqnr_db": sqnr_db(*energy[-1]),
             "worst_layers": sorted(layers, key=lambda r: r["sqnr_db"])[:3], "quantizers": quant,
             "overflow": sum(r["overflow"] for r in quant), "batches": batches_run}
+
+
+@torch.no_grad()
+def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> dict:
+    """Which activation quantizer of a simulated scheme costs what. On the batches (they carry ``labels``),
+    each sequence's summed NLL with every quantizer off (weights stay as quantized), with all on, and with
+    each alone on. Returns ``{"none", "all"}`` (mean loss, nats per predicted token), ``"all_change"`` (all
+    on vs none) and ``"sites"``: rows ``{"name", "ppl_change"`` (perplexity ratio - 1, that site alone vs
+    none), ``"low", "high"`` (its 95% paired bootstrap interval over the sequences), ``"sqnr_db"`` (of that
+    tensor with all on), ``"lo", "hi"`` (its static range; None when dynamic)``}``, costliest first.
+    Interactions are not additive: the alone changes need not compose to the all-on change."""
+    from ..models.families import family_of
+    from ..stats import paired_delta
+    from .simulate import act_quantizers
+
+    quantizers = act_quantizers(q_model)
+    if not quantizers:
+        raise ValueError("site_sensitivity needs a model quantized by a simulated scheme with activation "
+                         "quantizers (e.g. w16a8-int8-bondarenko); this one has none")
+    data = [{k: v.to(_device(q_model)) for k, v in b.items()} for _, b in zip(range(max_batches), batches)]
+    if not data or any("labels" not in b for b in data):
+        raise ValueError("site_sensitivity needs batches with labels (quantgate.data.batches gives them)")
+    shift = int(family_of(q_model).objective == "clm")  # a causal LM predicts the next token's label
+    labels = torch.cat([b["labels"][:, shift:] for b in data])
+    tokens = (labels != -100).sum(1).tolist()
+
+    def documents(on) -> dict:
+        for q in quantizers:
+            q.enabled = q in on
+        nll = []
+        for b in data:
+            logits = q_model(**{k: v for k, v in b.items() if k != "labels"}).logits
+            logits = logits[:, :logits.shape[1] - shift].float()
+            ce = nn.functional.cross_entropy(logits.transpose(1, 2), b["labels"][:, shift:], reduction="none")
+            nll.append(ce.sum(1).double())
+        nll = torch.cat(nll).tolist()
+        return {"ids": list(range(len(nll))), "loglikelihood": [-x for x in nll], "tokens": tokens}
+
+    def change(base: dict, new: dict) -> dict:
+        d = paired_delta(base, new, "perplexity")
+        return {"ppl_change": d.value, "low": d.low, "high": d.high}
+
+    def mean_loss(docs: dict) -> float:
+        return -sum(docs["loglikelihood"]) / sum(tokens)
+
+    was = q_model.training
+    q_model.eval()
+    try:
+        for q in quantizers:
+            q.track, q.signal, q.noise = True, 0.0, 0.0
+        everything = documents(set(quantizers))
+        for q in quantizers:
+            q.track = False
+        none = documents(set())
+        rows = [{"name": q.name, **change(none, documents({q})), "sqnr_db": sqnr_db(q.signal, q.noise),
+                 "lo": None if q.spec.dynamic else float(q.lo.min()),
+                 "hi": None if q.spec.dynamic else float(q.hi.max())} for q in quantizers]
+    finally:
+        for q in quantizers:
+            q.enabled, q.track = True, False
+        q_model.train(was)
+    return {"none": mean_loss(none), "all": mean_loss(everything), "all_change": change(none, everything),
+            "sites": sorted(rows, key=lambda r: -r["ppl_change"])}
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -103,7 +103,8 @@ class ActQuant(nn.Module):
     with the frozen range (float32 buffers ``lo``/``hi``, a scalar or one value per channel), or with ranges
     taken from each tensor when the spec is dynamic (per tensor or per token). It counts FP8
     saturation (``overflow`` of ``values``) and, when ``track`` is on, the signal and noise energy
-    behind its SQNR. ``name`` says which tensor it quantizes (``model.layers.0.mlp.up_proj input``).
+    behind its SQNR. ``name`` says which tensor it quantizes (``model.layers.0.mlp.up_proj input``);
+    ``enabled`` off passes tensors through unchanged (one site at a time: :func:`~.error.site_sensitivity`).
     """
 
     def __init__(self, spec: TensorQuant, name: str):
@@ -118,9 +119,12 @@ class ActQuant(nn.Module):
         self.track = False
         self.signal = self.noise = 0.0
         self.ndim = None  # rank of the tensors seen (torchao static scales need it)
+        self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ndim = x.dim()
+        if not self.enabled:
+            return x
         if self.calibrating:
             self.observer.update(x)
             return x
