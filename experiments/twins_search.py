@@ -234,28 +234,28 @@ def sites(results: dict[str, dict], name: str, seed: int) -> None:
         tok = qg.tokenizer(model)
         held_out = list(qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4,
                                         seed=1_000 + seed))  # not the calibration stream
+        peaks: dict[str, list[float]] = {}  # the float model's, so the same for every scheme
+
+        def record(module, args):
+            x = args[0].detach().abs()
+            if x.dim() == 3:  # (batch, token, channel)
+                old = peaks.get(module.name, [0.0, 0.0])
+                peaks[module.name] = [max(old[0], float(x[:, 0].max())), max(old[1], float(x[:, 1:].max()))]
+
         for scheme in SITE_SCHEMES:
             calibration = qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], shuffle=True,
                                           seed=seed)
             q = qg.quantize(model, scheme, calibration=calibration, calib=calib["batches"])
-            peaks: dict[str, list[float]] = {}
-
-            def record(module, args):
-                x = args[0].detach().abs()
-                if x.dim() == 3:  # (batch, token, channel)
-                    first, rest = float(x[:, 0].max()), float(x[:, 1:].max())
-                    old = peaks.get(module.name, [0.0, 0.0])
-                    peaks[module.name] = [max(old[0], first), max(old[1], rest)]
-
-            hooks = [m.register_forward_pre_hook(record) for m in act_quantizers(q)]
-            for m in act_quantizers(q):
-                m.enabled = False
-            with torch.no_grad():
-                for b in held_out:
-                    q(**b)
-            for h in hooks:
-                h.remove()
-            found = site_sensitivity(q, held_out, max_batches=4)
+            if not peaks:
+                hooks = [m.register_forward_pre_hook(record) for m in act_quantizers(q)]
+                for m in act_quantizers(q):
+                    m.enabled = False
+                with torch.no_grad():
+                    for b in held_out:
+                        q(**b)
+                for h in hooks:
+                    h.remove()
+            found = site_sensitivity(q, held_out, max_batches=4)  # switches every quantizer back on
             for row in found["sites"]:
                 row["first_token_max"], row["other_tokens_max"] = peaks.get(row["name"], [None, None])
             out.setdefault(c["variant"], {})[scheme] = found
