@@ -170,9 +170,14 @@ def verdicts(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _train_dir(cell: dict) -> Path:
+    """A cell's training folder in its study run (the study names cell folders <model>--<variant>)."""
+    return cell["run"] / "cells" / cell["id"].replace("/", "--") / "train"
+
+
 def _curve(cell: dict) -> list[tuple[float, float, float]]:
     """(M tokens, max-layer first-token attention, residual max / median) at each observe pass of training."""
-    log = cell["run"] / "cells" / cell["id"].replace("/", "--") / "train" / "log.jsonl"  # the cell's folder
+    log = _train_dir(cell) / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     per_step = cell["trained"]["tokens"] / cell["trained"]["steps"] / 1e6
     return [(r["step"] * per_step, max(L["sink_mass"] for L in r["layers"]), r["max_median_ratio"])
@@ -210,8 +215,13 @@ SITE_SCHEMES = ["w16a8-int8-bondarenko", "w16a8-int8-bondarenko:a_bits=6"]  # ac
 SHOWN = 6  # sites per model and scheme in the report
 
 
-def _model_dir(cell: dict) -> Path:
-    return cell["run"] / "cells" / cell["id"].replace("/", "--") / "train" / "model"
+def _pair(results: dict[str, dict], name: str, seed: int) -> list[dict]:
+    """The cells of one seed's pair, or an error that says how to train it."""
+    cells = [c for c in results.get(name, {}).get("cells", []) if c["seed"] == seed]
+    if {c["variant"] for c in cells} != set(VARIANTS):
+        raise SystemExit(f"no finished {name} pair for seed {seed} in the search's results; run "
+                         f"python experiments/twins_search.py --only {name} --seeds {seed} first")
+    return cells
 
 
 def sites(results: dict[str, dict], name: str, seed: int) -> None:
@@ -225,12 +235,12 @@ def sites(results: dict[str, dict], name: str, seed: int) -> None:
     from quantgate.quant import site_sensitivity
     from quantgate.quant.simulate import act_quantizers
 
-    cells = [c for c in results[name]["cells"] if c["seed"] == seed]
+    cells = _pair(results, name, seed)
     study = yaml.safe_load((cells[0]["run"] / "study.yaml").read_text())
     calib = study["calibration"]
     out = {}
     for c in cells:
-        model = qg.load(_model_dir(c))
+        model = qg.load(_train_dir(c) / "model")
         tok = qg.tokenizer(model)
         held_out = list(qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4,
                                         seed=1_000 + seed))  # not the calibration stream
@@ -270,13 +280,15 @@ def _delta(r: dict) -> Delta:
     return Delta(r["ppl_change"], r["low"], r["high"], "perplexity", 0, "paired bootstrap over sequences")
 
 
-def costliest_site(run: Path, variant: str, scheme: str = SITE_SCHEMES[0]) -> tuple[Delta, dict] | None:
-    """From one seed's ``sites.json``: (the change with all sites on, the costliest site alone)."""
+def costliest_site(found: dict) -> tuple[Delta, dict]:
+    """From one model and scheme of a ``sites.json``: (the change with all sites on, the costliest site alone)."""
+    return _delta(found["all_change"]), found["sites"][0]
+
+
+def read_sites(run: Path) -> dict:
+    """One seed's ``sites.json`` (``{variant: {scheme: site_sensitivity's result}}``), empty where not measured."""
     path = run / "sites.json"
-    if not path.is_file():
-        return None
-    r = json.loads(path.read_text())[variant][scheme]
-    return _delta(r["all_change"]), r["sites"][0]
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def site_sentence(variant: str, total: Delta, row: dict) -> str:
@@ -290,9 +302,9 @@ def site_tables(out: Path) -> list[str]:
     """The costliest activation sites of every pair that has a ``sites.json``."""
     lines = []
     for path in sorted(out.glob("*/seed*/sites.json")):
-        found = json.loads(path.read_text())
+        found = read_sites(path.parent)
         lines += [f"### {path.parent.parent.name}, {path.parent.name}", ""]
-        lines += [f"- {site_sentence(v, *costliest_site(path.parent, v))}." for v in found]
+        lines += [f"- {site_sentence(v, *costliest_site(found[v][SITE_SCHEMES[0]]))}." for v in found]
         lines += ["", "| variant | scheme | all sites | site (alone) | perplexity change | SQNR (dB) | range | "
                   "max at token 0 | max elsewhere |", "|---|---|---|---|---|---|---|---|---|"]
         for variant, schemes in found.items():
@@ -315,12 +327,12 @@ def package(results: dict[str, dict], name: str, seed: int) -> None:
     """Copy one seed's pair into the package (quantgate/models/checkpoints/twin-*) with a model card."""
     import shutil
 
-    cells = {c["variant"]: c for c in results[name]["cells"] if c["seed"] == seed}
+    cells = {c["variant"]: c for c in _pair(results, name, seed)}
     widths = bit_sweeps(results[name]["schemes"])[W8A8]
     _, model, _ = CANDIDATES[name]
     for variant, packaged in PACKAGED_NAMES.items():
         c = cells[variant]
-        src = _model_dir(c)
+        src = _train_dir(c) / "model"
         dst = PACKAGE_DIR / packaged
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)

@@ -364,8 +364,10 @@ def twins_search() -> str:
         copies = (f"; copy accuracy at A5 {copy(plain)} pp ungated vs {copy(gated)} pp gated"
                   if search.COPY[0] in plain[0]["float"] else "")
         for c in cells:  # --sites: the costliest activation site of each model, where sites.json exists
-            found = search.costliest_site(c["run"], c["variant"])
-            copies += f"; seed {c['seed']} " + search.site_sentence(c["variant"], *found) if found else ""
+            found = search.read_sites(c["run"]).get(c["variant"])
+            if found:
+                total, row = search.costliest_site(found[search.SITE_SCHEMES[0]])
+                copies += f"; seed {c['seed']} " + search.site_sentence(c["variant"], total, row)
         parts.append(f"{name} ({v['seeds']} seed{'s' if v['seeds'] != 1 else ''}): ungated sink >= {search.SINK} in "
                      f"{v['held']['ungated sink']}, max/median {ratios} (>= {search.RATIO} in "
                      f"{v['held']['ungated ratio']}); W8A8 {w8a8(plain)} ungated vs {w8a8(gated)} gated, >= "

@@ -214,7 +214,7 @@ def _check_twins_search(out):
     found = json.loads((run / "sites.json").read_text())
     calib = yaml.safe_load((run / "study.yaml").read_text())["calibration"]
     for c in _metrics(run)["cells"]:
-        model = qg.load(search._model_dir({**c, "run": run})).eval()
+        model = qg.load(search._train_dir({**c, "run": run}) / "model").eval()
         data = qg.data.batches(qg.tokenizer(model), calib["data"], calib["seq_len"], calib["batch_size"],
                                max_batches=4, seed=1_000)
         with torch.no_grad():
@@ -300,3 +300,6 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 2}
     assert not v["met"] and v["widest apart"] is None
     assert not search.verdict(cells[:4], widths)["met"]  # two seeds never meet it
+    with pytest.raises(SystemExit, match="run python experiments/twins_search.py --only d128-2L --seeds 5 first"):
+        search._pair({"d128-2L": {"cells": cells}}, "d128-2L", 5)  # --sites / --package of a seed never run
+    assert len(search._pair({"d128-2L": {"cells": cells}}, "d128-2L", 1)) == 2

@@ -175,4 +175,3 @@ def test_every_listed_name_has_a_tokenizer_that_round_trips(capsys):
             continue
         ids = tok(sentence).input_ids
         assert len(ids) >= 6 and tok.decode(ids, skip_special_tokens=True).lower().strip() == sentence.lower(), name
-

@@ -188,6 +188,9 @@ def test_site_sensitivity_measures_each_site_alone():
     assert {r["name"]: r["ppl_change"] for r in broken["sites"] if r["name"] != site.name} == pytest.approx(others)
     with pytest.raises(ValueError, match="activation quantizers"):
         qg.quant.site_sensitivity(qg.quantize(model, "w8-int8"), held_out)
+    site.hi.fill_(float("nan"))  # a broken range: a clear error, not a NaN change
+    with pytest.raises(ValueError, match="loss is not finite with 1 of .* on \\(model.layers.0 output\\)"):
+        qg.quant.site_sensitivity(q, held_out)
 
 
 @pytest.mark.parametrize("scheme", ["w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w8a8-fp8-e5m2",

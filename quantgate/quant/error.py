@@ -82,7 +82,6 @@ def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> di
     none), ``"low", "high"`` (its 95% paired bootstrap interval over the sequences), ``"sqnr_db"`` (of that
     tensor with all on), ``"lo", "hi"`` (its static range; None when dynamic)``}``, costliest first.
     Interactions are not additive: the alone changes need not compose to the all-on change."""
-    from ..models.families import family_of
     from ..stats import paired_delta
     from .simulate import act_quantizers
 
@@ -106,7 +105,12 @@ def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> di
             logits = logits[:, :logits.shape[1] - shift].float()
             ce = nn.functional.cross_entropy(logits.transpose(1, 2), b["labels"][:, shift:], reduction="none")
             nll.append(ce.sum(1).double())
-        nll = torch.cat(nll).tolist()
+        nll = torch.cat(nll)
+        if not torch.isfinite(nll).all():
+            raise ValueError(f"site_sensitivity: the loss is not finite with {len(on)} of {len(quantizers)} "
+                             f"quantizers on ({', '.join(sorted(q.name for q in on)[:3]) or 'none'}); check the "
+                             f"model's weights and the quantizers' ranges (quant.simulate.check_ranges)")
+        nll = nll.tolist()
         return {"ids": list(range(len(nll))), "loglikelihood": [-x for x in nll], "tokens": tokens}
 
     def change(base: dict, new: dict) -> dict:
