@@ -43,15 +43,23 @@ W8A8 = "w8a8-int8-bondarenko"
 SCHEMES = [{"scheme": W8A8, "a_bits": [8, 6, 5, 4]}, "w8a16-int8-bondarenko", "w16a8-int8-bondarenko"]
 VARIANTS = ["vanilla", "g1-elementwise"]
 COPY = ("quantgate_backcopy", "copy_acc")  # the attention's job on backcopy: copying the token before a trigger
-BACKCOPY = {"calibration": {"data": "backcopy", "batches": 8, "seq_len": 128, "batch_size": 8},
-            "observe": {"data": "backcopy", "batches": 3, "seq_len": 128, "batch_size": 8},
+CHAIN = "backcopy:start=chain"  # the token after BOS from BOS's successors: no flat prediction at BOS
+
+
+def _backcopy_data(source: str = "backcopy") -> dict:
+    """Calibration, observe and eval settings on a backcopy task (the eval reads the model's own task)."""
+    return {"calibration": {"data": source, "batches": 8, "seq_len": 128, "batch_size": 8},
+            "observe": {"data": source, "batches": 3, "seq_len": 128, "batch_size": 8},
             "eval": {"tasks": ["quantgate_backcopy"], "limit": {"quantgate_backcopy": 8}}}
+
+
+BACKCOPY = _backcopy_data()
 TEXT = {"calibration": {"data": "train", "batches": 8, "seq_len": 128, "batch_size": 8},
         "observe": {"data": "validation", "batches": 3, "seq_len": 128, "batch_size": 8}}
 
 
-def _backcopy(steps: int, lr: float) -> dict:
-    return {"data": "backcopy", "steps": steps, "batch_size": 16, "seq_len": 128, "lr": lr, "schedule": "constant",
+def _backcopy(steps: int, lr: float, source: str = "backcopy") -> dict:
+    return {"data": source, "steps": steps, "batch_size": 16, "seq_len": 128, "lr": lr, "schedule": "constant",
             "eval_every": steps // 10, "observe_every": steps // 10, "eval_batches": 2}
 
 
@@ -66,6 +74,12 @@ CANDIDATES = {
                  "train": _backcopy(2000, 5e-3)}, BACKCOPY),
     "d256-4L": ("the pilot of REFERENCES.md (4 M tokens, constant lr 3e-3), here with Bondarenko's placement",
                 {"preset": "small-llama", "train": _backcopy(2000, 3e-3)}, BACKCOPY),
+    "d128-2L-chain": ("d128-2L with the token after BOS drawn from the chain (backcopy:start=chain): its G1 twin's "
+                      "loss came from a last-layer BOS outlier that flattens the prediction of a uniform first token",
+                      {"preset": "tiny-llama", "config": {"hidden_size": 128, "intermediate_size": 256},
+                       "train": _backcopy(2000, 5e-3, CHAIN)}, _backcopy_data(CHAIN)),
+    "d256-4L-chain": ("d256-4L on backcopy:start=chain (the same lever at the pilot's width)",
+                      {"preset": "small-llama", "train": _backcopy(2000, 3e-3, CHAIN)}, _backcopy_data(CHAIN)),
     "bert-d256-mlm": ("post-LN BERT under MLM on the bundled text: the LayerNorm input is the residual sum, and "
                       "Bondarenko et al.'s outliers sit on delimiter tokens",
                       {"preset": "small-bert", "train": {"data": "train", "steps": 2000, "batch_size": 16,
@@ -132,6 +146,26 @@ def verdict(cells: list[dict], widths: list[tuple[int, str]]) -> dict:
     widest = next((bits for bits, s in widths if holds(s)), None)
     return {"seeds": len(pairs), "held": held, "widest apart": widest,
             "met": bool(pairs) and len(pairs) >= 3 and all(v == len(pairs) for v in held.values())}
+
+
+def tally(results: dict[str, dict]) -> list[str]:
+    """Over every pair run (candidate x seed), at W8A8 and at each narrower activation width: in how many
+    the gated twin loses less than the ungated model with intervals apart, loses more, or the two overlap."""
+    counts: dict[int, list[int]] = {}
+    pairs = 0
+    for metrics in results.values():
+        seeds: dict[int, dict] = {}
+        for c in metrics["cells"]:
+            seeds.setdefault(c["seed"], {})[c["variant"]] = c
+        for p in (p for p in seeds.values() if set(p) == set(VARIANTS)):
+            pairs += 1
+            for bits, scheme in bit_sweeps(metrics["schemes"])[W8A8]:
+                u, g = ppl_change(p["vanilla"], scheme), ppl_change(p["g1-elementwise"], scheme)
+                k = 0 if u.low > g.high else 1 if g.low > u.high else 2
+                counts.setdefault(bits, [0, 0, 0])[k] += 1
+    return [f"Over the {pairs} pairs run (candidates x seeds), the gated twin's perplexity change is below the "
+            "ungated model's with intervals apart / above it with intervals apart / overlapping: "
+            + "; ".join(f"A{b}: {n[0]} / {n[1]} / {n[2]}" for b, n in sorted(counts.items(), reverse=True)) + "."]
 
 
 def table(results: dict[str, dict]) -> list[str]:
@@ -391,7 +425,10 @@ def main() -> None:
               "W8A16 (its weights alone), W16A8 (its activations alone) and A6/A5/A4 (W8 with fewer activation "
               "bits) are all static per-tensor at Bondarenko et al.'s sites; each candidate's report.md has its "
               "full tables. The wall time above is this invocation's; each study's metrics.json has its own.", "",
-              "## The criterion, part by part", "", *verdicts(results), "", "## Every model", "", *table(results),
+              "## The criterion, part by part", "", *verdicts(results), "",
+              *tally(results), "",
+              *[f"- Defined but not run: {name} ({CANDIDATES[name][0]})." for name in CANDIDATES if name not in results],
+              "", "## Every model", "", *table(results),
               "", "![search.png](search.png)", ""]
     if any(out.glob("*/seed*/sites.json")):
         lines += ["## Which tensors cost what", "",

@@ -286,7 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float)
     tr.add_argument("--schedule", choices=("cosine", "linear", "constant"))
     tr.add_argument("--warmup", type=float, help="fraction of the steps (< 1) or a number of steps")
-    tr.add_argument("--data", help="text source (default: train) or backcopy (synthetic sink-inducing task)")
+    tr.add_argument("--data", help="text source (default: train) or backcopy[:start=chain,trigger_prob=P,triggers=N] "
+                    "(synthetic sink-inducing task)")
     tr.add_argument("--eval-every", type=int, dest="eval_every")
     tr.add_argument("--observe-every", type=int, dest="observe_every")
     tr.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")

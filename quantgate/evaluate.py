@@ -279,7 +279,8 @@ def _backcopy_documents(model: nn.Module, tokenizer, *, seq_len: int = 128, batc
                         limit: int | float | None = None) -> dict:
     """Per held-out sequence: summed log-likelihood and count of its predicted tokens, greedy hits on
     and count of its copied tokens."""
-    data = batches(tokenizer, "backcopy", seq_len, batch_size, seed=BACKCOPY_HELD_OUT_SEED,
+    task = (getattr(model.config, "quantgate", None) or {}).get("task", "backcopy")  # recorded by train
+    data = batches(tokenizer, task, seq_len, batch_size, seed=BACKCOPY_HELD_OUT_SEED,
                    max_batches=int(limit) if limit and limit >= 1 else 8)
     device = next(model.parameters()).device
     docs = {"ids": [], "loglikelihood": [], "tokens": [], "copied": [], "copies": []}

@@ -286,6 +286,7 @@ def study_markdown(metrics: dict) -> str:
                                         *map(_fmt, peak_activation(c)), _fmt(s["sink_mass"]),
                                         _fmt(ppl_of(c["float"])), *_cost(c)]) + " |")
     lines += _correlations([_quantities(c, schemes, changes) for c in cells])
+    lines += _against_baseline(cells, schemes, changes, (st.get("report") or {}).get("baseline"))
     lines += _side_by_side(cells, schemes, changes)
     # quantization error
     lines += ["", "## Where quantization hurts", "", "| model | variant | scheme | logits SQNR (dB) | worst blocks (dB) | "
@@ -408,6 +409,48 @@ def _correlations(qs: list[dict]) -> list[str]:
         return lines + [f"None: fewer than {MIN_CORRELATION_N} cells have any two of the numbers."]
     return lines + ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)] + [
         "| " + " | ".join(row) + " |" for row in rows]
+
+
+def float_change(base: dict, cell: dict):
+    """``cell``'s headline float perplexity relative to ``base``'s (another model read on the same documents),
+    with the paired interval over those documents; None where either lacks it."""
+    key = next((k for k in PPL_KEYS if _get(base["float"], k) is not None), None)
+    if key is None:
+        return None
+    docs = [(c.get("float_documents") or {}).get(key[0]) for c in (base, cell)]
+    return change(key[1], _get(base["float"], key), _get(cell["float"], key), *docs)
+
+
+def _against_baseline(cells: list[dict], schemes: list[str], changes: dict, baseline: str | None) -> list[str]:
+    """Each variant against the ``baseline`` variant of its model and seed (``report: baseline``): float
+    perplexity relative to the baseline's, paired over the held-out documents both read; gate parameters
+    as a share of the baseline's; first-token attention; the bit sweeps' perplexity changes."""
+    if not baseline:
+        return []
+    base = {(c["model"], c["seed"]): c for c in cells if c["variant"] == baseline}
+    if not base:  # e.g. a smoke run, which keeps each model's first variant
+        return []
+    swept = [(b, s) for points in bit_sweeps(schemes).values() for b, s in points]
+    head = ["model", "variant", "seed", f"FP ppl vs {baseline}", f"gate params (x {baseline}'s)",
+            "first-token attention (max layer)", *(f"{s}" for _, s in swept)]
+    lines = ["", f"## Against {baseline}", "",
+             f"Float perplexity of each variant relative to `{baseline}` of the same model and seed, with its 95% "
+             "paired-bootstrap interval over the held-out documents both read; gate parameters, and their multiple "
+             f"of `{baseline}`'s where it has any; the quantized changes are each model's own (float to quantized). " + NOISE_LEGEND + ".",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cells:
+        b = base.get((c["model"], c["seed"]))
+        if b is None:
+            continue
+        params = (c.get("cost") or {}).get("gate_params"), (b.get("cost") or {}).get("gate_params")
+        sink, layer = max_layer_sink(c)
+        lines.append("| " + " | ".join([c["model"], c["variant"], str(c["seed"]),
+                                        "-" if c is b else format_delta(float_change(b, c)),
+                                        "-" if params[0] is None else f"{params[0]:,}" + (
+                                            f" ({params[0] / params[1]:.2f}x)" if params[1] else ""),
+                                        f"{sink:.2f} ({layer})",
+                                        *(format_delta(changes.get((c["id"], s))) for _, s in swept)]) + " |")
+    return lines
 
 
 def _side_by_side(cells: list[dict], schemes: list[str], changes: dict) -> list[str]:

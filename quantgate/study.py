@@ -35,6 +35,7 @@ from pathlib import Path
 import yaml
 
 from .data.corpus import BUNDLED_SPLITS, DATASETS
+from .data.synthetic import is_backcopy, task_options
 from .models.presets import PRESETS
 from .models.sources import PACKAGED
 from .provenance import machine, versions
@@ -98,7 +99,8 @@ SECTION_RULES = {
              "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
              "max_length": (int, AT_LEAST_1)},  # lm-eval's window (tokens); default: see _eval_settings
     "report": {"notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
-               "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]"))},
+               "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
+               "baseline": (str, None)},  # a variant the report sets every other variant of a model against
 }
 
 
@@ -283,6 +285,10 @@ def load_study(path: str | Path) -> Study:
             if name not in names:
                 fail(("report", "pairs", i), f"pair {pair} names {name!r}, not a model of this study; models: "
                                              f"{', '.join(names)}")
+    baseline = sections["report"].get("baseline")
+    if baseline is not None and not any(baseline in m.variants for m in models):
+        fail(("report", "baseline"), f"baseline {baseline!r} is not a variant of any model; variants: "
+                                     f"{', '.join(sorted({v for m in models for v in m.variants}))}")
     default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
     study.raw = {"name": study.name, "file": "" if default else str(path), "description": study.description,
                  "seed": seed, "models": [dataclasses.asdict(m) for m in models],
@@ -373,9 +379,15 @@ def _check_limit(ev: dict, where: tuple, fail) -> None:
 def _check_source(source: str, where, fail, objective: str | None = None) -> None:
     from .data.corpus import _hf_spec
 
-    if source == "backcopy" and objective == "mlm":
-        fail(where, "data source 'backcopy' is a causal-LM task and this model is a masked LM; use a text source")
-    if source in (*BUNDLED_SPLITS, "backcopy"):
+    if is_backcopy(source):
+        if objective == "mlm":
+            fail(where, f"data source {source!r} is a causal-LM task and this model is a masked LM; use a text source")
+        try:
+            task_options(source)
+        except ValueError as e:
+            fail(where, str(e))
+        return
+    if source in BUNDLED_SPLITS:
         return
     if source.startswith("hf:") or source.split(":")[0] in DATASETS:
         try:
@@ -383,7 +395,7 @@ def _check_source(source: str, where, fail, objective: str | None = None) -> Non
             return
         except ValueError as e:
             fail(where, str(e))
-    fail(where, f"unknown data source {source!r}; valid: {', '.join(BUNDLED_SPLITS)}, backcopy, "
+    fail(where, f"unknown data source {source!r}; valid: {', '.join(BUNDLED_SPLITS)}, backcopy[:key=value,...], "
                 f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>")
 
 

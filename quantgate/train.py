@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from .checkpoint import dedupe, save
 from .data import batches as text_batches
+from .data.synthetic import is_backcopy
 from .models.families import family_of
 from .models.swap import gate_parameters, variant_of
 from .runlock import run_lock
@@ -83,7 +84,7 @@ class TrainConfig:
     gate_weight_decay: float | None = None  # their weight decay (default: 0)
     norm_weight_decay: float = 0.0  # on LayerNorm/RMSNorm gamma (Bondarenko's --wd_LN_gamma); biases: 0
     max_grad_norm: float = 1.0
-    data: str = "train"  # a text source, or "backcopy" (synthetic sink-inducing task)
+    data: str = "train"  # a text source, or "backcopy[:key=value,...]" (synthetic sink-inducing task)
     eval_data: str | None = "validation"
     eval_every: int = 0  # steps between held-out evaluations (0: only at the end)
     eval_batches: int = 4
@@ -219,6 +220,8 @@ def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = N
         from .models.swap import apply_variant
 
         apply_variant(model)
+    if is_backcopy(c.data):  # quantgate_backcopy then scores the model on held-out data of its own task
+        model.config.quantgate["task"] = c.data
     mp = c.mixed_precision if c.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     acc = Accelerator(gradient_accumulation_steps=c.grad_accum, mixed_precision=mp, cpu=not torch.cuda.is_available())
     out = Path(c.out) if c.out else None
@@ -326,7 +329,7 @@ def _shard(batch: dict, rank: int, world: int, device) -> dict:
 
 
 def _eval_batches(c: TrainConfig, tokenizer, objective: str) -> list[dict]:
-    source = c.eval_data if not (c.data == "backcopy" and c.eval_data == "validation") else "backcopy"
+    source = c.data if is_backcopy(c.data) and c.eval_data == "validation" else c.eval_data
     data = make_data(c, tokenizer, objective, source=source, shuffle=False, epochs=1, seed=c.seed + 1)
     return [b for _, b in zip(range(c.eval_batches), data)]
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from .options import key_values
+
 __all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "VariantLike", "Range"]
 
 
@@ -278,32 +280,17 @@ _TYPES = {"pi_init": float, "low_rank": int, "gamma": float, "zeta": float, "alp
 def _parse_params(name: str, arg: str) -> dict[str, object]:
     if name not in _names():
         raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
-    params: dict[str, object] = {}
     valid = [p.strip() for p in _param_names(name).split(",")]
     if name == "hyga":
         valid.append("d_int")
-    for item in filter(None, (s.strip() for s in arg.split(","))):
-        key, eq, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not eq or key not in valid:
-            raise ValueError(f"{name}: unknown parameter {item!r}; valid: {', '.join(valid)}")
-        kind_opts = GATE_KINDS[name].options if name in GATE_KINDS else {}
-        typ = kind_opts[key][0] if key in kind_opts else _TYPES[_ALIASES.get(key, key)]
-        try:
-            params[key] = _convert(typ, raw)
-        except ValueError:
-            raise ValueError(f"{name}: {key} expects {typ.__name__}, got {raw!r}") from None
-    return params
+    kind_opts = GATE_KINDS[name].options if name in GATE_KINDS else {}
 
+    def type_of(key: str) -> type | None:
+        if key not in valid:
+            return None
+        return kind_opts[key][0] if key in kind_opts else _TYPES[_ALIASES.get(key, key)]
 
-def _convert(typ: type, raw: str):
-    if typ is bool:
-        if raw.lower() in ("true", "1", "yes"):
-            return True
-        if raw.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(raw)
-    return typ(raw)
+    return dict(key_values(name, arg, type_of, valid=", ".join(valid), noun="parameter"))
 
 
 def _fmt(value) -> str:

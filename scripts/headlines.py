@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 from quantgate import experiment as ex
-from quantgate.report import (BUDGET, bit_sweeps, budget, max_layer_sink, peak_activation, ppl_change, ppl_of,
-                              scheme_change, spearman)
+from quantgate.models.presets import preset_config
+from quantgate.report import (BUDGET, bit_sweeps, budget, float_change, max_layer_sink, peak_activation, ppl_change,
+                              ppl_of, scheme_change, spearman)
 from quantgate.stats import Delta, format_delta, seed_delta
 from quantgate.study import load_study
 from quantgate.train import TrainConfig
@@ -149,51 +150,59 @@ def bondarenko_table2_paper() -> str:
     return f"validated by `--dry-run` in CI: {len(study.cells())} cells, {' and '.join(tokens)}"
 
 
+def _sink(c: dict) -> float:
+    """A cell's largest per-layer first-token attention."""
+    return max_layer_sink(c)[0]
+
+
 def qiu_table4() -> str:
     cells = list(_cells("qiu_table4").values())
+    plain = next(c for c in cells if c["variant"] == "vanilla")
     gated = [c for c in cells if _summary(c, "gate_mean") is not None]
     ns = [_summary(c, "gate_mean") for c in gated if c["variant"] == "g1-ns-sigmoid"]
     rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
-    paper = [_change(c, s) for c in cells for s in c["schemes"] if s == BONDARENKO]
-    return (f"{_steps_tokens(cells)}: no row grows a sink (first-token attention "
-            f"{_span([_summary(c, 'sink_mass') for c in cells], _fixed(3))}) or outliers (max "
-            f"{_peaks(cells, _fixed(1))}); mean gates "
-            f"{_span([_summary(c, 'gate_mean') for c in gated if c['variant'] != 'g1-ns-sigmoid'], _fixed(2))}"
-            f" (NS-sigmoid {_span(ns, _fixed(2))}); "
-            + (f"W8A8 at Bondarenko's sites changes {_changes(paper)} ({_noise(paper)}); " if paper else "")
-            + f"correlations across rows are noise (gate mean vs sink mass Spearman {rho:.2f}, n={len(gated)}), "
-            "unlike the paper's exact rank agreement")
+    (_, a6), = [(b, s) for b, s in bit_sweeps(_metrics("qiu_table4")["schemes"])[BONDARENKO] if b == 6]
+    sink, layer = max_layer_sink(plain)
+    paper = [_change(c, BONDARENKO) for c in gated]
+    narrow = [_change(c, a6) for c in gated]
+    return (f"{_steps_tokens(cells)} of backcopy: the ungated model grows a first-token sink of {sink:.2f} (layer "
+            f"{layer}) and max {_peaks([plain], _fixed(1))}; the gated rows' first-token attention spans "
+            f"{_span([_sink(c) for c in gated], _fixed(2))} (max layer), with max {_peaks(gated, _fixed(1))}; mean "
+            f"gates {_span([_summary(c, 'gate_mean') for c in gated if c['variant'] != 'g1-ns-sigmoid'], _fixed(2))}"
+            f" (NS-sigmoid {_span(ns, _fixed(2))}); W8A8 at Bondarenko's sites: ungated "
+            f"{_delta(_change(plain, BONDARENKO))}, gated {_changes(paper)} ({_noise(paper)}); at A6 ungated "
+            f"{_delta(_change(plain, a6))}, gated {_changes(narrow)} ({_noise(narrow)}); gate mean vs sink mass "
+            f"Spearman {rho:.2f} (n={len(gated)}; the paper's rows: 1.0)")
 
 
 def hyga_ablation() -> str:
     cells = _cells("hyga_ablation")
-    gated = sorted((c for c in cells.values() if c["cost"]["gate_params"]), key=lambda c: c["cost"]["gate_params"])
-    small, large = gated[0], gated[-1]
+    g1 = cells["gqa/g1-elementwise"]
+    low = sorted((c for c in cells.values() if c["model"] == "gqa" and "low_rank" in c["variant"]),
+                 key=lambda c: c["cost"]["gate_params"])
 
     def trio(model: str, fmt) -> str:
         return " -> ".join(fmt(cells[f"{model}/{v}"]) for v in ("vanilla", "g1-elementwise", "hyga"))
 
     def activation(c):
-        return _num(peak_activation(c)[0])
+        return f"{_num(peak_activation(c)[0])} (max/median {_ratio(peak_activation(c)[1])})"
 
-    def ratio(c):
-        return _ratio(peak_activation(c)[1])
+    def sink(c):
+        return f"{_sink(c):.2f}"
 
-    def ppl(c):
-        return _num(ppl_of(c["float"]))
+    def rank(c) -> str:
+        r = re.search(r"low_rank=(\d+)", c["variant"]).group(1)
+        return (f"d_int {r} ({c['cost']['gate_params'] / g1['cost']['gate_params']:.2f}x G1's gate parameters) "
+                f"{_delta(float_change(g1, c))}")
 
-    run = _metrics("hyga_ablation")["schemes"]
-    changes = {s: [_change(c, s) for c in cells.values()] for s in SCHEMES if s in run}
-    every = [d for v in changes.values() for d in v]
-    return (f"{_steps_tokens(cells.values())}, d={cells['gqa/vanilla']['source']['config']['hidden_size']}: max "
-            f"activation vanilla -> G1 -> HyGA {trio('gqa', activation)}, max/median {trio('gqa', ratio)} (GQA) and "
-            f"{trio('mla', activation)}, max/median {trio('mla', ratio)} (MLA); "
-            f"ppl "
-            f"{trio('gqa', ppl)} (GQA); no sinks at this scale (first-token attention "
-            f"{_span([_summary(c, 'sink_mass') for c in cells.values()], _fixed(3))}); "
-            + "; ".join(f"{SCHEMES[s]} changes {_changes(v)}" for s, v in changes.items())
-            + f" ({_noise(every)}); gate params {small['cost']['gate_params'] / 1e3:.0f} k ({small['variant']}) to "
-            f"{large['cost']['gate_params'] / 1e3:.0f} k ({large['variant']})")
+    paper = [_change(c, BONDARENKO) for c in cells.values()]
+    width = preset_config(g1["source"]["preset"], g1["source"]["config"]).hidden_size
+    return (f"{_steps_tokens(cells.values())} of backcopy, d={width}: "
+            f"first-token attention vanilla -> G1 -> HyGA {trio('gqa', sink)} (GQA), {trio('mla', sink)} (MLA); max "
+            f"activation {trio('gqa', activation)} (GQA); float perplexity against G1, HyGA without the C-gate at "
+            + ", ".join(rank(c) for c in low)
+            + f", full HyGA {_delta(float_change(g1, cells['gqa/hyga']))}; W8A8 at Bondarenko's sites changes "
+            f"{_changes(paper)} ({_noise(paper)})")
 
 
 def sink_leak_toy() -> str:

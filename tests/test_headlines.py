@@ -37,18 +37,29 @@ def test_check_fails_on_a_hand_edited_number(headlines, tmp_path, monkeypatch):
     assert stop.value.code  # a message, i.e. exit status 1
 
 
-def test_hyga_static_changes_by_hand():
-    """The span of the HyGA ablation's static W8A8 changes, from the committed perplexities (the README once
-    said all were under 0.2% while one was +0.24%)."""
+def test_hyga_changes_and_gate_shares_by_hand():
+    """The span of the HyGA ablation's W8A8 changes at Bondarenko's sites, from the committed backcopy
+    perplexities (the README once said all were under 0.2% while one was +0.24%), and the low-rank rows'
+    gate parameters as a share of the G1 gate's, counted on freshly built models."""
+    import quantgate as qg
+
     cells = json.loads((ROOT / "results" / "hyga_ablation" / "metrics.json").read_text())["cells"]
     changes = []
     for cell in cells:
-        fp = cell["float"]["quantgate_ppl"]["word_perplexity"]
-        static = cell["schemes"]["w8a8-int8-static"]["results"]["quantgate_ppl"]["word_perplexity"]
-        changes.append(100 * (static / fp - 1))
-    assert len(changes) == 12
-    span = f"static W8A8 (Linear inputs) changes {min(changes):+.2f}% to {max(changes):+.2f}%"
-    assert span in _block("hyga_ablation")
+        fp = cell["float"]["quantgate_backcopy"]["perplexity"]
+        q = cell["schemes"]["w8a8-int8-bondarenko"]["results"]["quantgate_backcopy"]["perplexity"]
+        changes.append(100 * (q / fp - 1))
+    assert len(changes) == 10
+    block = _block("hyga_ablation")
+    assert f"W8A8 at Bondarenko's sites changes {min(changes):+.2f}% to {max(changes):+.2f}%" in block
+
+    def gate_params(variant):
+        return sum(p.numel() for p in qg.gate_parameters(qg.build("tiny-llama", variant)).values())
+
+    g1 = gate_params("g1-elementwise")
+    for rank in (2, 4, 8):
+        share = gate_params(f"hyga:c_gate=false,low_rank={rank}") / g1
+        assert f"d_int {rank} ({share:.2f}x G1's gate parameters)" in block
 
 
 def _block(name: str) -> str:
@@ -85,5 +96,6 @@ def test_headline_changes_carry_their_intervals():
 
 def test_headline_maxima_come_with_their_max_over_median():
     assert re.search(r"max activations [\d.]+-[\d.]+, max/median [\d.]+-[\d.]+;", _block("cpu_recipe"))
-    assert re.search(r"max [\d.]+-[\d.]+, max/median [\d.]+-[\d.]+\)", _block("qiu_table4"))
-    assert "HyGA 14.9 -> 7.79 -> 4.87, max/median 6.9 -> 7 -> 6.2 (GQA)" in _block("hyga_ablation")
+    assert re.search(r", with max [\d.]+-[\d.]+, max/median [\d.]+-[\d.]+;", _block("qiu_table4"))
+    assert re.search(r"max activation [\d.,]+ \(max/median [\d.]+\) -> [\d.,]+ \(max/median [\d.]+\) -> ",
+                     _block("hyga_ablation"))

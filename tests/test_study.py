@@ -191,7 +191,7 @@ def test_committed_reports_carry_intervals_and_say_when_there_are_none():
         peak, ratio = peak_activation(cell)
         assert f"| {_fmt(peak)} | {_fmt(ratio)} |" in with_docs
     assert "then over Bondarenko et al.'s tensors (their reference code): for BERT each layer's FFN output" in with_docs
-    assert "(n=10)" in study_markdown(_committed("qiu_table4"))
+    assert "(n=8)" in study_markdown(_committed("qiu_table4"))
 
 
 def test_seeds_average_with_a_t_interval_when_cells_lack_documents():
@@ -250,3 +250,27 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
     fail(RuntimeError("shape mismatch"))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         _quantized(model, tok, "w8-int8", {}, None, 0)
+
+
+def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
+    """``report: baseline``: a variant's float perplexity relative to the baseline's (same model and seed)
+    with the paired bootstrap over the documents both read, and its gate parameters as a multiple."""
+    from quantgate.report import _against_baseline
+    from quantgate.stats import format_delta, paired_delta
+
+    def cell(variant, loglik, params):
+        docs = {"ids": [0, 1, 2, 3], "loglikelihood": loglik, "tokens": [10, 10, 10, 10]}
+        ppl = math.exp(-sum(loglik) / 40)
+        return {"id": f"m/{variant}", "model": "m", "variant": variant, "seed": 0, "schemes": {},
+                "float": {"quantgate_backcopy": {"perplexity": ppl}}, "float_documents": {"quantgate_backcopy": docs},
+                "cost": {"gate_params": params}, "observe": {"layers": [{"sink_mass": 0.5}, {"sink_mass": 0.07}]}}
+
+    base, low = cell("g1-elementwise", [-12.0, -15.0, -9.0, -14.0], 800), cell("hyga", [-11.0, -15.5, -8.0, -13.0], 200)
+    lines = _against_baseline([base, low], [], {}, "g1-elementwise")
+    row = next(line for line in lines if line.startswith("| m | hyga |"))
+    expected = paired_delta(base["float_documents"]["quantgate_backcopy"], low["float_documents"]["quantgate_backcopy"],
+                            "perplexity")
+    assert expected.value == pytest.approx(math.exp((50 - 47.5) / -40) - 1)  # ppl ratio by hand: exp(-2.5 / 40) - 1
+    assert f"| {format_delta(expected)} | 200 (0.25x) | 0.50 (0) |" in row
+    assert "| m | g1-elementwise | 0 | - | 800 (1.00x) |" in "\n".join(lines)
+    assert _against_baseline([base, low], [], {}, None) == []

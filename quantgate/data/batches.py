@@ -169,15 +169,16 @@ class Batches(Resumable):
 
 def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:
     """Batches of a text source (``train``, ``validation``, ``test`` or an HF dataset; see :class:`Batches`)
-    or of the synthetic ``backcopy`` task (causal LMs; see :class:`~quantgate.data.synthetic.BackcopyBatches`).
+    or of the synthetic ``backcopy[:key=value,...]`` task (causal LMs; see :class:`~quantgate.data.synthetic.BackcopyBatches`).
     """
-    if split == "backcopy":
-        from .synthetic import BackcopyBatches
+    if split.partition(":")[0] == "backcopy":
+        from .synthetic import BackcopyBatches, task_options
 
         if objective != "clm":
             raise ValueError("the backcopy task is a causal-LM task; use --objective clm")
         max_batches = kwargs.get("max_batches")
         return BackcopyBatches(seq_len, batch_size, seed=kwargs.get("seed", 0), epochs=kwargs.get("epochs", 1),
                                batches_per_epoch=max_batches or 1000,
-                               bos=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1)
+                               bos=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1,
+                               **task_options(split))
     return Batches(tokenizer, split, seq_len, batch_size, objective, **kwargs)

@@ -5,6 +5,12 @@ an MLP learns; a few trigger tokens break the chain: the token after a trigger r
 before it, which needs attention. Attention heads have nothing to do except right after a trigger,
 so an ungated softmax must park their mass somewhere: the first token becomes a sink, quickly and
 on a CPU budget.
+
+A data source names the task: ``backcopy`` or ``backcopy:key=value,...`` with the options of
+:data:`TASK_OPTIONS`. ``start=chain`` draws the token after BOS from BOS's successors like every other
+chain step; the default (``start=random``) draws it uniformly from the whole vocabulary, so the
+prediction at BOS must come out flat, and the twins search found gated models writing a huge last-layer
+activation at BOS to flatten it.
 """
 
 from __future__ import annotations
@@ -13,9 +19,39 @@ from collections.abc import Iterator
 
 import torch
 
+from ..options import key_values
 from .batches import Resumable
 
-__all__ = ["BackcopyBatches"]
+__all__ = ["BackcopyBatches", "TASK_OPTIONS", "is_backcopy", "task_options"]
+
+# option: (type, its valid values or None); start: the token after BOS, uniform over the vocabulary or drawn
+# from BOS's successors; trigger_prob: the chance of a trigger at each position; triggers: how many there are
+TASK_OPTIONS = {"start": (str, ("random", "chain")), "trigger_prob": (float, None), "triggers": (int, None)}
+
+
+def is_backcopy(source: str) -> bool:
+    """Whether a data source names the backcopy task (``backcopy`` or ``backcopy:...``)."""
+    return source.partition(":")[0] == "backcopy"
+
+
+def task_options(source: str) -> dict[str, object]:
+    """The :class:`BackcopyBatches` keywords of a ``backcopy[:key=value,...]`` source; ValueError naming
+    an unknown option or a value outside its range."""
+    name, _, arg = source.partition(":")
+    if name != "backcopy":
+        raise ValueError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
+    valid = ", ".join(f"{k} ({', '.join(v[1]) if v[1] else v[0].__name__})" for k, v in TASK_OPTIONS.items())
+    options = dict(key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None,
+                              valid=valid))
+    for key, value in options.items():
+        choices = TASK_OPTIONS[key][1]
+        if choices and value not in choices:
+            raise ValueError(f"backcopy: {key}={value} is not one of {', '.join(choices)}")
+    if not 0 <= options.get("trigger_prob", 0.5) <= 1:
+        raise ValueError(f"backcopy: trigger_prob={options['trigger_prob']} is not a probability (0-1)")
+    if options.get("triggers", 1) < 1:
+        raise ValueError(f"backcopy: triggers={options['triggers']} needs at least 1 trigger token")
+    return options
 
 
 class BackcopyBatches(Resumable):
@@ -23,18 +59,21 @@ class BackcopyBatches(Resumable):
 
     Vocabulary: ``n_tokens`` ids starting at ``first_id`` (above the special tokens), ``triggers`` of
     them are triggers (emitted with probability ``trigger_prob`` at each step); every row starts with
-    ``bos``. The task (chain and triggers) is fixed by ``task_seed``; the sequences drawn from it by
-    (``seed``, batch index), so held-out data is another ``seed`` of the same task. Resumable like
-    :class:`Batches`.
+    ``bos``, followed by a uniform draw (``start="random"``) or one of BOS's successors (``"chain"``).
+    The task (chain and triggers) is fixed by ``task_seed``; the sequences drawn from it by (``seed``,
+    batch index), so held-out data is another ``seed`` of the same task. Resumable like :class:`Batches`.
     """
 
     def __init__(self, seq_len: int, batch_size: int, *, n_tokens: int = 512, triggers: int = 3,
-                 branching: int = 3, trigger_prob: float = 0.08, first_id: int = 5, bos: int = 1, seed: int = 0,
-                 task_seed: int = 0, epochs: int | None = None, batches_per_epoch: int = 1000):
+                 branching: int = 3, trigger_prob: float = 0.08, start: str = "random", first_id: int = 5,
+                 bos: int = 1, seed: int = 0, task_seed: int = 0, epochs: int | None = None,
+                 batches_per_epoch: int = 1000):
+        if start not in TASK_OPTIONS["start"][1]:
+            raise ValueError(f"backcopy: start={start!r} is not one of {', '.join(TASK_OPTIONS['start'][1])}")
         self.seq_len, self.batch_size, self.seed, self.bos = seq_len, batch_size, seed, bos
         self.first_id, self.n_tokens, self.trigger_prob = first_id, n_tokens, trigger_prob
-        self.epochs, self.batches_per_epoch = epochs, batches_per_epoch
-        self.split = f"backcopy(seed={seed})"
+        self.epochs, self.batches_per_epoch, self.start = epochs, batches_per_epoch, start
+        self.split = f"backcopy(seed={seed}{'' if start == 'random' else ', start=' + start})"
         g = torch.Generator().manual_seed(10_000 + task_seed)
         self.triggers = torch.randperm(n_tokens, generator=g)[:triggers] + first_id
         self.successors = torch.randint(first_id, first_id + n_tokens, (first_id + n_tokens, branching), generator=g)
@@ -59,6 +98,8 @@ class BackcopyBatches(Resumable):
         ids[:, 0] = self.bos
         ids[:, 1] = torch.randint(self.first_id, self.first_id + self.n_tokens, (b,), generator=g)
         branch = torch.randint(self.successors.shape[1], (b, t), generator=g)
+        if self.start == "chain":  # after the same draws as "random": both tasks share every other random stream
+            ids[:, 1] = self.successors[self.bos, branch[:, 1]]
         fire = torch.rand(b, t, generator=g) < self.trigger_prob
         which = self.triggers[torch.randint(len(self.triggers), (b, t), generator=g)]
         for i in range(2, t):

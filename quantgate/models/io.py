@@ -95,7 +95,7 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
         raise ValueError(f"{path} holds a model with variant {saved}; it cannot be loaded as {target}. "
                          f"Load it without variant=, or start from an ungated checkpoint")
     config = copy.deepcopy(config)
-    config.__dict__.pop("quantgate", None)
+    task = (config.__dict__.pop("quantgate", None) or {}).get("task")  # the data it was trained on, if synthetic
     if qiu:
         model = _load_qiu(family, path, config, saved, seed)
     else:
@@ -107,6 +107,8 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
         elif gates.is_file():  # a vanilla model has no gate weights to take
             _load_state(model, _read_safetensors([gates]), gates, only={})
     apply_variant(model, target, backend=backend, seed=seed)
+    if task is not None:
+        model.config.quantgate["task"] = task
     model.eval()
     return model.to(dtype) if dtype is not None else model
 

@@ -21,6 +21,7 @@ from typing import Callable, ClassVar
 
 import torch.nn as nn
 
+from ..options import key_values
 from ..variants import Range
 from .quantizers import FP8, INT_BITS
 
@@ -325,16 +326,10 @@ def get_scheme(text: str | Scheme) -> Scheme:
         raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
     scheme = SCHEMES[name]
     changes = {None: {}, "weight": {}, "act": {}}
-    for item in filter(None, (i.strip() for i in arg.split(","))):
-        key, eq, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not eq or key not in _allowed(scheme):
-            raise ValueError(f"{name}: unknown option {item!r}; valid: {', '.join(sorted(_allowed(scheme)))}")
+    allowed = _allowed(scheme)
+    for key, value in key_values(name, arg, lambda k: OPTIONS[k].type if k in allowed else None,
+                                 valid=", ".join(sorted(allowed))):
         opt = OPTIONS[key]
-        try:
-            value = _convert(opt.type, raw)
-        except ValueError:
-            raise ValueError(f"{name}: {key} expects {opt.type.__name__}, got {raw!r}") from None
         if isinstance(opt, BitsOption):
             _check_bits(scheme, key, value)
         changes[opt.where][opt.field] = opt.write(value)
@@ -349,18 +344,6 @@ def _check_bits(scheme: Scheme, key: str, value: int) -> None:
                          f"{OPTIONS[key].where}s are {fmt}, a float format of fixed width (pick E4M3 or E5M2 by "
                          f"scheme name, or use an INT scheme such as w8a8-int8-static:{key}={value})")
     OPTIONS[key].check(scheme.name, key, value)
-
-
-def _convert(typ, raw: str):
-    if typ is bool:
-        if raw.lower() in ("true", "1", "yes"):
-            return True
-        if raw.lower() in ("false", "0", "no"):
-            return False
-        raise ValueError(raw)
-    if typ is tuple:
-        return tuple(p for p in raw.split("|") if p)
-    return typ(raw)
 
 
 def act_bits(scheme: str | Scheme) -> tuple[str, int | None]:
