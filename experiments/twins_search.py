@@ -124,13 +124,18 @@ def _apart(u, g) -> bool:
             and u.value >= FACTOR * max(g.value, 0) and u.low > g.high)
 
 
+def _pairs(cells: list[dict]) -> list[dict[str, dict]]:
+    """The finished pairs among a candidate's cells: ``[{variant: cell}]``, one per seed that has both."""
+    seeds: dict[int, dict] = {}
+    for c in cells:
+        seeds.setdefault(c["seed"], {})[c["variant"]] = c
+    return [p for p in seeds.values() if set(p) == set(VARIANTS)]
+
+
 def verdict(cells: list[dict], widths: list[tuple[int, str]]) -> dict:
     """The criterion, part by part, over the seeds a candidate has: ``{part: seeds where it holds}`` and
     the widest activation width at which the quantization part holds in every seed."""
-    pairs = {}
-    for c in cells:
-        pairs.setdefault(c["seed"], {})[c["variant"]] = c
-    pairs = [p for p in pairs.values() if set(p) == set(VARIANTS)]
+    pairs = _pairs(cells)
     held = {"ungated sink": 0, "ungated ratio": 0, "gated neither": 0, "W8A8 apart": 0}
     for p in pairs:
         u, g = p["vanilla"], p["g1-elementwise"]
@@ -150,21 +155,22 @@ def verdict(cells: list[dict], widths: list[tuple[int, str]]) -> dict:
 
 def tally(results: dict[str, dict]) -> list[str]:
     """Over every pair run (candidate x seed), at W8A8 and at each narrower activation width: in how many
-    the gated twin loses less than the ungated model with intervals apart, loses more, or the two overlap."""
+    the gated twin loses less than the ungated model with intervals apart, loses more, or neither is shown
+    (overlapping intervals, or a change without one)."""
     counts: dict[int, list[int]] = {}
     pairs = 0
     for metrics in results.values():
-        seeds: dict[int, dict] = {}
-        for c in metrics["cells"]:
-            seeds.setdefault(c["seed"], {})[c["variant"]] = c
-        for p in (p for p in seeds.values() if set(p) == set(VARIANTS)):
+        for p in _pairs(metrics["cells"]):
             pairs += 1
             for bits, scheme in bit_sweeps(metrics["schemes"])[W8A8]:
                 u, g = ppl_change(p["vanilla"], scheme), ppl_change(p["g1-elementwise"], scheme)
-                k = 0 if u.low > g.high else 1 if g.low > u.high else 2
+                if u is None or g is None or u.low is None or g.low is None:  # not evaluated, or no interval
+                    k = 2
+                else:
+                    k = 0 if u.low > g.high else 1 if g.low > u.high else 2
                 counts.setdefault(bits, [0, 0, 0])[k] += 1
     return [f"Over the {pairs} pairs run (candidates x seeds), the gated twin's perplexity change is below the "
-            "ungated model's with intervals apart / above it with intervals apart / overlapping: "
+            "ungated model's with intervals apart / above it with intervals apart / overlapping or without an interval: "
             + "; ".join(f"A{b}: {n[0]} / {n[1]} / {n[2]}" for b, n in sorted(counts.items(), reverse=True)) + "."]
 
 

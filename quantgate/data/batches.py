@@ -167,11 +167,16 @@ class Batches(Resumable):
         out.update(input_ids=ids, labels=labels)
         return out
 
+def is_backcopy(source: str) -> bool:
+    """Whether a data source names the synthetic backcopy task (``backcopy`` or ``backcopy:...``)."""
+    return source.partition(":")[0] == "backcopy"
+
+
 def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:
     """Batches of a text source (``train``, ``validation``, ``test`` or an HF dataset; see :class:`Batches`)
     or of the synthetic ``backcopy[:key=value,...]`` task (causal LMs; see :class:`~quantgate.data.synthetic.BackcopyBatches`).
     """
-    if split.partition(":")[0] == "backcopy":
+    if is_backcopy(split):
         from .synthetic import BackcopyBatches, task_options
 
         if objective != "clm":

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from ..options import key_values
-from .batches import Resumable
+from .batches import Resumable, is_backcopy
 
 __all__ = ["BackcopyBatches", "TASK_OPTIONS", "is_backcopy", "task_options"]
 
@@ -29,16 +29,11 @@ __all__ = ["BackcopyBatches", "TASK_OPTIONS", "is_backcopy", "task_options"]
 TASK_OPTIONS = {"start": (str, ("random", "chain")), "trigger_prob": (float, None), "triggers": (int, None)}
 
 
-def is_backcopy(source: str) -> bool:
-    """Whether a data source names the backcopy task (``backcopy`` or ``backcopy:...``)."""
-    return source.partition(":")[0] == "backcopy"
-
-
 def task_options(source: str) -> dict[str, object]:
     """The :class:`BackcopyBatches` keywords of a ``backcopy[:key=value,...]`` source; ValueError naming
     an unknown option or a value outside its range."""
-    name, _, arg = source.partition(":")
-    if name != "backcopy":
+    _, _, arg = source.partition(":")
+    if not is_backcopy(source):
         raise ValueError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
     valid = ", ".join(f"{k} ({', '.join(v[1]) if v[1] else v[0].__name__})" for k, v in TASK_OPTIONS.items())
     options = dict(key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None,
