@@ -7,7 +7,9 @@ Simulated schemes measure the cost of the research instrument (fake quantization
 real-kernel schemes measure what torchao / bitsandbytes deliver on this machine's CPU. The float model
 and every scheme take turns on the same batch in each round (benchmarks/roundrobin.py), and the table
 gives the median per-round ratio with its interquartile range, so a busy machine moves both sides
-alike. Target: simulated W8A8 with Bondarenko's placement within 2x of float.
+alike. Target: simulated W8A8 with Bondarenko's placement within 2x of float. A folded mitigation
+(SmoothQuant, the residual rotation) should cost what its base scheme costs; the online Hadamard adds
+one fast transform per FFN; the MX / NVFP4 emulation casts every activation block by block.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import quantgate as qg
 from quantgate.data import batches
 
 SCHEMES = ["w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-int8-dynamic", "w8a8-fp8-e4m3",
-           "torchao-int8-dynamic", "torchao-int8-weight-only", "llm-int8"]
+           "torchao-int8-dynamic", "torchao-int8-weight-only", "llm-int8",
+           # the mitigations and block-scaled formats (experiments/mitigations.yaml)
+           "w8a8-int8-static:smooth=0.5", "w8a8-int8-static:rotate=residual", "w8a8-int8-static:rotate=online",
+           "w8a8-int8-static:keep=auto", "w8a8-mxfp8", "w4a4-mxfp4", "w4a4-nvfp4", "w4a4-fp4-e2m1", "kv4-int4",
+           "kv4-int4:sink=1"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -207,3 +207,30 @@ def plot_study_training(cells: list[dict], path: Path) -> Path:
     axes[0].legend(fontsize=6)
     fig.tight_layout()
     return _save(fig, Path(path))
+
+
+def plot_fixes(changes: dict[str, dict], within: float, path: Path) -> Path:
+    """Perplexity change (%, symmetric log scale: linear within +-1%) per scheme, one bar per model, with the
+    95% intervals and the ``within`` line; ``changes``: ``{model: {scheme: Delta or None}}``, schemes ordered
+    best first on the first model."""
+    models = list(changes)
+    first = changes[models[0]]
+    schemes = sorted(first, key=lambda s: float("inf") if first[s] is None else first[s].value)
+    fig, ax = plt.subplots(figsize=(8.0, 0.32 * len(schemes) + 1.6))
+    height = 0.8 / len(models)
+    cmap = plt.get_cmap("tab10")
+    for j, model in enumerate(models):
+        ds = [changes[model].get(s) for s in schemes]
+        xs = [float("nan") if d is None else 100 * d.value for d in ds]
+        err = [[0 if d is None or d.low is None else 100 * (d.value - d.low) for d in ds],
+               [0 if d is None or d.high is None else 100 * (d.high - d.value) for d in ds]]
+        ax.barh([i + j * height for i in range(len(schemes))], xs, height, xerr=err, label=model,
+                color=cmap(j % 10), error_kw={"elinewidth": 0.8})
+    ax.axvline(100 * within, color="k", linestyle="--", linewidth=0.8, label=f"+{within:.0%}")
+    ax.set_yticks([i + (len(models) - 1) * height / 2 for i in range(len(schemes))], schemes, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set(xlabel="perplexity change, quantized vs float (%; log beyond +-1%)", title="which fix? (95% intervals)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return _save(fig, Path(path))

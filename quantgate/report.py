@@ -242,6 +242,11 @@ def study_markdown(metrics: dict) -> str:
              + ", ".join(f"{k} {v}" for k, v in metrics["versions"].items() if v) + ".",
              f"Compute: {metrics['wall_seconds']['steps_total']:.0f} s over all steps of all cells "
              f"({len(cells)} cells).", ""]
+    fixes = (st.get("report") or {}).get("fixes")
+    if fixes:
+        from .fixes import which_fix
+
+        lines += which_fix(cells, schemes, changes, fixes, (st.get("report") or {}).get("pairs") or [])
     lines += _answer(cells, schemes, changes, (st.get("report") or {}).get("pairs") or [])
     lines += ["## What the numbers show", ""] + _sentences(cells, schemes, changes) + [""]
     # Bondarenko-style table
@@ -558,6 +563,8 @@ def _plot_names(metrics: dict) -> list[str]:
         names.append("study_bits.png")
     if any(c["trained"].get("observe_curve") for c in metrics["cells"]):
         names.append("study_training.png")
+    if (metrics["study"].get("report") or {}).get("fixes"):
+        names.append("study_fixes.png")
     return names
 
 
@@ -574,6 +581,12 @@ def study_plots(metrics: dict, out: Path) -> None:
         plot_bit_sweeps(sweeps, [c["id"] for c in metrics["cells"]], BUDGET, out / "study_bits.png")
     if "study_training.png" in _plot_names(metrics):
         plot_study_training(metrics["cells"], out / "study_training.png")
+    if "study_fixes.png" in _plot_names(metrics):
+        from .plots import plot_fixes
+
+        fixes = metrics["study"]["report"]["fixes"]
+        plot_fixes({c["model"]: {s: ppl_change(c, s) for s in metrics["schemes"]} for c in metrics["cells"]},
+                   float(fixes.get("within", 0.01)), out / "study_fixes.png")
 
 
 def write_study_report(run_dir: str | Path) -> Path:

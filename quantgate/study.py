@@ -100,7 +100,8 @@ SECTION_RULES = {
              "max_length": (int, AT_LEAST_1)},  # lm-eval's window (tokens); default: see _eval_settings
     "report": {"notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
                "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
-               "baseline": (str, None)},  # a variant the report sets every other variant of a model against
+               "baseline": (str, None),  # a variant the report sets every other variant of a model against
+               "fixes": (dict, None)},  # {reference: scheme, within: fraction}: the report opens with a ranking
 }
 
 
@@ -289,11 +290,31 @@ def load_study(path: str | Path) -> Study:
     if baseline is not None and not any(baseline in m.variants for m in models):
         fail(("report", "baseline"), f"baseline {baseline!r} is not a variant of any model; variants: "
                                      f"{', '.join(sorted({v for m in models for v in m.variants}))}")
+    fixes = sections["report"].get("fixes")
+    if fixes is not None:
+        _check_fixes(fixes, {e["scheme"] for m in models for e in m.schemes}, lambda msg: fail(("report", "fixes"), msg))
     default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
     study.raw = {"name": study.name, "file": "" if default else str(path), "description": study.description,
                  "seed": seed, "models": [dataclasses.asdict(m) for m in models],
                  **{k: sections[k] for k in ("calibration", "report")}}
     return study
+
+
+def _check_fixes(fixes: dict, schemes: set[str], fail) -> None:
+    """``report: fixes: {reference: SCHEME, within: FRACTION}``: the scheme the fixes are set against (one of the
+    study's) and the perplexity increase that counts as fixed (default 0.01)."""
+    unknown = set(fixes) - {"reference", "within"}
+    if unknown:
+        fail(f"unknown key(s) {', '.join(sorted(unknown))}; valid: reference, within")
+    try:
+        reference = str(get_scheme(fixes.get("reference", "")))
+    except ValueError as e:
+        return fail(f"reference: {e}")
+    if reference not in schemes:
+        fail(f"reference {reference!r} is not a scheme of this study; schemes: {', '.join(sorted(schemes))}")
+    within = fixes.get("within", 0.01)
+    if isinstance(within, bool) or not isinstance(within, (int, float)) or not 0 < within < 1:
+        fail(f"within must be a fraction in (0, 1) (0.01: within 1% of float), got {within!r}")
 
 
 def _expand_scheme(entry: dict) -> list[str]:
@@ -721,15 +742,19 @@ def _quantized(model, tok, scheme: str, ev_cfg: dict, m: ModelSpec, seed: int) -
         calibration = batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], objective, shuffle=True,
                               seed=seed)
         options = {"calib": calib["batches"]}
+    start = time.perf_counter()
     try:
         q = quantize(model, scheme, calibration=calibration, **options)
     except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal
         return {"error": str(e)}
+    quantize_s = time.perf_counter() - start
     held_out = batches(tok, m.observe["data"], m.observe["seq_len"], m.observe["batch_size"], objective,
                        max_batches=1)
     err = quant_error(model, q, held_out, max_batches=1)
     out = _evaluate(q, tok, ev_cfg)
     return {"results": out["results"], "documents": out["documents"], "logits_sqnr_db": err["logits_sqnr_db"],
             "worst_layers": err["worst_layers"], "overflow": err["overflow"],
-            "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration")}
+            "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration"),
+            "mitigation": (q.config.quantgate or {}).get("quantization", {}).get("mitigation"),
+            "quantize_s": quantize_s}
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from quantgate import experiment as ex
+from quantgate.fixes import fix_rows
 from quantgate.models.presets import preset_config
 from quantgate.report import (BUDGET, bit_sweeps, budget, float_change, max_layer_sink, peak_activation, ppl_change,
                               ppl_of, scheme_change, spearman)
@@ -386,9 +387,30 @@ def twins_search() -> str:
     return (f"criterion met by {', '.join(met) if met else 'no candidate'} of {len(results)}: " + "; ".join(parts))
 
 
+def mitigations() -> str:
+    metrics = _metrics("mitigations")
+    cells = list(_cells("mitigations").values())
+    fixes = metrics["study"]["report"]["fixes"]
+    reference, within = fixes["reference"], float(fixes.get("within", 0.01))
+    changes = {(c["id"], s): ppl_change(c, s) for c in cells for s in metrics["schemes"]}
+    parts = []
+    for c in cells:
+        rows = [r for r in fix_rows(c, metrics["schemes"], changes, within) if r["scheme"] != reference]
+        fixed = [r for r in rows if r["verdict"] == "fixed"]
+        text = f"{c['model']}: `{reference}` {_delta(changes[c['id'], reference])}"
+        if fixed:
+            text += (f", within +{within:.0%} (whole interval) with {len(fixed)} of {len(rows)} schemes, best "
+                     + ", ".join(f"`{r['scheme']}` {_delta(r['delta'])}" for r in fixed[:3]))
+        else:
+            text += (f", no scheme within +{within:.0%} (whole interval); best `{rows[0]['scheme']}` "
+                     f"{_delta(rows[0]['delta'])}")
+        parts.append(text + f"; worst `{rows[-1]['scheme']}` {_delta(rows[-1]['delta'])}")
+    return "; ".join(parts)
+
+
 HEADLINES = {f.__name__: f for f in (quickstart, bondarenko_table2, bondarenko_table2_paper, qiu_table4, hyga_ablation,
                                      sink_leak_toy, kv_eviction, context_extension, massive_activation_intervention,
-                                     cpu_recipe_search, cpu_recipe, twins_search)}
+                                     cpu_recipe_search, cpu_recipe, twins_search, mitigations)}
 
 
 def render(text: str) -> str:

@@ -26,7 +26,7 @@ def test_a_string_parses_to_its_backends_config_and_prints_back(text, cls):
     assert type(s) is cls and str(s) == text and get_scheme(str(s)) == s
 
 
-@pytest.mark.parametrize("text, option", [("llm-int8:calib=4", "calib"), ("torchao-int8-dynamic:calib=4", "calib"),
+@pytest.mark.parametrize("text, option", [("llm-int8:calib=4", "calib"), ("torchao-int8-dynamic:rotate=online", "rotate"),
                                           ("torchao-int8-static:a_bits=6", "a_bits"),
                                           ("w8a8-int8-static:threshold=3", "threshold")])
 def test_each_config_takes_only_its_own_options(text, option):
@@ -37,8 +37,11 @@ def test_each_config_takes_only_its_own_options(text, option):
 def test_calibration_is_the_configs_to_say():
     need = {name for name, s in SCHEMES.items() if s.needs_calibration}
     assert need == {"w8a8-int8-static", "w8a8-int8-bondarenko", "w16a8-int8-bondarenko", "w8a8-fp8-e4m3",
-                    "w8a8-fp8-e5m2", "torchao-int8-static"}
+                    "w8a8-fp8-e5m2", "w4a4-fp4-e2m1", "torchao-int8-static"}
     assert not get_scheme("w8a8-fp8-e4m3:dynamic=true").needs_calibration
+    # SmoothQuant and keep=auto read calibration batches even where the activation ranges are dynamic
+    assert get_scheme("torchao-int8-dynamic:smooth=0.5").needs_calibration
+    assert get_scheme("w8a8-int8-dynamic:keep=auto").needs_calibration
 
 
 def test_a_new_torchao_config_is_one_row(monkeypatch, tmp_path):

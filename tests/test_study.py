@@ -31,7 +31,7 @@ def _numbers(run: Path) -> dict:
     """Every number a study produced, cell by cell (timings aside)."""
     metrics = json.loads((run / "metrics.json").read_text())
     return {c["id"]: {"float": c["float"], "observe": c["observe"], "schemes": {
-        s: {k: v for k, v in r.items() if k != "seconds"} for s, r in c["schemes"].items()},
+        s: {k: v for k, v in r.items() if k not in ("seconds", "quantize_s")} for s, r in c["schemes"].items()},
         "trained": c["trained"]} for c in metrics["cells"]}
 
 

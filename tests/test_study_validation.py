@@ -38,6 +38,12 @@ BAD = {
     "report-pair": (TINY + "report:\n  pairs: [[tiny, tiny-g1]]\n", 6, "names 'tiny-g1', not a model of this study"),
     "report-baseline": (TINY + "report:\n  baseline: g1-elementwise\n", 6,
                         "baseline 'g1-elementwise' is not a variant of any model; variants: vanilla"),
+    "report-fixes-scheme": (TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-dynamic}\n", 7,
+                            "reference 'w8a8-int8-dynamic' is not a scheme of this study; schemes: w8a8-int8-static"),
+    "report-fixes-within": (TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static, "
+                            "within: 5}\n", 7, "within must be a fraction in (0, 1) (0.01: within 1% of float), got 5"),
+    "report-fixes-key": (TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static, "
+                         "target: 1}\n", 7, "unknown key(s) target; valid: reference, within"),
     "model-calibration-batches": (TINY + "    calibration: {batches: 0}\n", 5, "batches must be int, >= 1; got 0"),
     "model-calibration-backcopy-mlm": ("name: x\nmodels:\n  - preset: tiny-bert\n    calibration: {data: backcopy}\n",
                                        4, "data source 'backcopy' is a causal-LM task"),

@@ -56,7 +56,7 @@ def gated_sdpa(
     clip: (gamma, zeta) for clipped softmax. sink_tokens: when k > 0, also return the attention
     probability on the first k keys, shape (B, Hq, N). fake_quant: optional mapping of "q", "k", "v",
     "scores" (softmax input) and "probs" (softmax output) to functions applied to those tensors
-    (simulated quantization; runs on the eager backend). Returns out (B, Hq, N, Dv), or (out, mass).
+    (simulated quantization; quantizing scores or probs runs on the eager backend). Returns out (B, Hq, N, Dv), or (out, mass).
     """
     _check_shapes(q, k, v, sinks)
     if backend not in BACKENDS:
@@ -67,8 +67,9 @@ def gated_sdpa(
         if out is not None:
             return out
     if fake_quant is not None:
-        backend = "eager"
         q, k, v = (fake_quant[n](t) if n in fake_quant else t for n, t in (("q", q), ("k", k), ("v", v)))
+    if fake_quant is not None and ("scores" in fake_quant or "probs" in fake_quant):
+        backend = "eager"
     elif backend != "eager" and _needs_eager(q, k, v, clip, sinks):
         backend = "eager"
     args = (q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens)

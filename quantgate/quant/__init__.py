@@ -59,6 +59,9 @@ def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplac
         "source_model": getattr(model.config, "_name_or_path", None) or None,
         "source_sha256": fingerprint,
     }
+    mitigation = target.config.quantgate.pop("mitigation", None)
+    if mitigation:
+        target.config.quantgate["quantization"]["mitigation"] = mitigation
     return target
 
 

@@ -7,6 +7,7 @@ import logging
 import torch
 import torch.nn as nn
 
+from .mitigate import smooth_
 from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
 from .simulate import ActQuant, quantizable_linears
 
@@ -27,6 +28,7 @@ def _quantize_(scheme: TorchaoScheme):
 @handles(TorchaoScheme, restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None), assign=True)
 def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate) -> nn.Module:
     """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
+    _smooth(model, scheme, calibrate)
     targets = {id(m) for _, m in quantizable_linears(model, scheme)}
     _quantize_(scheme)(model, scheme.torchao_config(), filter_fn=lambda m, fqn: id(m) in targets)
     return model
@@ -41,6 +43,7 @@ def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manife
 def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate) -> nn.Module:
     """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
     scales (max |x| / 127) from the calibration batches."""
+    _smooth(model, scheme, calibrate)
     linears = quantizable_linears(model, scheme)
     spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
     observers = {name: ActQuant(spec, f"{name} input") for name, _ in linears}
@@ -53,6 +56,13 @@ def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrat
         lo, hi = q.observer.range("int8", True)
         scales[name] = (torch.maximum(lo.abs(), hi.abs()) / 127).clamp_min(1e-12).reshape((1,) * q.ndim)
     return _with_input_scales(model, scheme, scales)
+
+
+def _smooth(model: nn.Module, scheme: TorchaoScheme, calibrate) -> None:
+    """SmoothQuant's folded scales (``smooth=``), before torchao quantizes the weights; not when restoring a
+    saved model (``calibrate`` None), whose weights and norms come smoothed from the file."""
+    if scheme.smooth is not None and calibrate is not None:
+        model.config.quantgate["mitigation"] = {"smooth": smooth_(model, scheme.smooth, calibrate)}
 
 
 def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: dict[str, torch.Tensor]) -> nn.Module:

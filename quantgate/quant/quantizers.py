@@ -6,7 +6,12 @@ Integer grids (any width b in 2..8): symmetric uses q in [-(2^(b-1) - 1), 2^(b-1
 point, and its range is widened to include 0 so that 0 is represented exactly.
 ``fake_int(x) = (clamp(round(x * (1 / s)) + z) - z) * s``. FP8 scales x by ``amax / fmax`` (e4m3: 448,
 e5m2: 57344), clamps to +-fmax (counting the values that hit the limit: the cast saturates silently)
-and rounds through the float8 dtype.
+and rounds through the float8 dtype. FP4 (E2M1, values 0, 0.5, 1, 1.5, 2, 3, 4, 6) scales by ``amax / 6`` the
+same way. Block-scaled formats (OCP MX, NVIDIA NVFP4) carry one scale per block of the last dim, computed
+from the block itself, so they need no calibration: MXFP8 (E4M3 elements) and MXFP4 (E2M1), blocks of 32
+with power-of-two (E8M0) scales; NVFP4, blocks of 16 with FP8 E4M3 scales under one float32 scale per
+tensor. Their round trips are torchao's (``torchao.prototype.mx_formats``: ``MXTensor.to_mx``,
+``NVFP4Tensor.to_nvfp4``, emulated, so they run on a CPU).
 
 Library numerics: scales and zero points come from torchao's ``choose_qparams_affine_with_min_max``,
 FP8 round trips from its ``_quantize_affine_float8`` / ``_dequantize_affine_float8`` (what its float8
@@ -28,10 +33,15 @@ try:
 except ImportError:  # the simulated schemes run without torchao: the formulas it would supply, below
     ao = None
 
-__all__ = ["FP8", "INT_BITS", "int_grid", "int_qparams", "fake_int", "fake_fp8", "quantize_weight", "RangeObserver"]
+__all__ = ["FP8", "FP4", "BLOCK", "INT_BITS", "FORMATS", "int_grid", "int_qparams", "fake_int", "fake_fp8",
+           "fake_fp4", "fake_block", "quantize_weight", "RangeObserver"]
 
 FP8 = {"fp8-e4m3": (torch.float8_e4m3fn, 448.0), "fp8-e5m2": (torch.float8_e5m2, 57344.0)}
+FP4 = {"fp4-e2m1": 6.0}  # the largest magnitude
+BLOCK = {"mxfp8": (torch.float8_e4m3fn, 32), "mxfp4": (torch.float4_e2m1fn_x2, 32), "nvfp4": (None, 16)}
 INT_BITS = {f"int{b}": b for b in range(2, 9)}  # int2 .. int8
+FORMATS = (*INT_BITS, *FP8, *FP4, *BLOCK)
+MANTISSA = {"fp8-e4m3": 3, "fp8-e5m2": 2, "fp4-e2m1": 1}  # mantissa bits of the per-tensor float formats
 EPS = 1e-12
 
 
@@ -80,12 +90,44 @@ def fake_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tens
     return (y.float() * scale).to(x.dtype), overflow
 
 
+def fake_fp4(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """FP4 (E2M1) round trip of ``x / scale`` (round to nearest, ties to even); returns (values, saturated)."""
+    from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, f4_unpacked_to_f32
+
+    fmax = FP4["fp4-e2m1"]
+    overflow = int((x.abs() > fmax * scale).sum())
+    y = f4_unpacked_to_f32(f32_to_f4_unpacked((x.float() / scale).clamp(-fmax, fmax)))
+    return (y * scale).to(x.dtype), overflow
+
+
+def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round trip of ``x`` through a block-scaled format (``BLOCK``), blocks along the last dim."""
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+
+    elem, block = BLOCK[fmt]
+    if x.shape[-1] % block:
+        raise ValueError(f"{fmt} scales blocks of {block} values along the last dim, which holds {x.shape[-1]} here "
+                         f"(shape {tuple(x.shape)}); keep this tensor in full precision (keep=...) or pick a format "
+                         f"whose block divides it")
+    xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    if fmt == "nvfp4":
+        t = NVFP4Tensor.to_nvfp4(xf, block, per_tensor_scale=per_tensor_amax_to_scale(xf.abs().amax().float()))
+    else:
+        t = MXTensor.to_mx(xf, elem, block)
+    return t.dequantize(torch.float32).to(x.dtype)
+
+
 def fake_quant(x, lo, hi, fmt: str, symmetric: bool) -> tuple[torch.Tensor, int]:
-    """Fake-quantize ``x`` with range [lo, hi] (broadcastable) in ``fmt``; returns (values, overflow count)."""
-    if fmt in FP8:
+    """Fake-quantize ``x`` with range [lo, hi] (broadcastable) in ``fmt``; returns (values, overflow count).
+    Block-scaled formats ignore the range: each block's scale comes from the block."""
+    if fmt in BLOCK:
+        return fake_block(x, fmt), 0
+    if fmt in FP8 or fmt in FP4:
         # torchao's float8 scale (_choose_scale_float8) reads a tensor, not a calibrated range: its formula
-        scale = (torch.maximum(lo.abs(), hi.abs()).float() / FP8[fmt][1]).clamp_min(EPS)
-        return fake_fp8(x, scale, fmt)
+        fmax = FP8[fmt][1] if fmt in FP8 else FP4[fmt]
+        scale = (torch.maximum(lo.abs(), hi.abs()).float() / fmax).clamp_min(EPS)
+        return fake_fp8(x, scale, fmt) if fmt in FP8 else fake_fp4(x, scale)
     scale, zero = int_qparams(lo, hi, INT_BITS[fmt], symmetric)
     return fake_int(x, scale, zero, INT_BITS[fmt], symmetric), 0
 
@@ -107,7 +149,10 @@ def _grouped(w: torch.Tensor, granularity: str, group_size: int) -> torch.Tensor
 def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "tensor", symmetric: bool = True,
                     group_size: int = 128, estimator: str = "minmax") -> torch.Tensor:
     """Fake-quantized copy of weight ``w`` (out, in); ``estimator="mse"`` searches the clipping range
-    (20 ratios in [0.5, 1] of min-max) that minimises the squared error, per group."""
+    (20 ratios in [0.5, 1] of min-max) that minimises the squared error, per group. Block-scaled formats
+    take their own blocks along the input dim, whatever ``granularity`` says."""
+    if fmt in BLOCK:
+        return fake_block(w, fmt)
     g = _grouped(w.float(), granularity, group_size)
     lo, hi = g.amin(dim=1, keepdim=True), g.amax(dim=1, keepdim=True)
     if estimator == "mse":
@@ -205,9 +250,9 @@ class RangeObserver:
         best, best_err = (lo0, hi0), math.inf
         for r in torch.logspace(-3, 0, 120, dtype=torch.float64):
             lo, hi = lo0 * float(r), hi0 * float(r)
-            if fmt in FP8:  # relative rounding error ~ 2^-mantissa per value, plus clipping
+            if fmt in MANTISSA:  # relative rounding error ~ 2^-mantissa per value, plus clipping
                 amax = max(abs(lo), abs(hi))
-                mant = 3 if fmt == "fp8-e4m3" else 2
+                mant = MANTISSA[fmt]
                 inside = values.abs() <= amax
                 rounding = (values * 2.0 ** -(mant + 1)).square() / 3
                 clip = (values.abs() - amax).clamp_min(0).square()

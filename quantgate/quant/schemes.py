@@ -3,8 +3,16 @@
 ``w8a8-int8-static:w_granularity=channel,estimator=percentile,percentile=99.99,acts=bondarenko,a_bits=6``
 starts from the named scheme and changes what the options say; ``str(scheme)`` prints it back.
 ``acts`` names the placement of the activation quantizers (:mod:`quantgate.quant.simulate`);
-``a_bits`` / ``w_bits`` set the width of an integer format (2..8), not of FP8 (E4M3 / E5M2 are
-formats of their own: the scheme name picks one).
+``a_bits`` / ``w_bits`` / ``kv_bits`` set the width of an integer format (2..8), not of a float or
+block-scaled format (FP8 E4M3 / E5M2, FP4, MXFP8, MXFP4, NVFP4 are formats of their own: the scheme
+name picks one).
+
+Mitigations are options of the simulated schemes, applied to the float model before it is quantized
+(:mod:`quantgate.quant.mitigate`): ``smooth=ALPHA`` (SmoothQuant), ``rotate=residual|online`` (Hadamard
+rotation of the residual stream, online also of the FFN's down-projection input), ``keep=auto`` (the
+FFN blocks that hold massive activations, found on the calibration batches, stay in full precision).
+``kv=`` options quantize the key-value cache as it is written (``kv_bits``, ``kv_granularity``,
+``kv_group``; ``sink=K`` keeps its first K tokens in full precision).
 
 A scheme is a config object, as in torchao: :class:`SimulatedScheme`, :class:`TorchaoScheme` (and
 :class:`TorchaoStaticScheme`, which calibrates) and :class:`BnbScheme`, each declaring the options
@@ -23,7 +31,7 @@ import torch.nn as nn
 
 from ..options import key_values
 from ..variants import Range
-from .quantizers import FP8, INT_BITS
+from .quantizers import BLOCK, FORMATS, INT_BITS
 
 __all__ = ["TensorQuant", "Scheme", "SimulatedScheme", "TorchaoScheme", "TorchaoStaticScheme", "BnbScheme",
            "Handler", "handles", "handler_for", "SCHEMES", "get_scheme", "act_bits", "OPTIONS", "Option"]
@@ -33,9 +41,11 @@ __all__ = ["TensorQuant", "Scheme", "SimulatedScheme", "TorchaoScheme", "Torchao
 class TensorQuant:
     """How one kind of tensor is quantized.
 
-    format: int2 .. int8, fp8-e4m3, fp8-e5m2. granularity: weights tensor/channel/group (group_size
-    along the input dim); activations tensor/token/channel. dynamic: activation ranges from each
-    batch instead of calibration. estimator: weights minmax/mse; static activations minmax,
+    format: int2 .. int8, fp8-e4m3, fp8-e5m2, fp4-e2m1, or a block-scaled mxfp8 / mxfp4 / nvfp4 (whose
+    blocks set the granularity). granularity: weights tensor/channel/group (group_size along the input
+    dim); activations tensor/token/channel; the KV cache token (one range per token and head), group
+    (group_size channels of a token) or channel (keys per channel over blocks of group_size tokens,
+    values per token, as KIVI). dynamic: activation ranges from each batch instead of calibration. estimator: weights minmax/mse; static activations minmax,
     running-minmax (momentum), percentile (percentile), mse. The other fields' valid values depend on
     the role (weight or activation): the :class:`Scheme` holding it checks them (``OPTIONS``).
     """
@@ -50,8 +60,8 @@ class TensorQuant:
     percentile: float = 99.999
 
     def __post_init__(self):
-        if self.format not in (*INT_BITS, *FP8):
-            raise ValueError(f"unknown quantization format {self.format!r}; valid: {', '.join([*INT_BITS, *FP8])}")
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown quantization format {self.format!r}; valid: {', '.join(FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -85,34 +95,64 @@ class Scheme:
 
 @dataclass(frozen=True)
 class SimulatedScheme(Scheme):
-    """Fake quantization in float (:mod:`quantgate.quant.simulate`): any integer width, FP8, any placement."""
+    """Fake quantization in float (:mod:`quantgate.quant.simulate`): any integer width, FP8, FP4 and
+    block-scaled formats, any placement, the KV cache, and the mitigations (module docstring)."""
 
     weight: TensorQuant | None = None
     act: TensorQuant | None = None
     acts: str = "linear-inputs"  # where activations are quantized: linear-inputs | bondarenko (simulate.py)
     calib: int = 16  # calibration batches used when the scheme needs ranges
+    kv: TensorQuant | None = None  # the key-value cache, quantized as it is written (dynamic)
+    sink: int = 0  # first tokens of the KV cache kept in full precision
+    smooth: float | None = None  # SmoothQuant's migration strength alpha
+    rotate: str = "none"  # Hadamard rotation: none | residual | online (residual + FFN down-projection input)
     options: ClassVar[tuple[str, ...]] = ("w_granularity", "w_estimator", "w_symmetric", "group_size",
                                           "a_granularity", "a_symmetric", "dynamic", "estimator", "momentum",
-                                          "percentile", "a_bits", "w_bits", "acts", "keep", "gates", "calib")
+                                          "percentile", "a_bits", "w_bits", "acts", "keep", "gates", "calib",
+                                          "kv_bits", "kv_granularity", "kv_group", "sink", "smooth", "rotate")
 
     def __post_init__(self):
         super().__post_init__()
-        a = self.act
+        a, kv = self.act, self.kv
         if a is not None and a.dynamic and a.granularity == "channel":
             raise ValueError(f"{self.name}: dynamic activations are per tensor or per token, not per channel")
         if a is not None and not a.dynamic and a.granularity == "token":
             raise ValueError(f"{self.name}: per-token activation ranges are dynamic; add dynamic=true")
+        if a is not None and a.format in BLOCK and (not a.dynamic or self.acts != "linear-inputs"):
+            raise ValueError(f"{self.name}: {a.format} takes each block's scale from the block at run time and blocks "
+                             f"the reduction dim of a matmul: its activations are dynamic at acts=linear-inputs")
+        if kv is not None and (kv.format in BLOCK or kv.format == "fp4-e2m1" or not kv.dynamic
+                               or kv.granularity not in ("token", "group", "channel")):
+            raise ValueError(f"{self.name}: the KV cache takes integer or FP8 formats, dynamic, per token, group or "
+                             f"channel; got {kv.format}, {kv.granularity}, dynamic={kv.dynamic}")
+        if self.sink and kv is None:
+            raise ValueError(f"{self.name}: sink={self.sink} keeps KV-cache tokens in full precision, but this scheme "
+                             f"leaves the cache in float; use a kv scheme such as kv4-int4:sink={self.sink}")
+        if self.smooth is not None and self.rotate != "none":
+            raise ValueError(f"{self.name}: smooth= folds its scales into the norms that rotate= removes; pick one")
+        if self.smooth is not None and a is None:
+            raise ValueError(f"{self.name}: smooth= migrates activation outliers into the weights; this scheme "
+                             f"leaves the activations in float, so there is nothing to smooth")
 
     @property
     def needs_calibration(self) -> bool:
-        return self.act is not None and not self.act.dynamic
+        static = self.act is not None and not self.act.dynamic
+        return static or self.smooth is not None or "auto" in self.keep
 
 
 @dataclass(frozen=True)
 class TorchaoScheme(Scheme):
-    """torchao's ``quantize_`` with the named config class of ``torchao.quantization`` (real kernels)."""
+    """torchao's ``quantize_`` with the named config class of ``torchao.quantization`` (real kernels);
+    ``smooth=ALPHA`` folds SmoothQuant's scales into the float model first (its real int8 path)."""
 
     config: str = ""
+    smooth: float | None = None  # SmoothQuant's migration strength alpha
+    calib: int = 16  # calibration batches, where the scheme needs them
+    options: ClassVar[tuple[str, ...]] = ("keep", "gates", "smooth", "calib")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.smooth is not None
 
     def torchao_config(self):
         import torchao.quantization
@@ -123,9 +163,6 @@ class TorchaoScheme(Scheme):
 @dataclass(frozen=True)
 class TorchaoStaticScheme(TorchaoScheme):
     """torchao's static int8 config: per-tensor symmetric activation scales calibrated by quantgate."""
-
-    calib: int = 16
-    options: ClassVar[tuple[str, ...]] = ("keep", "gates", "calib")
 
     @property
     def needs_calibration(self) -> bool:
@@ -216,7 +253,7 @@ class Option:
 @dataclass(frozen=True)
 class BitsOption(Option):
     """The width of an integer format, kept in the format's name (``a_bits=6``: format ``int6``);
-    None for FP8 formats, whose width is fixed."""
+    None for float and block-scaled formats, whose width is fixed."""
 
     def read(self, holder):
         return INT_BITS.get(holder.format)
@@ -244,6 +281,12 @@ OPTIONS = {
     "gates": Option(None, "gates", bool),
     "calib": Option(None, "calib", int, Range(lo=1)),  # batches
     "threshold": Option(None, "threshold", float, Range(lo=0.0)),  # LLM.int8 outlier magnitude; 0: none kept
+    "kv_bits": BitsOption("kv", "format", int, Range(2, 8)),
+    "kv_granularity": Option("kv", "granularity", str, ("token", "group", "channel")),
+    "kv_group": Option("kv", "group_size", int, Range(lo=1)),  # channels (group) or tokens (channel) per range
+    "sink": Option(None, "sink", int, Range(lo=0)),  # tokens
+    "smooth": Option(None, "smooth", float, Range(0.0, 1.0)),  # SmoothQuant alpha
+    "rotate": Option(None, "rotate", str, ("none", "residual", "online")),
 }
 
 
@@ -297,6 +340,28 @@ SCHEMES: dict[str, Scheme] = {s.name: s for s in (
     SimulatedScheme("w8a8-fp8-e5m2",
                     "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation "
                     "counted)", weight=TensorQuant("fp8-e5m2"), act=TensorQuant("fp8-e5m2")),
+    SimulatedScheme("w4a4-fp4-e2m1",
+                    "FP4 E2M1 weights and activations with one scale per tensor (activations static from calibration; "
+                    "saturation at 6 x scale counted): the contrast to the block-scaled FP4 formats",
+                    weight=TensorQuant("fp4-e2m1"), act=TensorQuant("fp4-e2m1")),
+    SimulatedScheme("w8a8-mxfp8",
+                    "OCP MXFP8: E4M3 elements, one power-of-two (E8M0) scale per block of 32 along the input dim, "
+                    "weights and activations (scales from each block at run time; torchao's emulation)",
+                    weight=TensorQuant("mxfp8"), act=TensorQuant("mxfp8", dynamic=True)),
+    SimulatedScheme("w4a4-mxfp4",
+                    "OCP MXFP4: E2M1 elements, one power-of-two (E8M0) scale per block of 32, weights and activations",
+                    weight=TensorQuant("mxfp4"), act=TensorQuant("mxfp4", dynamic=True)),
+    SimulatedScheme("w4a4-nvfp4",
+                    "NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per block of 16 under a float32 scale per tensor, "
+                    "weights and activations", weight=TensorQuant("nvfp4"), act=TensorQuant("nvfp4", dynamic=True)),
+    SimulatedScheme("kv8-int8", "The KV cache alone in INT8: keys and values as written, asymmetric, one range per "
+                                "token and head (weights and activations in float)",
+                    kv=TensorQuant("int8", "token", symmetric=False, dynamic=True, group_size=32)),
+    SimulatedScheme("kv4-int4", "The KV cache alone in INT4, asymmetric, one range per token and head; "
+                                "kv_granularity=channel is KIVI's keys per channel over blocks of kv_group tokens",
+                    kv=TensorQuant("int4", "token", symmetric=False, dynamic=True, group_size=32)),
+    SimulatedScheme("kv8-fp8-e4m3", "The KV cache alone in FP8 E4M3, one scale per token and head",
+                    kv=TensorQuant("fp8-e4m3", "token", dynamic=True, group_size=32)),
     SimulatedScheme("w8-int8", "INT8 weight-only, symmetric per output channel", weight=TensorQuant("int8", "channel")),
     SimulatedScheme("w4-int4-group", "INT4 weight-only, asymmetric, groups of 128 input channels",
                     weight=TensorQuant("int4", "group", symmetric=False)),
@@ -325,7 +390,7 @@ def get_scheme(text: str | Scheme) -> Scheme:
     if name not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
     scheme = SCHEMES[name]
-    changes = {None: {}, "weight": {}, "act": {}}
+    changes = {None: {}, "weight": {}, "act": {}, "kv": {}}
     allowed = _allowed(scheme)
     for key, value in key_values(name, arg, lambda k: OPTIONS[k].type if k in allowed else None,
                                  valid=", ".join(sorted(allowed))):
@@ -339,10 +404,11 @@ def get_scheme(text: str | Scheme) -> Scheme:
 
 def _check_bits(scheme: Scheme, key: str, value: int) -> None:
     fmt = getattr(scheme, OPTIONS[key].where).format
-    if fmt in FP8:
+    if fmt not in INT_BITS:
+        kind = "a block-scaled format" if fmt in BLOCK else "a float format"
         raise ValueError(f"{scheme.name}: {key} sets the width of an integer format, but this scheme's "
-                         f"{OPTIONS[key].where}s are {fmt}, a float format of fixed width (pick E4M3 or E5M2 by "
-                         f"scheme name, or use an INT scheme such as w8a8-int8-static:{key}={value})")
+                         f"{OPTIONS[key].where}s are {fmt}, {kind} of fixed width (pick one by scheme name, or use "
+                         f"an INT scheme such as w8a8-int8-static:{key}={value})")
     OPTIONS[key].check(scheme.name, key, value)
 
 

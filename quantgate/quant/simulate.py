@@ -90,10 +90,13 @@ import torch.nn as nn
 
 from ..models.families import family_of
 from ..models.swap import attention_modules
+from .mitigate import massive_ffns, smooth_
 from .quantizers import fake_quant, quantize_weight, RangeObserver
+from .rotate import rotate_
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
 
-__all__ = ["ActQuant", "apply_simulated", "act_quantizers", "check_ranges", "kept_modules", "quantizable_linears"]
+__all__ = ["ActQuant", "KVQuant", "apply_simulated", "act_quantizers", "check_ranges", "kept_modules",
+           "quantizable_linears"]
 
 
 class ActQuant(nn.Module):
@@ -162,6 +165,46 @@ class ActQuant(nn.Module):
         return f"{s.format}, {'symmetric' if s.symmetric else 'asymmetric'}, {kind}"
 
 
+class KVQuant(nn.Module):
+    """Quantizes keys or values (B, H_kv, N, D) as a KV cache stores them: each token once, as it is
+    written, with ranges from what is written (post-RoPE keys, per head). ``token``: one range per token
+    and head; ``group``: per ``group_size`` channels of a token; ``channel`` (keys only, values stay per
+    token): one range per channel over each block of ``group_size`` tokens, the last, incomplete block
+    kept in full precision (KIVI's residual). The first ``sink`` tokens are kept in full precision.
+    The rounding is an :class:`ActQuant`'s (dynamic, one range per row of the view it is given).
+
+    In a whole-sequence forward a block's per-channel range also covers the block's later tokens, which
+    a decoding cache would hold in full precision until the block fills: per-channel keys are measured
+    slightly pessimistically here."""
+
+    def __init__(self, spec: TensorQuant, name: str, role: str, sink: int = 0):
+        super().__init__()
+        self.spec, self.role, self.sink = spec, role, sink
+        self.quant = ActQuant(dataclasses.replace(spec, granularity="token", dynamic=True), name)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        head, body = t[:, :, :self.sink], t[:, :, self.sink:]
+        if body.shape[2] == 0:
+            return t
+        g = self.spec.group_size
+        if self.spec.granularity == "channel" and self.role == "k":
+            n = body.shape[2] // g * g
+            blocks = body[:, :, :n].unflatten(2, (-1, g)).transpose(-1, -2)  # (B, H, blocks, D, g)
+            q = torch.cat([self.quant(blocks).transpose(-1, -2).flatten(2, 3), body[:, :, n:]], dim=2)
+        elif self.spec.granularity == "group":
+            g = min(g, body.shape[-1])
+            if body.shape[-1] % g:
+                raise ValueError(f"{self.quant.name}: kv_group={g} does not divide the head dim {body.shape[-1]}; "
+                                 f"pick a divisor")
+            q = self.quant(body.unflatten(-1, (-1, g))).flatten(-2)
+        else:
+            q = self.quant(body)
+        return torch.cat([head, q], dim=2) if self.sink else q
+
+    def extra_repr(self) -> str:
+        return f"{self.role}, per {self.spec.granularity}, sink={self.sink}"
+
+
 def kept_modules(model: nn.Module, scheme: Scheme) -> set[str]:
     """Names of the modules left in full precision, with everything inside them: the LM head (under
     ``acts=bondarenko`` the family's whole task head), the attention gates unless ``scheme.gates``,
@@ -211,14 +254,29 @@ def _on_output(module: nn.Module, spec: TensorQuant, name: str) -> None:
 
 
 def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict | None = None) -> nn.Module:
-    """Attach frozen quantizers only, for loading a saved quantized model (weights come from the file)."""
+    """Attach frozen quantizers only, for loading a saved quantized model (weights come from the file):
+    a rotation's structure is rebuilt, ``keep=auto`` takes the modules the manifest names."""
+    found = ((manifest or {}).get("mitigation") or {}).get("keep")
+    if "auto" in scheme.keep:
+        if found is None:
+            raise ValueError(f"{scheme}: the manifest does not say which modules keep=auto kept; quantize the model "
+                             f"again and save it with this version of quantgate")
+        scheme = dataclasses.replace(scheme, keep=tuple(found))
+    if scheme.rotate != "none":  # the saved config records the rotation and quantization being rebuilt
+        meta = model.config.quantgate
+        saved = {k: meta.pop(k) for k in ("rotation", "quantization") if k in meta}
+        rotate_(model, online=scheme.rotate == "online")
+        meta.update(saved)
     return apply_simulated(model, scheme, None, skeleton=True)
 
 
 @handles(SimulatedScheme, restore=restore_simulated)
 def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, skeleton: bool = False) -> nn.Module:
     """Quantize ``model`` in place. ``calibrate(model)`` runs the calibration batches; ``skeleton``
-    only attaches frozen quantizers (:func:`restore_simulated`)."""
+    only attaches frozen quantizers (:func:`restore_simulated`). The scheme's mitigations run first
+    (:mod:`quantgate.quant.mitigate`); what they did is recorded in ``model.config.quantgate["mitigation"]``."""
+    if not skeleton:
+        scheme = _mitigate(model, scheme, calibrate)
     if scheme.weight is not None and not skeleton:
         w = scheme.weight
         for _, linear in quantizable_linears(model, scheme):
@@ -228,6 +286,8 @@ def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, ske
             _quantize_tables(model, scheme)
     if scheme.act is not None:
         PLACEMENTS[scheme.acts](model, scheme)
+    if scheme.kv is not None:
+        _place_kv(model, scheme)
     quantizers = act_quantizers(model)
     if skeleton:
         for q in quantizers:
@@ -239,6 +299,34 @@ def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, ske
     return model
 
 
+def _mitigate(model: nn.Module, scheme: SimulatedScheme, calibrate) -> SimulatedScheme:
+    """Rotate, smooth, and resolve ``keep=auto``, in that order; returns the scheme with the kept modules
+    named."""
+    done = {}
+    if scheme.rotate != "none":
+        done["rotation"] = rotate_(model, online=scheme.rotate == "online")
+    if scheme.smooth is not None:
+        done["smooth"] = smooth_(model, scheme.smooth, calibrate)
+    if "auto" in scheme.keep:
+        found = massive_ffns(model, calibrate)
+        done["keep"] = found
+        done["kept_params"] = sum(p.numel() for name in found for p in model.get_submodule(name).parameters())
+        scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(found))
+    if done:
+        model.config.quantgate["mitigation"] = done
+    return scheme
+
+
+def _place_kv(model: nn.Module, scheme: SimulatedScheme) -> None:
+    """KV-cache quantizers on every attention's keys and values, after any activation quantizer there."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for attn in attention_modules(model):
+        present = attn.qg_fake_quant or {}
+        kv = {role: KVQuant(scheme.kv, f"{names[id(attn)]} cache {role}", role, scheme.sink) for role in ("k", "v")}
+        attn.qg_fake_quant = nn.ModuleDict({**present, **{r: nn.Sequential(present[r], q) if r in present else q
+                                                          for r, q in kv.items()}})
+
+
 def _place_linear_inputs(model: nn.Module, scheme: SimulatedScheme) -> None:
     for name, linear in quantizable_linears(model, scheme):
         _on_input(linear, scheme.act, name)
@@ -248,13 +336,18 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
     """The reference's sites (module docstring), found through the model's Family."""
     family, act, base = family_of(model), scheme.act, model.base_model
     names = {id(m): n for n, m in model.named_modules()}
+    kept = kept_modules(model, scheme)
+
+    def found(owner: nn.Module, paths) -> list[nn.Module]:
+        modules = filter(None, (_submodule(owner, p) for p in paths))
+        return [m for m in modules if names[id(m)] not in kept]
 
     def inputs(owner: nn.Module, *paths: str, inplace: bool = False) -> None:
-        for module in filter(None, (_submodule(owner, p) for p in paths)):
+        for module in found(owner, paths):
             _on_input(module, act, names[id(module)], inplace)
 
     def outputs(owner: nn.Module, *paths: str) -> None:
-        for module in filter(None, (_submodule(owner, p) for p in paths)):
+        for module in found(owner, paths):
             _on_output(module, act, names[id(module)])
 
     if family.embed_sum:

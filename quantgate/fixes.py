@@ -1,0 +1,155 @@
+"""The "Which fix?" section of a study report (``report: fixes``): every scheme of the study set against
+one reference scheme (the broken one), per model, ranked by the perplexity change it causes.
+
+A scheme *fixes* a model when its whole 95% interval lies below ``within`` (default +1%); one whose
+estimate is below but whose interval reaches past it is "not resolved"; the rest rank by estimate.
+Costs: the parameters a scheme keeps in full precision or adds (``keep=auto``, a rotation's folded
+biases), the extra run-time operations per token (the online Hadamard transforms), the range kind
+(static ranges cost nothing at run time; per-token, per-block and LLM.int8's outlier split each
+read every activation), and the measured quantization time (calibration included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .quant import get_scheme
+from .quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme
+from .report import PPL_KEYS, _get
+from .stats import format_delta, paired_delta
+
+__all__ = ["which_fix", "fix_rows", "range_kind", "without_sink", "sink_effect"]
+
+
+def range_kind(scheme: str) -> str:
+    """Where a scheme's activation scales come from, in words."""
+    s = get_scheme(scheme)
+    if isinstance(s, BnbScheme):
+        return f"per token, outlier columns (> {s.threshold:g}) in 16-bit"
+    if isinstance(s, TorchaoScheme):
+        return "torchao kernel"
+    parts = []
+    a = s.act if isinstance(s, SimulatedScheme) else None
+    if a is not None:
+        if a.format in ("mxfp8", "mxfp4"):
+            parts.append("per block of 32 (E8M0)")
+        elif a.format == "nvfp4":
+            parts.append("per block of 16 (E4M3) x per tensor")
+        else:
+            parts.append(f"per {a.granularity}, " + ("dynamic" if a.dynamic else "static"))
+    if isinstance(s, SimulatedScheme) and s.kv is not None:
+        parts.append(f"KV cache per {s.kv.granularity}" + (f", first {s.sink} kept" if s.sink else ""))
+    return "; ".join(parts) or "weights only"
+
+
+def without_sink(scheme: str) -> str | None:
+    """The scheme with its KV-cache sink tokens quantized too, or None where it keeps none."""
+    s = get_scheme(scheme)
+    return str(dataclasses.replace(s, sink=0)) if isinstance(s, SimulatedScheme) and s.sink else None
+
+
+def sink_effect(cell: dict, base: str, kept: str):
+    """The perplexity change from ``base`` to ``kept`` (the same scheme keeping the sink tokens), paired over the
+    documents both read; None where either kept no per-document values."""
+    key = next((k for k in PPL_KEYS if _get(cell["float"], k) is not None), None)
+    docs = [((cell["schemes"].get(s) or {}).get("documents") or {}).get(key[0]) if key else None for s in (base, kept)]
+    return paired_delta(*docs, key[1]) if all(docs) else None
+
+
+def _verdict(d, within: float) -> str:
+    if d is None:
+        return "not run"
+    if d.high is not None and d.high < within:
+        return "fixed"
+    if d.value < within:
+        return "not resolved"
+    return "not fixed"
+
+
+def fix_rows(cell: dict, schemes: list[str], changes: dict, within: float) -> list[dict]:
+    """One row per scheme evaluated on ``cell``, best (smallest change) first."""
+    rows = []
+    for s in schemes:
+        r = cell["schemes"].get(s) or {}
+        d = changes.get((cell["id"], s))
+        if d is None:
+            continue
+        m = r.get("mitigation") or {}
+        rot = m.get("rotation") or {}
+        rows.append({"scheme": s, "delta": d, "verdict": _verdict(d, within),
+                     "params": (m.get("kept_params") or 0) + (rot.get("extra_params") or 0),
+                     "ops": rot.get("extra_ops_per_token") or 0, "ranges": range_kind(s),
+                     "seconds": r.get("quantize_s")})
+    return sorted(rows, key=lambda row: row["delta"].value)
+
+
+def which_fix(cells: list[dict], schemes: list[str], changes: dict, fixes: dict, pairs: list[list[str]]) -> list[str]:
+    """The report's opening section (module docstring)."""
+    reference = str(get_scheme(fixes["reference"]))
+    within = float(fixes.get("within", 0.01))
+    lines = ["## Which fix?", "",
+             f"Each scheme against `{reference}` (the reference) on every model: a scheme *fixes* a model when "
+             f"its whole 95% interval lies below +{within:.0%} of the float perplexity; *not resolved* when the "
+             f"estimate is below but the interval reaches past it.", ""]
+    by_model = {}
+    for c in cells:
+        by_model.setdefault(c["model"], c)
+    for model, c in by_model.items():
+        rows = fix_rows(c, schemes, changes, within)
+        ref = changes.get((c["id"], reference))
+        fixed = [r for r in rows if r["verdict"] == "fixed" and r["scheme"] != reference]
+        unresolved = [r for r in rows if r["verdict"] == "not resolved" and r["scheme"] != reference]
+        text = f"- **{model}** ({c['variant']}): `{reference}` {format_delta(ref)}"
+        if ref is not None and _verdict(ref, within) == "fixed":
+            text += f", already within +{within:.0%}: it needs no fix."
+        elif fixed:
+            text += (f"; fixed by {len(fixed)} of {len(rows) - 1}, best first: "
+                     + ", ".join(f"`{r['scheme']}` {format_delta(r['delta'])}" for r in fixed) + ".")
+        else:
+            text += f"; no scheme here brings it within +{within:.0%}."
+        if unresolved:
+            text += " Not resolved: " + ", ".join(f"`{r['scheme']}` {format_delta(r['delta'])}" for r in unresolved) + "."
+        lines.append(text)
+    for ungated, gated in pairs:
+        if ungated in by_model and gated in by_model:
+            u, g = (fix_rows(by_model[m], schemes, changes, within) for m in (ungated, gated))
+            need = [r["scheme"] for r in u if r["verdict"] == "fixed"]
+            need_g = [r["scheme"] for r in g if r["verdict"] == "fixed"]
+            only_g = [s for s in need_g if s not in need]
+            lines.append(f"- **{gated}** vs its ungated twin **{ungated}**: {len(need_g)} vs {len(need)} of the "
+                         f"schemes keep them within +{within:.0%}" + (f"; only the gated twin: "
+                         + ", ".join(f"`{s}`" for s in only_g) if only_g else "") + ".")
+    for s in schemes:
+        base = without_sink(s)
+        if base is not None and base in schemes:
+            effects = [f"{format_delta(sink_effect(c, base, s))} on {m}" for m, c in by_model.items()
+                       if base in c["schemes"] and s in c["schemes"]]
+            lines.append(f"- KV cache: keeping its first {get_scheme(s).sink} token(s) in full precision (`{s}` against "
+                         f"`{base}`, paired over the same documents) changes the perplexity by " + ", ".join(effects)
+                         + ".")
+    head = ["scheme", "range kind", *by_model]
+    lines += ["", "Change of perplexity per model (rows: schemes, best on the first model first; " 
+              "~: within noise):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    first = next(iter(by_model.values()))
+    order = [r["scheme"] for r in fix_rows(first, schemes, changes, within)]
+    order += [s for s in schemes if s not in order]
+    for s in order:
+        cols = [format_delta(changes.get((c["id"], s))) + ("" if _verdict(changes.get((c["id"], s)), within)
+                                                           != "fixed" else " **fixed**") for c in by_model.values()]
+        lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")
+    head = ["scheme", *[f"{m}: {x}" for m in by_model for x in ("extra full-precision params", "extra ops / token",
+                                                               "quantize s")]]
+    lines += ["", "Cost: parameters kept in (or added at) full precision, run-time operations per token that "
+              "the mitigation adds (the online Hadamard transforms; static ranges add none, dynamic ones read "
+              "each activation: see the range kind), and the time to quantize (calibration included) on this "
+              "machine. Forward-time ratios: benchmarks/quant_speed.py.", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    costs = {m: {r["scheme"]: r for r in fix_rows(c, schemes, changes, within)} for m, c in by_model.items()}
+    for s in order:
+        cols = []
+        for m in by_model:
+            r = costs[m].get(s)
+            cols += ["-", "-", "-"] if r is None else [f"{r['params']:,}", f"{r['ops']:,}",
+                                                       "-" if r["seconds"] is None else f"{r['seconds']:.1f}"]
+        lines.append("| " + " | ".join([f"`{s}`", *cols]) + " |")
+    return lines + ["", "Plot: study_fixes.png.", ""]

@@ -1,0 +1,106 @@
+"""Post-hoc outlier fixes, applied to the float model before it is quantized (scheme options).
+
+* ``smooth=ALPHA``: SmoothQuant (Xiao et al. 2023). For the input X (tokens x C) of a group of Linears
+  with weights W_i (out_i x C), s_j = max|X_j|^a / max_i max|W_i[:, j]|^(1-a) over the calibration
+  batches (torchao's ``RunningAbsMaxSmoothQuantObserver``, on the group's weights stacked); then
+  X diag(s)^-1 . diag(s) W^T = X W^T exactly, with diag(s)^-1 folded into the op that makes X, so the
+  smoothed model costs no parameter and no op. Groups of a pre-norm block: the attention norm's readers
+  (q/k/v and the gate's input projection), the FFN norm's readers (gate/up, or fc1), and the FFN's
+  down-projection, whose input act(gate) * up is linear in up's output (ReLU(fc1) is positively
+  homogeneous), so 1 / s goes into up_proj's (fc1's) output rows. The attention's o_proj is left
+  alone, as SmoothQuant leaves it.
+* ``keep=auto``: the FFNs that write massive activations (Sun et al.'s criterion, |x| > 100 and
+  > 1000 x the sequence's median |x|, on each FFN's output over the calibration batches) stay in full
+  precision, with the Linears inside them.
+* ``rotate=``: :mod:`quantgate.quant.rotate`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..models.families import family_of
+from ..models.swap import attention_modules
+from ..observe import MassiveActivations
+from .rotate import ATTN_READERS, FFN, gate_readers
+
+__all__ = ["smooth_", "smoothing_groups", "massive_ffns"]
+
+
+def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Linear]]]:
+    """``(maker, side, readers)`` per group: ``maker`` makes the readers' shared input, as a norm
+    (``side="norm"``: 1 / s scales its weight and bias) or a Linear (``side="rows"``: its output rows);
+    ``readers`` get s on their input columns. Pre-norm llama, qwen2, qwen3 and opt only."""
+    family = family_of(model)
+    if family.name not in FFN or not family.is_pre_norm(model.config):
+        raise ValueError(f"SmoothQuant folds 1 / s into the norm before each group of Linears, as a pre-norm "
+                         f"llama, qwen2, qwen3 or opt block has it; this {family.name} model "
+                         f"({'pre' if family.is_pre_norm(model.config) else 'post'}-norm) is not supported")
+    groups = []
+    ffn_in, ffn_maker, ffn_out = FFN[family.name]
+    for block, attn in zip(family.blocks(model), attention_modules(model)):
+        qkv = [attn.get_submodule(p) for p in ATTN_READERS]
+        groups.append((block.get_submodule(family.attn_norm), "norm", qkv + gate_readers(getattr(attn, "gate", None))))
+        groups.append((block.get_submodule(family.ffn_norm), "norm", [block.get_submodule(p) for p in ffn_in]))
+        groups.append((block.get_submodule(ffn_maker), "rows", [block.get_submodule(ffn_out)]))
+    return groups
+
+
+@torch.no_grad()
+def smooth_(model: nn.Module, alpha: float, calibrate) -> dict:
+    """SmoothQuant ``model`` in place (module docstring); ``calibrate(model)`` runs the calibration
+    batches. Returns ``{"groups": n, "max_s": largest s, "min_s": smallest}``."""
+    from torchao.prototype.smoothquant.core import RunningAbsMaxSmoothQuantObserver
+
+    groups = smoothing_groups(model)
+    observers, handles = [], []
+    for _, _, readers in groups:
+        obs = RunningAbsMaxSmoothQuantObserver(torch.cat([r.weight.float() for r in readers]), alpha)
+        observers.append(obs)
+        handles.append(readers[0].register_forward_pre_hook(_feeding(obs)))
+    try:
+        calibrate(model)
+    finally:
+        for h in handles:
+            h.remove()
+    scales = []
+    for (maker, side, readers), obs in zip(groups, observers):
+        s = obs.compute_smoothing_factor().clamp_min(1e-5)
+        for r in readers:
+            r.weight.mul_(s.to(r.weight.dtype))
+        if side == "norm":
+            maker.weight.div_(s.to(maker.weight.dtype))
+            if getattr(maker, "bias", None) is not None:
+                maker.bias.div_(s.to(maker.bias.dtype))
+        else:
+            maker.weight.div_(s.to(maker.weight.dtype)[:, None])
+            if maker.bias is not None:
+                maker.bias.div_(s.to(maker.bias.dtype))
+        scales.append(s)
+    every = torch.cat(scales)
+    return {"groups": len(groups), "max_s": float(every.max()), "min_s": float(every.min())}
+
+
+def _feeding(observer):
+    """A forward pre-hook that shows a Linear's input to ``observer`` and changes nothing."""
+    def hook(module, args):
+        observer(args[0].float())
+    return hook
+
+
+@torch.no_grad()
+def massive_ffns(model: nn.Module, calibrate) -> list[str]:
+    """Names of the FFN modules whose output holds massive activations on the calibration batches."""
+    family = family_of(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    ffns = [block.get_submodule(family.ffn) for block in family.blocks(model)]
+    found = [MassiveActivations() for _ in ffns]
+    handles = [f.register_forward_hook(lambda m, a, out, c=c: c.update(out[0] if isinstance(out, tuple) else out, None))
+               for f, c in zip(ffns, found)]
+    try:
+        calibrate(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return [names[id(f)] for f, c in zip(ffns, found) if c.count]

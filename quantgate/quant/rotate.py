@@ -1,0 +1,250 @@
+"""QuaRot-style rotation: the same float function, with the residual stream in a randomized-Hadamard basis.
+
+An orthogonal Q (d_model x d_model, random signs times a normalized Hadamard matrix) spreads a few
+massive channels over all channels, so per-tensor or per-token quantizers see a flat range. With
+x the residual stream as a row vector and x' = x Q:
+
+* pre-norm gains (and LayerNorm biases) are folded into the Linears that read the norm: q/k/v, the
+  attention gate's input projection, gate/up (fc1), the LM head; the norm becomes :class:`UnitRMSNorm`
+  (no parameters, same eps, same module path), which commutes with Q: rms(x Q) = rms(x);
+* readers and embeddings (token table, OPT's position table, LM head; shape (*, d_model)): W <- W Q;
+* writers of the residual (o_proj / out_proj, down_proj / fc2; shape (d_model, *)): W <- Q^T W, b <- Q^T b;
+* ``online``: the FFN output Linear (in_features d_ff) gets a normalized Hadamard M (d_ff x d_ff) at run
+  time, x -> x M in a forward pre-hook (:func:`hadamard_pre_hook`, O(d_ff log d_ff)), and W <- W M,
+  so (x M)(W M)^T = x W^T.
+
+OPT's LayerNorm subtracts the mean over channels, which a rotation does not commute with. As in
+SliceGPT, every writer of the residual (both embedding tables, the rows and biases of out_proj and
+fc2) is centred first, so the stream is mean-free and LayerNorm(x) = RMSNorm(x) * g + b exactly;
+g and b then fold like an RMSNorm gain. Tied embeddings are untied: the table is rotated as the
+stream's input, the head as a reader with the final norm's gain folded in.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..attention.gates import (BondarenkoGate, ConstantGate, ElementwiseGate, HeadSharedGate, HeadwiseGate,
+                               HyGAGate, OutputGate, ValueGate)
+from ..models.families import family_of
+
+__all__ = ["rotate_", "check_rotatable", "gate_readers", "ATTN_READERS", "FFN", "UnitRMSNorm", "hadamard_pre_hook"]
+
+ATTN_READERS = ("q_proj", "k_proj", "v_proj")  # in the family's attention module
+# family -> (Linears reading the FFN norm, the Linear whose output rows scale the FFN output Linear's input
+# channel by channel (act(gate) * up; ReLU(fc1) is positively homogeneous), the FFN output Linear): block paths
+FFN = {
+    "llama": (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj"),
+    "qwen2": (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj"),
+    "qwen3": (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj"),
+    "opt": (("fc1",), "fc1", "fc2"),
+}
+_REFUSED = {
+    "bert": "post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and its readers",
+    "mla": "the attention reads the stream through latent projections with their own norms inside the attention",
+    "qwen3-next": "linear-attention blocks and zero-centred (1 + w) norms are not handled",
+}
+# submodules of each gate that read the attention input x (the attention norm's output); the others read
+# the SDPA output (HyGA's H- and C-gates), which lives in head space and is unchanged by the rotation
+_GATE_READERS = {ElementwiseGate: ("proj",), HeadwiseGate: ("proj",), HeadSharedGate: ("proj",), ValueGate: ("proj",),
+                 OutputGate: ("proj",), BondarenkoGate: ("proj",), HyGAGate: ("x_proj", "x_down"), ConstantGate: ()}
+_HAD_BASES = (1, 12, 20, 28, 36, 40, 44, 52, 60, 108, 140, 156, 172)  # torchao's get_hadK: sizes K * 2^m
+
+
+class UnitRMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) over the last dim, in float32: a norm whose gain was folded into its readers."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
+def _had():
+    """torchao's Hadamard utilities (imported on first use: torchao is slow to import)."""
+    try:
+        from torchao.prototype.spinquant import hadamard_utils
+    except ImportError as e:
+        raise ModuleNotFoundError(f"rotation needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
+    return hadamard_utils
+
+
+def hadamard_pre_hook(module: nn.Linear, args: tuple) -> tuple:
+    """Forward pre-hook of an online-rotated Linear: its input x -> x M (normalized Hadamard, O(n log n))."""
+    hadK, K = module.qg_hadamard
+    return (_had().matmul_hadU(args[0].contiguous(), hadK, K), *args[1:])
+
+
+def _hadamard(n: int, what: str) -> tuple[torch.Tensor, int]:
+    """torchao's (hadK, K) for a normalized Hadamard transform of size n; ValueError where it has none."""
+    try:
+        hadK, K = _had().get_hadK(n)
+    except AssertionError:  # get_hadK asserts on sizes it cannot build
+        K = None
+    if K is None or n % K or not _had().is_pow2(n // K):
+        raise ValueError(f"no Hadamard matrix of size {n} ({what}): torchao's hadamard_utils builds sizes "
+                         f"K * 2^m for K in {', '.join(map(str, _HAD_BASES))}")
+    return hadK, K
+
+
+def gate_readers(gate: nn.Module | None) -> list[nn.Linear]:
+    """The Linears of an attention gate that read the attention input x (the attention norm's output), or
+    ValueError naming the gate where x is read otherwise (rotation and smoothing both rescale x's channels)."""
+    if gate is None:
+        return []
+    if isinstance(gate, BondarenkoGate) and not hasattr(gate, "proj"):
+        raise ValueError(f"cannot rotate or smooth attention gate {gate.spec}: it reads x in per-head slices of "
+                         f"channels, not through an nn.Linear; use bondarenko:mode=all-heads")
+    if type(gate) not in _GATE_READERS:
+        raise ValueError(f"cannot rotate or smooth attention gate {type(gate).__name__}: which of its layers read "
+                         f"the residual stream is not known")
+    readers = [getattr(gate, n) for n in _GATE_READERS[type(gate)] if hasattr(gate, n)]
+    return [r[0] if isinstance(r, nn.Sequential) else r for r in readers]  # low rank: the down projection
+
+
+def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
+    """Raise ValueError, saying why, unless :func:`rotate_` can rotate ``model`` exactly (with ``online``: its
+    FFN width too); it changes nothing."""
+    family = family_of(model)
+    config = model.config
+    if family.name in _REFUSED:
+        raise ValueError(f"cannot rotate a {family.name} model: {_REFUSED[family.name]}")
+    meta = getattr(config, "quantgate", None) or {}
+    if "rotation" in meta:
+        raise ValueError(f"this model is already rotated ({meta['rotation']}); rotate a fresh float model")
+    if "quantization" in meta:
+        raise ValueError("this model is already quantized; rotate the float model, then quantize it")
+    if not family.is_pre_norm(config):
+        raise ValueError(f"cannot rotate a post-LN {family.name} model ({family.pre_norm}=False): its norms read "
+                         f"the residual sums, so no norm sits between the stream and its readers")
+    if family.name == "opt":
+        if config.word_embed_proj_dim != config.hidden_size:
+            raise ValueError(f"cannot rotate an opt model with project_in/project_out (word_embed_proj_dim "
+                             f"{config.word_embed_proj_dim} != hidden_size {config.hidden_size})")
+        if model.base_model.decoder.final_layer_norm is None:
+            raise ValueError("cannot rotate an opt model without a final layer norm: the head would read the "
+                             "centred stream directly")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"cannot rotate a {type(model).__name__}: it has no LM head to rotate, so its outputs "
+                         f"would stay in the rotated basis")
+    blocks = family.blocks(model)
+    for block in blocks:
+        gate = getattr(block.get_submodule(family.attention), "gate", None)
+        if isinstance(gate, OutputGate):
+            raise ValueError(f"cannot rotate attention gate {gate.spec}: it multiplies o_proj's output, the residual "
+                             f"stream, channel by channel, and an elementwise product does not commute with a rotation")
+        gate_readers(gate)
+    _hadamard(config.hidden_size, "d_model")
+    if online:
+        for n in {block.get_submodule(FFN[family.name][2]).in_features for block in blocks}:
+            _hadamard(n, "d_ff, for the online transform")
+
+
+def _right(w: torch.Tensor, m: torch.Tensor) -> None:
+    """w <- w m, in float64: m acts on the last dim (a reader's in-features, an embedding's channels)."""
+    w.copy_(w.double() @ m.to(w.device))
+
+
+def _rotate_writer(linear: nn.Linear, Q: torch.Tensor) -> None:
+    """Output rows W <- Q^T W, b <- Q^T b."""
+    _right(linear.weight.T, Q)
+    if linear.bias is not None:
+        _right(linear.bias, Q)
+
+
+def _centre(w: torch.Tensor, dim: int) -> None:
+    w.copy_(w.double() - w.double().mean(dim, keepdim=True))
+
+
+def _fold_norm(owner: nn.Module, path: str, readers: list[nn.Linear]) -> int:
+    """Fold the norm at ``owner.path`` into ``readers``, replace it by a UnitRMSNorm; return parameters added."""
+    norm = owner.get_submodule(path)
+    layer_norm = isinstance(norm, nn.LayerNorm)
+    gain = norm.weight
+    shift = norm.bias if layer_norm else None
+    added = 0
+    for linear in readers:
+        w = linear.weight.double()
+        if shift is not None and shift.any():  # W (n g + b) + c = (W g) n + (c + W b)
+            if linear.bias is None:
+                linear.bias = nn.Parameter(torch.zeros_like(linear.weight[:, 0]))
+                added += linear.out_features
+            linear.bias.copy_(linear.bias.double() + w @ shift.double())
+        if gain is not None:
+            linear.weight.copy_(w * gain.double())
+    owner.set_submodule(path, UnitRMSNorm(norm.eps if layer_norm else norm.variance_epsilon))
+    return added
+
+
+@torch.no_grad()
+def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
+    """Rotate ``model`` (llama, qwen2, qwen3, pre-LN opt; gated or not) in place; its float outputs are unchanged.
+
+    ``seed`` draws Q's random signs; ``online`` adds the Hadamard transform at each FFN output projection.
+    Returns, and records in ``model.config.quantgate["rotation"]``::
+
+        {"kind": "hadamard", "online", "seed", "d_model",
+         "d_ff": the online transform's size (None without it),
+         "extra_params": biases added where a LayerNorm bias folds into a bias-free reader (0 for RMSNorm
+                         models; OPT: the LM head's vocab_size, and low-rank gates' down projections),
+         "extra_ops_per_token": additions/subtractions of the online transforms per token,
+                         layers * d_ff * (log2(d_ff / K) + K - 1) for d_ff = K * 2^m: log2(d_ff / K)
+                         butterfly stages, then a K-point +-1 Hadamard (K - 1 per output) per group of K;
+                         0 without online}
+    """
+    check_rotatable(model, online=online)
+    family, config = family_of(model), model.config
+    base, blocks = model.base_model, family.blocks(model)
+    ffn_in_paths, _, ffn_out_path = FFN[family.name]
+    d = config.hidden_size
+    embeds = [model.get_input_embeddings()] + ([base.decoder.embed_positions] if family.name == "opt" else [])
+    head = model.get_output_embeddings()
+    if head.weight is embeds[0].weight:
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        config.tie_word_embeddings = False
+    Q = _had().random_hadamard_matrix(d, "cpu", seed).double()
+
+    for table in embeds:
+        if family.name == "opt":
+            _centre(table.weight, -1)
+        _right(table.weight, Q)
+    added = _fold_norm(base, family.outer_outputs[0], [head])
+    _right(head.weight, Q)
+    n = ops = 0
+    for block in blocks:
+        attn = block.get_submodule(family.attention)
+        attn_in = [getattr(attn, name) for name in ATTN_READERS]
+        attn_in += gate_readers(getattr(attn, "gate", None))
+        ffn_in = [block.get_submodule(p) for p in ffn_in_paths]
+        writers = [block.get_submodule(family.o_proj), block.get_submodule(ffn_out_path)]
+        added += _fold_norm(block, family.attn_norm, attn_in) + _fold_norm(block, family.ffn_norm, ffn_in)
+        for linear in attn_in + ffn_in:
+            _right(linear.weight, Q)
+        for linear in writers:
+            if family.name == "opt":
+                _centre(linear.weight, 0)
+                if linear.bias is not None:
+                    _centre(linear.bias, 0)
+            _rotate_writer(linear, Q)
+        if online:
+            down = writers[1]
+            n = down.in_features
+            hadK, K = _hadamard(n, "d_ff")
+            down.weight.copy_(_had().matmul_hadU_slow(down.weight.double(), hadK, K))  # each row w -> w M, float64
+            down.qg_hadamard = (hadK, K)
+            down.register_forward_pre_hook(hadamard_pre_hook)
+            ops += n * (int(math.log2(n // K)) + K - 1)
+
+    info = {"kind": "hadamard", "online": online, "seed": seed, "d_model": d, "d_ff": n if online else None,
+            "extra_params": added, "extra_ops_per_token": ops}
+    config.quantgate = {**(getattr(config, "quantgate", None) or {}), "rotation": info}
+    return info
