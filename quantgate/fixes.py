@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from .quant import get_scheme
-from .quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme
+from .quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme, TorchaoStaticScheme
 from .report import PPL_KEYS, _get
 from .stats import format_delta, paired_delta
 
@@ -26,8 +26,10 @@ def range_kind(scheme: str) -> str:
     s = get_scheme(scheme)
     if isinstance(s, BnbScheme):
         return f"per token, outlier columns (> {s.threshold:g}) in 16-bit"
+    if isinstance(s, TorchaoStaticScheme):
+        return "per tensor, static (torchao int8 kernel)"
     if isinstance(s, TorchaoScheme):
-        return "torchao kernel"
+        return "per token, dynamic (torchao kernel)" if "Dynamic" in s.config else "weights only (torchao kernel)"
     parts = []
     a = s.act if isinstance(s, SimulatedScheme) else None
     if a is not None:
@@ -108,27 +110,27 @@ def which_fix(cells: list[dict], schemes: list[str], changes: dict, fixes: dict,
         else:
             text += f"; no scheme here brings it within +{within:.0%}."
         if unresolved:
-            text += " Not resolved: " + ", ".join(f"`{r['scheme']}` {format_delta(r['delta'])}" for r in unresolved) + "."
+            text += " Not resolved: " + ", ".join(f"`{r['scheme']}` {format_delta(r['delta'])}"
+                                                  for r in unresolved) + "."
         lines.append(text)
     for ungated, gated in pairs:
         if ungated in by_model and gated in by_model:
-            u, g = (fix_rows(by_model[m], schemes, changes, within) for m in (ungated, gated))
-            need = [r["scheme"] for r in u if r["verdict"] == "fixed"]
-            need_g = [r["scheme"] for r in g if r["verdict"] == "fixed"]
-            only_g = [s for s in need_g if s not in need]
-            lines.append(f"- **{gated}** vs its ungated twin **{ungated}**: {len(need_g)} vs {len(need)} of the "
-                         f"schemes keep them within +{within:.0%}" + (f"; only the gated twin: "
-                         + ", ".join(f"`{s}`" for s in only_g) if only_g else "") + ".")
+            fixed_u, fixed_g = ([r["scheme"] for r in fix_rows(by_model[m], schemes, changes, within)
+                                 if r["verdict"] == "fixed"] for m in (ungated, gated))
+            only_g = [s for s in fixed_g if s not in fixed_u]
+            lines.append(f"- **{gated}** vs its ungated twin **{ungated}**: {len(fixed_g)} vs {len(fixed_u)} of the "
+                         f"schemes keep them within +{within:.0%}"
+                         + (f"; only the gated twin: " + ", ".join(f"`{s}`" for s in only_g) if only_g else "") + ".")
     for s in schemes:
         base = without_sink(s)
         if base is not None and base in schemes:
             effects = [f"{format_delta(sink_effect(c, base, s))} on {m}" for m, c in by_model.items()
                        if base in c["schemes"] and s in c["schemes"]]
-            lines.append(f"- KV cache: keeping its first {get_scheme(s).sink} token(s) in full precision (`{s}` against "
-                         f"`{base}`, paired over the same documents) changes the perplexity by " + ", ".join(effects)
-                         + ".")
+            lines.append(f"- KV cache: keeping its first {get_scheme(s).sink} token(s) in full precision (`{s}` "
+                         f"against `{base}`, paired over the same documents) changes the perplexity by "
+                         + ", ".join(effects) + ".")
     head = ["scheme", "range kind", *by_model]
-    lines += ["", "Change of perplexity per model (rows: schemes, best on the first model first; " 
+    lines += ["", "Change of perplexity per model (rows: schemes, best on the first model first; "
               "~: within noise):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     first = next(iter(by_model.values()))
     order = [r["scheme"] for r in fix_rows(first, schemes, changes, within)]

@@ -292,7 +292,8 @@ def load_study(path: str | Path) -> Study:
                                      f"{', '.join(sorted({v for m in models for v in m.variants}))}")
     fixes = sections["report"].get("fixes")
     if fixes is not None:
-        _check_fixes(fixes, {e["scheme"] for m in models for e in m.schemes}, lambda msg: fail(("report", "fixes"), msg))
+        _check_fixes(fixes, {e["scheme"] for m in models for e in m.schemes},
+                     lambda msg: fail(("report", "fixes"), msg))
     default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
     study.raw = {"name": study.name, "file": "" if default else str(path), "description": study.description,
                  "seed": seed, "models": [dataclasses.asdict(m) for m in models],

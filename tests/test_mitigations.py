@@ -257,7 +257,8 @@ def test_scheme_options_refuse_what_the_formats_cannot_do():
     assert get_scheme("w8a8-int8-dynamic:smooth=0.8").needs_calibration
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-int8-static:rotate=online,keep=auto,calib=2", "w8a8-int8-static:smooth=0.5,calib=2",
+@pytest.mark.parametrize("scheme", ["w8a8-int8-static:rotate=online,keep=auto,calib=2",
+                                    "w8a8-int8-static:smooth=0.5,calib=2",
                                     "w8a8-int8-bondarenko:rotate=residual,calib=2", "kv4-int4:sink=1"])
 def test_mitigated_schemes_save_and_load_to_the_same_logits(tmp_path, scheme):
     from quantgate.quant.checkpoint import load_quantized, save_quantized
@@ -297,11 +298,13 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
     assert (f"- **big** (vanilla): `w8a8-int8-static` {format_delta(changes['big/v', schemes[0]])}; fixed by 1 of 3, "
             f"best first: `w8a8-int8-static:rotate=online` +0.40% [+0.20, +0.60]. Not resolved: "
             f"`w8a8-int8-static:smooth=0.5` +0.8% [+0.3, +1.3].") in text
-    assert "- **twin** (vanilla): `w8a8-int8-static` +0.20% [-0.10, +0.40] ~, already within +1%: it needs no fix." in text
+    assert ("- **twin** (vanilla): `w8a8-int8-static` +0.20% [-0.10, +0.40] ~, already within +1%: it needs no "
+            "fix.") in text
     assert "- **twin** vs its ungated twin **big**: 2 vs 1 of the schemes keep them within +1%; only the gated twin: " \
            "`w8a8-int8-static`." in text
     rows = [line for line in lines if line.startswith("| `")]
-    assert rows[0].startswith("| `w8a8-int8-static:rotate=online` | per tensor, static | +0.40% [+0.20, +0.60] **fixed**")
+    assert rows[0].startswith("| `w8a8-int8-static:rotate=online` | per tensor, static | "
+                              "+0.40% [+0.20, +0.60] **fixed**")
     assert "| `w8a8-int8-static:rotate=online` | 0 | 1,792 | 2.5 | 0 | 1,792 | 2.5 |" in text
     assert rows[3].startswith("| `w8a8-int8-static` |")  # the broken reference ranks last on the first model
 

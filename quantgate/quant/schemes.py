@@ -11,8 +11,8 @@ Mitigations are options of the simulated schemes, applied to the float model bef
 (:mod:`quantgate.quant.mitigate`): ``smooth=ALPHA`` (SmoothQuant), ``rotate=residual|online`` (Hadamard
 rotation of the residual stream, online also of the FFN's down-projection input), ``keep=auto`` (the
 FFN blocks that hold massive activations, found on the calibration batches, stay in full precision).
-``kv=`` options quantize the key-value cache as it is written (``kv_bits``, ``kv_granularity``,
-``kv_group``; ``sink=K`` keeps its first K tokens in full precision).
+The ``kv_*`` options of the KV schemes quantize the key-value cache as it is written (``kv_bits``,
+``kv_granularity``, ``kv_group``; ``sink=K`` keeps its first K tokens in full precision).
 
 A scheme is a config object, as in torchao: :class:`SimulatedScheme`, :class:`TorchaoScheme` (and
 :class:`TorchaoStaticScheme`, which calibrates) and :class:`BnbScheme`, each declaring the options
@@ -45,9 +45,10 @@ class TensorQuant:
     blocks set the granularity). granularity: weights tensor/channel/group (group_size along the input
     dim); activations tensor/token/channel; the KV cache token (one range per token and head), group
     (group_size channels of a token) or channel (keys per channel over blocks of group_size tokens,
-    values per token, as KIVI). dynamic: activation ranges from each batch instead of calibration. estimator: weights minmax/mse; static activations minmax,
-    running-minmax (momentum), percentile (percentile), mse. The other fields' valid values depend on
-    the role (weight or activation): the :class:`Scheme` holding it checks them (``OPTIONS``).
+    values per token, as KIVI). dynamic: activation ranges from each batch instead of calibration.
+    estimator: weights minmax/mse; static activations minmax, running-minmax (momentum), percentile
+    (percentile), mse. The other fields' valid values depend on the role (weight, activation or KV
+    cache): the :class:`Scheme` holding it checks them (``OPTIONS``).
     """
 
     format: str

@@ -75,6 +75,9 @@ Placements (``acts``):
   q and k after RoPE, where they enter the matmul. ``w8a8-int8-bondarenko`` takes min-max weight
   ranges (BERT's protocol); ``w_estimator=mse`` is OPT's.
 
+A scheme's ``kv`` quantizes the KV cache (:class:`KVQuant`) at every attention's k and v, after RoPE,
+where gated_sdpa reads them, behind any q/k/v quantizer of the placement.
+
 The residual sum after attention of a pre-norm block is quantized in place at the FFN norm's input:
 the block keeps that tensor as its residual, so the FFN's sum adds the quantized value, as the
 reference does. Softmax quantization runs on gated_sdpa's eager backend.
