@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, fields
 
 from .options import key_values
 
-__all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "VariantLike", "Range"]
+__all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "GateKind", "gate_kind", "logit",
+           "VariantLike", "Range"]
 
 
 @dataclass(frozen=True)
@@ -66,47 +67,44 @@ def _check_ranges(spec, owner: str) -> None:
 
 
 @dataclass(frozen=True)
-class _GateKind:
+class GateKind:
+    """A registered gate kind: its Gate class (:mod:`quantgate.attention.gates`), description, default
+    initial value, whether its projection can be factorised, and its own options (name -> (type,
+    default, choices)), which :class:`AttentionVariant` parses and prints."""
+
+    gate: type
     description: str
-    pi_init: float  # default initial gate value
-    low_rank: bool  # whether the gate projection can be factorised
-    options: dict[str, tuple[type, object, tuple]] = field(default_factory=dict)  # name -> (type, default, choices)
+    pi_init: float
+    low_rank: bool
+    options: dict[str, tuple[type, object, tuple]] = field(default_factory=dict)
 
     def __post_init__(self):  # every gate can start as the identity for fine-tuning a pretrained model
         self.options.setdefault("finetune", (bool, False, (True, False)))
 
 
-GATE_KINDS: dict[str, _GateKind] = {
-    "g1-elementwise": _GateKind("G1: sigmoid(x W) per (head, channel) on the SDPA output (Qiu et al.)", 0.5, True),
-    "g1-headwise": _GateKind("G1: one sigmoid(x w_h) per head on the SDPA output", 0.5, True),
-    "g1-headshared": _GateKind("G1: elementwise over d_head, shared by all heads", 0.5, True),
-    "g1-constant": _GateKind("G1: input-independent learned sigmoid per (head, channel)", 0.5, False),
-    "g1-ns-sigmoid": _GateKind("G1 elementwise with 0.5 + 0.5 * sigmoid (never below 0.5)", 0.75, True),
-    "g2-value": _GateKind("G2: elementwise sigmoid(x W) on the values, from the key token", 0.5, True),
-    "g5-output": _GateKind("G5: elementwise sigmoid(x W) after the output projection", 0.5, True),
-    "bondarenko": _GateKind(
-        "Bondarenko et al.: per head sigmoid(G_h(x_h)) from the head's d_head slice of x",
-        0.25,
-        False,
-        {"mode": (str, "linear", ("linear", "mlp", "all-heads"))},
-    ),
-    "hyga": _GateKind(
-        "HyGA: sigmoid(X-gate(x) + H-gate(SDPA out)) * sigmoid(C-gate(all heads)), low rank d_int",
-        0.5,
-        True,
-        {
-            "h_gate": (bool, True, (True, False)),
-            "c_gate": (bool, True, (True, False)),
-            "fusion": (str, "sum", ("sum", "product")),
-        },
-    ),
-}
+# filled, in the order variants list them, by the @gate_kind classes of quantgate.attention.gates (imported
+# with the package)
+GATE_KINDS: dict[str, GateKind] = {}
+
+
+def gate_kind(name: str, description: str, *, pi_init: float = 0.5, low_rank: bool = True,
+              options: dict[str, tuple[type, object, tuple]] | None = None):
+    """Class decorator: register a Gate subclass as the gate kind ``name``: a new gate is one decorated
+    class (its position, activation, bias initialisation and x readers are class attributes and methods)."""
+    def register(cls: type) -> type:
+        if name in GATE_KINDS:
+            raise ValueError(f"gate kind {name!r} is registered twice ({GATE_KINDS[name].gate.__name__}, "
+                             f"{cls.__name__})")
+        GATE_KINDS[name] = GateKind(cls, description, pi_init, low_rank, dict(options or {}))
+        return cls
+    return register
+
+
+def logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
 
 _ALIASES = {"d_int": "low_rank"}  # HyGA's name for the gate rank
-
-
-def _logit(p: float) -> float:
-    return math.log(p / (1.0 - p))
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,7 @@ class GateSpec:
         spec = GATE_KINDS.get(self.kind)
         if spec is None:
             raise ValueError(f"unknown gate kind {self.kind!r}; valid: {', '.join(GATE_KINDS)}")
-        lo = 0.5 if self.kind == "g1-ns-sigmoid" else 0.0
+        lo = spec.gate.floor
         if not lo < self.pi_init < 1.0:
             raise ValueError(f"{self.kind}: pi_init must lie in ({lo}, 1), got {self.pi_init}")
         if self.low_rank is not None and (not spec.low_rank or self.low_rank < 1):
@@ -144,7 +142,7 @@ class GateSpec:
     @property
     def bias_init(self) -> float:
         """Pre-activation value that makes the gate output ``pi_init``."""
-        return _logit(2 * self.pi_init - 1) if self.kind == "g1-ns-sigmoid" else _logit(self.pi_init)
+        return GATE_KINDS[self.kind].gate.bias_for(self.pi_init)
 
     def __str__(self) -> str:
         spec = GATE_KINDS[self.kind]

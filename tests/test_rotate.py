@@ -65,6 +65,7 @@ def test_rotation_keeps_the_logits(preset, online):
 
 @pytest.mark.parametrize("preset, variant", [
     ("tiny-llama", "g1-elementwise"), ("tiny-llama", "g1-headwise"), ("tiny-llama", "g1-elementwise:low_rank=8"),
+    ("tiny-llama", "g1-ns-sigmoid"), ("tiny-llama", "g1-headshared"),
     ("tiny-llama", "g2-value"), ("tiny-llama", "hyga:low_rank=4"), ("tiny-llama", "bondarenko:mode=all-heads"),
     ("tiny-opt", "g1-headwise"), ("tiny-opt", "hyga"), ("tiny-opt", "g1-constant+sink"),
 ])

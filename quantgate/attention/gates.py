@@ -6,7 +6,9 @@ its position in the attention block:
   gates with ``needs_output`` (HyGA) also read that output h;
 * ``output`` (G5): multiplies the output projection's result (B, N, d_model).
 
-Gate values lie in [0, 1] ([0.5, 1] for NS-sigmoid). Biases start at logit(pi_init), weights at
+Each class is one gate kind, registered by ``@gate_kind`` (:mod:`quantgate.variants` parses and prints
+the registry): its position, activation, bias initialisation (``bias_for``, above ``floor``) and the
+Linears that read x (``x_readers``) are its own. Gate values lie in [0, 1] ([0.5, 1] for NS-sigmoid). Biases start at logit(pi_init), weights at
 N(0, init_std). ``open_()`` sets every weight to 0 and every bias/logit to 30, which makes the gate
 exactly 1 in float32: the model then computes what the ungated model computes.
 
@@ -24,9 +26,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..variants import GateSpec
+from ..variants import GATE_KINDS, GateSpec, gate_kind, logit
 
 __all__ = ["AttentionDims", "Gate", "build_gate"]
+
 
 OPEN_LOGIT = 30.0  # sigmoid(30) == 1.0 in float32
 
@@ -49,6 +52,15 @@ class Gate(nn.Module):
 
     position: ClassVar[str] = "sdpa"
     needs_output: ClassVar[bool] = False
+    floor: ClassVar[float] = 0.0  # the gate's lowest value: pi_init must lie above it
+    # its submodules that read x through an nn.Linear (a Sequential: its first layer), which rotations and
+    # SmoothQuant rescale with x; None: not declared, so those refuse the gate
+    x_readers: ClassVar[tuple[str, ...] | None] = None
+
+    @classmethod
+    def bias_for(cls, pi_init: float) -> float:
+        """The pre-activation value at which :meth:`activation` gives ``pi_init``."""
+        return logit(pi_init)
 
     def __init__(self, spec: GateSpec, dims: AttentionDims):
         super().__init__()
@@ -114,22 +126,25 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.view(b, n, heads, -1).transpose(1, 2)
 
 
+@gate_kind("g1-elementwise", "G1: sigmoid(x W) per (head, channel) on the SDPA output (Qiu et al.)")
 class ElementwiseGate(Gate):
-    """G1 elementwise: sigmoid(x W) per (head, channel); also NS-sigmoid 0.5 + 0.5 * sigmoid."""
+    """G1 elementwise: sigmoid(x W) per (head, channel), (B, Hq, N, Dh)."""
+
+    x_readers = ("proj",)
 
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
 
-    def activation(self, z):
-        return 0.5 + 0.5 * torch.sigmoid(z) if self.spec.kind == "g1-ns-sigmoid" else torch.sigmoid(z)
-
     def compute(self, x):
         return self.activation(_heads(self.proj(x), self.dims.n_heads))
 
 
+@gate_kind("g1-headwise", "G1: one sigmoid(x w_h) per head on the SDPA output")
 class HeadwiseGate(Gate):
     """G1 headwise: one sigmoid(x w_h) per head and token, (B, Hq, N, 1)."""
+
+    x_readers = ("proj",)
 
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
@@ -139,8 +154,11 @@ class HeadwiseGate(Gate):
         return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
 
 
+@gate_kind("g1-headshared", "G1: elementwise over d_head, shared by all heads")
 class HeadSharedGate(Gate):
     """G1 head-shared: elementwise over d_head, the same for every head, (B, 1, N, Dh)."""
+
+    x_readers = ("proj",)
 
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
@@ -150,8 +168,11 @@ class HeadSharedGate(Gate):
         return torch.sigmoid(self.proj(x)).unsqueeze(1)
 
 
+@gate_kind("g1-constant", "G1: input-independent learned sigmoid per (head, channel)", low_rank=False)
 class ConstantGate(Gate):
     """G1 input-independent: a learned sigmoid per (head, channel), (1, Hq, 1, Dh)."""
+
+    x_readers = ()
 
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
@@ -161,8 +182,25 @@ class ConstantGate(Gate):
         return torch.sigmoid(self.logit).unsqueeze(0)
 
 
+@gate_kind("g1-ns-sigmoid", "G1 elementwise with 0.5 + 0.5 * sigmoid (never below 0.5)", pi_init=0.75)
+class NSSigmoidGate(ElementwiseGate):
+    """G1 elementwise with the non-saturating 0.5 + 0.5 * sigmoid(x W), in [0.5, 1]."""
+
+    floor = 0.5
+
+    @classmethod
+    def bias_for(cls, pi_init: float) -> float:
+        return logit(2 * pi_init - 1)
+
+    def activation(self, z):
+        return 0.5 + 0.5 * torch.sigmoid(z)
+
+
+@gate_kind("g2-value", "G2: elementwise sigmoid(x W) on the values, from the key token")
 class ValueGate(Gate):
     """G2: elementwise sigmoid(x W) on the value projection, from each key token's x."""
+
+    x_readers = ("proj",)
 
     position = "value"
 
@@ -174,8 +212,11 @@ class ValueGate(Gate):
         return torch.sigmoid(self.proj(x))
 
 
+@gate_kind("g5-output", "G5: elementwise sigmoid(x W) after the output projection")
 class OutputGate(Gate):
     """G5: elementwise sigmoid(x W) after the output projection."""
+
+    x_readers = ("proj",)
 
     position = "output"
 
@@ -187,10 +228,14 @@ class OutputGate(Gate):
         return torch.sigmoid(self.proj(x))
 
 
+@gate_kind("bondarenko", "Bondarenko et al.: per head sigmoid(G_h(x_h)) from the head's d_head slice of x",
+           pi_init=0.25, low_rank=False, options={"mode": (str, "linear", ("linear", "mlp", "all-heads"))})
 class BondarenkoGate(Gate):
     """Bondarenko et al. eq. 5: per head h, sigmoid(G_h(x_h)) with x_h the h-th of Hq equal slices
     of x; G_h = Linear(slice -> 1) (``linear``), slice -> slice/4 -> 1 with ReLU (``mlp``), or one
     Linear(d_model -> Hq) over all of x (``all-heads``). Output (B, Hq, N, 1)."""
+
+    x_readers = ("proj",)  # mode=all-heads; the other modes read slices
 
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
@@ -216,6 +261,9 @@ class BondarenkoGate(Gate):
         return torch.sigmoid(self.head(xh))
 
 
+@gate_kind("hyga", "HyGA: sigmoid(X-gate(x) + H-gate(SDPA out)) * sigmoid(C-gate(all heads)), low rank d_int",
+           options={"h_gate": (bool, True, (True, False)), "c_gate": (bool, True, (True, False)),
+                    "fusion": (str, "sum", ("sum", "product"))})
 class HyGAGate(Gate):
     """HyGA (Zhou et al. 2026): sigmoid(X(x) + H(h)) * sigmoid(C(h)), h the SDPA output.
 
@@ -223,6 +271,8 @@ class HyGAGate(Gate):
     head (rank d_int, or Dh when full); C-gate: Linear(Hq * Dh -> Hq) over all heads, head-wise.
     ``fusion=product`` multiplies separate sigmoids instead. The C-gate starts at 0.5.
     """
+
+    x_readers = ("x_proj", "x_down")
 
     needs_output = True
 
@@ -264,19 +314,6 @@ class HyGAGate(Gate):
         return g
 
 
-_GATES: dict[str, type[Gate]] = {
-    "g1-elementwise": ElementwiseGate,
-    "g1-ns-sigmoid": ElementwiseGate,
-    "g1-headwise": HeadwiseGate,
-    "g1-headshared": HeadSharedGate,
-    "g1-constant": ConstantGate,
-    "g2-value": ValueGate,
-    "g5-output": OutputGate,
-    "bondarenko": BondarenkoGate,
-    "hyga": HyGAGate,
-}
-
-
 def build_gate(spec: GateSpec, dims: AttentionDims, init_std: float = 0.02) -> Gate:
     """The gate module for ``spec`` in an attention block of size ``dims``."""
-    return _GATES[spec.kind](spec, dims, init_std)._finish_init()
+    return GATE_KINDS[spec.kind].gate(spec, dims, init_std)._finish_init()

@@ -27,8 +27,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..attention.gates import (BondarenkoGate, ConstantGate, ElementwiseGate, HeadSharedGate, HeadwiseGate,
-                               HyGAGate, OutputGate, ValueGate)
+from ..attention.gates import BondarenkoGate, OutputGate
 from ..models.families import family_of
 
 __all__ = ["rotate_", "check_rotatable", "gate_readers", "ATTN_READERS", "FFN", "UnitRMSNorm", "hadamard_pre_hook"]
@@ -47,10 +46,6 @@ _REFUSED = {
     "mla": "the attention reads the stream through latent projections with their own norms inside the attention",
     "qwen3-next": "linear-attention blocks and zero-centred (1 + w) norms are not handled",
 }
-# submodules of each gate that read the attention input x (the attention norm's output); the others read
-# the SDPA output (HyGA's H- and C-gates), which lives in head space and is unchanged by the rotation
-_GATE_READERS = {ElementwiseGate: ("proj",), HeadwiseGate: ("proj",), HeadSharedGate: ("proj",), ValueGate: ("proj",),
-                 OutputGate: ("proj",), BondarenkoGate: ("proj",), HyGAGate: ("x_proj", "x_down"), ConstantGate: ()}
 _HAD_BASES = (1, 12, 20, 28, 36, 40, 44, 52, 60, 108, 140, 156, 172)  # torchao's get_hadK: sizes K * 2^m
 
 
@@ -104,10 +99,10 @@ def gate_readers(gate: nn.Module | None) -> list[nn.Linear]:
     if isinstance(gate, BondarenkoGate) and not hasattr(gate, "proj"):
         raise ValueError(f"cannot rotate or smooth attention gate {gate.spec}: it reads x in per-head slices of "
                          f"channels, not through an nn.Linear; use bondarenko:mode=all-heads")
-    if type(gate) not in _GATE_READERS:
+    if gate.x_readers is None:
         raise ValueError(f"cannot rotate or smooth attention gate {type(gate).__name__}: which of its layers read "
-                         f"the residual stream is not known")
-    readers = [getattr(gate, n) for n in _GATE_READERS[type(gate)] if hasattr(gate, n)]
+                         f"the residual stream is not declared (its x_readers)")
+    readers = [getattr(gate, n) for n in gate.x_readers if hasattr(gate, n)]
     return [r[0] if isinstance(r, nn.Sequential) else r for r in readers]  # low rank: the down projection
 
 
