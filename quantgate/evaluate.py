@@ -29,7 +29,6 @@ import logging
 import math
 import platform
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -38,8 +37,10 @@ import torch.nn as nn
 from .data import batches
 from .data.corpus import OfflineError, hub_reachable
 from .models.families import family_of
+from .models.modes import eval_mode
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
+from .provenance import versions
 from .stats import METRICS, aggregate
 
 __all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics", "PseudoLogLikelihoodLM"]
@@ -97,14 +98,10 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         lm_eval = _require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
             out = lm_eval.simple_evaluate(model=lm, tasks=lm_tasks, task_manager=manager, limit=limit,
                                           log_samples=True, bootstrap_iters=0, verbosity="ERROR")
-        finally:
-            model.train(was_training)
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
         documents.update({task: _documents(samples, out["configs"][task], tokenizer)
                           for task, samples in out["samples"].items() if samples})
@@ -122,7 +119,7 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
                      "model": getattr(model.config, "_name_or_path", None) or None, "family": family.name,
                      "variant": str(variant_of(model)), "quantization": quant["scheme"] if quant else None,
                      "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
-        "versions": {**{p: _version(p) for p in ("quantgate", "lm_eval", "torch", "transformers", "torchao")},
+        "versions": {**versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
                      "python": platform.python_version()},
     }
 
@@ -224,11 +221,6 @@ def _number(v) -> int | float:
     return int(v) if v.is_integer() else v
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def mlm_perplexity(model: nn.Module, tokenizer, *, split: str = "test", seq_len: int = 128, batch_size: int = 16,
@@ -246,9 +238,7 @@ def _mlm_documents(model: nn.Module, tokenizer, *, split: str = "test", seq_len:
     n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
     loglik, tokens = [], []
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for i, batch in enumerate(data):
             if i >= n:
                 break
@@ -258,8 +248,6 @@ def _mlm_documents(model: nn.Module, tokenizer, *, split: str = "test", seq_len:
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
             loglik += (-nll.sum(1)).tolist()
             tokens += (labels != -100).sum(1).tolist()
-    finally:
-        model.train(was_training)
     return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens}
 
 
@@ -284,9 +272,7 @@ def _backcopy_documents(model: nn.Module, tokenizer, *, seq_len: int = 128, batc
                    max_batches=int(limit) if limit and limit >= 1 else 8)
     device = next(model.parameters()).device
     docs = {"ids": [], "loglikelihood": [], "tokens": [], "copied": [], "copies": []}
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         for batch in data:
             ids = batch["input_ids"].to(device)
             logits = model(input_ids=ids).logits.float()[:, :-1]
@@ -297,8 +283,6 @@ def _backcopy_documents(model: nn.Module, tokenizer, *, seq_len: int = 128, batc
             docs["tokens"] += [target.shape[1]] * len(target)
             docs["copied"] += ((logits.argmax(-1) == target) & copy).sum(1).tolist()
             docs["copies"] += copy.sum(1).tolist()
-    finally:
-        model.train(was_training)
     docs["ids"] = list(range(len(docs["tokens"])))
     return docs
 

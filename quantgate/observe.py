@@ -47,6 +47,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .models.families import family_of
+from .models.modes import eval_mode
 from .models.swap import apply_variant, attention_modules, variant_of
 
 __all__ = ["observe", "ObserveReport", "TensorStats"]
@@ -497,35 +498,30 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
         apply_variant(model)  # route attention through quantgate (the model's own attention, unchanged)
     tokenizer = tokenizer if tokenizer is not None else getattr(batches, "tokenizer", None)
     decode = (lambda t: tokenizer.convert_ids_to_tokens(int(t))) if tokenizer is not None else None
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     losses, tokens, sequences, seq_len, n_batches = [], 0, 0, 0, 0
     total = len(batches) if hasattr(batches, "__len__") else None
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
-    try:
-        with _Observer(model, sink_tokens) as obs:
-            for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe",
-                              disable=not progress):
-                ids = batch["input_ids"]
-                family.check_seq_len(model.config, ids.shape[1])
-                if sink_tokens >= ids.shape[1]:
-                    raise ValueError(f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
-                                     f"sequences; use fewer sink tokens or longer sequences")
-                mask = batch.get("attention_mask")
-                obs.input_ids, obs.seen = ids, {}
-                obs.valid = mask.bool() if mask is not None else None
-                forward = model if "labels" in batch else model.base_model
-                out = forward(**{k: v.to(device) for k, v in batch.items()})
-                if getattr(out, "loss", None) is not None:
-                    losses.append(float(out.loss))
-                n_batches += 1
-                tokens += int(mask.sum()) if mask is not None else ids.numel()
-                sequences += ids.shape[0]
-                seq_len = max(seq_len, ids.shape[1])
-    finally:
-        model.train(was_training)
+    with eval_mode(model), _Observer(model, sink_tokens) as obs:
+        for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe",
+                          disable=not progress):
+            ids = batch["input_ids"]
+            family.check_seq_len(model.config, ids.shape[1])
+            if sink_tokens >= ids.shape[1]:
+                raise ValueError(f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
+                                 f"sequences; use fewer sink tokens or longer sequences")
+            mask = batch.get("attention_mask")
+            obs.input_ids, obs.seen = ids, {}
+            obs.valid = mask.bool() if mask is not None else None
+            forward = model if "labels" in batch else model.base_model
+            out = forward(**{k: v.to(device) for k, v in batch.items()})
+            if getattr(out, "loss", None) is not None:
+                losses.append(float(out.loss))
+            n_batches += 1
+            tokens += int(mask.sum()) if mask is not None else ids.numel()
+            sequences += ids.shape[0]
+            seq_len = max(seq_len, ids.shape[1])
     if sequences == 0:
         raise ValueError("observe got no batches: the data source is empty or max_batches is 0")
     kurt_set, inf_extra = paper_tensors(family)

@@ -8,7 +8,7 @@ from importlib import metadata
 
 import torch
 
-__all__ = ["machine", "versions"]
+__all__ = ["machine", "version", "versions"]
 
 PACKAGES = ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate")
 
@@ -19,11 +19,13 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def versions() -> dict:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = None
-    return out
+def version(package: str) -> str | None:
+    """The installed version of ``package``, or None where it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions(packages: tuple[str, ...] = PACKAGES) -> dict:
+    return {p: version(p) for p in packages}

@@ -50,6 +50,7 @@ from .checkpoint import dedupe, save
 from .data import batches as text_batches
 from .data.synthetic import is_backcopy
 from .models.families import family_of
+from .models.modes import eval_mode
 from .models.swap import gate_parameters, variant_of
 from .runlock import run_lock
 
@@ -336,12 +337,8 @@ def _eval_batches(c: TrainConfig, tokenizer, objective: str) -> list[dict]:
 
 @torch.no_grad()
 def _eval_loss(model: nn.Module, data: list[dict], device) -> float:
-    was = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         return sum(float(model(**{k: v.to(device) for k, v in b.items()}).loss) for b in data) / len(data)
-    finally:
-        model.train(was)
 
 
 def _light_observe(model: nn.Module, data: list[dict]) -> dict:

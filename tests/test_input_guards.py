@@ -164,3 +164,18 @@ def test_run_lock_is_released_when_its_holder_is_killed(tmp_path):
     holder.join(30)
     with run_lock(tmp_path):
         pass
+
+
+def test_eval_mode_restores_each_models_mode_also_on_error():
+    import torch.nn as nn
+
+    from quantgate.models.modes import eval_mode
+
+    a, b = nn.Linear(2, 2).train(), nn.Linear(2, 2).eval()
+    with eval_mode(a, b):
+        assert not a.training and not b.training
+    assert a.training and not b.training
+    with pytest.raises(RuntimeError, match="inside"):
+        with eval_mode(a):
+            raise RuntimeError("inside")
+    assert a.training

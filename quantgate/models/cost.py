@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from .modes import eval_mode
 from .swap import apply_variant, gate_parameters
 
 __all__ = ["gate_cost"]
@@ -28,11 +29,7 @@ def gate_cost(model: nn.Module, tokens: int = 32) -> dict:
     config.quantgate = {k: v for k, v in (config.quantgate or {}).items() if k != "variant"}
     twin = apply_variant(type(model)(config), "vanilla").to(next(model.parameters()).device)
     ids = torch.randint(5, min(config.vocab_size, 200), (1, tokens), device=twin.device)
-    was = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         extra = _forward_flops(model, ids) - _forward_flops(twin.eval(), ids)
-    finally:
-        model.train(was)
     return {"gate_params": sum(p.numel() for p in gate_parameters(model).values()),
             "gate_flops_per_token": extra / tokens}

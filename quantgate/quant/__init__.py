@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+from ..models.modes import eval_mode
 from ..models.swap import apply_variant, variant_of
 from . import backends, simulate  # importing them registers the schemes' handlers
 from .error import quant_error, site_sensitivity
@@ -85,12 +86,10 @@ def _cuda_fp8() -> bool:
 @torch.no_grad()
 def _calibrate(model: nn.Module, batches, n: int) -> dict:
     """Run up to ``n`` batches through ``model`` (eval mode); checks the batches fit the model."""
-    was_training = model.training
-    model.eval()
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     count = tokens = 0
-    try:
+    with eval_mode(model):
         for batch in tqdm(batches, total=n, desc="calibrate", leave=False, disable=None):
             if count >= n:
                 break
@@ -102,8 +101,6 @@ def _calibrate(model: nn.Module, batches, n: int) -> dict:
             model(**{k: v.to(device) for k, v in batch.items() if k != "labels"})
             count += 1
             tokens += ids.numel()
-    finally:
-        model.train(was_training)
     if count == 0:
         raise ValueError("the calibration set is empty: give at least one batch")
     return {"batches": count, "tokens": tokens}

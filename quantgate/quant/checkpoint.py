@@ -17,7 +17,6 @@ import copy
 import hashlib
 import json
 import platform
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -30,6 +29,7 @@ from ..models import io as model_io
 from ..models.families import family_of
 from ..models.sources import tokenizer as get_tokenizer
 from ..models.swap import apply_variant, variant_of
+from ..provenance import versions
 from ..variants import AttentionVariant
 from .backends import torchao_input_ndims
 from .schemes import get_scheme, handler_for
@@ -65,7 +65,7 @@ def save_quantized(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
         "aliases": aliases,
         "input_ndims": torchao_input_ndims(model),
         "weights_sha256": _sha256(path / WEIGHTS),
-        "versions": {**{p: _version(p) for p in _PACKAGES}, "python": platform.python_version()},
+        "versions": {**versions(_PACKAGES), "python": platform.python_version()},
     }
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if tokenizer is None:
@@ -166,8 +166,3 @@ def _read(file: Path) -> dict:
     return tensors
 
 
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ..models.families import family_of
+from ..models.modes import eval_mode
 
 __all__ = ["quant_error", "site_sensitivity", "sqnr_db"]
 
@@ -39,29 +40,27 @@ def quant_error(fp_model: nn.Module, q_model: nn.Module, batches, *, max_batches
         q.track, q.signal, q.noise, q.overflow, q.values = True, 0.0, 0.0, 0, 0
     n_layers = len(family.blocks(fp_model))
     energy = [[0.0, 0.0] for _ in range(n_layers + 1)]  # blocks, then logits
-    modes = (fp_model.training, q_model.training)
-    fp_model.eval(), q_model.eval()
     batches_run = 0
-    try:
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            outputs["fp"].clear(), outputs["q"].clear()
-            ref = fp_model(**{k: v.to(_device(fp_model)) for k, v in inputs.items()}).logits.float()
-            got = q_model(**{k: v.to(_device(q_model)) for k, v in inputs.items()}).logits.float().to(ref.device)
-            for layer, (a, b) in enumerate(zip(outputs["fp"], outputs["q"])):
-                energy[layer][0] += float(a.double().square().sum())
-                energy[layer][1] += float((a.double() - b.to(a.device).double()).square().sum())
-            energy[-1][0] += float(ref.double().square().sum())
-            energy[-1][1] += float((ref.double() - got.double()).square().sum())
-            batches_run += 1
-    finally:
-        for h in hooks:
-            h.remove()
-        for q in quantizers.values():
-            q.track = False
-        fp_model.train(modes[0]), q_model.train(modes[1])
+    with eval_mode(fp_model, q_model):
+        try:
+            for i, batch in enumerate(batches):
+                if max_batches is not None and i >= max_batches:
+                    break
+                inputs = {k: v for k, v in batch.items() if k != "labels"}
+                outputs["fp"].clear(), outputs["q"].clear()
+                ref = fp_model(**{k: v.to(_device(fp_model)) for k, v in inputs.items()}).logits.float()
+                got = q_model(**{k: v.to(_device(q_model)) for k, v in inputs.items()}).logits.float().to(ref.device)
+                for layer, (a, b) in enumerate(zip(outputs["fp"], outputs["q"])):
+                    energy[layer][0] += float(a.double().square().sum())
+                    energy[layer][1] += float((a.double() - b.to(a.device).double()).square().sum())
+                energy[-1][0] += float(ref.double().square().sum())
+                energy[-1][1] += float((ref.double() - got.double()).square().sum())
+                batches_run += 1
+        finally:
+            for h in hooks:
+                h.remove()
+            for q in quantizers.values():
+                q.track = False
     if batches_run == 0:
         raise ValueError("quant_error got no batches")
     layers = [{"layer": i, "sqnr_db": sqnr_db(*energy[i])} for i in range(n_layers)]
@@ -120,22 +119,20 @@ def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> di
     def mean_loss(docs: dict) -> float:
         return -sum(docs["loglikelihood"]) / sum(tokens)
 
-    was = q_model.training
-    q_model.eval()
-    try:
-        for q in quantizers:
-            q.track, q.signal, q.noise = True, 0.0, 0.0
-        everything = documents(set(quantizers))
-        for q in quantizers:
-            q.track = False
-        none = documents(set())
-        rows = [{"name": q.name, **change(none, documents({q})), "sqnr_db": sqnr_db(q.signal, q.noise),
-                 "lo": None if q.spec.dynamic else float(q.lo.min()),
-                 "hi": None if q.spec.dynamic else float(q.hi.max())} for q in quantizers]
-    finally:
-        for q in quantizers:
-            q.enabled, q.track = True, False
-        q_model.train(was)
+    with eval_mode(q_model):
+        try:
+            for q in quantizers:
+                q.track, q.signal, q.noise = True, 0.0, 0.0
+            everything = documents(set(quantizers))
+            for q in quantizers:
+                q.track = False
+            none = documents(set())
+            rows = [{"name": q.name, **change(none, documents({q})), "sqnr_db": sqnr_db(q.signal, q.noise),
+                     "lo": None if q.spec.dynamic else float(q.lo.min()),
+                     "hi": None if q.spec.dynamic else float(q.hi.max())} for q in quantizers]
+        finally:
+            for q in quantizers:
+                q.enabled, q.track = True, False
     return {"none": mean_loss(none), "all": mean_loss(everything), "all_change": change(none, everything),
             "sites": sorted(rows, key=lambda r: -r["ppl_change"])}
 
