@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
+from .files import write_text_atomic
 from .models.families import family_of
 from .models.modes import eval_mode
 from .models.swap import apply_variant, attention_modules, variant_of
@@ -429,10 +430,7 @@ class ObserveReport:
         from .plots import plot_observe
 
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "observe.json.tmp"
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(out / "observe.json")
+        write_text_atomic(out / "observe.json", json.dumps(self.to_dict(), indent=1))
         (out / "observe.md").write_text(self.markdown())
         plot_observe(self, out)
         return out

@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import re
 import time
 import types
@@ -36,6 +35,7 @@ import yaml
 
 from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .data.synthetic import is_backcopy, task_options
+from .files import write_text_atomic
 from .models.presets import PRESETS
 from .models.sources import PACKAGED
 from .provenance import machine, versions
@@ -496,10 +496,7 @@ def _key(*parts) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def _done(path: Path, key: str) -> dict | None:

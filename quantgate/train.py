@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 from .checkpoint import dedupe, save
 from .data import batches as text_batches
 from .data.synthetic import is_backcopy
+from .files import write_text_atomic
 from .models.families import family_of
 from .models.modes import eval_mode
 from .models.swap import gate_parameters, variant_of
@@ -568,13 +569,10 @@ class _JsonLog:
         self.path = path
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if keep_until is not None and path.is_file():
             kept = [line for line in path.read_text().splitlines() if _step_of(line, keep_until + 1) <= keep_until]
-        tmp = _temporary(path)
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         if self.path is not None:
