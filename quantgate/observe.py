@@ -50,6 +50,7 @@ from .files import write_text_atomic
 from .models.families import family_of
 from .models.modes import eval_mode
 from .models.swap import apply_variant, attention_modules, variant_of
+from .stats import fmt
 
 __all__ = ["observe", "ObserveReport", "TensorStats"]
 
@@ -443,7 +444,6 @@ class ObserveReport:
 
     def markdown(self) -> str:
         s, m = self.summary, self.meta
-        fmt = _fmt
         lines = [f"# Observe: {m.get('model', 'model')} ({m.get('variant')})", "",
                  f"{m['sequences']} sequences x {m['seq_len']} tokens from `{m.get('data')}`; sink = first "
                  f"{m['sink_tokens']} key(s).", "", "| metric | value |", "|---|---|"]
@@ -467,14 +467,6 @@ class ObserveReport:
             lines += ["", "**Non-finite activations** (layer, tensor, count): " + ", ".join(
                 f"({n['layer']}, {n['tensor']}, {n['count']})" for n in s["nonfinite"])]
         return "\n".join(lines) + "\n"
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
 
 
 def _mean(values):

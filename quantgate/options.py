@@ -19,6 +19,15 @@ def convert(typ: type, raw: str):
     return typ(raw)
 
 
+def printed(value) -> str:
+    """``value`` as a spec string writes it, the inverse of :func:`convert`: true/false, ``a|b|c``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "|".join(value)
+    return str(value)
+
+
 def key_values(owner: str, arg: str, type_of: Callable[[str], type | None], *, valid: str,
                noun: str = "option") -> Iterator[tuple[str, object]]:
     """(key, converted value) for each ``key=value`` of ``arg``; ``type_of(key)`` is None for a key

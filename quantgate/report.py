@@ -7,7 +7,7 @@ import csv
 import json
 from pathlib import Path
 
-from .stats import NOISE_LEGEND, change, format_delta, seed_delta
+from .stats import NOISE_LEGEND, change, format_delta, fmt, seed_delta
 
 __all__ = ["compare", "collect_evals", "write_study_report", "study_markdown", "spearman", "pearson", "ppl_of",
            "ppl_change", "peak_activation"]
@@ -78,7 +78,7 @@ def compare(paths, out: str | Path | None = None) -> str:
     columns = ["model", "variant", "seed", "scheme"] + [c for m in metrics for c in (m, f"{m} delta")]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        lines.append("| " + " | ".join(format_delta(row.get(c)) if c.endswith("delta") else _fmt(row.get(c))
+        lines.append("| " + " | ".join(format_delta(row.get(c)) if c.endswith("delta") else fmt(row.get(c))
                                        for c in columns) + " |")
     table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + "\n"
     if out is not None:
@@ -176,14 +176,6 @@ def _get(results: dict | None, task_metric) -> float | None:
     return ((results or {}).get(task) or {}).get(metric)
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return "nan" if v != v else f"{v:.4g}"
-    return str(v)
-
-
 def _ranks(values: list[float]) -> list[float]:
     order = sorted(range(len(values)), key=values.__getitem__)
     ranks = [0.0] * len(values)
@@ -227,7 +219,7 @@ def _quantities(cell: dict, schemes: list[str], changes: dict) -> dict:
 
 def _cost(cell: dict) -> list[str]:
     cost = cell.get("cost")  # absent in runs made before gate costs were recorded
-    return [f"{cost['gate_params']:,}", _fmt(cost["gate_flops_per_token"])] if cost else ["-", "-"]
+    return [f"{cost['gate_params']:,}", fmt(cost["gate_flops_per_token"])] if cost else ["-", "-"]
 
 
 def study_markdown(metrics: dict) -> str:
@@ -261,11 +253,11 @@ def study_markdown(metrics: dict) -> str:
               DELTA_LEGEND, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
-        row = [c["model"], c["variant"], *_run(c), _fmt(ppl_of(c["float"])), _fmt(s["max_inf_norm"]),
-               *map(_fmt, peak_activation(c)), _fmt(s["kurtosis"]), _fmt(s["sink_mass"]), _fmt(s["gate_mean"])]
+        row = [c["model"], c["variant"], *_run(c), fmt(ppl_of(c["float"])), fmt(s["max_inf_norm"]),
+               *map(fmt, peak_activation(c)), fmt(s["kurtosis"]), fmt(s["sink_mass"]), fmt(s["gate_mean"])]
         for sch in schemes:
             r = c["schemes"].get(sch, {})
-            row += [_fmt(ppl_of(r.get("results"))) if "error" not in r else "n/a", format_delta(changes[c["id"], sch])]
+            row += [fmt(ppl_of(r.get("results"))) if "error" not in r else "n/a", format_delta(changes[c["id"], sch])]
         lines.append("| " + " | ".join(row) + " |")
     lines += _across_seeds(cells, schemes, changes)
     lines += _bit_budget(cells, schemes, changes)
@@ -276,9 +268,9 @@ def study_markdown(metrics: dict) -> str:
                   "interval over the items; " + NOISE_LEGEND + ".", "", "| " + " | ".join(head) + " |",
                   "|" + "---|" * len(head)]
         for c, t in acc_rows:
-            row = [c["model"], c["variant"], str(c["seed"]), t[0], _fmt(_get(c["float"], t))]
+            row = [c["model"], c["variant"], str(c["seed"]), t[0], fmt(_get(c["float"], t))]
             for s in schemes:
-                row += [_fmt(_get(c["schemes"].get(s, {}).get("results"), t)), format_delta(scheme_change(c, s, t))]
+                row += [fmt(_get(c["schemes"].get(s, {}).get("results"), t)), format_delta(scheme_change(c, s, t))]
             lines.append("| " + " | ".join(row) + " |")
     # Qiu-style table and correlations
     head = ["model", "variant", "seed", "tokens trained", "mean gate", "max activation", "max / median",
@@ -287,9 +279,9 @@ def study_markdown(metrics: dict) -> str:
               "|" + "---|" * len(head)]
     for c in cells:
         s = c["observe"]["summary"]
-        lines.append("| " + " | ".join([c["model"], c["variant"], *_run(c), _fmt(s["gate_mean"]),
-                                        *map(_fmt, peak_activation(c)), _fmt(s["sink_mass"]),
-                                        _fmt(ppl_of(c["float"])), *_cost(c)]) + " |")
+        lines.append("| " + " | ".join([c["model"], c["variant"], *_run(c), fmt(s["gate_mean"]),
+                                        *map(fmt, peak_activation(c)), fmt(s["sink_mass"]),
+                                        fmt(ppl_of(c["float"])), *_cost(c)]) + " |")
     lines += _correlations([_quantities(c, schemes, changes) for c in cells])
     lines += _against_baseline(cells, schemes, changes, (st.get("report") or {}).get("baseline"))
     lines += _side_by_side(cells, schemes, changes)
@@ -302,7 +294,7 @@ def study_markdown(metrics: dict) -> str:
                 lines.append(f"| {c['model']} | {c['variant']} | {sch} | not run: {r['error']} | | |")
                 continue
             worst = ", ".join(f"{w['layer']} ({w['sqnr_db']:.1f})" for w in r["worst_layers"])
-            lines.append(f"| {c['model']} | {c['variant']} | {sch} | {_fmt(r['logits_sqnr_db'])} | {worst} | "
+            lines.append(f"| {c['model']} | {c['variant']} | {sch} | {fmt(r['logits_sqnr_db'])} | {worst} | "
                          f"{r['overflow']} |")
     trained = [c for c in cells if c["trained"].get("trained")]
     if trained:
@@ -311,7 +303,7 @@ def study_markdown(metrics: dict) -> str:
         for c in trained:
             t = c["trained"]
             lines.append(f"| {c['model']} | {c['variant']} | {c['seed']} | {t['steps']} | {t['tokens']:,} | "
-                         f"{_fmt(t['final_train_loss'])} | {_fmt(t['final_eval_loss'])} |")
+                         f"{fmt(t['final_train_loss'])} | {fmt(t['final_eval_loss'])} |")
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in _plot_names(metrics)]
     notes = (st.get("report") or {}).get("notes", "").strip()
     if notes:
@@ -385,7 +377,7 @@ def _across_seeds(cells: list[dict], schemes: list[str], changes: dict) -> list[
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (model, variant), group in groups.items():
         fp = [ppl_of(c["float"]) for c in group if ppl_of(c["float"]) is not None]
-        row = [model, variant, ", ".join(str(c["seed"]) for c in group), _fmt(sum(fp) / len(fp) if fp else None)]
+        row = [model, variant, ", ".join(str(c["seed"]) for c in group), fmt(sum(fp) / len(fp) if fp else None)]
         for s in schemes:
             deltas = [changes[c["id"], s] for c in group if changes[c["id"], s] is not None]
             row.append(format_delta(seed_delta([d.value for d in deltas], deltas[0].kind)) if deltas else "-")
@@ -408,7 +400,7 @@ def _correlations(qs: list[dict]) -> list[str]:
                 row.append("-")
                 continue
             x, y = [p[0] for p in pairs], [p[1] for p in pairs]
-            row.append(f"{_fmt(spearman(x, y))} / {_fmt(pearson(x, y))} (n={len(pairs)})")
+            row.append(f"{fmt(spearman(x, y))} / {fmt(pearson(x, y))} (n={len(pairs)})")
         rows.append(row)
     if all(v == "-" for row in rows for v in row[1:]):
         return lines + [f"None: fewer than {MIN_CORRELATION_N} cells have any two of the numbers."]
@@ -469,10 +461,10 @@ def _side_by_side(cells: list[dict], schemes: list[str], changes: dict) -> list[
 
     def peak(c):
         top, ratio = peak_activation(c)
-        return f"{_fmt(top)} ({_fmt(ratio)})"
+        return f"{fmt(top)} ({fmt(ratio)})"
 
-    metrics = [("FP ppl", lambda c: _fmt(ppl_of(c["float"]))),
-               ("first-token attn", lambda c: _fmt(c["observe"]["summary"]["sink_mass"])),
+    metrics = [("FP ppl", lambda c: fmt(ppl_of(c["float"]))),
+               ("first-token attn", lambda c: fmt(c["observe"]["summary"]["sink_mass"])),
                ("max activation (max / median)", peak),
                *([(f"{scheme} change", lambda c: format_delta(changes[c["id"], scheme]))] if scheme else []),
                ("gate params", lambda c: _cost(c)[0])]
@@ -504,7 +496,7 @@ def _answer(cells: list[dict], schemes: list[str], changes: dict, pairs: list[li
 
         def about(c):
             (sink, layer), (_, ratio) = max_layer_sink(c), peak_activation(c)
-            return f"first-token attention up to {sink:.2f} (layer {layer}), max / median {_fmt(ratio)}"
+            return f"first-token attention up to {sink:.2f} (layer {layer}), max / median {fmt(ratio)}"
 
         text = (f"- **{ungated}** (ungated; {about(u)}) changes by {format_delta(du)} under `{scheme}`, its gated "
                 f"twin **{gated}** ({about(g)}) by {format_delta(dg)}: the intervals "
@@ -525,8 +517,8 @@ def _answer(cells: list[dict], schemes: list[str], changes: dict, pairs: list[li
         if model not in paired:
             moved = [f"{format_delta(changes[c['id'], s])} under `{s}`" for s in schemes if changes.get((c["id"], s))]
             peak, ratio = peak_activation(c)
-            lines.append(f"- **{model}** ({c['variant']}; largest residual activation {_fmt(peak)}, max / median "
-                         f"{_fmt(ratio)}): " + "; ".join(moved) + ".")
+            lines.append(f"- **{model}** ({c['variant']}; largest residual activation {fmt(peak)}, max / median "
+                         f"{fmt(ratio)}): " + "; ".join(moved) + ".")
     return lines + [""]
 
 
@@ -541,16 +533,16 @@ def _sentences(cells: list[dict], schemes: list[str], changes: dict) -> list[str
             top = s["top_massive"][0]
             where = f" (largest: channel {top['channel']} in layer {top['layer']}, at token positions " \
                     f"{[p for p, _ in top['positions']]})"
-        gate = f"; mean gate {_fmt(s['gate_mean'])}" if s.get("gate_mean") is not None else ""
-        text = (f"- **{c['model']} / {c['variant']}**: largest residual activation {_fmt(peak)} "
-                f"({_fmt(ratio)} x its block's median), {massive} massive activations by Sun et al.'s criterion"
-                f"{where}; mean first-token attention {_fmt(s['sink_mass'])}{gate}.")
+        gate = f"; mean gate {fmt(s['gate_mean'])}" if s.get("gate_mean") is not None else ""
+        text = (f"- **{c['model']} / {c['variant']}**: largest residual activation {fmt(peak)} "
+                f"({fmt(ratio)} x its block's median), {massive} massive activations by Sun et al.'s criterion"
+                f"{where}; mean first-token attention {fmt(s['sink_mass'])}{gate}.")
         fp = ppl_of(c["float"])
         moves = []
         for sch in schemes:
             q = ppl_of(c["schemes"].get(sch, {}).get("results"))
             if q is not None and fp is not None:
-                moves.append(f"{sch} {_fmt(fp)} -> {_fmt(q)} ({format_delta(changes[c['id'], sch])})")
+                moves.append(f"{sch} {fmt(fp)} -> {fmt(q)} ({format_delta(changes[c['id'], sch])})")
         if moves:
             text += " Perplexity: " + "; ".join(moves) + "."
         out.append(text)

@@ -207,6 +207,15 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
     return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")
 
 
+def fmt(v) -> str:
+    """A table cell: ``-`` for None, four significant digits for a float (``nan`` for NaN), else ``str``."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
 def format_ratio(d: Delta | None, noise: str = " ~") -> str:
     """A perplexity change as the ratio ppl_new / ppl_base (1 + ``d``) with its interval, ``2.26x [1.90, 2.70]``;
     ``[n/a]`` without an interval; ``noise`` marks one that includes 1."""

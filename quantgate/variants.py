@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from .options import key_values
+from .options import key_values, printed
 
 __all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "GateKind", "gate_kind", "logit",
            "VariantLike", "Range"]
@@ -153,7 +153,7 @@ class GateSpec:
             params.append(f"low_rank={self.low_rank}")
         for name, value in self.options:
             if value != spec.options[name][1]:
-                params.append(f"{name}={_fmt(value)}")
+                params.append(f"{name}={printed(value)}")
         return self.kind + (":" + ",".join(params) if params else "")
 
 
@@ -290,6 +290,3 @@ def _parse_params(name: str, arg: str) -> dict[str, object]:
 
     return dict(key_values(name, arg, type_of, valid=", ".join(valid), noun="parameter"))
 
-
-def _fmt(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)

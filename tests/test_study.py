@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.report import _fmt, peak_activation, pearson, spearman, study_markdown, write_study_report
+from quantgate.report import peak_activation, pearson, spearman, study_markdown, write_study_report
+from quantgate.stats import fmt
 from quantgate.study import StudyError, load_study, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +190,7 @@ def test_committed_reports_carry_intervals_and_say_when_there_are_none():
     assert "None: fewer than 5 cells have any two of the numbers." in without and "(n=4)" not in without
     for cell in quickstart["cells"]:  # the ratio is that of the block holding the largest activation
         peak, ratio = peak_activation(cell)
-        assert f"| {_fmt(peak)} | {_fmt(ratio)} |" in with_docs
+        assert f"| {fmt(peak)} | {fmt(ratio)} |" in with_docs
     assert "then over Bondarenko et al.'s tensors (their reference code): for BERT each layer's FFN output" in with_docs
     assert "(n=8)" in study_markdown(_committed("qiu_table4"))
 
@@ -202,7 +203,7 @@ def test_seeds_average_with_a_t_interval_when_cells_lack_documents():
     half = 4.302652729911275 * math.sqrt(sum((x - mean) ** 2 for x in changes) / 2) / math.sqrt(3)
     d = 2 if max(abs(mean - half), abs(mean + half)) < 1 else 1  # format_delta's decimals
     fp = sum(c["float"]["quantgate_backcopy"]["perplexity"] for c in vanilla) / 3
-    row = f"| tiny | vanilla | 0, 1, 2 | {_fmt(fp)} | {mean:+.{d}f}% [{mean - half:+.{d}f}, {mean + half:+.{d}f}]"
+    row = f"| tiny | vanilla | 0, 1, 2 | {fmt(fp)} | {mean:+.{d}f}% [{mean - half:+.{d}f}, {mean + half:+.{d}f}]"
     assert row in study_markdown(recipe)
 
 

@@ -16,10 +16,11 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from ..models.modes import eval_mode
+from ..options import printed
 from ..models.swap import apply_variant, variant_of
 from . import backends, simulate  # importing them registers the schemes' handlers
 from .error import quant_error, site_sensitivity
-from .schemes import HANDLERS, SCHEMES, Scheme, _fmt, get_scheme, handler_for
+from .schemes import HANDLERS, SCHEMES, Scheme, get_scheme, handler_for
 
 __all__ = ["quantize", "quant_error", "site_sensitivity", "SCHEMES", "Scheme", "get_scheme", "quantization_of",
            "HANDLERS", "handler_for", "HardwareUnavailable"]
@@ -75,7 +76,7 @@ def _with_options(scheme: Scheme, options: dict) -> Scheme:
     if not options:
         return scheme
     text = str(scheme)
-    extra = ",".join(f"{k}={_fmt(tuple(v) if isinstance(v, list) else v)}" for k, v in options.items())
+    extra = ",".join(f"{k}={printed(tuple(v) if isinstance(v, list) else v)}" for k, v in options.items())
     return get_scheme(text + ("," if ":" in text else ":") + extra)
 
 

@@ -29,7 +29,7 @@ from typing import Callable, ClassVar
 
 import torch.nn as nn
 
-from ..options import key_values
+from ..options import key_values, printed
 from ..variants import Range
 from .quantizers import BLOCK, FORMATS, INT_BITS
 
@@ -90,7 +90,7 @@ class Scheme:
 
     def __str__(self) -> str:
         base = SCHEMES[self.name]
-        changed = [f"{k}={_fmt(v)}" for k, v in _options(self).items() if _options(base).get(k) != v]
+        changed = [f"{k}={printed(v)}" for k, v in _options(self).items() if _options(base).get(k) != v]
         return self.name + (":" + ",".join(changed) if changed else "")
 
 
@@ -216,14 +216,6 @@ def handler_for(scheme: Scheme) -> Handler:
             return HANDLERS[cls]
     raise TypeError(f"no handler is registered for {type(scheme).__name__} ({scheme.name}); register one with "
                     f"@handles({type(scheme).__name__}, restore=...)")
-
-
-def _fmt(v) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, tuple):
-        return "|".join(v)
-    return str(v)
 
 
 @dataclass(frozen=True)
