@@ -130,10 +130,6 @@ class Batches(Resumable):
         self._maskable[special] = False
         self._random_ids = self._maskable.nonzero().squeeze(1)
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.batch_size * self.seq_len
-
     def __len__(self) -> int:
         """Batches per epoch (the last one may be smaller), capped by ``max_batches``."""
         n = -(-len(self.rows) // self.batch_size)

@@ -73,10 +73,6 @@ class BackcopyBatches(Resumable):
         self.triggers = torch.randperm(n_tokens, generator=g)[:triggers] + first_id
         self.successors = torch.randint(first_id, first_id + n_tokens, (first_id + n_tokens, branching), generator=g)
 
-    @property
-    def tokens_per_batch(self) -> int:
-        return self.batch_size * self.seq_len
-
     def __len__(self) -> int:
         return self.batches_per_epoch
 
