@@ -15,7 +15,8 @@ import dataclasses
 
 from .quant import get_scheme
 from .quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme, TorchaoStaticScheme
-from .report import PPL_KEYS, _get
+from .quant.quantizers import BLOCK
+from .report import ppl_key
 from .stats import format_delta, paired_delta
 
 __all__ = ["which_fix", "fix_rows", "range_kind", "without_sink", "sink_effect"]
@@ -33,10 +34,10 @@ def range_kind(scheme: str) -> str:
     parts = []
     a = s.act if isinstance(s, SimulatedScheme) else None
     if a is not None:
-        if a.format in ("mxfp8", "mxfp4"):
-            parts.append("per block of 32 (E8M0)")
-        elif a.format == "nvfp4":
-            parts.append("per block of 16 (E4M3) x per tensor")
+        if a.format in BLOCK:
+            block = BLOCK[a.format][1]
+            parts.append(f"per block of {block} (E4M3) x per tensor" if a.format == "nvfp4"
+                         else f"per block of {block} (E8M0)")
         else:
             parts.append(f"per {a.granularity}, " + ("dynamic" if a.dynamic else "static"))
     if isinstance(s, SimulatedScheme) and s.kv is not None:
@@ -53,7 +54,7 @@ def without_sink(scheme: str) -> str | None:
 def sink_effect(cell: dict, base: str, kept: str):
     """The perplexity change from ``base`` to ``kept`` (the same scheme keeping the sink tokens), paired over the
     documents both read; None where either kept no per-document values."""
-    key = next((k for k in PPL_KEYS if _get(cell["float"], k) is not None), None)
+    key = ppl_key(cell)
     docs = [((cell["schemes"].get(s) or {}).get("documents") or {}).get(key[0]) if key else None for s in (base, kept)]
     return paired_delta(*docs, key[1]) if all(docs) else None
 
@@ -80,8 +81,7 @@ def fix_rows(cell: dict, schemes: list[str], changes: dict, within: float) -> li
         rot = m.get("rotation") or {}
         rows.append({"scheme": s, "delta": d, "verdict": _verdict(d, within),
                      "params": (m.get("kept_params") or 0) + (rot.get("extra_params") or 0),
-                     "ops": rot.get("extra_ops_per_token") or 0, "ranges": range_kind(s),
-                     "seconds": r.get("quantize_s")})
+                     "ops": rot.get("extra_ops_per_token") or 0, "seconds": r.get("quantize_s")})
     return sorted(rows, key=lambda row: row["delta"].value)
 
 
@@ -96,8 +96,9 @@ def which_fix(cells: list[dict], schemes: list[str], changes: dict, fixes: dict,
     by_model = {}
     for c in cells:
         by_model.setdefault(c["model"], c)
+    rows_of = {m: fix_rows(c, schemes, changes, within) for m, c in by_model.items()}
     for model, c in by_model.items():
-        rows = fix_rows(c, schemes, changes, within)
+        rows = rows_of[model]
         ref = changes.get((c["id"], reference))
         fixed = [r for r in rows if r["verdict"] == "fixed" and r["scheme"] != reference]
         unresolved = [r for r in rows if r["verdict"] == "not resolved" and r["scheme"] != reference]
@@ -115,8 +116,7 @@ def which_fix(cells: list[dict], schemes: list[str], changes: dict, fixes: dict,
         lines.append(text)
     for ungated, gated in pairs:
         if ungated in by_model and gated in by_model:
-            fixed_u, fixed_g = ([r["scheme"] for r in fix_rows(by_model[m], schemes, changes, within)
-                                 if r["verdict"] == "fixed"] for m in (ungated, gated))
+            fixed_u, fixed_g = ([r["scheme"] for r in rows_of[m] if r["verdict"] == "fixed"] for m in (ungated, gated))
             only_g = [s for s in fixed_g if s not in fixed_u]
             lines.append(f"- **{gated}** vs its ungated twin **{ungated}**: {len(fixed_g)} vs {len(fixed_u)} of the "
                          f"schemes keep them within +{within:.0%}"
@@ -132,8 +132,7 @@ def which_fix(cells: list[dict], schemes: list[str], changes: dict, fixes: dict,
     head = ["scheme", "range kind", *by_model]
     lines += ["", "Change of perplexity per model (rows: schemes, best on the first model first; "
               "~: within noise):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    first = next(iter(by_model.values()))
-    order = [r["scheme"] for r in fix_rows(first, schemes, changes, within)]
+    order = [r["scheme"] for r in next(iter(rows_of.values()))]
     order += [s for s in schemes if s not in order]
     for s in order:
         cols = [format_delta(changes.get((c["id"], s))) + ("" if _verdict(changes.get((c["id"], s)), within)
@@ -146,7 +145,7 @@ def which_fix(cells: list[dict], schemes: list[str], changes: dict, fixes: dict,
               "each activation: see the range kind), and the time to quantize (calibration included) on this "
               "machine. Forward-time ratios: benchmarks/quant_speed.py.", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    costs = {m: {r["scheme"]: r for r in fix_rows(c, schemes, changes, within)} for m, c in by_model.items()}
+    costs = {m: {r["scheme"]: r for r in rows} for m, rows in rows_of.items()}
     for s in order:
         cols = []
         for m in by_model:

@@ -138,10 +138,15 @@ def ppl_of(results: dict | None) -> float | None:
     return next((v for v in (_get(results, k) for k in PPL_KEYS) if v is not None), None)
 
 
+def ppl_key(cell: dict) -> tuple[str, str] | None:
+    """The (task, metric) of a study cell's headline perplexity (see PPL_KEYS), or None."""
+    return next((k for k in PPL_KEYS if _get(cell["float"], k) is not None), None)
+
+
 def ppl_change(cell: dict, scheme: str):
     """The change of the headline perplexity that ``scheme`` causes in a study cell, a
     :class:`~quantgate.stats.Delta` (interval n/a where the cell kept no per-document values), or None."""
-    key = next((k for k in PPL_KEYS if _get(cell["float"], k) is not None), None)
+    key = ppl_key(cell)
     return scheme_change(cell, scheme, key) if key else None
 
 
@@ -411,7 +416,7 @@ def _correlations(qs: list[dict]) -> list[str]:
 def float_change(base: dict, cell: dict):
     """``cell``'s headline float perplexity relative to ``base``'s (another model read on the same documents),
     with the paired interval over those documents; None where either lacks it."""
-    key = next((k for k in PPL_KEYS if _get(base["float"], k) is not None), None)
+    key = ppl_key(base)
     if key is None:
         return None
     docs = [(c.get("float_documents") or {}).get(key[0]) for c in (base, cell)]
