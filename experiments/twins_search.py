@@ -25,6 +25,7 @@ and ``search.png``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -33,10 +34,10 @@ from pathlib import Path
 import yaml
 
 from quantgate import experiment as ex
-from quantgate.report import (BUDGET, bit_sweeps, budget, max_layer_sink, peak_activation, ppl_change, ppl_of,
-                              scheme_change)
+from quantgate.study.measures import (BUDGET, bit_sweeps, budget, max_layer_sink, peak_activation, ppl_change,
+                                      ppl_of, scheme_change)
 from quantgate.stats import Delta, format_delta
-from quantgate.study import run_study
+from quantgate.study import CellRecord, StudyRecord, read_metrics, run_study
 
 SINK, RATIO, FACTOR = 0.5, 150, 5  # the criterion's thresholds
 W8A8 = "w8a8-int8-bondarenko"
@@ -107,14 +108,15 @@ def study_file(name: str, seed: int, out: Path, smoke: bool) -> Path:
     return path
 
 
-def collect(out: Path) -> dict[str, dict]:
-    """``{candidate: {"schemes": [...], "cells": [every seed's cells, each with its run directory]}}``."""
+def collect(out: Path) -> dict[str, StudyRecord]:
+    """``{candidate: its seeds' runs as one record}``: the first seed's study and schemes, every seed's cells
+    (each knows its run directory)."""
     results = {}
     for name in CANDIDATES:
         for path in sorted((out / name).glob("seed*/metrics.json")):
-            metrics = json.loads(path.read_text())
-            entry = results.setdefault(name, {"schemes": metrics["schemes"], "cells": []})
-            entry["cells"] += [{**c, "run": path.parent} for c in metrics["cells"]]
+            metrics = read_metrics(path.parent)
+            first = results.setdefault(name, dataclasses.replace(metrics, cells=[]))
+            first.cells.extend(metrics.cells)
     return results
 
 
@@ -124,15 +126,15 @@ def _apart(u, g) -> bool:
             and u.value >= FACTOR * max(g.value, 0) and u.low > g.high)
 
 
-def _pairs(cells: list[dict]) -> list[dict[str, dict]]:
+def _pairs(cells: list[CellRecord]) -> list[dict[str, CellRecord]]:
     """The finished pairs among a candidate's cells: ``[{variant: cell}]``, one per seed that has both."""
-    seeds: dict[int, dict] = {}
+    seeds: dict[int, dict[str, CellRecord]] = {}
     for c in cells:
-        seeds.setdefault(c["seed"], {})[c["variant"]] = c
+        seeds.setdefault(c.seed, {})[c.variant] = c
     return [p for p in seeds.values() if set(p) == set(VARIANTS)]
 
 
-def verdict(cells: list[dict], widths: list[tuple[int, str]]) -> dict:
+def verdict(cells: list[CellRecord], widths: list[tuple[int, str]]) -> dict:
     """The criterion, part by part, over the seeds a candidate has: ``{part: seeds where it holds}`` and
     the widest activation width at which the quantization part holds in every seed."""
     pairs = _pairs(cells)
@@ -153,16 +155,16 @@ def verdict(cells: list[dict], widths: list[tuple[int, str]]) -> dict:
             "met": bool(pairs) and len(pairs) >= 3 and all(v == len(pairs) for v in held.values())}
 
 
-def tally(results: dict[str, dict]) -> list[str]:
+def tally(results: dict[str, StudyRecord]) -> list[str]:
     """Over every pair run (candidate x seed), at W8A8 and at each narrower activation width: in how many
     the gated twin loses less than the ungated model with intervals apart, loses more, or neither is shown
     (overlapping intervals, or a change without one)."""
     counts: dict[int, list[int]] = {}
     pairs = 0
     for metrics in results.values():
-        for p in _pairs(metrics["cells"]):
+        for p in _pairs(metrics.cells):
             pairs += 1
-            for bits, scheme in bit_sweeps(metrics["schemes"])[W8A8]:
+            for bits, scheme in bit_sweeps(metrics.schemes)[W8A8]:
                 u, g = ppl_change(p["vanilla"], scheme), ppl_change(p["g1-elementwise"], scheme)
                 if u is None or g is None or u.low is None or g.low is None:  # not evaluated, or no interval
                     k = 2
@@ -174,35 +176,35 @@ def tally(results: dict[str, dict]) -> list[str]:
             + "; ".join(f"A{b}: {n[0]} / {n[1]} / {n[2]}" for b, n in sorted(counts.items(), reverse=True)) + "."]
 
 
-def table(results: dict[str, dict]) -> list[str]:
+def table(results: dict[str, StudyRecord]) -> list[str]:
     head = ["candidate", "variant", "seed", "tokens", "FP ppl", "sink (layer)", "max act.", "max/median", "W8A8",
             "W8A16", "W16A8", "A6", "A5", "A4", f"budget (+{BUDGET:.0%})", "copy acc. A6", "copy acc. A5"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, metrics in results.items():
-        widths = bit_sweeps(metrics["schemes"])[W8A8]
-        for c in metrics["cells"]:
+        widths = bit_sweeps(metrics.schemes)[W8A8]
+        for c in metrics.cells:
             peak, ratio = peak_activation(c)
             sink, layer = max_layer_sink(c)
             found = budget([(b, ppl_change(c, s)) for b, s in widths])
             changes = [ppl_change(c, s) for s in (W8A8, "w8a16-int8-bondarenko", "w16a8-int8-bondarenko")]
             changes += [ppl_change(c, s) for b, s in widths if b in (6, 5, 4)]
             lines.append("| " + " | ".join([
-                name, c["variant"], str(c["seed"]), f"{c['trained']['tokens'] / 1e6:.1f} M",
-                f"{ppl_of(c['float']):.3g}",
+                name, c.variant, str(c.seed), f"{c.trained['tokens'] / 1e6:.1f} M",
+                f"{ppl_of(c.float_results):.3g}",
                 f"{sink:.2f} ({layer})", f"{peak:,.0f}", f"{ratio:,.0f}", *map(format_delta, changes),
                 f"A{found[0]}" if found else "none",
-                *(format_delta(scheme_change(c, s, COPY)) if COPY[0] in c["float"] else "-"
+                *(format_delta(scheme_change(c, s, COPY)) if COPY[0] in c.float_results else "-"
                   for b, s in widths if b in (6, 5))]) + " |")
     return lines
 
 
-def verdicts(results: dict[str, dict]) -> list[str]:
+def verdicts(results: dict[str, StudyRecord]) -> list[str]:
     head = ["candidate", "why", "seeds", *(f"{k} (seeds)" for k in
                                            ("ungated sink", "ungated ratio", "gated neither", "W8A8 apart")),
             "widest width apart in every seed", "criterion met"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, metrics in results.items():
-        v = verdict(metrics["cells"], bit_sweeps(metrics["schemes"])[W8A8])
+        v = verdict(metrics.cells, bit_sweeps(metrics.schemes)[W8A8])
         lines.append("| " + " | ".join([name, CANDIDATES[name][0], str(v["seeds"]),
                                         *(f"{n}/{v['seeds']}" for n in v["held"].values()),
                                         f"A{v['widest apart']}" if v["widest apart"] else "none",
@@ -210,32 +212,27 @@ def verdicts(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def _train_dir(cell: dict) -> Path:
-    """A cell's training folder in its study run (the study names cell folders <model>--<variant>)."""
-    return cell["run"] / "cells" / cell["id"].replace("/", "--") / "train"
-
-
-def _curve(cell: dict) -> list[tuple[float, float, float]]:
+def _curve(cell: CellRecord) -> list[tuple[float, float, float]]:
     """(M tokens, max-layer first-token attention, residual max / median) at each observe pass of training."""
-    log = _train_dir(cell) / "log.jsonl"
+    log = cell.directory / "train" / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    per_step = cell["trained"]["tokens"] / cell["trained"]["steps"] / 1e6
+    per_step = cell.trained["tokens"] / cell.trained["steps"] / 1e6
     return [(r["step"] * per_step, max(L["sink_mass"] for L in r["layers"]), r["max_median_ratio"])
             for r in records if r["event"] == "observe"]
 
 
-def plot(results: dict[str, dict], out: Path) -> None:
+def plot(results: dict[str, StudyRecord], out: Path) -> None:
     """Top: perplexity ratio vs activation bits per candidate; bottom: sink and outlier ratio over training."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(results), figsize=(4 * len(results), 6.4), squeeze=False)
     for col, (name, metrics) in enumerate(results.items()):
-        widths = bit_sweeps(metrics["schemes"])[W8A8]
+        widths = bit_sweeps(metrics.schemes)[W8A8]
         top, bottom = axes[0][col], axes[1][col]
-        for c in metrics["cells"]:
-            plain = c["variant"] == "vanilla"
-            look = dict(ls="-" if plain else "--", color="C3" if plain else "C0", marker="osD^v"[c["seed"] % 5],
-                        label=f"{c['variant']} s{c['seed']}")
+        for c in metrics.cells:
+            plain = c.variant == "vanilla"
+            look = dict(ls="-" if plain else "--", color="C3" if plain else "C0", marker="osD^v"[c.seed % 5],
+                        label=f"{c.variant} s{c.seed}")
             top.plot([b for b, _ in widths], [1 + ppl_change(c, s).value for _, s in widths], **look)
             curve = _curve(c)
             bottom.plot([t for t, _, _ in curve], [r for _, _, r in curve], ms=4, **look)
@@ -255,16 +252,16 @@ SITE_SCHEMES = ["w16a8-int8-bondarenko", "w16a8-int8-bondarenko:a_bits=6"]  # ac
 SHOWN = 6  # sites per model and scheme in the report
 
 
-def _pair(results: dict[str, dict], name: str, seed: int) -> list[dict]:
+def _pair(results: dict[str, StudyRecord], name: str, seed: int) -> list[CellRecord]:
     """The cells of one seed's pair, or an error that says how to train it."""
-    cells = [c for c in results.get(name, {}).get("cells", []) if c["seed"] == seed]
-    if {c["variant"] for c in cells} != set(VARIANTS):
+    cells = [c for c in (results[name].cells if name in results else []) if c.seed == seed]
+    if {c.variant for c in cells} != set(VARIANTS):
         raise SystemExit(f"no finished {name} pair for seed {seed} in the search's results; run "
                          f"python experiments/twins_search.py --only {name} --seeds {seed} first")
     return cells
 
 
-def sites(results: dict[str, dict], name: str, seed: int) -> None:
+def sites(results: dict[str, StudyRecord], name: str, seed: int) -> None:
     """Quantize each model of one seed's pair as its study did (calibration batches, static per-tensor at
     Bondarenko et al.'s sites), measure what each activation site costs alone on held-out batches, and
     write ``sites.json`` beside the study's metrics; each (batch, token, channel) site also records its
@@ -276,11 +273,11 @@ def sites(results: dict[str, dict], name: str, seed: int) -> None:
     from quantgate.quant.simulate import act_quantizers
 
     cells = _pair(results, name, seed)
-    study = yaml.safe_load((cells[0]["run"] / "study.yaml").read_text())
+    study = yaml.safe_load((cells[0].run_dir / "study.yaml").read_text())
     calib = study["calibration"]
     out = {}
     for c in cells:
-        model = qg.load(_train_dir(c) / "model")
+        model = qg.load(c.directory / "train" / "model")
         tok = qg.tokenizer(model)
         held_out = list(qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4,
                                         seed=1_000 + seed))  # not the calibration stream
@@ -308,8 +305,8 @@ def sites(results: dict[str, dict], name: str, seed: int) -> None:
             found = site_sensitivity(q, held_out, max_batches=4)  # switches every quantizer back on
             for row in found["sites"]:
                 row["first_token_max"], row["other_tokens_max"] = peaks.get(row["name"], [None, None])
-            out.setdefault(c["variant"], {})[scheme] = found
-    (cells[0]["run"] / "sites.json").write_text(json.dumps(out, indent=1))
+            out.setdefault(c.variant, {})[scheme] = found
+    (cells[0].run_dir / "sites.json").write_text(json.dumps(out, indent=1))
 
 
 def _num(x: float | None) -> str:
@@ -363,16 +360,16 @@ PACKAGED_NAMES = {"vanilla": "twin-vanilla", "g1-elementwise": "twin-g1"}
 SHIPPED = ("config.json", "generation_config.json", "model.safetensors", "quantgate.safetensors")  # tokenizer: bundled
 
 
-def package(results: dict[str, dict], name: str, seed: int) -> None:
+def package(results: dict[str, StudyRecord], name: str, seed: int) -> None:
     """Copy one seed's pair into the package (quantgate/models/checkpoints/twin-*) with a model card."""
     import shutil
 
-    cells = {c["variant"]: c for c in _pair(results, name, seed)}
-    widths = bit_sweeps(results[name]["schemes"])[W8A8]
+    cells = {c.variant: c for c in _pair(results, name, seed)}
+    widths = bit_sweeps(results[name].schemes)[W8A8]
     _, model, _ = CANDIDATES[name]
     for variant, packaged in PACKAGED_NAMES.items():
         c = cells[variant]
-        src = _train_dir(c) / "model"
+        src = c.directory / "train" / "model"
         dst = PACKAGE_DIR / packaged
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
@@ -385,10 +382,10 @@ def package(results: dict[str, dict], name: str, seed: int) -> None:
             f"# {packaged}: the {variant} model of the twins search's {name} pair, seed {seed}", "",
             f"{CANDIDATES[name][1]['preset']} ({model.get('config') or 'preset shape'}), attention variant "
             f"`{variant}`, trained from scratch on the synthetic bigram-backcopy task (token ids 5-516 of the "
-            f"bundled bpe-8192 tokenizer; it reads no text): {c['trained']['steps']} steps, "
-            f"{c['trained']['tokens']:,} tokens, seed {seed}, settings `{model['train']}`.", "",
+            f"bundled bpe-8192 tokenizer; it reads no text): {c.trained['steps']} steps, "
+            f"{c.trained['tokens']:,} tokens, seed {seed}, settings `{model['train']}`.", "",
             "Measured on held-out backcopy sequences (results/twins_search/report.md):",
-            f"- float perplexity {ppl_of(c['float']):.4g}; first-token attention {sink:.2f} in layer {layer}; "
+            f"- float perplexity {ppl_of(c.float_results):.4g}; first-token attention {sink:.2f} in layer {layer}; "
             f"residual max {peak:.3g}, max / median {ratio:.3g}",
             f"- W8A8 at Bondarenko et al.'s sites: {format_delta(ppl_change(c, W8A8))}; activation-bit budget "
             f"(+{BUDGET:.0%}): " + (f"A{found[0]}" if found else "none"), "",

@@ -8,41 +8,54 @@ for every writer of safetensors here (quantized checkpoints, training checkpoint
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from transformers import PreTrainedTokenizerBase
 
 from .models import io as model_io
 from .models.sources import resolve
+from .variants import VariantLike
 
 __all__ = ["save", "load", "dedupe", "QUANTIZED_MANIFEST"]
 
 QUANTIZED_MANIFEST = "quantization.json"  # its presence marks a quantized checkpoint
 
 
-def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
     """Save a float or quantized model (and its tokenizer) to directory ``path``."""
     if (getattr(model.config, "quantgate", None) or {}).get("quantization"):
-        from .quant.checkpoint import save_quantized
+        from .quant.checkpoint import save_quantized  # import cycle: quant.checkpoint imports this module
 
         return save_quantized(model, path, tokenizer)
     return model_io.save(model, path, tokenizer)
 
 
-def load(source, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto", seed: int = 0):
+def load(
+    source: str | os.PathLike[str],
+    variant: VariantLike = None,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
     """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources)."""
     path = resolve(source)
     if (path / QUANTIZED_MANIFEST).is_file():
-        from .quant.checkpoint import load_quantized
+        from .quant.checkpoint import load_quantized  # import cycle: quant.checkpoint imports this module
 
         return load_quantized(path, variant, dtype=dtype, backend=backend)
     return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed)
 
 
-def dedupe(state: dict) -> tuple[dict, dict]:
+def dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Drop entries that share storage with an earlier one (tied weights); return (tensors, aliases)."""
-    kept, aliases, seen = {}, {}, {}
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[object, str] = {}
     for key, t in state.items():
         ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if type(t) is torch.Tensor else id(t)
         if ident in seen:

@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
+
+from . import __version__
+from .checkpoint import load, save
+from .data import batches
+from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
+from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
+from .evaluate import check_limit, evaluate
+from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
+from .observe import observe
+from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
+from .runlock import RunDirectoryBusy, run_lock
+from .study import DEFAULT_STUDY, plan, run_study
+from .study.report import compare, write_study_report
+from .train import TrainConfig, TrainingDiverged, train
+from .variants import AttentionVariant
 
 __all__ = ["main"]
 
 
 def _load_or_build(source: str, variant: str | None):
     """Packaged checkpoints and directories load; other preset names build a fresh model."""
-    from .models import PRESETS, build
-    from .models.sources import PACKAGED
-    from .checkpoint import load
 
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
         return build(source, variant)
@@ -23,8 +36,6 @@ def _load_or_build(source: str, variant: str | None):
 
 def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwargs):
     """Text batches for ``model`` (its objective), refusing a ``seq_len`` its positions cannot hold."""
-    from .data import batches
-    from .models import family_of
 
     family = family_of(model)
     family.check_seq_len(model.config, seq_len)
@@ -32,11 +43,6 @@ def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwa
 
 
 def cmd_info(args) -> int:
-    from .data.corpus import BUNDLED_SPLITS, DATASETS
-    from .data.tokenizers import BUNDLED_TOKENIZERS
-    from .models import PACKAGED, PRESETS, family_of, gate_parameters, variant_of
-    from .quant import quantization_of
-    from .variants import AttentionVariant
 
     if args.list:
         print("presets (shapes, built from config):")
@@ -46,8 +52,10 @@ def cmd_info(args) -> int:
         for name, p in PACKAGED.items():
             print(f"  {name:<16} {p.description}")
         print(f"bundled tokenizers: {', '.join(BUNDLED_TOKENIZERS)}")
-        print(f"text sources: {', '.join(BUNDLED_SPLITS)} (bundled); "
-              f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split> (online)")
+        print(
+            f"text sources: {', '.join(BUNDLED_SPLITS)} (bundled); "
+            f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split> (online)"
+        )
         print("variants (combine with '+', parameters as name:key=value,...):")
         for name, text in AttentionVariant.describe().items():
             print(f"  {name:<16} {text}")
@@ -76,8 +84,6 @@ def cmd_info(args) -> int:
 
 
 def cmd_observe(args) -> int:
-    from .models import tokenizer
-    from .observe import observe
 
     model = _load_or_build(args.model, args.variant)
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
@@ -89,9 +95,6 @@ def cmd_observe(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from .models import tokenizer
-    from .quant import SCHEMES, get_scheme, quant_error, quantize
-    from .checkpoint import save
 
     if args.list:
         for name, scheme in SCHEMES.items():
@@ -106,8 +109,10 @@ def cmd_quantize(args) -> int:
     calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if scheme.needs_calibration else None
     q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib else {}))
     report = quant_error(model, q, held_out, max_batches=2)
-    print(f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
-          + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"]))
+    print(
+        f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
+        + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"])
+    )
     if report["overflow"]:
         print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
     if args.out:
@@ -117,11 +122,6 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import json
-
-    from .evaluate import check_limit, evaluate
-    from .models import tokenizer
-    from .quant import quantize
 
     check_limit(args.limit)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant)
@@ -129,8 +129,13 @@ def cmd_eval(args) -> int:
     if args.scheme:
         calib = _batches(model, tok, "train", 128, 8)
         model = quantize(model, args.scheme, calibration=calib)
-    result = evaluate(model, tok, [t.strip() for t in args.tasks.split(",") if t.strip()], limit=args.limit,
-                      batch_size=args.batch_size)
+    result = evaluate(
+        model,
+        tok,
+        [t.strip() for t in args.tasks.split(",") if t.strip()],
+        limit=args.limit,
+        batch_size=args.batch_size,
+    )
     for task, metrics in result["results"].items():
         print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "sample_len"))
     if args.out:
@@ -142,7 +147,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from .report import compare
 
     print(compare(args.runs, args.out))
     if args.out:
@@ -151,22 +155,40 @@ def cmd_compare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .models import build, tokenizer
-    from .checkpoint import load
-    from .train import TrainConfig, train
 
     if bool(args.preset) == bool(args.model):
         raise ValueError("train needs exactly one of --preset (from scratch) or --model (a checkpoint to fine-tune)")
     overrides = _config_overrides(args.config)
     if overrides and not args.preset:
         raise ValueError("--config changes a preset's shape; it does not apply to --model checkpoints")
-    model = build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
+    model = (
+        build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
+    )
     if args.objective and args.objective != _objective(model):
-        raise ValueError(f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} "
-                         f"does not fit it")
-    fields = {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "grad_accum", "lr", "warmup", "data",
-                                            "eval_every", "observe_every", "checkpoint_every", "seed", "out",
-                                            "resume", "stop_after", "schedule") if getattr(args, k) is not None}
+        raise ValueError(
+            f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} does not fit it"
+        )
+    fields = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "grad_accum",
+            "lr",
+            "warmup",
+            "data",
+            "eval_every",
+            "observe_every",
+            "checkpoint_every",
+            "seed",
+            "out",
+            "resume",
+            "stop_after",
+            "schedule",
+        )
+        if getattr(args, k) is not None
+    }
     train(model, tokenizer(model), config=TrainConfig(**fields))
     if args.out:
         print(f"wrote {args.out}/model, log.jsonl, training.png")
@@ -175,7 +197,6 @@ def cmd_train(args) -> int:
 
 def _config_overrides(text: str | None) -> dict:
     """``key=value,key=value`` -> {key: value}, values parsed as JSON where they can be."""
-    import json
 
     out = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
@@ -190,13 +211,11 @@ def _config_overrides(text: str | None) -> dict:
 
 
 def _objective(model) -> str:
-    from .models import family_of
 
     return family_of(model).objective
 
 
 def cmd_study(args) -> int:
-    from .study import DEFAULT_STUDY, plan, run_study
 
     if args.dry_run:
         print(plan(args.study or DEFAULT_STUDY))
@@ -207,8 +226,6 @@ def cmd_study(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import write_study_report
-    from .runlock import run_lock
 
     if not Path(args.run).is_dir():
         raise FileNotFoundError(f"no study run directory {args.run}")
@@ -218,7 +235,6 @@ def cmd_report(args) -> int:
 
 
 def cmd_build_tokenizers(args) -> int:
-    from .data.tokenizers import TOKENIZER_DIR, build_bundled
 
     for path in build_bundled(Path(args.out) if args.out else TOKENIZER_DIR):
         print(f"wrote {path}")
@@ -227,7 +243,6 @@ def cmd_build_tokenizers(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
-    from . import __version__
 
     parser.add_argument("--version", action="version", version=f"quantgate {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error, not one line")
@@ -274,8 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train from scratch (--preset) or fine-tune a checkpoint (--model), resumable")
     tr.add_argument("--preset", help="a preset to build and train from scratch")
     tr.add_argument("--model", help="a checkpoint, packaged model or hub id to fine-tune")
-    tr.add_argument("--variant", help="attention variant (on --model: adds a gate; use finetune=true to start "
-                                      "from the pretrained function)")
+    tr.add_argument(
+        "--variant",
+        help="attention variant (on --model: adds a gate; use finetune=true to start from the pretrained function)",
+    )
     tr.add_argument("--config", help="preset config overrides, e.g. num_hidden_layers=4,hidden_dropout_prob=0")
     tr.add_argument("--objective", choices=("clm", "mlm"), help="checked against the model (BERT: mlm, others: clm)")
     tr.add_argument("--steps", type=int)
@@ -286,8 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float)
     tr.add_argument("--schedule", choices=("cosine", "linear", "constant"))
     tr.add_argument("--warmup", type=float, help="fraction of the steps (< 1) or a number of steps")
-    tr.add_argument("--data", help="text source (default: train) or backcopy[:start=chain,trigger_prob=P,triggers=N] "
-                    "(synthetic sink-inducing task)")
+    tr.add_argument(
+        "--data",
+        help="text source (default: train) or backcopy[:start=chain,trigger_prob=P,triggers=N] "
+        "(synthetic sink-inducing task)",
+    )
     tr.add_argument("--eval-every", type=int, dest="eval_every")
     tr.add_argument("--observe-every", type=int, dest="observe_every")
     tr.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
@@ -299,8 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("study", nargs="?", help="study file (default: the quickstart study shipped with quantgate)")
     st.add_argument("--out", help="run directory (default: results/<study name>)")
     st.add_argument("--dry-run", action="store_true", help="validate the study and print its grid; run nothing")
-    st.add_argument("--smoke", action="store_true",
-                    help="run a shrunk copy (first variant, 4 steps, one batch per step) to check the file in seconds")
+    st.add_argument(
+        "--smoke",
+        action="store_true",
+        help="run a shrunk copy (first variant, 4 steps, one batch per step) to check the file in seconds",
+    )
     st.set_defaults(func=cmd_study)
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
     rp.add_argument("run", help="a study run directory")
@@ -312,18 +335,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .data.corpus import OfflineError
-    from .quant import HardwareUnavailable
-    from .runlock import RunDirectoryBusy
-    from .train import TrainingDiverged
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(message)s")
     logging.getLogger("quantgate").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError, OfflineError, HardwareUnavailable,
-            TrainingDiverged, RunDirectoryBusy) as e:  # the user's input or setup: one line; anything else is a bug, with its traceback
+    except (
+        ValueError,
+        FileNotFoundError,
+        ModuleNotFoundError,
+        OfflineError,
+        HardwareUnavailable,
+        TrainingDiverged,
+        RunDirectoryBusy,
+    ) as e:  # the user's input or setup: one line; anything else is a bug, with its traceback
         if args.debug:
             raise
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)

@@ -28,14 +28,18 @@ from __future__ import annotations
 import logging
 import math
 import platform
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+from transformers import PreTrainedTokenizerBase
 
 from .data import batches
 from .data.corpus import OfflineError, hub_reachable
+from .data.synthetic import BackcopyBatches
 from .models.families import family_of
 from .models.modes import eval_mode
 from .models.sources import tokenizer as get_tokenizer
@@ -43,25 +47,34 @@ from .models.swap import variant_of
 from .provenance import versions
 from .stats import METRICS, aggregate
 
-__all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics", "PseudoLogLikelihoodLM"]
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+
+__all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics"]
 
 log = logging.getLogger("quantgate")
 TASK_DIR = Path(__file__).with_name("tasks")
 BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl", "quantgate_backcopy")
 COMPUTED_TASKS = ("quantgate_mlm_ppl", "quantgate_backcopy")  # scored here, not through lm-eval
 BACKCOPY_HELD_OUT_SEED = 1_000_003
-OFFLINE_EQUIVALENTS = {"wikitext": "quantgate_ppl", "lambada_openai": "quantgate_cloze",
-                       "lambada_standard": "quantgate_cloze", "hellaswag": "quantgate_nextsent",
-                       "piqa": "quantgate_nextsent", "arc_easy": "quantgate_nextsent",
-                       "arc_challenge": "quantgate_nextsent", "winogrande": "quantgate_nextsent"}
+OFFLINE_EQUIVALENTS = {
+    "wikitext": "quantgate_ppl",
+    "lambada_openai": "quantgate_cloze",
+    "lambada_standard": "quantgate_cloze",
+    "hellaswag": "quantgate_nextsent",
+    "piqa": "quantgate_nextsent",
+    "arc_easy": "quantgate_nextsent",
+    "arc_challenge": "quantgate_nextsent",
+    "winogrande": "quantgate_nextsent",
+}
 
 
 @lru_cache(maxsize=2)
-def task_manager(include_defaults: bool = True):
+def task_manager(include_defaults: bool = True) -> TaskManager:
     """lm-eval's task index with quantgate's tasks; without lm-eval's own ~10k task configs (slow to
     index) when only bundled tasks are asked for."""
     _require_lm_eval()
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lm-eval is optional: imported at first use
 
     return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults)
 
@@ -77,8 +90,15 @@ def check_limit(limit: int | float | None) -> int | float | None:
     return int(limit) if limit >= 1 else float(limit)
 
 
-def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limit: int | float | None = None,
-             batch_size: int | str = "auto", max_length: int | None = None) -> dict:
+def evaluate(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    tasks: str | Iterable[str] = ("quantgate_ppl",),
+    *,
+    limit: int | float | None = None,
+    batch_size: int | str = "auto",
+    max_length: int | None = None,
+) -> dict:
     """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
     "documents": {task: {column: [one value per document]}}, "settings": ..., "versions": ...}`` with what
     is needed to reproduce the numbers."""
@@ -100,11 +120,23 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
         with eval_mode(model):
             manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
-            out = lm_eval.simple_evaluate(model=lm, tasks=lm_tasks, task_manager=manager, limit=limit,
-                                          log_samples=True, bootstrap_iters=0, verbosity="ERROR")
+            out = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=lm_tasks,
+                task_manager=manager,
+                limit=limit,
+                log_samples=True,
+                bootstrap_iters=0,
+                verbosity="ERROR",
+            )
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
-        documents.update({task: _documents(samples, out["configs"][task], tokenizer)
-                          for task, samples in out["samples"].items() if samples})
+        documents.update(
+            {
+                task: _documents(samples, out["configs"][task], tokenizer)
+                for task, samples in out["samples"].items()
+                if samples
+            }
+        )
     if "quantgate_mlm_ppl" in tasks:
         documents["quantgate_mlm_ppl"] = _mlm_documents(model, tokenizer, limit=limit)
         results["quantgate_mlm_ppl"] = {"perplexity": aggregate(documents["quantgate_mlm_ppl"], "perplexity")}
@@ -115,19 +147,28 @@ def evaluate(model: nn.Module, tokenizer=None, tasks=("quantgate_ppl",), *, limi
     return {
         "results": results,
         "documents": documents,
-        "settings": {"tasks": tasks, "limit": limit, "batch_size": batch_size, "max_length": max_length,
-                     "model": getattr(model.config, "_name_or_path", None) or None, "family": family.name,
-                     "variant": str(variant_of(model)), "quantization": quant["scheme"] if quant else None,
-                     "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")},
-        "versions": {**versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
-                     "python": platform.python_version()},
+        "settings": {
+            "tasks": tasks,
+            "limit": limit,
+            "batch_size": batch_size,
+            "max_length": max_length,
+            "model": getattr(model.config, "_name_or_path", None) or None,
+            "family": family.name,
+            "variant": str(variant_of(model)),
+            "quantization": quant["scheme"] if quant else None,
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        },
+        "versions": {
+            **versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
+            "python": platform.python_version(),
+        },
     }
 
 
 def _require_lm_eval():
     """lm_eval, imported where it is used: it is optional (the tasks scored here run without it)."""
     try:
-        import lm_eval
+        import lm_eval  # lm-eval is optional: imported at first use
     except ImportError as e:
         raise ModuleNotFoundError(f"evaluation needs lm-eval (pip install lm-eval==0.4.13): {e}") from None
     return lm_eval
@@ -136,8 +177,10 @@ def _require_lm_eval():
 def _check_vocabulary(model, tokenizer) -> None:
     vocab = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > vocab:
-        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
-                         f"belong together; use qg.tokenizer(model)")
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
+            f"belong together; use qg.tokenizer(model)"
+        )
 
 
 def _check_tasks(tasks: list[str], objective: str) -> None:
@@ -149,17 +192,20 @@ def _check_tasks(tasks: list[str], objective: str) -> None:
         raise ValueError("quantgate_backcopy scores causal LMs trained on the backcopy task")
     unknown = unknown_tasks(tasks)
     if unknown:
-        raise ValueError(f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
-                         f"any lm-eval task name works online (lm-eval ls tasks)")
+        raise ValueError(
+            f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
+            f"any lm-eval task name works online (lm-eval ls tasks)"
+        )
     remote = [t for t in tasks if t not in BUNDLED_TASKS]
     if remote and not hub_reachable():
         hints = ", ".join(f"{t} -> {OFFLINE_EQUIVALENTS[t]}" for t in remote if t in OFFLINE_EQUIVALENTS)
-        raise OfflineError(f"task(s) {', '.join(remote)} download their data from the Hugging Face hub, which is not "
-                           f"reachable. Offline, use the bundled tasks: {', '.join(BUNDLED_TASKS)}"
-                           + (f" ({hints})" if hints else ""))
+        raise OfflineError(
+            f"task(s) {', '.join(remote)} download their data from the Hugging Face hub, which is not "
+            f"reachable. Offline, use the bundled tasks: {', '.join(BUNDLED_TASKS)}" + (f" ({hints})" if hints else "")
+        )
 
 
-def unknown_tasks(tasks) -> list[str]:
+def unknown_tasks(tasks: Iterable[str]) -> list[str]:
     """The names that are neither bundled nor lm-eval tasks (lm-eval's index is read only when needed)."""
     others = [t for t in tasks if t not in BUNDLED_TASKS]
     if not others:
@@ -175,13 +221,19 @@ def _context_length(model: nn.Module) -> int:
 def _wrap(model, tokenizer, objective: str, batch_size, max_length):
     if objective == "mlm":
         return _register()(model, tokenizer, batch_size=batch_size, max_length=max_length)
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # lm-eval is optional: imported at first use
 
     try:
         # add_bos_token=False: lm-eval itself puts BOS (its prefix token) before each rolling window; a
         # tokenizer that also prepends BOS would score a spurious extra token
-        return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length,
-                    backend="causal", add_bos_token=False)
+        return HFLM(
+            pretrained=model,
+            tokenizer=tokenizer,
+            batch_size=batch_size,
+            max_length=max_length,
+            backend="causal",
+            add_bos_token=False,
+        )
     except (AssertionError, TypeError, ValueError) as e:
         raise ValueError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
 
@@ -207,6 +259,7 @@ def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
             continue
         values = [s[name] for s in rows]
         if isinstance(values[0], (tuple, list)):  # a weighted aggregation's (value, weight)
+            assert metric.weight is not None  # lm-eval logs pairs for the weighted metrics only
             docs[metric.value], docs[metric.weight] = [_number(v[0]) for v in values], [_number(v[1]) for v in values]
         else:
             docs[metric.value] = [_number(v) for v in values]
@@ -221,18 +274,32 @@ def _number(v) -> int | float:
     return int(v) if v.is_integer() else v
 
 
-
-
-def mlm_perplexity(model: nn.Module, tokenizer, *, split: str = "test", seq_len: int = 128, batch_size: int = 16,
-                   seed: int = 0, limit: int | float | None = None) -> float:
+def mlm_perplexity(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    split: str = "test",
+    seq_len: int = 128,
+    batch_size: int = 16,
+    seed: int = 0,
+    limit: int | float | None = None,
+) -> float:
     """Masked-token perplexity: exp(mean cross-entropy over the 15% masked positions), fixed masks."""
     docs = _mlm_documents(model, tokenizer, split=split, seq_len=seq_len, batch_size=batch_size, seed=seed, limit=limit)
     return aggregate(docs, "perplexity")
 
 
 @torch.no_grad()
-def _mlm_documents(model: nn.Module, tokenizer, *, split: str = "test", seq_len: int = 128, batch_size: int = 16,
-                   seed: int = 0, limit: int | float | None = None) -> dict:
+def _mlm_documents(
+    model: nn.Module,
+    tokenizer,
+    *,
+    split: str = "test",
+    seq_len: int = 128,
+    batch_size: int = 16,
+    seed: int = 0,
+    limit: int | float | None = None,
+) -> dict:
     """Per sequence: the log-likelihood summed over its masked positions, and how many there are."""
     data = batches(tokenizer, split, seq_len, batch_size, "mlm", seed=seed)
     n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
@@ -242,8 +309,9 @@ def _mlm_documents(model: nn.Module, tokenizer, *, split: str = "test", seq_len:
         for i, batch in enumerate(data):
             if i >= n:
                 break
-            logits = model(input_ids=batch["input_ids"].to(device),
-                           attention_mask=batch["attention_mask"].to(device)).logits.float()
+            logits = model(
+                input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
+            ).logits.float()
             labels = batch["labels"].to(device)
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
             loglik += (-nll.sum(1)).tolist()
@@ -251,8 +319,14 @@ def _mlm_documents(model: nn.Module, tokenizer, *, split: str = "test", seq_len:
     return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens}
 
 
-def backcopy_metrics(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16,
-                     limit: int | float | None = None) -> dict:
+def backcopy_metrics(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seq_len: int = 128,
+    batch_size: int = 16,
+    limit: int | float | None = None,
+) -> dict:
     """Held-out backcopy sequences (``limit`` batches, default 8): perplexity over all predicted tokens,
     and accuracy (greedy) on the copied tokens."""
     return _backcopy_results(_backcopy_documents(model, tokenizer, seq_len=seq_len, batch_size=batch_size, limit=limit))
@@ -263,15 +337,23 @@ def _backcopy_results(docs: dict) -> dict:
 
 
 @torch.no_grad()
-def _backcopy_documents(model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16,
-                        limit: int | float | None = None) -> dict:
+def _backcopy_documents(
+    model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16, limit: int | float | None = None
+) -> dict:
     """Per held-out sequence: summed log-likelihood and count of its predicted tokens, greedy hits on
     and count of its copied tokens."""
     task = (getattr(model.config, "quantgate", None) or {}).get("task", "backcopy")  # recorded by train
-    data = batches(tokenizer, task, seq_len, batch_size, seed=BACKCOPY_HELD_OUT_SEED,
-                   max_batches=int(limit) if limit and limit >= 1 else 8)
+    data = batches(
+        tokenizer,
+        task,
+        seq_len,
+        batch_size,
+        seed=BACKCOPY_HELD_OUT_SEED,
+        max_batches=int(limit) if limit and limit >= 1 else 8,
+    )
+    assert isinstance(data, BackcopyBatches)  # train records only backcopy tasks, and backcopy is the default
     device = next(model.parameters()).device
-    docs = {"ids": [], "loglikelihood": [], "tokens": [], "copied": [], "copies": []}
+    docs: dict[str, list[float]] = {"ids": [], "loglikelihood": [], "tokens": [], "copied": [], "copies": []}
     with eval_mode(model):
         for batch in data:
             ids = batch["input_ids"].to(device)
@@ -291,8 +373,8 @@ def _backcopy_documents(model: nn.Module, tokenizer, *, seq_len: int = 128, batc
 def _register():
     """Define PseudoLogLikelihoodLM and register it with lm-eval as ``quantgate-mlm``, at first use."""
     _require_lm_eval()
-    from lm_eval.api.model import LM
-    from lm_eval.api.registry import register_model
+    from lm_eval.api.model import LM  # lm-eval is optional: imported at first use
+    from lm_eval.api.registry import register_model  # lm-eval, likewise
 
     @register_model("quantgate-mlm")
     class PseudoLogLikelihoodLM(LM):
@@ -313,7 +395,7 @@ def _register():
         def _pll(self, context_ids: list[int], target_ids: list[int]) -> tuple[float, bool]:
             """Sum of log p(target token | rest) over the target tokens, masking one at a time."""
             body = self.max_length - 2
-            context_ids = context_ids[-max(body - len(target_ids), 0):] if body > len(target_ids) else []
+            context_ids = context_ids[-max(body - len(target_ids), 0) :] if body > len(target_ids) else []
             target_ids = target_ids[-body:]
             ids = torch.tensor([self.tok.cls_token_id, *context_ids, *target_ids, self.tok.sep_token_id])
             positions = torch.arange(1 + len(context_ids), 1 + len(context_ids) + len(target_ids))
@@ -341,7 +423,7 @@ def _register():
             for r in requests:
                 ids, body, total = self._encode(r.args[0]), self.max_length - 2, 0.0
                 for start in range(0, len(ids), body):  # disjoint windows, each scored in full
-                    total += self._pll([], ids[start:start + body])[0]
+                    total += self._pll([], ids[start : start + body])[0]
                 out.append(total)
             return out
 

@@ -15,13 +15,28 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .checkpoint import load
 from .data import batches
-from .models.swap import attention_modules
+from .models.swap import attention_modules, variant_of
 from .provenance import machine, versions
 from .stats import Delta, format_ratio, paired_delta  # format_ratio: for the scripts
+from .study import read_metrics
 
-__all__ = ["sequences", "nll", "perplexity", "ppl_change", "format_ratio", "window_mask", "first_token_attention",
-           "trained_models", "with_rope", "header", "write", "script_args", "save_figure"]
+__all__ = [
+    "sequences",
+    "nll",
+    "perplexity",
+    "ppl_change",
+    "format_ratio",
+    "window_mask",
+    "first_token_attention",
+    "trained_models",
+    "with_rope",
+    "header",
+    "write",
+    "script_args",
+    "save_figure",
+]
 
 
 def sequences(tokenizer, source: str, seq_len: int, n: int, *, seed: int = 0) -> torch.Tensor:
@@ -39,7 +54,7 @@ def nll(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None = None, *
     """Per-sequence summed negative log-likelihood (nats) of tokens ``start`` .. L-1, shape (B,), and
     with ``mask`` (B|1, 1, L, L) bool as the attention mask of every layer."""
     model.eval()
-    logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, start - 1:-1]
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()[:, start - 1 : -1]
     target = ids[:, start:]
     return nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none").sum(-1)
 
@@ -107,23 +122,21 @@ def first_token_attention(model: nn.Module, ids: torch.Tensor, mask: torch.Tenso
     return torch.stack(probe.mass)
 
 
-def trained_models(run_dir: str | Path, seed: int = 0) -> dict:
-    """{variant: model} of the trained cells of a study run (cells of ``seed``, or without seeds)."""
-    from .models.swap import variant_of
-    from .checkpoint import load
-
+def trained_models(run_dir: str | Path, seed: int = 0) -> dict[str, nn.Module]:
+    """{variant: model} of the trained cells of a study run at ``seed`` (read from its metrics.json)."""
     run_dir = Path(run_dir)
-    cells = sorted(d for d in (run_dir / "cells").glob("*") if (d / "train").is_dir()) if run_dir.is_dir() else []
-    cells = [d for d in cells if d.name.endswith(f"-seed{seed}") or "-seed" not in d.name]
+    rerun = f"quantgate study experiments/{run_dir.name}.yaml"
+    cells = [c for c in read_metrics(run_dir).cells if c.is_trained and c.seed == seed] if run_dir.is_dir() else []
     if not cells:
-        raise FileNotFoundError(f"{run_dir} holds no trained cells for seed {seed}; run its study first: "
-                                f"quantgate study experiments/{run_dir.name}.yaml")
+        raise FileNotFoundError(f"{run_dir} holds no trained cells for seed {seed}; run its study first: {rerun}")
     out = {}
-    for d in cells:
-        if not (d / "train" / "model" / "config.json").is_file():
-            raise FileNotFoundError(f"{d}/train/model is missing (trained weights are not committed); re-run "
-                                    f"quantgate study experiments/{run_dir.name}.yaml to rebuild it")
-        model = load(d / "train" / "model")
+    for c in cells:
+        weights = c.directory / "train" / "model"
+        if not (weights / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{weights} is missing (trained weights are not committed); re-run {rerun} to rebuild it"
+            )
+        model = load(weights)
         out[str(variant_of(model))] = model
     return out
 
@@ -137,8 +150,12 @@ def with_rope(model: nn.Module, rope_type: str, factor: float, trained_len: int)
         config.rope_parameters = {**base, "rope_type": "default"}
         config.max_position_embeddings = trained_len
     else:
-        config.rope_parameters = {**base, "rope_type": rope_type, "factor": float(factor),
-                                  **({"original_max_position_embeddings": trained_len} if rope_type == "yarn" else {})}
+        config.rope_parameters = {
+            **base,
+            "rope_type": rope_type,
+            "factor": float(factor),
+            **({"original_max_position_embeddings": trained_len} if rope_type == "yarn" else {}),
+        }
         config.max_position_embeddings = int(trained_len * factor)
     inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     inner.rotary_emb = type(inner.rotary_emb)(config=config).to(next(model.parameters()).device)
@@ -171,9 +188,16 @@ def header(title: str, command: str, seconds: float, what: str) -> list[str]:
     """The first lines of an experiment's report.md: what it asks, how to regenerate it, where it ran."""
     m = machine()
     where = m["gpu"] or f"{m['cpus']} CPUs ({m['torch_threads']} torch threads), no GPU"
-    return [f"# {title}", "", what.strip(), "",
-            f"Command: `{command}` ({seconds / 60:.1f} min wall). Machine: {m['platform']}, {where}; "
-            + ", ".join(f"{k} {v}" for k, v in versions().items() if v) + ".", ""]
+    return [
+        f"# {title}",
+        "",
+        what.strip(),
+        "",
+        f"Command: `{command}` ({seconds / 60:.1f} min wall). Machine: {m['platform']}, {where}; "
+        + ", ".join(f"{k} {v}" for k, v in versions().items() if v)
+        + ".",
+        "",
+    ]
 
 
 def write(out: Path, lines: list[str]) -> Path:

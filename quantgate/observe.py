@@ -12,10 +12,10 @@ measures:
 * tensors: the residual stream after the block (``block_out``), the attention output before and
   after the output projection (``attn_pre_o``, ``attn_out``), the FFN output (``ffn_out``), the
   input and output of every LayerNorm/RMSNorm (``norm_in.<path>``, ``norm_out.<path>``) and the input
-  of every Linear (``linear_in.<path>``): infinity norm (Bondarenko et al.: max |x| per sequence, averaged over sequences), kurtosis
-  (mu4 / sigma^4, non-excess, per sequence over the flattened T x d tensor, averaged), max |x|,
-  median |x| (from a 0.01-decade log histogram), the channels that most often hold a token's
-  largest |x|, and the token positions (and token ids) where each sequence's max lands;
+  of every Linear (``linear_in.<path>``): infinity norm (Bondarenko et al.: max |x| per sequence,
+  averaged over sequences), kurtosis (mu4 / sigma^4, non-excess, per sequence over the flattened
+  T x d tensor, averaged), max |x|, median |x| (from a 0.01-decade log histogram), the channels
+  that most often hold a token's largest |x|, and the token positions (and token ids) where each sequence's max lands;
 * massive activations in the residual stream (Sun et al.: |x| > 100 and > 1000 x the sequence's
   median |x|), with channel, position and token;
 * attention mass on the first ``sink_tokens`` keys per head (queries that can only see those keys
@@ -47,7 +47,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .files import write_text_atomic
-from .models.families import family_of
+from .models.families import family_of, is_norm
 from .models.modes import eval_mode
 from .models.swap import apply_variant, attention_modules, variant_of
 from .stats import fmt
@@ -130,7 +130,7 @@ class TensorStats:
             top += torch.bincount(tok_arg.reshape(-1) if k is None else tok_arg[k[..., 0]], minlength=c)
             cmax = torch.maximum(cmax, a.reshape(-1, c).amax(dim=0))
             total[r] += xc.sum(dim=2).double().sum(dim=1)
-            samples.append(a.reshape(-1)[-offset % stride:: stride].clone())  # every stride-th element of all chunks
+            samples.append(a.reshape(-1)[-offset % stride :: stride].clone())  # every stride-th element of all chunks
             offset += a.numel()
         count = (real * c).to(x.device, torch.float64)
         mean = (total / count.clamp_min(1)).float().view(b, 1, 1)
@@ -188,8 +188,14 @@ class TensorStats:
         if self.channel_top is not None:
             tokens = float(self.channel_top.sum())
             order = torch.argsort(self.channel_max, descending=True)[:top]  # the largest-magnitude channels
-            out["top_channels"] = [{"channel": int(ch), "share_of_token_max": float(self.channel_top[ch]) / tokens,
-                                    "max_abs": float(self.channel_max[ch])} for ch in order]
+            out["top_channels"] = [
+                {
+                    "channel": int(ch),
+                    "share_of_token_max": float(self.channel_top[ch]) / tokens,
+                    "max_abs": float(self.channel_max[ch]),
+                }
+                for ch in order
+            ]
         if self.max_tokens:
             out["max_tokens"] = [[decode(t) if decode else t, c] for t, c in self.max_tokens.most_common(top)]
         if self.nonfinite:
@@ -225,8 +231,9 @@ class MassiveActivations:
         hits = ((a > self.absolute) & (a > self.relative * med)).nonzero().tolist()
         self.count += len(hits)
         for i, pos, ch in hits:
-            entry = self.by_channel.setdefault(ch, {"channel": ch, "count": 0, "max_abs": 0.0, "positions": Counter(),
-                                                    "tokens": Counter()})
+            entry = self.by_channel.setdefault(
+                ch, {"channel": ch, "count": 0, "max_abs": 0.0, "positions": Counter(), "tokens": Counter()}
+            )
             entry["count"] += 1
             entry["max_abs"] = max(entry["max_abs"], float(a[i, pos, ch]))
             entry["positions"][pos] += 1
@@ -235,9 +242,16 @@ class MassiveActivations:
 
     def summary(self, decode=None, top: int = 5) -> list[dict]:
         rows = sorted(self.by_channel.values(), key=lambda e: -e["max_abs"])[:top]
-        return [{"channel": e["channel"], "count": e["count"], "max_abs": e["max_abs"],
-                 "positions": [[p, c] for p, c in e["positions"].most_common(3)],
-                 "tokens": [[decode(t) if decode else t, c] for t, c in e["tokens"].most_common(3)]} for e in rows]
+        return [
+            {
+                "channel": e["channel"],
+                "count": e["count"],
+                "max_abs": e["max_abs"],
+                "positions": [[p, c] for p, c in e["positions"].most_common(3)],
+                "tokens": [[decode(t) if decode else t, c] for t, c in e["tokens"].most_common(3)],
+            }
+            for e in rows
+        ]
 
 
 class UnitStats:
@@ -263,14 +277,18 @@ class UnitStats:
             return None
         per_head = (self.sum / self.count).tolist()
         total = float(self.count.sum())
-        return {"mean": float(self.sum.sum()) / total, "below_0.1": self.below / total, "per_head": per_head,
-                "hist": (self.hist / self.hist.sum()).tolist()}
+        return {
+            "mean": float(self.sum.sum()) / total,
+            "below_0.1": self.below / total,
+            "per_head": per_head,
+            "hist": (self.hist / self.hist.sum()).tolist(),
+        }
 
 
 def _gate_rows(values: torch.Tensor, position: str, heads: int) -> torch.Tensor:
     """Gate multiplier -> (gate heads, n) for per-head statistics."""
     if position == "value":  # (B, N, Hkv * D)
-        b, n, width = values.shape
+        b, n, _width = values.shape
         return values.reshape(b, n, heads, -1).transpose(0, 2).reshape(heads, -1)
     if position == "output":  # (B, N, d_model): no head structure
         return values.reshape(1, -1)
@@ -319,13 +337,15 @@ class _Observer:
                 gate = getattr(attn, "gate", None)
                 if gate is not None:
                     skip.update(gate.modules())
-                    self._hook(gate, lambda m, a, o, L=layer: L.gate.update(_gate_rows(o, m.position,
-                                                                                    m.dims.n_kv_heads)))
-                elif fam.native_gate:  # Qwen3-Next: sigmoid of the second half of each head's q_proj output
-                    dims = fam.dims(self.model.config)
-                    self._hook(block.get_submodule(fam.q_proj), lambda m, a, o, L=layer, d=dims: L.gate.update(
-                        torch.sigmoid(o.view(*o.shape[:2], d.n_heads, 2 * d.head_dim)[..., d.head_dim:])
-                        .permute(2, 0, 1, 3).reshape(d.n_heads, -1)))
+                    self._hook(
+                        gate, lambda m, a, o, L=layer: L.gate.update(_gate_rows(o, m.position, m.dims.n_kv_heads))
+                    )
+                elif fam.native_gate_values is not None:  # a built-in gate (Qwen3-Next): the family reads it
+                    dims, values = fam.dims(self.model.config), fam.native_gate_values
+                    self._hook(
+                        block.get_submodule(fam.q_proj),
+                        lambda m, a, o, L=layer, d=dims, f=values: L.gate.update(f(o, d)),
+                    )
             ffn = block.get_submodule(fam.ffn)
             self._hook(ffn, lambda m, a, o, L=layer: self._record(L, "ffn_out", o))
             for name, module in block.named_modules():
@@ -333,10 +353,14 @@ class _Observer:
                     continue
                 if isinstance(module, nn.Linear):
                     self._hook(module, lambda m, a, o, L=layer, n=name: self._record(L, f"linear_in.{n}", a[0]))
-                elif type(module).__name__.endswith("Norm") or isinstance(module, nn.LayerNorm):
-                    self._hook(module, lambda m, a, o, L=layer, n=name: self._record(
-                        L, f"norm_in.{n}", a[0], then=(f"norm_out.{n}", o)))
-        final = _final_norm(self.model, fam)
+                elif is_norm(module):
+                    self._hook(
+                        module,
+                        lambda m, a, o, L=layer, n=name: self._record(
+                            L, f"norm_in.{n}", a[0], then=(f"norm_out.{n}", o)
+                        ),
+                    )
+        final = fam.final_norm_of(self.model)
         if final is not None:
             self._hook(final, self._record_final)
         return self
@@ -378,7 +402,7 @@ class _Observer:
     def record_sink_mass(self, module, mass: torch.Tensor):
         """mass (B, H, N): attention on the first sink_tokens keys, from gated_sdpa."""
         layer = self.layers[self.attn_layer[id(module)]]
-        b, h, n = mass.shape
+        b, _h, n = mass.shape
         keep = torch.ones(b, n, dtype=torch.bool)
         if getattr(module, "is_causal", True):
             keep[:, : self.sink_tokens] = False  # these queries can see nothing but the sink tokens
@@ -402,16 +426,6 @@ def _by_token(x: torch.Tensor, b: int, t: int) -> torch.Tensor | None:
                 return x if axis == 1 else x.movedim(axis, 1)
     if x.shape[0] == b * t:
         return x.unflatten(0, (b, t))
-    return None
-
-
-def _final_norm(model: nn.Module, family) -> nn.Module | None:
-    base = model.base_model
-    for path in ("norm", "decoder.final_layer_norm"):
-        try:
-            return base.get_submodule(path)
-        except AttributeError:
-            continue
     return None
 
 
@@ -444,28 +458,57 @@ class ObserveReport:
 
     def markdown(self) -> str:
         s, m = self.summary, self.meta
-        lines = [f"# Observe: {m.get('model', 'model')} ({m.get('variant')})", "",
-                 f"{m['sequences']} sequences x {m['seq_len']} tokens from `{m.get('data')}`; sink = first "
-                 f"{m['sink_tokens']} key(s).", "", "| metric | value |", "|---|---|"]
-        for key in ("max_inf_norm", "kurtosis", "max_activation", "max_median_ratio", "sink_mass", "gate_mean",
-                    "gate_below_0.1", "massive_activations", "loss"):
+        lines = [
+            f"# Observe: {m.get('model', 'model')} ({m.get('variant')})",
+            "",
+            f"{m['sequences']} sequences x {m['seq_len']} tokens from `{m.get('data')}`; sink = first "
+            f"{m['sink_tokens']} key(s).",
+            "",
+            "| metric | value |",
+            "|---|---|",
+        ]
+        for key in (
+            "max_inf_norm",
+            "kurtosis",
+            "max_activation",
+            "max_median_ratio",
+            "sink_mass",
+            "gate_mean",
+            "gate_below_0.1",
+            "massive_activations",
+            "loss",
+        ):
             lines.append(f"| {key} | {fmt(s.get(key))} |")
-        lines += ["", "| layer | residual max abs | max / median | kurtosis (mean) | sink mass | gate mean | massive |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| layer | residual max abs | max / median | kurtosis (mean) | sink mass | gate mean | massive |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for i, L in enumerate(self.layers):
             res = L["tensors"]["block_out"]
-            lines.append(f"| {i} | {fmt(res['max_abs'])} | {fmt(res['max_median_ratio'])} | {fmt(L['kurtosis'])} | "
-                         f"{fmt(L['sink_mass'])} | {fmt(L['gate_mean'])} | {L['massive_activations']} |")
+            lines.append(
+                f"| {i} | {fmt(res['max_abs'])} | {fmt(res['max_median_ratio'])} | {fmt(L['kurtosis'])} | "
+                f"{fmt(L['sink_mass'])} | {fmt(L['gate_mean'])} | {L['massive_activations']} |"
+            )
         massive = [(i, e) for i, L in enumerate(self.layers) for e in L["massive"]]
         if massive:
-            lines += ["", "Largest massive activations (residual stream):", "",
-                      "| layer | channel | max abs | count | positions | tokens |", "|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                "Largest massive activations (residual stream):",
+                "",
+                "| layer | channel | max abs | count | positions | tokens |",
+                "|---|---|---|---|---|---|",
+            ]
             for i, e in sorted(massive, key=lambda t: -t[1]["max_abs"])[:10]:
-                lines.append(f"| {i} | {e['channel']} | {fmt(e['max_abs'])} | {e['count']} | {e['positions']} | "
-                             f"{e['tokens']} |")
+                lines.append(
+                    f"| {i} | {e['channel']} | {fmt(e['max_abs'])} | {e['count']} | {e['positions']} | {e['tokens']} |"
+                )
         if s.get("nonfinite"):
-            lines += ["", "**Non-finite activations** (layer, tensor, count): " + ", ".join(
-                f"({n['layer']}, {n['tensor']}, {n['count']})" for n in s["nonfinite"])]
+            lines += [
+                "",
+                "**Non-finite activations** (layer, tensor, count): "
+                + ", ".join(f"({n['layer']}, {n['tensor']}, {n['count']})" for n in s["nonfinite"]),
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -475,14 +518,22 @@ def _mean(values):
 
 
 @torch.no_grad()
-def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int | None = None,
-            tokenizer=None, progress: bool = True) -> ObserveReport:
+def observe(
+    model: nn.Module,
+    batches,
+    *,
+    sink_tokens: int = 1,
+    max_batches: int | None = None,
+    tokenizer=None,
+    progress: bool = True,
+) -> ObserveReport:
     """Stream statistics of ``model`` over ``batches`` (dicts with input_ids, optional attention_mask
     and labels, (B, T)) and return an :class:`ObserveReport`. The model is put in eval mode. Batches
     without labels run the base model only (no LM head, no logits); with labels, the model and its loss."""
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 1:
-        raise ValueError(f"sink_tokens is how many leading keys count as the sink: a whole number >= 1, got "
-                         f"{sink_tokens!r}")
+        raise ValueError(
+            f"sink_tokens is how many leading keys count as the sink: a whole number >= 1, got {sink_tokens!r}"
+        )
     family = family_of(model)
     if variant_of(model) is None:
         apply_variant(model)  # route attention through quantgate (the model's own attention, unchanged)
@@ -494,13 +545,14 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
     with eval_mode(model), _Observer(model, sink_tokens) as obs:
-        for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe",
-                          disable=not progress):
+        for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe", disable=not progress):
             ids = batch["input_ids"]
             family.check_seq_len(model.config, ids.shape[1])
             if sink_tokens >= ids.shape[1]:
-                raise ValueError(f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
-                                 f"sequences; use fewer sink tokens or longer sequences")
+                raise ValueError(
+                    f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
+                    f"sequences; use fewer sink tokens or longer sequences"
+                )
             mask = batch.get("attention_mask")
             obs.input_ids, obs.seen = ids, {}
             obs.valid = mask.bool() if mask is not None else None
@@ -516,8 +568,12 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
         raise ValueError("observe got no batches: the data source is empty or max_batches is 0")
     kurt_set, inf_extra = paper_tensors(family)
     layers = [_layer_summary(L, decode, kurt_set, inf_extra) for L in obs.layers]
-    nonfinite = [{"layer": i, "tensor": name, "count": t["nonfinite"]}
-                 for i, L in enumerate(layers) for name, t in L["tensors"].items() if t.get("nonfinite")]
+    nonfinite = [
+        {"layer": i, "tensor": name, "count": t["nonfinite"]}
+        for i, L in enumerate(layers)
+        for name, t in L["tensors"].items()
+        if t.get("nonfinite")
+    ]
     if nonfinite:
         log.warning("observe: non-finite activations (excluded from the statistics): %s", nonfinite[:5])
     res = [L["tensors"]["block_out"] for L in layers]
@@ -542,9 +598,16 @@ def observe(model: nn.Module, batches, *, sink_tokens: int = 1, max_batches: int
         summary["final_norm_in"] = obs.final.summary(decode)
     if final_out:
         summary["final_norm_out"] = final_out
-    meta = {"variant": str(variant_of(model)), "family": family.name, "sink_tokens": sink_tokens,
-            "sequences": sequences, "seq_len": seq_len, "batches": n_batches,
-            "data": getattr(batches, "split", None), "model": getattr(model.config, "_name_or_path", "") or None}
+    meta = {
+        "variant": str(variant_of(model)),
+        "family": family.name,
+        "sink_tokens": sink_tokens,
+        "sequences": sequences,
+        "seq_len": seq_len,
+        "batches": n_batches,
+        "data": getattr(batches, "split", None),
+        "model": getattr(model.config, "_name_or_path", "") or None,
+    }
     return ObserveReport(summary, layers, meta)
 
 

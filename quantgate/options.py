@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 
-def convert(typ: type, raw: str):
+def convert(typ: type, raw: str) -> object:
     """``raw`` as ``typ``: bool from true/false/1/0/yes/no, tuple from ``a|b|c``; ValueError if it is none."""
     if typ is bool:
         if raw.lower() in ("true", "1", "yes"):
@@ -19,7 +19,7 @@ def convert(typ: type, raw: str):
     return typ(raw)
 
 
-def printed(value) -> str:
+def printed(value: object) -> str:
     """``value`` as a spec string writes it, the inverse of :func:`convert`: true/false, ``a|b|c``."""
     if isinstance(value, bool):
         return str(value).lower()
@@ -28,8 +28,9 @@ def printed(value) -> str:
     return str(value)
 
 
-def key_values(owner: str, arg: str, type_of: Callable[[str], type | None], *, valid: str,
-               noun: str = "option") -> Iterator[tuple[str, object]]:
+def key_values(
+    owner: str, arg: str, type_of: Callable[[str], type | None], *, valid: str, noun: str = "option"
+) -> Iterator[tuple[str, object]]:
     """(key, converted value) for each ``key=value`` of ``arg``; ``type_of(key)`` is None for a key
     ``owner`` does not take. Raises ValueError naming the item and listing ``valid``."""
     for item in filter(None, (i.strip() for i in arg.split(","))):

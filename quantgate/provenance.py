@@ -14,9 +14,13 @@ PACKAGES = ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def version(package: str) -> str | None:

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["RunDirectoryBusy", "run_lock", "LOCK_FILE"]
@@ -22,7 +23,7 @@ class RunDirectoryBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def run_lock(directory: str | Path):
+def run_lock(directory: str | Path) -> Iterator[Path]:
     """Hold the run directory's lock while the body runs; raise :class:`RunDirectoryBusy` naming the
     holder's pid when another process holds it. Re-entrant within one process is not supported: take it
     once, at the outermost writer."""
@@ -35,8 +36,9 @@ def run_lock(directory: str | Path):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = path.read_text().strip() or "an unknown process"
-            raise RunDirectoryBusy(f"{directory} is in use by {holder}; wait for it to finish (or stop it), or "
-                                   f"write to another directory") from None
+            raise RunDirectoryBusy(
+                f"{directory} is in use by {holder}; wait for it to finish (or stop it), or write to another directory"
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} ({' '.join(sys.argv[:3]) or 'python'})".encode())
         try:

@@ -22,13 +22,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["METRICS", "Delta", "aggregate", "paired_delta", "seed_delta", "change", "format_delta", "format_ratio",
-           "NOISE_LEGEND"]
+__all__ = [
+    "METRICS",
+    "Delta",
+    "aggregate",
+    "paired_delta",
+    "seed_delta",
+    "change",
+    "format_delta",
+    "format_ratio",
+    "NOISE_LEGEND",
+]
 
 CONFIDENCE = 0.95
 RESAMPLES = 1000
-NOISE_LEGEND = ("~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
-                "values recorded, or a single document)")
+NOISE_LEGEND = (
+    "~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
+    "values recorded, or a single document)"
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class Delta:
 
     @property
     def within_noise(self) -> bool | None:
-        return None if self.low is None else self.low <= 0 <= self.high
+        return None if self.low is None or self.high is None else self.low <= 0 <= self.high
 
     def __str__(self) -> str:
         return format_delta(self)
@@ -85,8 +96,10 @@ def _columns(docs: dict, metric: Metric) -> tuple[np.ndarray, np.ndarray]:
     needed = (metric.value,) if metric.optional_weight or metric.weight is None else (metric.value, metric.weight)
     missing = [c for c in needed if c not in docs]
     if missing:
-        raise ValueError(f"the per-document values hold no {', '.join(missing)} column (they have "
-                         f"{', '.join(k for k in docs if k != 'ids')})")
+        raise ValueError(
+            f"the per-document values hold no {', '.join(missing)} column (they have "
+            f"{', '.join(k for k in docs if k != 'ids')})"
+        )
     value = np.asarray(docs[metric.value], dtype=np.float64)
     weight = np.asarray(docs[metric.weight], dtype=np.float64) if metric.weight in docs else np.ones_like(value)
     return value, weight
@@ -112,43 +125,59 @@ def _change(kind: str, vf, wf, vq, wq, axis=-1):
     return _transform(kind, sq) - _transform(kind, sf)
 
 
-def paired_delta(float_docs: dict, quant_docs: dict, metric: str, *, resamples: int = RESAMPLES, seed: int = 0,
-                 confidence: float = CONFIDENCE) -> Delta:
+def paired_delta(
+    float_docs: dict,
+    quant_docs: dict,
+    metric: str,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> Delta:
     """The change of ``metric`` from the float to the quantized evaluation of the same documents
     (relative for a perplexity, a difference otherwise) with a paired bootstrap interval over documents."""
     if list(float_docs["ids"]) != list(quant_docs["ids"]):
-        raise ValueError(f"the float and quantized evaluations cover different documents ({len(float_docs['ids'])} "
-                         f"vs {len(quant_docs['ids'])} ids, first difference at "
-                         f"{_first_difference(float_docs['ids'], quant_docs['ids'])}): evaluate both on the same "
-                         f"tasks with the same limit")
+        raise ValueError(
+            f"the float and quantized evaluations cover different documents ({len(float_docs['ids'])} "
+            f"vs {len(quant_docs['ids'])} ids, first difference at "
+            f"{_first_difference(float_docs['ids'], quant_docs['ids'])}): evaluate both on the same "
+            f"tasks with the same limit"
+        )
     m = _metric(metric)
     data = (*_columns(float_docs, m), *_columns(quant_docs, m))
     value = float(_change(m.kind, *data))
     n = len(data[0])
     if n < 2:
         return Delta(value, None, None, m.kind, n, f"no interval: {n} document")
-    import scipy.stats
+    import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
 
     def statistic(*columns, axis=-1):
         return _change(m.kind, *columns, axis=axis)
 
-    common = dict(paired=True, vectorized=True, confidence_level=confidence, batch=min(resamples, 250))
+    common = {"paired": True, "vectorized": True, "confidence_level": confidence, "batch": min(resamples, 250)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # BCa on a distribution without spread: handled below
         res = scipy.stats.bootstrap(data, statistic, n_resamples=resamples, rng=seed, **common)
         method = "BCa"
         if not np.isfinite([res.confidence_interval.low, res.confidence_interval.high]).all():
             # BCa is undefined where every resample (or jackknife) gives the same value: percentile instead
-            res = scipy.stats.bootstrap(data, statistic, n_resamples=0, bootstrap_result=res, method="percentile",
-                                        **common)
+            res = scipy.stats.bootstrap(
+                data, statistic, n_resamples=0, bootstrap_result=res, method="percentile", **common
+            )
             method = "percentile"
     low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    return Delta(value, low, high, m.kind, n,
-                 f"paired bootstrap over {n} documents ({resamples:,} resamples, {method}, seed {seed})")
+    return Delta(
+        value,
+        low,
+        high,
+        m.kind,
+        n,
+        f"paired bootstrap over {n} documents ({resamples:,} resamples, {method}, seed {seed})",
+    )
 
 
 def _first_difference(a, b) -> str:
-    i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
     return f"position {i}"
 
 
@@ -166,15 +195,26 @@ def seed_delta(deltas: list[float], kind: str, confidence: float = CONFIDENCE) -
     how = "geometric mean of the perplexity ratios" if ratio else "mean"
     if k < 2:
         return Delta(float(back(mean)), None, None, kind, k, f"no interval: {k} seed")
-    import scipy.stats
+    import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
 
     half = float(scipy.stats.t.ppf((1 + confidence) / 2, k - 1) * x.std(ddof=1) / math.sqrt(k))
-    return Delta(float(back(mean)), float(back(mean - half)), float(back(mean + half)), kind, k,
-                 f"{how} over {k} seeds, t-interval across seeds" + (" on log ratios" if ratio else ""))
+    return Delta(
+        float(back(mean)),
+        float(back(mean - half)),
+        float(back(mean + half)),
+        kind,
+        k,
+        f"{how} over {k} seeds, t-interval across seeds" + (" on log ratios" if ratio else ""),
+    )
 
 
-def change(metric: str, float_value: float | None, quant_value: float | None, float_docs: dict | None = None,
-           quant_docs: dict | None = None) -> Delta | None:
+def change(
+    metric: str,
+    float_value: float | None,
+    quant_value: float | None,
+    float_docs: dict | None = None,
+    quant_docs: dict | None = None,
+) -> Delta | None:
     """The change of ``metric``: with its paired interval where both evaluations kept per-document
     values, else the point change from the two aggregates, without an interval; None without both values."""
     if float_value is None or quant_value is None:
@@ -203,11 +243,11 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
         decimals = 2 if max(abs(v) for v in values) < 1 else 1
         fmt = f"{{:+.{decimals}f}}".format
     unit = {"perplexity": "%", "accuracy": " pp"}.get(d.kind, "")
-    interval = "[n/a]" if d.low is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
+    interval = "[n/a]" if d.low is None or d.high is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
     return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")
 
 
-def fmt(v) -> str:
+def fmt(v: object) -> str:
     """A table cell: ``-`` for None, four significant digits for a float (``nan`` for NaN), else ``str``."""
     if v is None:
         return "-"
@@ -228,5 +268,5 @@ def format_ratio(d: Delta | None, noise: str = " ~") -> str:
     def fmt(v: float) -> str:  # a ratio below 1 keeps two significant digits beside a wide one: 0.019, not 0
         return f"{v:.2g}" if v < 1 and decimals < 2 else wide(v)
 
-    interval = "[n/a]" if d.low is None else f"[{fmt(1 + d.low)}, {fmt(1 + d.high)}]"
+    interval = "[n/a]" if d.low is None or d.high is None else f"[{fmt(1 + d.low)}, {fmt(1 + d.high)}]"
     return f"{fmt(1 + d.value)}x {interval}" + (noise if d.within_noise else "")

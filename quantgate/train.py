@@ -27,6 +27,7 @@ warning, folders that are not one) and refuses changed settings (:data:`FREE_ON_
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -50,7 +51,7 @@ from .checkpoint import dedupe, save
 from .data import batches as text_batches
 from .data.synthetic import is_backcopy
 from .files import write_text_atomic
-from .models.families import family_of
+from .models.families import family_of, is_norm
 from .models.modes import eval_mode
 from .models.swap import gate_parameters, variant_of
 from .runlock import run_lock
@@ -62,8 +63,8 @@ log = logging.getLogger("quantgate")
 # The papers' optimiser settings per family (Bondarenko et al.: OPT lr 4e-4, AdamW(0.9, 0.95), wd 0.1;
 # BERT lr 1e-4, linear decay, wd 0.01); a model family not listed uses the OPT recipe.
 FAMILY_DEFAULTS = {
-    "opt": dict(lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="cosine"),
-    "bert": dict(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear"),
+    "opt": {"lr": 4e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "schedule": "cosine"},
+    "bert": {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "schedule": "linear"},
 }
 
 
@@ -116,8 +117,20 @@ class TrainConfig:
 # schedule, optimizer settings, data, seed, mixed_precision) changes the data stream or the updates, so
 # the resumed run would match neither the saved config nor the new one: resume refuses them, and a
 # change in the number of processes (the global batch is per-process batch_size x processes).
-FREE_ON_RESUME = frozenset({"stop_after", "eval_data", "eval_every", "eval_batches", "observe_every",
-                            "checkpoint_every", "log_every", "out", "resume", "extra"})
+FREE_ON_RESUME = frozenset(
+    {
+        "stop_after",
+        "eval_data",
+        "eval_every",
+        "eval_batches",
+        "observe_every",
+        "checkpoint_every",
+        "log_every",
+        "out",
+        "resume",
+        "extra",
+    }
+)
 CHECKPOINT_FORMAT = 1  # trainer.json "format"; earlier checkpoints were accelerate's pickles and are not loaded
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.safetensors", "trainer.json"
 
@@ -126,19 +139,34 @@ class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN/inf; the last finite weights were saved (see :func:`train`)."""
 
 
-def make_data(config: TrainConfig, tokenizer, objective: str, world: int = 1, source: str | None = None,
-              shuffle: bool = True, epochs=None, seed: int | None = None):
+def make_data(
+    config: TrainConfig,
+    tokenizer,
+    objective: str,
+    world: int = 1,
+    source: str | None = None,
+    shuffle: bool = True,
+    epochs=None,
+    seed: int | None = None,
+):
     """Global micro-batches (``batch_size x world`` rows) from ``config.data`` (or ``source``)."""
     source = source or config.data
     seed = config.seed if seed is None else seed
-    return text_batches(tokenizer, source, config.seq_len, config.batch_size * world, objective, seed=seed,
-                        shuffle=shuffle, epochs=epochs)
+    return text_batches(
+        tokenizer,
+        source,
+        config.seq_len,
+        config.batch_size * world,
+        objective,
+        seed=seed,
+        shuffle=shuffle,
+        epochs=epochs,
+    )
 
 
 def _param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
     gates = {id(p) for p in gate_parameters(model).values()}
-    norms = {id(p) for m in model.modules() if type(m).__name__.endswith("Norm") or isinstance(m, nn.LayerNorm)
-             for p in m.parameters(recurse=False)}
+    norms = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
     groups = {"gate": [], "norm": [], "no_decay": [], "decay": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -151,12 +179,16 @@ def _param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
             groups["no_decay"].append(p)
         else:
             groups["decay"].append(p)
-    return [g for g in (
-        {"params": groups["decay"], "weight_decay": c.weight_decay, "lr": c.lr},
-        {"params": groups["no_decay"], "weight_decay": 0.0, "lr": c.lr},
-        {"params": groups["norm"], "weight_decay": c.norm_weight_decay, "lr": c.lr},
-        {"params": groups["gate"], "weight_decay": c.gate_weight_decay or 0.0, "lr": c.gate_lr or c.lr},
-    ) if g["params"]]
+    return [
+        g
+        for g in (
+            {"params": groups["decay"], "weight_decay": c.weight_decay, "lr": c.lr},
+            {"params": groups["no_decay"], "weight_decay": 0.0, "lr": c.lr},
+            {"params": groups["norm"], "weight_decay": c.norm_weight_decay, "lr": c.lr},
+            {"params": groups["gate"], "weight_decay": c.gate_weight_decay or 0.0, "lr": c.gate_lr or c.lr},
+        )
+        if g["params"]
+    ]
 
 
 def _schedule(c: TrainConfig):
@@ -178,8 +210,12 @@ def _schedule(c: TrainConfig):
 def _identity(model: nn.Module) -> dict:
     """What a checkpoint must match to be resumed: family, variant, parameter names and shapes."""
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    return {"family": family_of(model).name, "variant": str(variant_of(model)), "parameters": len(shapes),
-            "shapes_sha": _sha(json.dumps(shapes, sort_keys=True))}
+    return {
+        "family": family_of(model).name,
+        "variant": str(variant_of(model)),
+        "parameters": len(shapes),
+        "shapes_sha": _sha(json.dumps(shapes, sort_keys=True)),
+    }
 
 
 def _sha(text: str) -> str:
@@ -251,13 +287,15 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
     if c.resume:
         _resume(run, out, identity, c)
     eval_data = _eval_batches(c, tokenizer, family.objective) if c.eval_data else None
-    logger = _JsonLog(out / "log.jsonl" if out and acc.is_main_process else None,
-                      keep_until=run.step if c.resume else None)
+    logger = _JsonLog(
+        out / "log.jsonl" if out and acc.is_main_process else None, keep_until=run.step if c.resume else None
+    )
     if not c.resume:
         logger.write({"event": "config", "config": asdict(c), "identity": identity, "world_size": world})
     model.train()
     it = iter(data)
-    mlm_single = world == 1 and family.objective == "mlm"  # see _masked_lm_loss
+    # one process computes the MLM loss at the masked positions only; a DDP wrapper must see the forward call
+    mlm_single = world == 1 and family.objective == "mlm"
     with tqdm(total=c.steps, initial=run.step, desc="train", disable=not acc.is_main_process) as bar:
         t_last, tok_last = time.perf_counter(), run.tokens
         stop = min(c.steps, c.stop_after or c.steps)
@@ -266,17 +304,24 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
             for _ in range(c.grad_accum):
                 batch = _shard(next(it), rank, world, acc.device)
                 with acc.accumulate(model):
-                    loss = _masked_lm_loss(raw, batch) if mlm_single else model(**batch).loss
+                    loss = family.masked_lm_loss(raw, batch) if mlm_single else model(**batch).loss
                     if not torch.isfinite(loss):
-                        _diverged(run, out, f"the loss became non-finite at step {run.step + 1}"
-                                            f"{_first_nonfinite_block(raw, batch)}")
+                        _diverged(
+                            run,
+                            out,
+                            f"the loss became non-finite at step {run.step + 1}{_first_nonfinite_block(raw, batch)}",
+                        )
                     acc.backward(loss)
                     grad_norm = None
                     if acc.sync_gradients:
                         grad_norm = acc.clip_grad_norm_(model.parameters(), c.max_grad_norm)
                         if acc.scaler is None and not torch.isfinite(grad_norm):
-                            _diverged(run, out, f"the gradient norm became non-finite at step {run.step + 1} (its "
-                                                f"loss was finite: the backward pass overflowed)")
+                            _diverged(
+                                run,
+                                out,
+                                f"the gradient norm became non-finite at step {run.step + 1} (its "
+                                f"loss was finite: the backward pass overflowed)",
+                            )
                     opt.step()  # accelerate skips it until the last micro-step of the accumulation
                     if acc.sync_gradients:
                         sched.step()
@@ -290,9 +335,15 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
                 now = time.perf_counter()
                 rate = (run.tokens - tok_last) / max(now - t_last, 1e-9)
                 t_last, tok_last = now, run.tokens
-                record = {"event": "train", "step": step, "loss": loss_sum / c.grad_accum, "lr": sched.get_last_lr()[0],
-                          "grad_norm": float(grad_norm) if grad_norm is not None else None, "tokens": run.tokens,
-                          "tokens_per_s": rate}
+                record = {
+                    "event": "train",
+                    "step": step,
+                    "loss": loss_sum / c.grad_accum,
+                    "lr": sched.get_last_lr()[0],
+                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "tokens": run.tokens,
+                    "tokens_per_s": rate,
+                }
                 logger.write(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}")
             if eval_data is not None and ((c.eval_every and step % c.eval_every == 0) or step == c.steps):
@@ -310,30 +361,19 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
     return raw
 
 
-def _masked_lm_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """The MLM loss computing vocabulary logits only at the masked positions (~7x less work for small
-    models than the head's logits at every position; the same value). Single process only: a DDP
-    wrapper must see the forward call to synchronise gradients."""
-    if not (hasattr(model, "bert") and hasattr(model, "cls")):
-        return model(**batch).loss
-    hidden = model.bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    picked = batch["labels"] != -100
-    return nn.functional.cross_entropy(model.cls(hidden[picked]).float(), batch["labels"][picked])
-
-
 def _shard(batch: dict, rank: int, world: int, device) -> dict:
     """This process's rows of a global micro-batch, on its device."""
     n = batch["input_ids"].shape[0]
     if n % world:
         raise ValueError(f"a global batch of {n} rows does not split over {world} processes")
     part = n // world
-    return {k: v[rank * part:(rank + 1) * part].to(device) for k, v in batch.items()}
+    return {k: v[rank * part : (rank + 1) * part].to(device) for k, v in batch.items()}
 
 
 def _eval_batches(c: TrainConfig, tokenizer, objective: str) -> list[dict]:
     source = c.data if is_backcopy(c.data) and c.eval_data == "validation" else c.eval_data
     data = make_data(c, tokenizer, objective, source=source, shuffle=False, epochs=1, seed=c.seed + 1)
-    return [b for _, b in zip(range(c.eval_batches), data)]
+    return list(itertools.islice(data, c.eval_batches))
 
 
 @torch.no_grad()
@@ -347,10 +387,18 @@ def _light_observe(model: nn.Module, data: list[dict]) -> dict:
     from .observe import observe
 
     report = observe(model, data, progress=False)
-    return {"layers": [{"max_abs": L["max_activation"], "kurtosis": L["kurtosis"], "sink_mass": L["sink_mass"],
-                        "gate_mean": L["gate_mean"]} for L in report.layers],
-            **{k: report.summary[k] for k in ("max_activation", "max_median_ratio", "kurtosis", "sink_mass",
-                                              "gate_mean")}}
+    return {
+        "layers": [
+            {
+                "max_abs": L["max_activation"],
+                "kurtosis": L["kurtosis"],
+                "sink_mass": L["sink_mass"],
+                "gate_mean": L["gate_mean"],
+            }
+            for L in report.layers
+        ],
+        **{k: report.summary[k] for k in ("max_activation", "max_median_ratio", "kurtosis", "sink_mass", "gate_mean")},
+    }
 
 
 def _check_checkpointable(acc, data) -> None:
@@ -358,13 +406,17 @@ def _check_checkpointable(acc, data) -> None:
     from accelerate.utils import DistributedType
 
     if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise ValueError(f"checkpoints (checkpoint_every, stop_after, resume) are not supported under "
-                         f"{acc.distributed_type.value}: its sharded state has no pickle-free format here; use "
-                         f"DDP (accelerate's default multi-GPU config), or train without checkpoints")
+        raise ValueError(
+            f"checkpoints (checkpoint_every, stop_after, resume) are not supported under "
+            f"{acc.distributed_type.value}: its sharded state has no pickle-free format here; use "
+            f"DDP (accelerate's default multi-GPU config), or train without checkpoints"
+        )
     if not (hasattr(data, "state_dict") and hasattr(data, "load_state_dict")):
-        raise ValueError(f"checkpoints (checkpoint_every, stop_after, resume) need data that can resume: "
-                         f"{type(data).__name__} has no state_dict/load_state_dict; pass quantgate.data.batches "
-                         f"(or an object with both), or train without checkpoints")
+        raise ValueError(
+            f"checkpoints (checkpoint_every, stop_after, resume) need data that can resume: "
+            f"{type(data).__name__} has no state_dict/load_state_dict; pass quantgate.data.batches "
+            f"(or an object with both), or train without checkpoints"
+        )
 
 
 def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
@@ -379,15 +431,25 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     acc.wait_for_everyone()
     _save_rng(tmp / f"rng-{acc.process_index}.safetensors")
     if acc.is_main_process:
-        save_file({k: v.detach().contiguous() for k, v in dedupe(run.model.state_dict())[0].items()},
-                  str(tmp / MODEL_FILE))
+        save_file(
+            {k: v.detach().contiguous() for k, v in dedupe(run.model.state_dict())[0].items()}, str(tmp / MODEL_FILE)
+        )
         opt = run.optimizer.state_dict()
-        save_file({f"{i}.{name}": t.contiguous() for i, state in opt["state"].items() for name, t in state.items()},
-                  str(tmp / OPTIMIZER_FILE))
-        trainer = {"format": CHECKPOINT_FORMAT, "identity": identity, "config": asdict(c),
-                   "world_size": acc.num_processes, "progress": {"step": run.step, "tokens": run.tokens},
-                   "optimizer": {"param_groups": opt["param_groups"]}, "scheduler": run.scheduler.state_dict(),
-                   "data": run.data.state_dict(), "scaler": acc.scaler.state_dict() if acc.scaler is not None else None}
+        save_file(
+            {f"{i}.{name}": t.contiguous() for i, state in opt["state"].items() for name, t in state.items()},
+            str(tmp / OPTIMIZER_FILE),
+        )
+        trainer = {
+            "format": CHECKPOINT_FORMAT,
+            "identity": identity,
+            "config": asdict(c),
+            "world_size": acc.num_processes,
+            "progress": {"step": run.step, "tokens": run.tokens},
+            "optimizer": {"param_groups": opt["param_groups"]},
+            "scheduler": run.scheduler.state_dict(),
+            "data": run.data.state_dict(),
+            "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+        }
         (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1))
     acc.wait_for_everyone()
     if acc.is_main_process:
@@ -399,19 +461,26 @@ def _resume(run: _Run, out: Path | None, identity: dict, c: TrainConfig) -> None
     path, saved = _newest_checkpoint(out)
     if saved["identity"] != identity:
         s = saved["identity"]
-        raise ValueError(f"{path} belongs to another model ({s['family']}, variant {s['variant']}, "
-                         f"{s['parameters']} tensors) than this one ({identity['family']}, variant "
-                         f"{identity['variant']}, {identity['parameters']} tensors); resume with the same model and "
-                         f"variant, or train into a new directory")
+        raise ValueError(
+            f"{path} belongs to another model ({s['family']}, variant {s['variant']}, "
+            f"{s['parameters']} tensors) than this one ({identity['family']}, variant "
+            f"{identity['variant']}, {identity['parameters']} tensors); resume with the same model and "
+            f"variant, or train into a new directory"
+        )
     now = json.loads(json.dumps(asdict(c)))  # as trainer.json holds it (tuples as lists)
-    changed = [f"{k} {saved['config'].get(k)!r} -> {v!r}" for k, v in now.items()
-               if k not in FREE_ON_RESUME and saved["config"].get(k) != v]
+    changed = [
+        f"{k} {saved['config'].get(k)!r} -> {v!r}"
+        for k, v in now.items()
+        if k not in FREE_ON_RESUME and saved["config"].get(k) != v
+    ]
     if saved["world_size"] != run.acc.num_processes:
         changed.append(f"processes {saved['world_size']} -> {run.acc.num_processes}")
     if changed:
-        raise ValueError(f"cannot resume {path} with changed settings: {', '.join(changed)}. They change the data "
-                         f"or the updates, so the run would match neither config; resume with the saved values, "
-                         f"or train into a new --out")
+        raise ValueError(
+            f"cannot resume {path} with changed settings: {', '.join(changed)}. They change the data "
+            f"or the updates, so the run would match neither config; resume with the saved values, "
+            f"or train into a new --out"
+        )
     _load_checkpoint(run, path, saved)
     log.info("resumed from %s", path)
 
@@ -427,15 +496,20 @@ def can_resume(out: str | Path) -> bool:
 
 def _newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
     """The newest complete ``checkpoints/step-N`` and its trainer.json; incomplete ones are skipped with a warning."""
-    found = [(int(m[1]), p) for p in (out / "checkpoints").glob("step-*")
-             if (m := re.fullmatch(r"step-(\d+)", p.name))] if out else []
+    found = (
+        [(int(m[1]), p) for p in (out / "checkpoints").glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
+        if out
+        else []
+    )
     for _, path in sorted(found, reverse=True):
         try:
             return path, _read_trainer(path)
         except ValueError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
-    raise FileNotFoundError(f"nothing to resume: no complete checkpoint under {out}/checkpoints (train with "
-                            f"checkpoint_every > 0 first, or drop --resume)")
+    raise FileNotFoundError(
+        f"nothing to resume: no complete checkpoint under {out}/checkpoints (train with "
+        f"checkpoint_every > 0 first, or drop --resume)"
+    )
 
 
 def _read_trainer(path: Path) -> dict:
@@ -478,8 +552,11 @@ def _save_rng(file: Path) -> None:
     if torch.cuda.is_available():
         tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     _, key, pos, has_gauss, gauss = np.random.get_state()
-    save_file(tensors, str(file), metadata={"python": json.dumps(random.getstate()),
-                                            "numpy": json.dumps([key.tolist(), pos, has_gauss, gauss])})
+    save_file(
+        tensors,
+        str(file),
+        metadata={"python": json.dumps(random.getstate()), "numpy": json.dumps([key.tolist(), pos, has_gauss, gauss])},
+    )
 
 
 def _load_rng(file: Path) -> None:
@@ -502,8 +579,10 @@ def _diverged(run: _Run, out: Path | None, what: str) -> NoReturn:
     if out is not None and run.acc.is_main_process:
         if all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
             _save_model(run.model, out / "last-good-model")
-            saved = (f"; the last finite weights (after step {run.step}) are in {out}/last-good-model, to "
-                     f"continue from with --model")
+            saved = (
+                f"; the last finite weights (after step {run.step}) are in {out}/last-good-model, to "
+                f"continue from with --model"
+            )
         else:
             saved = f"; the weights were already non-finite, so no last-good-model was written (see {out}/checkpoints)"
     raise TrainingDiverged(f"{what}{saved}. Lower the learning rate or use bf16/fp32")
@@ -549,16 +628,24 @@ def _remove_leftovers(out: Path) -> None:
 def _first_nonfinite_block(model: nn.Module, batch: dict) -> str:
     family = family_of(model)
     found = []
-    hooks = [block.register_forward_hook(
-        lambda m, a, o, i=i: found.append(i) if not torch.isfinite(o[0] if isinstance(o, tuple) else o).all() else None)
-        for i, block in enumerate(family.blocks(model))]
+    hooks = [
+        block.register_forward_hook(
+            lambda m, a, o, i=i: (
+                found.append(i) if not torch.isfinite(o[0] if isinstance(o, tuple) else o).all() else None
+            )
+        )
+        for i, block in enumerate(family.blocks(model))
+    ]
     try:
         model(**batch)
     finally:
         for h in hooks:
             h.remove()
-    return f"; the first non-finite activation is the output of layer {found[0]}" if found else \
-        "; every layer's output is finite (the loss itself overflowed)"
+    return (
+        f"; the first non-finite activation is the output of layer {found[0]}"
+        if found
+        else "; every layer's output is finite (the loss itself overflowed)"
+    )
 
 
 class _JsonLog:

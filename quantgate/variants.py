@@ -20,12 +20,24 @@ variant; the printed form lists only parameters that differ from their defaults.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol, TypedDict, TypeVar
 
 from .options import key_values, printed
 
-__all__ = ["AttentionVariant", "GateSpec", "ClipSpec", "SinkSpec", "GATE_KINDS", "GateKind", "gate_kind", "logit",
-           "VariantLike", "Range"]
+__all__ = [
+    "AttentionVariant",
+    "GateSpec",
+    "ClipSpec",
+    "SinkSpec",
+    "GATE_KINDS",
+    "GateKind",
+    "gate_kind",
+    "logit",
+    "VariantLike",
+    "Range",
+]
 
 
 @dataclass(frozen=True)
@@ -41,8 +53,12 @@ class Range:
         """Raise ValueError ``owner: name must be ...`` unless ``value`` is finite and in the range."""
         if not math.isfinite(value):
             raise ValueError(f"{owner}: {name} must be a finite number, got {value}")
-        if value < self.lo or value > self.hi or (self.lo_open and value == self.lo) or \
-                (self.hi_open and value == self.hi):
+        if (
+            value < self.lo
+            or value > self.hi
+            or (self.lo_open and value == self.lo)
+            or (self.hi_open and value == self.hi)
+        ):
             raise ValueError(f"{owner}: {name} must be {self}, got {value:g}")
 
     def __str__(self) -> str:
@@ -66,13 +82,28 @@ def _check_ranges(spec, owner: str) -> None:
             f.metadata["valid"].check(owner, f.name, value)
 
 
+class GateLike(Protocol):
+    """What this module reads of a registered gate class, a :class:`quantgate.attention.gates.Gate`
+    subclass (a protocol, so that this module imports nothing above it)."""
+
+    floor: ClassVar[float]
+
+    @classmethod
+    def bias_for(cls, pi_init: float) -> float: ...
+
+    def __init__(self, spec: GateSpec, dims: object, std: float) -> None: ...  # dims: an AttentionDims
+
+
+_G = TypeVar("_G", bound=GateLike)
+
+
 @dataclass(frozen=True)
 class GateKind:
     """A registered gate kind: its Gate class (:mod:`quantgate.attention.gates`), description, default
     initial value, whether its projection can be factorised, and its own options (name -> (type,
     default, choices)), which :class:`AttentionVariant` parses and prints."""
 
-    gate: type
+    gate: type[GateLike]
     description: str
     pi_init: float
     low_rank: bool
@@ -87,16 +118,25 @@ class GateKind:
 GATE_KINDS: dict[str, GateKind] = {}
 
 
-def gate_kind(name: str, description: str, *, pi_init: float = 0.5, low_rank: bool = True,
-              options: dict[str, tuple[type, object, tuple]] | None = None):
+def gate_kind(
+    name: str,
+    description: str,
+    *,
+    pi_init: float = 0.5,
+    low_rank: bool = True,
+    options: dict[str, tuple[type, object, tuple]] | None = None,
+) -> Callable[[type[_G]], type[_G]]:
     """Class decorator: register a Gate subclass as the gate kind ``name``: a new gate is one decorated
     class (its position, activation, bias initialisation and x readers are class attributes and methods)."""
-    def register(cls: type) -> type:
+
+    def register(cls: type[_G]) -> type[_G]:
         if name in GATE_KINDS:
-            raise ValueError(f"gate kind {name!r} is registered twice ({GATE_KINDS[name].gate.__name__}, "
-                             f"{cls.__name__})")
+            raise ValueError(
+                f"gate kind {name!r} is registered twice ({GATE_KINDS[name].gate.__name__}, {cls.__name__})"
+            )
         GATE_KINDS[name] = GateKind(cls, description, pi_init, low_rank, dict(options or {}))
         return cls
+
     return register
 
 
@@ -124,8 +164,10 @@ class GateSpec:
         if not lo < self.pi_init < 1.0:
             raise ValueError(f"{self.kind}: pi_init must lie in ({lo}, 1), got {self.pi_init}")
         if self.low_rank is not None and (not spec.low_rank or self.low_rank < 1):
-            raise ValueError(f"{self.kind}: low_rank must be a positive int and is only valid for "
-                             f"{', '.join(k for k, s in GATE_KINDS.items() if s.low_rank)}")
+            raise ValueError(
+                f"{self.kind}: low_rank must be a positive int and is only valid for "
+                f"{', '.join(k for k, s in GATE_KINDS.items() if s.low_rank)}"
+            )
         given = dict(self.options)
         for name, value in given.items():
             if name not in spec.options:
@@ -136,7 +178,7 @@ class GateSpec:
         full = {name: given.get(name, default) for name, (_, default, _) in spec.options.items()}
         object.__setattr__(self, "options", tuple(sorted(full.items())))
 
-    def option(self, name: str):
+    def option(self, name: str) -> object:
         return dict(self.options)[name]
 
     @property
@@ -172,8 +214,10 @@ class ClipSpec:
 
     def params(self, n_keys: int) -> tuple[float, float]:
         """(gamma, zeta) for rows of ``n_keys`` keys."""
-        gamma = self.gamma if self.gamma is not None else -self.alpha / n_keys
-        return gamma, self.zeta
+        if self.gamma is not None:
+            return self.gamma, self.zeta
+        assert self.alpha is not None  # __post_init__: exactly one of gamma and alpha
+        return -self.alpha / n_keys, self.zeta
 
     def __str__(self) -> str:
         params = [f"alpha={self.alpha!r}"] if self.alpha is not None else []
@@ -216,7 +260,7 @@ class AttentionVariant:
             return text
         if text is None or not str(text).strip():
             return cls()
-        parts: dict[str, object] = {}
+        parts: _Parts = {}
         for comp in str(text).strip().split("+"):
             name, _, arg = comp.strip().partition(":")
             name = name.strip()
@@ -232,8 +276,9 @@ class AttentionVariant:
                 params = {_ALIASES.get(k, k): v for k, v in params.items()}
                 pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
                 low_rank = params.pop("low_rank", None)
-                parts["gate"] = GateSpec(name, float(pi_init), None if low_rank is None else int(low_rank),
-                                         tuple(params.items()))
+                parts["gate"] = GateSpec(
+                    name, float(pi_init), None if low_rank is None else int(low_rank), tuple(params.items())
+                )
             elif name == "clipped":
                 if "alpha" in params and "gamma" not in params:
                     params["gamma"] = None
@@ -261,6 +306,14 @@ class AttentionVariant:
 VariantLike = AttentionVariant | str | None
 
 
+class _Parts(TypedDict, total=False):
+    """The components :meth:`AttentionVariant.parse` has read, by field."""
+
+    gate: GateSpec
+    clip: ClipSpec
+    sink: SinkSpec
+
+
 def _names() -> list[str]:
     return ["vanilla", *GATE_KINDS, "clipped", "sink"]
 
@@ -275,7 +328,7 @@ def _param_names(name: str) -> str:
 _TYPES = {"pi_init": float, "low_rank": int, "gamma": float, "zeta": float, "alpha": float, "init": float}
 
 
-def _parse_params(name: str, arg: str) -> dict[str, object]:
+def _parse_params(name: str, arg: str) -> dict[str, Any]:  # a value per key, of the type type_of gives it
     if name not in _names():
         raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
     valid = [p.strip() for p in _param_names(name).split(",")]
@@ -289,4 +342,3 @@ def _parse_params(name: str, arg: str) -> dict[str, object]:
         return kind_opts[key][0] if key in kind_opts else _TYPES[_ALIASES.get(key, key)]
 
     return dict(key_values(name, arg, type_of, valid=", ".join(valid), noun="parameter"))
-

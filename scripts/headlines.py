@@ -21,12 +21,13 @@ import sys
 from pathlib import Path
 
 from quantgate import experiment as ex
-from quantgate.fixes import fix_rows
 from quantgate.models.presets import preset_config
-from quantgate.report import (BUDGET, bit_sweeps, budget, float_change, max_layer_sink, peak_activation, ppl_change,
-                              ppl_of, scheme_change, spearman)
 from quantgate.stats import Delta, format_delta, seed_delta
-from quantgate.study import load_study
+from quantgate.study import CellRecord, StudyRecord, load_study, read_metrics
+from quantgate.study.fixes import fix_rows
+from quantgate.study.measures import (BUDGET, bit_sweeps, budget, float_change, max_layer_sink, peak_activation,
+                                      ppl_change, ppl_of, scheme_change)
+from quantgate.study.report import spearman
 from quantgate.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,11 +43,17 @@ KURTOSIS = "kurtosis (Bondarenko et al.'s tensors)"
 
 
 def _metrics(name: str) -> dict:
+    """An experiment script's metrics.json."""
     return json.loads((ROOT / "results" / name / "metrics.json").read_text())
 
 
-def _cells(name: str) -> dict[str, dict]:
-    return {c["id"]: c for c in _metrics(name)["cells"]}
+def _study(name: str) -> StudyRecord:
+    """A study run's metrics.json."""
+    return read_metrics(ROOT / "results" / name)
+
+
+def _cells(name: str) -> dict[str, CellRecord]:
+    return {c.id: c for c in _study(name).cells}
 
 
 def _num(x: float, digits: int = 3) -> str:
@@ -102,25 +109,25 @@ def _peaks(cells, fmt) -> str:
     return f"{_span([p for p, _ in pairs], fmt)}, max/median {_span([r for _, r in pairs], _ratio)}"
 
 
-def _summary(cell: dict, key: str):
-    return cell["observe"]["summary"][key]
+def _summary(cell: CellRecord, key: str):
+    return cell.summary[key]
 
 
 def _steps_tokens(cells) -> str:
-    (steps, tokens), = {(c["trained"]["steps"], c["trained"]["tokens"]) for c in cells}
+    (steps, tokens), = {(c.trained["steps"], c.trained["tokens"]) for c in cells}
     return f"{steps} steps ({tokens / 1e6:.1f} M tokens)"
 
 
 def quickstart() -> str:
-    metrics = _metrics("quickstart")
-    cells = _cells("quickstart")
+    metrics = _study("quickstart")
+    cells = {c.id: c for c in metrics.cells}
     smol = cells["smollm2-135m/vanilla"]
-    fp, static = ppl_of(smol["float"]), ppl_of(smol["schemes"]["w8a8-int8-static"]["results"])
+    fp, static = ppl_of(smol.float_results), ppl_of(smol.schemes["w8a8-int8-static"].results)
     others = ", ".join(f"{label} {_delta(_change(smol, s))}" for s, label in SCHEMES.items()
-                       if s in smol["schemes"] and s != "w8a8-int8-static")
-    (ungated, gated), = metrics["study"]["report"]["pairs"]
-    u, g = (next(c for c in cells.values() if c["model"] == name) for name in (ungated, gated))
-    (_, widths), = bit_sweeps(metrics["schemes"]).items()
+                       if s in smol.schemes and s != "w8a8-int8-static")
+    (ungated, gated), = metrics.report["pairs"]
+    u, g = (next(c for c in cells.values() if c.model == name) for name in (ungated, gated))
+    (_, widths), = bit_sweeps(metrics.schemes).items()
     found = [budget([(b, _change(c, s)) for b, s in widths]) for c in (u, g)]
     narrower = "; ".join(f"A{b} {_delta(_change(u, s))} vs {_delta(_change(g, s))}" for b, s in widths[1:3])
     return (f"twins (sink {max_layer_sink(u)[0]:.2f} ungated vs {max_layer_sink(g)[0]:.2f} gated): W8A8 at "
@@ -132,8 +139,8 @@ def quickstart() -> str:
 
 def bondarenko_table2() -> str:
     cells = list(_cells("bondarenko_table2").values())
-    paper = [_change(c, s) for c in cells for s in c["schemes"] if s == BONDARENKO]
-    rest = [_change(c, s) for c in cells for s in c["schemes"] if s != BONDARENKO]
+    paper = [_change(c, s) for c in cells for s in c.schemes if s == BONDARENKO]
+    rest = [_change(c, s) for c in cells for s in c.schemes if s != BONDARENKO]
     return (f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
             f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, largest residual activation "
             f"{_peaks(cells, _fixed(1))}, {KURTOSIS} {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}; "
@@ -151,25 +158,25 @@ def bondarenko_table2_paper() -> str:
     return f"validated by `--dry-run` in CI: {len(study.cells())} cells, {' and '.join(tokens)}"
 
 
-def _sink(c: dict) -> float:
+def _sink(c: CellRecord) -> float:
     """A cell's largest per-layer first-token attention."""
     return max_layer_sink(c)[0]
 
 
 def qiu_table4() -> str:
     cells = list(_cells("qiu_table4").values())
-    plain = next(c for c in cells if c["variant"] == "vanilla")
+    plain = next(c for c in cells if c.variant == "vanilla")
     gated = [c for c in cells if _summary(c, "gate_mean") is not None]
-    ns = [_summary(c, "gate_mean") for c in gated if c["variant"] == "g1-ns-sigmoid"]
+    ns = [_summary(c, "gate_mean") for c in gated if c.variant == "g1-ns-sigmoid"]
     rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
-    (_, a6), = [(b, s) for b, s in bit_sweeps(_metrics("qiu_table4")["schemes"])[BONDARENKO] if b == 6]
+    (_, a6), = [(b, s) for b, s in bit_sweeps(_study("qiu_table4").schemes)[BONDARENKO] if b == 6]
     sink, layer = max_layer_sink(plain)
     paper = [_change(c, BONDARENKO) for c in gated]
     narrow = [_change(c, a6) for c in gated]
     return (f"{_steps_tokens(cells)} of backcopy: the ungated model grows a first-token sink of {sink:.2f} (layer "
             f"{layer}) and max {_peaks([plain], _fixed(1))}; the gated rows' first-token attention spans "
             f"{_span([_sink(c) for c in gated], _fixed(2))} (max layer), with max {_peaks(gated, _fixed(1))}; mean "
-            f"gates {_span([_summary(c, 'gate_mean') for c in gated if c['variant'] != 'g1-ns-sigmoid'], _fixed(2))}"
+            f"gates {_span([_summary(c, 'gate_mean') for c in gated if c.variant != 'g1-ns-sigmoid'], _fixed(2))}"
             f" (NS-sigmoid {_span(ns, _fixed(2))}); W8A8 at Bondarenko's sites: ungated "
             f"{_delta(_change(plain, BONDARENKO))}, gated {_changes(paper)} ({_noise(paper)}); at A6 ungated "
             f"{_delta(_change(plain, a6))}, gated {_changes(narrow)} ({_noise(narrow)}); gate mean vs sink mass "
@@ -179,8 +186,8 @@ def qiu_table4() -> str:
 def hyga_ablation() -> str:
     cells = _cells("hyga_ablation")
     g1 = cells["gqa/g1-elementwise"]
-    low = sorted((c for c in cells.values() if c["model"] == "gqa" and "low_rank" in c["variant"]),
-                 key=lambda c: c["cost"]["gate_params"])
+    low = sorted((c for c in cells.values() if c.model == "gqa" and "low_rank" in c.variant),
+                 key=lambda c: c.cost["gate_params"])
 
     def trio(model: str, fmt) -> str:
         return " -> ".join(fmt(cells[f"{model}/{v}"]) for v in ("vanilla", "g1-elementwise", "hyga"))
@@ -192,12 +199,12 @@ def hyga_ablation() -> str:
         return f"{_sink(c):.2f}"
 
     def rank(c) -> str:
-        r = re.search(r"low_rank=(\d+)", c["variant"]).group(1)
-        return (f"d_int {r} ({c['cost']['gate_params'] / g1['cost']['gate_params']:.2f}x G1's gate parameters) "
+        r = re.search(r"low_rank=(\d+)", c.variant).group(1)
+        return (f"d_int {r} ({c.cost['gate_params'] / g1.cost['gate_params']:.2f}x G1's gate parameters) "
                 f"{_delta(float_change(g1, c))}")
 
     paper = [_change(c, BONDARENKO) for c in cells.values()]
-    width = preset_config(g1["source"]["preset"], g1["source"]["config"]).hidden_size
+    width = preset_config(g1.source["preset"], g1.source["config"]).hidden_size
     return (f"{_steps_tokens(cells.values())} of backcopy, d={width}: "
             f"first-token attention vanilla -> G1 -> HyGA {trio('gqa', sink)} (GQA), {trio('mla', sink)} (MLA); max "
             f"activation {trio('gqa', activation)} (GQA); float perplexity against G1, HyGA without the C-gate at "
@@ -305,14 +312,14 @@ def cpu_recipe_search() -> str:
 
 
 def cpu_recipe() -> str:
-    metrics = _metrics("cpu_recipe")
-    cells = metrics["cells"]
-    plain = [c for c in cells if c["variant"] == "vanilla"]
-    gated = [c for c in cells if c["variant"] != "vanilla"]
+    metrics = _study("cpu_recipe")
+    cells = metrics.cells
+    plain = [c for c in cells if c.variant == "vanilla"]
+    gated = [c for c in cells if c.variant != "vanilla"]
     sinks = [max_layer_sink(c) for c in plain]
     layers = "/".join(map(str, sorted({i for _, i in sinks})))
     big = sum(peak_activation(c)[1] >= RATIO_TARGET for c in plain)
-    (_, widths), = bit_sweeps(metrics["schemes"]).items()
+    (_, widths), = bit_sweeps(metrics.schemes).items()
 
     def w8a8(group) -> tuple[list[Delta], str]:
         deltas = [_change(c, BONDARENKO) for c in group]
@@ -358,10 +365,10 @@ def twins_search() -> str:
     results = search.collect(ROOT / "results" / "twins_search")
     parts = []
     for name, metrics in results.items():
-        cells, widths = metrics["cells"], bit_sweeps(metrics["schemes"])[search.W8A8]
+        cells, widths = metrics.cells, bit_sweeps(metrics.schemes)[search.W8A8]
         v = search.verdict(cells, widths)
-        plain = [c for c in cells if c["variant"] == "vanilla"]
-        gated = [c for c in cells if c["variant"] != "vanilla"]
+        plain = [c for c in cells if c.variant == "vanilla"]
+        gated = [c for c in cells if c.variant != "vanilla"]
 
         def w8a8(group):
             return _changes([_change(c, search.W8A8) for c in group])
@@ -372,39 +379,39 @@ def twins_search() -> str:
 
         ratios = _span([peak_activation(c)[1] for c in plain], _ratio)
         copies = (f"; copy accuracy at A5 {copy(plain)} pp ungated vs {copy(gated)} pp gated"
-                  if search.COPY[0] in plain[0]["float"] else "")
+                  if search.COPY[0] in plain[0].float_results else "")
         for c in cells:  # --sites: the costliest activation site of each model, where sites.json exists
-            found = search.read_sites(c["run"]).get(c["variant"])
+            found = search.read_sites(c.run_dir).get(c.variant)
             if found:
                 total, row = search.costliest_site(found[search.SITE_SCHEMES[0]])
-                copies += f"; seed {c['seed']} " + search.site_sentence(c["variant"], total, row)
+                copies += f"; seed {c.seed} " + search.site_sentence(c.variant, total, row)
         parts.append(f"{name} ({v['seeds']} seed{'s' if v['seeds'] != 1 else ''}): ungated sink >= {search.SINK} in "
                      f"{v['held']['ungated sink']}, max/median {ratios} (>= {search.RATIO} in "
                      f"{v['held']['ungated ratio']}); W8A8 {w8a8(plain)} ungated vs {w8a8(gated)} gated, >= "
                      f"{search.FACTOR}x and apart in {v['held']['W8A8 apart']}; widest width apart in every seed: "
                      + (f"A{v['widest apart']}" if v["widest apart"] else "none") + copies)
-    met = [n for n, m in results.items() if search.verdict(m["cells"], bit_sweeps(m["schemes"])[search.W8A8])["met"]]
+    met = [n for n, m in results.items() if search.verdict(m.cells, bit_sweeps(m.schemes)[search.W8A8])["met"]]
     return (f"criterion met by {', '.join(met) if met else 'no candidate'} of {len(results)}: " + "; ".join(parts))
 
 
 def mitigations() -> str:
-    metrics = _metrics("mitigations")
-    cells = list(_cells("mitigations").values())
-    fixes = metrics["study"]["report"]["fixes"]
+    metrics = _study("mitigations")
+    cells = metrics.cells
+    fixes = metrics.report["fixes"]
     reference, within = fixes["reference"], float(fixes.get("within", 0.01))
-    changes = {(c["id"], s): ppl_change(c, s) for c in cells for s in metrics["schemes"]}
+    changes = {(c.id, s): ppl_change(c, s) for c in cells for s in metrics.schemes}
     parts = []
     for c in cells:
-        rows = [r for r in fix_rows(c, metrics["schemes"], changes, within) if r["scheme"] != reference]
-        fixed = [r for r in rows if r["verdict"] == "fixed"]
-        text = f"{c['model']}: `{reference}` {_delta(changes[c['id'], reference])}"
+        rows = [r for r in fix_rows(c, metrics.schemes, changes, within) if r.scheme != reference]
+        fixed = [r for r in rows if r.verdict == "fixed"]
+        text = f"{c.model}: `{reference}` {_delta(changes[c.id, reference])}"
         if fixed:
             text += (f", within +{within:.0%} (whole interval) with {len(fixed)} of {len(rows)} schemes, best "
-                     + ", ".join(f"`{r['scheme']}` {_delta(r['delta'])}" for r in fixed[:3]))
+                     + ", ".join(f"`{r.scheme}` {_delta(r.delta)}" for r in fixed[:3]))
         else:
-            text += (f", no scheme within +{within:.0%} (whole interval); best `{rows[0]['scheme']}` "
-                     f"{_delta(rows[0]['delta'])}")
-        parts.append(text + f"; worst `{rows[-1]['scheme']}` {_delta(rows[-1]['delta'])}")
+            text += (f", no scheme within +{within:.0%} (whole interval); best `{rows[0].scheme}` "
+                     f"{_delta(rows[0].delta)}")
+        parts.append(text + f"; worst `{rows[-1].scheme}` {_delta(rows[-1].delta)}")
     return "; ".join(parts)
 
 

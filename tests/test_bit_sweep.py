@@ -3,9 +3,11 @@ each cell's bit budget (fewest activation bits under a 1% perplexity increase) a
 
 import pytest
 
-from quantgate.plots import plot_bit_sweeps
 from quantgate.quant.schemes import act_bits
-from quantgate.report import _bit_budget, bit_sweeps, budget
+from quantgate.study import CellRecord
+from quantgate.study.measures import bit_sweeps, budget
+from quantgate.study.plots import plot_bit_sweeps
+from quantgate.study.report import _bit_budget
 from quantgate.stats import Delta
 from quantgate.study import StudyError, load_study
 
@@ -65,8 +67,7 @@ def test_budget_is_the_fewest_bits_under_one_percent_at_every_wider_width():
 
 
 def test_report_section_and_plot(tmp_path):
-    cells = [{"id": "t/vanilla", "model": "t", "variant": "vanilla", "seed": 0, "trained": {}},
-             {"id": "t/g1", "model": "t", "variant": "g1", "seed": 0, "trained": {}}]
+    cells = [CellRecord(id="t/vanilla", model="t", variant="vanilla"), CellRecord(id="t/g1", model="t", variant="g1")]
     schemes = ["w8a8-int8-bondarenko", "w8a8-int8-bondarenko:a_bits=6"]
     changes = {("t/vanilla", schemes[0]): _d(0.003, 0.001, 0.005), ("t/vanilla", schemes[1]): _d(0.09, 0.07, 0.11),
                ("t/g1", schemes[0]): _d(0.002, -0.001, 0.004), ("t/g1", schemes[1]): _d(0.008, 0.004, 0.013)}

@@ -79,7 +79,7 @@ def test_eval_and_compare(tmp_path, capsys):
 def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, capsys):
     import torch
 
-    import quantgate.quant
+    import quantgate.cli
     from quantgate.quant import HardwareUnavailable
 
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
@@ -89,7 +89,7 @@ def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, caps
     def fail(error):
         def quantize(*args, **kwargs):
             raise error
-        monkeypatch.setattr(quantgate.quant, "quantize", quantize)
+        monkeypatch.setattr(quantgate.cli, "quantize", quantize)  # the name the command calls
 
     fail(HardwareUnavailable("w8a8-x cannot run here: no such GPU"))
     assert main(["quantize", "tiny-llama", "--scheme", "w8-int8"]) == 2

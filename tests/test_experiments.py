@@ -14,7 +14,7 @@ import yaml
 import quantgate as qg
 from quantgate import experiment as ex
 from quantgate.stats import Delta, format_delta
-from quantgate.study import load_study, plan, run_study
+from quantgate.study import CellRecord, StudyRecord, load_study, plan, run_study, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
@@ -33,7 +33,7 @@ def test_every_study_validates(path):
     study = load_study(path)
     text = plan(path)
     assert f"{len(study.cells())} cells" in text
-    assert all(c["id"] in text for c in study.cells())
+    assert all(c.id in text for c in study.cells())
 
 
 def test_studies_listed_in_readme():
@@ -213,14 +213,14 @@ def _check_twins_search(out):
     run = next(out.glob("*/seed0"))
     found = json.loads((run / "sites.json").read_text())
     calib = yaml.safe_load((run / "study.yaml").read_text())["calibration"]
-    for c in _metrics(run)["cells"]:
-        model = qg.load(search._train_dir({**c, "run": run}) / "model").eval()
+    for c in read_metrics(run).cells:
+        model = qg.load(c.directory / "train" / "model").eval()
         data = qg.data.batches(qg.tokenizer(model), calib["data"], calib["seq_len"], calib["batch_size"],
                                max_batches=4, seed=1_000)
         with torch.no_grad():
             loss = sum(model(**b).loss.item() for b in data) / 4
         for scheme in search.SITE_SCHEMES:
-            assert found[c["variant"]][scheme]["none"] == pytest.approx(loss, rel=1e-4)
+            assert found[c.variant][scheme]["none"] == pytest.approx(loss, rel=1e-4)
     assert "## Which tensors cost what" in (out / "report.md").read_text()
 
 
@@ -279,12 +279,15 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     search = _module("twins_search")
     widths = [(8, "w8a8-int8-bondarenko"), (6, "w8a8-int8-bondarenko:a_bits=6")]
 
-    def cell(seed, variant, sink, ratio, changes):
-        layers = [{"sink_mass": sink, "max_activation": ratio, "max_median_ratio": ratio}]
-        return {"seed": seed, "variant": variant, "changes": changes,
-                "observe": {"layers": layers, "summary": {"max_activation": ratio}}}
+    changes = {}  # {cell id: {scheme: Delta}}
 
-    monkeypatch.setattr(search, "ppl_change", lambda c, s: c["changes"][s])
+    def cell(seed, variant, sink, ratio, change):
+        layers = [{"sink_mass": sink, "max_activation": ratio, "max_median_ratio": ratio}]
+        changes[f"m/{variant}-seed{seed}"] = change
+        return CellRecord(id=f"m/{variant}-seed{seed}", model="m", variant=variant, seed=seed,
+                          observe={"layers": layers, "summary": {"max_activation": ratio}})
+
+    monkeypatch.setattr(search, "ppl_change", lambda c, s: changes[c.id][s])
     d = lambda v, lo, hi: Delta(v, lo, hi, "perplexity", 100, "")  # noqa: E731
     u8, g8 = d(0.10, 0.08, 0.12), d(0.01, 0.00, 0.02)  # 10x, apart
     u6, g6 = d(0.30, 0.20, 0.40), d(0.10, 0.05, 0.25)  # 3x and overlapping
@@ -293,13 +296,13 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     v = search.verdict(cells, widths)
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 3, "gated neither": 3, "W8A8 apart": 3}
     assert v["met"] and v["widest apart"] == 8
-    cells[1]["changes"][widths[0][1]] = d(0.03, 0.02, 0.04)  # seed 0's gated twin: only 3.3x below
-    cells[2]["observe"]["layers"][0]["max_median_ratio"] = 149  # seed 1's ungated ratio just under 150
-    cells[4]["changes"] = {widths[0][1]: d(0.10, 0.08, 0.12), widths[1][1]: d(0.5, 0.3, 0.6)}
+    changes[cells[1].id][widths[0][1]] = d(0.03, 0.02, 0.04)  # seed 0's gated twin: only 3.3x below
+    cells[2].layers[0]["max_median_ratio"] = 149  # seed 1's ungated ratio just under 150
+    changes[cells[4].id] = {widths[0][1]: d(0.10, 0.08, 0.12), widths[1][1]: d(0.5, 0.3, 0.6)}
     v = search.verdict(cells, widths)
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 2}
     assert not v["met"] and v["widest apart"] is None
     assert not search.verdict(cells[:4], widths)["met"]  # two seeds never meet it
     with pytest.raises(SystemExit, match="run python experiments/twins_search.py --only d128-2L --seeds 5 first"):
-        search._pair({"d128-2L": {"cells": cells}}, "d128-2L", 5)  # --sites / --package of a seed never run
-    assert len(search._pair({"d128-2L": {"cells": cells}}, "d128-2L", 1)) == 2
+        search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 5)  # never run
+    assert len(search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 1)) == 2

@@ -70,11 +70,11 @@ def _block(name: str) -> str:
 def test_headline_changes_carry_their_intervals():
     """The quickstart's SmolLM2 change with its paired interval over documents; cpu_recipe's change averaged
     over three seeds (geometric mean of the perplexity ratios) with a t-interval across them, by hand."""
-    from quantgate.report import ppl_change
+    from quantgate.study import read_metrics
+    from quantgate.study.measures import ppl_change
     from quantgate.stats import format_delta
 
-    smol = next(c for c in json.loads((ROOT / "results" / "quickstart" / "metrics.json").read_text())["cells"]
-                if c["id"] == "smollm2-135m/vanilla")
+    smol = next(c for c in read_metrics(ROOT / "results" / "quickstart").cells if c.id == "smollm2-135m/vanilla")
     static = ppl_change(smol, "w8a8-int8-static")
     assert static.low is not None and f"({format_delta(static, noise=', within noise')})" in _block("quickstart")
     cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]

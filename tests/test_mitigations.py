@@ -280,7 +280,8 @@ def test_rotation_makes_static_int8_of_a_massive_channel_model_closer_to_float()
 
 def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
     """``report: fixes``: fixed = the whole interval below +1%; not resolved = estimate below, interval past."""
-    from quantgate.fixes import which_fix
+    from quantgate.study import CellRecord
+    from quantgate.study.fixes import which_fix
     from quantgate.stats import Delta, format_delta
 
     def d(v, lo, hi):
@@ -290,6 +291,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
     cells = [{"id": f"{m}/v", "model": m, "variant": "vanilla", "schemes": {
         "w8a8-int8-static:rotate=online": {"mitigation": {"rotation": {"extra_params": 0, "extra_ops_per_token": 1792}},
                                            "quantize_s": 2.5}}} for m in ("big", "twin")]
+    cells = [CellRecord.from_json(c) for c in cells]
     changes = {("big/v", schemes[0]): d(1.07, 0.98, 1.12), ("big/v", schemes[1]): d(0.004, 0.002, 0.006),
                ("big/v", schemes[2]): d(0.008, 0.003, 0.013), ("big/v", schemes[3]): d(0.03, 0.02, 0.04),
                ("twin/v", schemes[0]): d(0.002, -0.001, 0.004), ("twin/v", schemes[1]): d(0.001, 0.0, 0.002)}
@@ -321,7 +323,8 @@ def test_smoothquant_on_torchaos_real_int8_static_path_lowers_the_error_of_an_ou
 
 
 def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_hand():
-    from quantgate.fixes import sink_effect, which_fix, without_sink
+    from quantgate.study import CellRecord
+    from quantgate.study.fixes import sink_effect, which_fix, without_sink
 
     def docs(loglik):
         return {"quantgate_backcopy": {"ids": [0, 1, 2], "loglikelihood": loglik, "tokens": [10, 10, 10]}}
@@ -329,6 +332,7 @@ def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_han
     cell = {"id": "t/v", "model": "t", "variant": "vanilla", "float": {"quantgate_backcopy": {"perplexity": 2.0}},
             "schemes": {"kv4-int4": {"documents": docs([-12.0, -11.0, -13.0])},
                         "kv4-int4:sink=1": {"documents": docs([-10.0, -10.5, -12.5])}}}
+    cell = CellRecord.from_json(cell)
     assert without_sink("kv4-int4:sink=1") == "kv4-int4" and without_sink("kv4-int4") is None
     d = sink_effect(cell, "kv4-int4", "kv4-int4:sink=1")
     assert d.value == pytest.approx(math.exp(33.0 / 30) / math.exp(36.0 / 30) - 1)  # ppl = exp(-loglik / tokens)

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from quantgate.report import peak_activation, pearson, spearman, study_markdown, write_study_report
+from quantgate.study import CellRecord, StudyRecord
+from quantgate.study.measures import peak_activation
+from quantgate.study.report import pearson, spearman, write_study_report
+from quantgate.study.report import study_markdown
 from quantgate.stats import fmt
 from quantgate.study import StudyError, load_study, run_study
 
@@ -159,11 +162,16 @@ def test_cells_keep_per_document_values_and_the_report_shows_their_intervals(smo
     for scheme, loss in (("w8a8-int8-static", 3.1), ("w8a8-int8-dynamic", 3.0)):
         cell["schemes"][scheme]["documents"]["quantgate_ppl"] = {
             "ids": [0, 1, 2], "loglikelihood": [-loss * w for w in words], "words": words}
-    report = study_markdown(metrics)
+    report = _report(metrics)
     assert "| +10.5% [+10.5, +10.5] |" in report and "| +0.00% [+0.00, +0.00] ~ |" in report  # on every resample
     del cell["schemes"]["w8a8-int8-dynamic"]["documents"]["quantgate_ppl"]["ids"][-1]
     with pytest.raises(ValueError, match="cover different documents"):  # a mismatched set is refused, not averaged
-        study_markdown(metrics)
+        _report(metrics)
+
+
+def _report(metrics: dict) -> str:
+    """The report of a metrics.json's data (the report reads it typed)."""
+    return study_markdown(StudyRecord.from_json(metrics))
 
 
 def _without_documents(metrics: dict) -> dict:
@@ -182,17 +190,17 @@ def test_committed_reports_carry_intervals_and_say_when_there_are_none():
     """Committed runs: every change has its paired interval; stripped of their per-document values they say
     [n/a]; correlations only from n = 5; max / median of the block holding the max; kurtosis's tensors named."""
     quickstart = _committed("quickstart")
-    with_docs, without = study_markdown(quickstart), study_markdown(_without_documents(quickstart))
+    with_docs, without = _report(quickstart), _report(_without_documents(quickstart))
     assert re.search(r"\| [+-]\d+\.\d+% \[[+-]\d", with_docs)  # a change with its interval
     assert not re.search(r"\d(%|x| pp) \[n/a\]", with_docs)  # no change without its interval
     rows = "\n".join(line for line in without.splitlines() if line.startswith("|"))  # the tables, not the notes
     assert not re.search(r"% \[[+-]\d", rows) and "[n/a]: no interval" in without
     assert "None: fewer than 5 cells have any two of the numbers." in without and "(n=4)" not in without
     for cell in quickstart["cells"]:  # the ratio is that of the block holding the largest activation
-        peak, ratio = peak_activation(cell)
+        peak, ratio = peak_activation(CellRecord.from_json(cell))
         assert f"| {fmt(peak)} | {fmt(ratio)} |" in with_docs
     assert "then over Bondarenko et al.'s tensors (their reference code): for BERT each layer's FFN output" in with_docs
-    assert "(n=8)" in study_markdown(_committed("qiu_table4"))
+    assert "(n=8)" in _report(_committed("qiu_table4"))
 
 
 def test_seeds_average_with_a_t_interval_when_cells_lack_documents():
@@ -204,7 +212,7 @@ def test_seeds_average_with_a_t_interval_when_cells_lack_documents():
     d = 2 if max(abs(mean - half), abs(mean + half)) < 1 else 1  # format_delta's decimals
     fp = sum(c["float"]["quantgate_backcopy"]["perplexity"] for c in vanilla) / 3
     row = f"| tiny | vanilla | 0, 1, 2 | {fmt(fp)} | {mean:+.{d}f}% [{mean - half:+.{d}f}, {mean + half:+.{d}f}]"
-    assert row in study_markdown(recipe)
+    assert row in _report(recipe)
 
 
 def _change(cell: dict, scheme: str) -> float:
@@ -214,7 +222,7 @@ def _change(cell: dict, scheme: str) -> float:
 
 
 def test_compare_reads_study_runs(smoke_run):
-    from quantgate.report import compare
+    from quantgate.study.report import compare
 
     table = compare([smoke_run])
     assert "| smoke:tiny | g1-headwise | 0 | float |" in table
@@ -222,7 +230,7 @@ def test_compare_reads_study_runs(smoke_run):
 
 
 def test_compare_matches_each_seed_with_its_own_float_run():
-    from quantgate.report import compare
+    from quantgate.study.report import compare
 
     cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]
     seed1 = next(c for c in cells if c["id"] == "tiny/vanilla-seed1")
@@ -234,9 +242,9 @@ def test_compare_matches_each_seed_with_its_own_float_run():
 
 def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatch):
     import quantgate as qg
-    import quantgate.quant
     from quantgate.quant import HardwareUnavailable
-    from quantgate.study import _quantized
+    from quantgate.study import steps
+    from quantgate.study.steps import _quantized
 
     model = qg.build("tiny-llama")
     tok = qg.tokenizer(model)
@@ -244,7 +252,7 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
     def fail(error):
         def quantize(*args, **kwargs):
             raise error
-        monkeypatch.setattr(quantgate.quant, "quantize", quantize)
+        monkeypatch.setattr(steps, "quantize", quantize)  # the name the study step calls
 
     fail(HardwareUnavailable("w8-int8 cannot run here: no such GPU"))
     assert _quantized(model, tok, "w8-int8", {}, None, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
@@ -256,7 +264,7 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
 def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     """``report: baseline``: a variant's float perplexity relative to the baseline's (same model and seed)
     with the paired bootstrap over the documents both read, and its gate parameters as a multiple."""
-    from quantgate.report import _against_baseline
+    from quantgate.study.report import _against_baseline
     from quantgate.stats import format_delta, paired_delta
 
     def cell(variant, loglik, params):
@@ -267,11 +275,12 @@ def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
                 "cost": {"gate_params": params}, "observe": {"layers": [{"sink_mass": 0.5}, {"sink_mass": 0.07}]}}
 
     base, low = cell("g1-elementwise", [-12.0, -15.0, -9.0, -14.0], 800), cell("hyga", [-11.0, -15.5, -8.0, -13.0], 200)
-    lines = _against_baseline([base, low], [], {}, "g1-elementwise")
+    records = [CellRecord.from_json(c) for c in (base, low)]
+    lines = _against_baseline(records, [], {}, "g1-elementwise")
     row = next(line for line in lines if line.startswith("| m | hyga |"))
     expected = paired_delta(base["float_documents"]["quantgate_backcopy"], low["float_documents"]["quantgate_backcopy"],
                             "perplexity")
     assert expected.value == pytest.approx(math.exp((50 - 47.5) / -40) - 1)  # ppl ratio by hand: exp(-2.5 / 40) - 1
     assert f"| {format_delta(expected)} | 200 (0.25x) | 0.50 (0) |" in row
     assert "| m | g1-elementwise | 0 | - | 800 (1.00x) |" in "\n".join(lines)
-    assert _against_baseline([base, low], [], {}, None) == []
+    assert _against_baseline(records, [], {}, None) == []

@@ -132,7 +132,7 @@ def test_models_trained_here_are_evaluated_within_their_training_length(tmp_path
     """lm-eval's windows default to the training seq_len for a trained model (not the model's position table:
     a tiny model trained on 128 tokens would be scored at 4,096); loaded models and computed tasks keep theirs;
     an explicit max_length wins."""
-    from quantgate.study import _eval_settings
+    from quantgate.study.steps import _eval_settings
 
     text = ("name: x\nmodels:\n  - name: trained\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
             "  - name: explicit\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"

@@ -8,9 +8,10 @@ its position in the attention block:
 
 Each class is one gate kind, registered by ``@gate_kind`` (:mod:`quantgate.variants` parses and prints
 the registry): its position, activation, bias initialisation (``bias_for``, above ``floor``) and the
-Linears that read x (``x_readers``) are its own. Gate values lie in [0, 1] ([0.5, 1] for NS-sigmoid). Biases start at logit(pi_init), weights at
-N(0, init_std). ``open_()`` sets every weight to 0 and every bias/logit to 30, which makes the gate
-exactly 1 in float32: the model then computes what the ungated model computes.
+Linears that read x (``x_readers``) are its own. Gate values lie in [0, 1] ([0.5, 1] for NS-sigmoid).
+Biases start at logit(pi_init), weights at N(0, init_std). ``open_()`` sets every weight to 0 and
+every bias/logit to 30, which makes the gate exactly 1 in float32: the model then computes what the
+ungated model computes.
 
 ``finetune=true`` (Bondarenko et al.'s fine-tuning set-up, for adding a gate to a pretrained model):
 weights start at N(0, 0.001) and the gate output is divided by its initial value, so the gated model
@@ -19,6 +20,7 @@ starts within a hair of the pretrained function and the gate ranges over [0, 1 /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,13 +58,14 @@ class Gate(nn.Module):
     # its submodules that read x through an nn.Linear (a Sequential: its first layer), which rotations and
     # SmoothQuant rescale with x; None: not declared, so those refuse the gate
     x_readers: ClassVar[tuple[str, ...] | None] = None
+    compute: Callable[..., torch.Tensor]  # each subclass's gate multiplier: compute(x), or compute(x, h)
 
     @classmethod
     def bias_for(cls, pi_init: float) -> float:
         """The pre-activation value at which :meth:`activation` gives ``pi_init``."""
         return logit(pi_init)
 
-    def __init__(self, spec: GateSpec, dims: AttentionDims):
+    def __init__(self, spec: GateSpec, dims: AttentionDims) -> None:
         super().__init__()
         self.spec, self.dims = spec, dims
         self.rescale = 1.0
@@ -75,7 +78,7 @@ class Gate(nn.Module):
         """The gate's value when its weights are zero."""
         return self.spec.pi_init
 
-    def forward(self, *args) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
         g = self.compute(*args)
         return g * self.rescale if self.rescale != 1.0 else g
 
@@ -132,11 +135,11 @@ class ElementwiseGate(Gate):
 
     x_readers = ("proj",)
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return self.activation(_heads(self.proj(x), self.dims.n_heads))
 
 
@@ -146,11 +149,11 @@ class HeadwiseGate(Gate):
 
     x_readers = ("proj",)
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.n_heads, spec.low_rank, spec.bias_init, std)
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
 
 
@@ -160,11 +163,11 @@ class HeadSharedGate(Gate):
 
     x_readers = ("proj",)
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.head_dim, spec.low_rank, spec.bias_init, std)
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.proj(x)).unsqueeze(1)
 
 
@@ -174,11 +177,11 @@ class ConstantGate(Gate):
 
     x_readers = ()
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.logit = nn.Parameter(torch.full((dims.n_heads, 1, dims.head_dim), spec.bias_init))
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.logit).unsqueeze(0)
 
 
@@ -192,7 +195,7 @@ class NSSigmoidGate(ElementwiseGate):
     def bias_for(cls, pi_init: float) -> float:
         return logit(2 * pi_init - 1)
 
-    def activation(self, z):
+    def activation(self, z: torch.Tensor) -> torch.Tensor:
         return 0.5 + 0.5 * torch.sigmoid(z)
 
 
@@ -204,11 +207,11 @@ class ValueGate(Gate):
 
     position = "value"
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.n_kv_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.proj(x))
 
 
@@ -220,16 +223,21 @@ class OutputGate(Gate):
 
     position = "output"
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.proj = _proj(dims.d_model, dims.d_model, spec.low_rank, spec.bias_init, std)
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.proj(x))
 
 
-@gate_kind("bondarenko", "Bondarenko et al.: per head sigmoid(G_h(x_h)) from the head's d_head slice of x",
-           pi_init=0.25, low_rank=False, options={"mode": (str, "linear", ("linear", "mlp", "all-heads"))})
+@gate_kind(
+    "bondarenko",
+    "Bondarenko et al.: per head sigmoid(G_h(x_h)) from the head's d_head slice of x",
+    pi_init=0.25,
+    low_rank=False,
+    options={"mode": (str, "linear", ("linear", "mlp", "all-heads"))},
+)
 class BondarenkoGate(Gate):
     """Bondarenko et al. eq. 5: per head h, sigmoid(G_h(x_h)) with x_h the h-th of Hq equal slices
     of x; G_h = Linear(slice -> 1) (``linear``), slice -> slice/4 -> 1 with ReLU (``mlp``), or one
@@ -237,12 +245,14 @@ class BondarenkoGate(Gate):
 
     x_readers = ("proj",)  # mode=all-heads; the other modes read slices
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         h, mode = dims.n_heads, spec.option("mode")
         if mode != "all-heads" and dims.d_model % h:
-            raise ValueError(f"bondarenko:mode={mode} slices x into {h} heads, but d_model={dims.d_model} "
-                             f"is not a multiple of {h}; use bondarenko:mode=all-heads")
+            raise ValueError(
+                f"bondarenko:mode={mode} slices x into {h} heads, but d_model={dims.d_model} "
+                f"is not a multiple of {h}; use bondarenko:mode=all-heads"
+            )
         c = dims.d_model // h
         if mode == "all-heads":
             self.proj = _proj(dims.d_model, h, None, spec.bias_init, std)
@@ -252,7 +262,7 @@ class BondarenkoGate(Gate):
             self.hidden = _HeadLinear(h, c, max(c // 4, 1), 0.0, std)
             self.head = _HeadLinear(h, max(c // 4, 1), 1, spec.bias_init, std)
 
-    def compute(self, x):
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "proj"):
             return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
         xh = _heads(x, self.dims.n_heads)
@@ -261,9 +271,15 @@ class BondarenkoGate(Gate):
         return torch.sigmoid(self.head(xh))
 
 
-@gate_kind("hyga", "HyGA: sigmoid(X-gate(x) + H-gate(SDPA out)) * sigmoid(C-gate(all heads)), low rank d_int",
-           options={"h_gate": (bool, True, (True, False)), "c_gate": (bool, True, (True, False)),
-                    "fusion": (str, "sum", ("sum", "product"))})
+@gate_kind(
+    "hyga",
+    "HyGA: sigmoid(X-gate(x) + H-gate(SDPA out)) * sigmoid(C-gate(all heads)), low rank d_int",
+    options={
+        "h_gate": (bool, True, (True, False)),
+        "c_gate": (bool, True, (True, False)),
+        "fusion": (str, "sum", ("sum", "product")),
+    },
+)
 class HyGAGate(Gate):
     """HyGA (Zhou et al. 2026): sigmoid(X(x) + H(h)) * sigmoid(C(h)), h the SDPA output.
 
@@ -280,7 +296,7 @@ class HyGAGate(Gate):
     def initial_value(self) -> float:
         return self.spec.pi_init * (0.5 if self.spec.option("c_gate") else 1.0)
 
-    def __init__(self, spec, dims, std):
+    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         h, dh, r = dims.n_heads, dims.head_dim, spec.low_rank
         if r is None:
@@ -295,7 +311,7 @@ class HyGAGate(Gate):
         if spec.option("c_gate"):
             self.c_proj = _proj(h * dh, h, None, 0.0, std)
 
-    def compute(self, x, h):
+    def compute(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         heads = self.dims.n_heads
         if hasattr(self, "x_proj"):
             zx = _heads(self.x_proj(x), heads)
@@ -316,4 +332,6 @@ class HyGAGate(Gate):
 
 def build_gate(spec: GateSpec, dims: AttentionDims, init_std: float = 0.02) -> Gate:
     """The gate module for ``spec`` in an attention block of size ``dims``."""
-    return GATE_KINDS[spec.kind].gate(spec, dims, init_std)._finish_init()
+    gate = GATE_KINDS[spec.kind].gate(spec, dims, init_std)
+    assert isinstance(gate, Gate)  # gate kinds are registered by the Gate subclasses above
+    return gate._finish_init()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -49,41 +50,56 @@ def gated_sdpa(
     dropout_p: float = 0.0,
     backend: str = "auto",
     sink_tokens: int = 0,
-    fake_quant=None,
-):
+    fake_quant: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention ``gate * softmax(q k^T * scale + mask) v`` with the options in the module docstring.
 
     clip: (gamma, zeta) for clipped softmax. sink_tokens: when k > 0, also return the attention
     probability on the first k keys, shape (B, Hq, N). fake_quant: optional mapping of "q", "k", "v",
     "scores" (softmax input) and "probs" (softmax output) to functions applied to those tensors
-    (simulated quantization; quantizing scores or probs runs on the eager backend). Returns out (B, Hq, N, Dv), or (out, mass).
+    (simulated quantization; quantizing scores or probs runs on the eager backend).
+    Returns out (B, Hq, N, Dv), or (out, mass).
     """
     _check_shapes(q, k, v, sinks)
     if backend not in BACKENDS:
         raise ValueError(f"unknown gated_sdpa backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend in ("auto", "triton") and fake_quant is None and (backend == "triton" or q.is_cuda):
-        out = _triton(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens,
-                      explicit=backend == "triton")
+        out = _triton(
+            q,
+            k,
+            v,
+            gate,
+            attn_mask,
+            is_causal,
+            scale,
+            clip,
+            sinks,
+            dropout_p,
+            sink_tokens,
+            explicit=backend == "triton",
+        )
         if out is not None:
             return out
     if fake_quant is not None:
         q, k, v = (fake_quant[n](t) if n in fake_quant else t for n, t in (("q", q), ("k", k), ("v", v)))
-    if fake_quant is not None and ("scores" in fake_quant or "probs" in fake_quant):
-        backend = "eager"
-    elif backend != "eager" and _needs_eager(q, k, v, clip, sinks):
+    if (fake_quant is not None and ("scores" in fake_quant or "probs" in fake_quant)) or (
+        backend != "eager" and _needs_eager(q, k, v, clip, sinks)
+    ):
         backend = "eager"
     args = (q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens)
-    out, mass = (_eager(*args, fake_quant=fake_quant) if backend == "eager" else _sdpa(*args))
+    out, mass = _eager(*args, fake_quant=fake_quant) if backend == "eager" else _sdpa(*args)
     return (out, mass) if sink_tokens > 0 else out
 
 
 def _check_shapes(q, k, v, sinks):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"gated_sdpa expects 4-d (B, H, N, D) tensors, got q{tuple(q.shape)} "
-                         f"k{tuple(k.shape)} v{tuple(v.shape)}")
+        raise ValueError(
+            f"gated_sdpa expects 4-d (B, H, N, D) tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads "
-                         f"({k.shape[1]}, {v.shape[1]})")
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, {v.shape[1]})"
+        )
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must have shape ({q.shape[1]},), got {tuple(sinks.shape)}")
 
@@ -100,7 +116,7 @@ def _needs_eager(q, k, v, clip, sinks) -> bool:
 def _triton_kernels():
     """The Triton kernel module, or None when triton is not installed."""
     try:
-        from . import triton_sdpa
+        from . import triton_sdpa  # triton: imported at first use (optional, CUDA machines)
     except ImportError:
         return None
     return triton_sdpa
@@ -118,15 +134,23 @@ def _triton(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, 
         raise ValueError(reason)
     masks = _key_padding(attn_mask, is_causal, q.shape[2], k.shape[2]) if not reason else None
     if not reason:
-        reason = ("clipped softmax" if clip is not None else "dropout" if dropout_p > 0.0
-                  else "a mask other than causal and key padding" if masks is None else None)
+        reason = (
+            "clipped softmax"
+            if clip is not None
+            else "dropout"
+            if dropout_p > 0.0
+            else "a mask other than causal and key padding"
+            if masks is None
+            else None
+        )
     if reason:
         if explicit:
             _warn_fallback(reason)
         return None
     key_padding, causal = masks
-    out, _, mass = kernels.flash_gated_sdpa(q, k, v, gate, key_padding=key_padding, is_causal=causal, scale=scale,
-                                            sinks=sinks, sink_tokens=sink_tokens)
+    out, _, mass = kernels.flash_gated_sdpa(
+        q, k, v, gate, key_padding=key_padding, is_causal=causal, scale=scale, sinks=sinks, sink_tokens=sink_tokens
+    )
     return (out, mass) if sink_tokens > 0 else out
 
 
@@ -176,7 +200,7 @@ def _clipped(p: torch.Tensor, clip) -> torch.Tensor:
 
 
 def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens, fake_quant=None):
-    b, h, n, d = q.shape
+    _b, h, n, d = q.shape
     m = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
@@ -208,8 +232,16 @@ def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, s
 def _sdpa(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, sink_tokens):
     h = q.shape[1]
     if sinks is None and sink_tokens == 0:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                             is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != h)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=k.shape[1] != h,
+        )
         mass = None
     else:
         out, lse = _sdpa_with_lse(q, k, v, attn_mask, is_causal, scale, dropout_p)
@@ -236,11 +268,13 @@ def _sdpa_with_lse(q, k, v, attn_mask, is_causal, scale, dropout_p):
         elif mask is not None:
             mask = mask.to(q.dtype)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
         # the kernel reports 0 for rows with no key to attend to; make it -inf (zero probability)
         return out, lse.float().masked_fill(_all_masked(attn_mask, is_causal, q), float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                         is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != h)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != h
+    )
     with torch.no_grad():
         return out, _chunked_lse(q, _repeat_kv(k, h), attn_mask, is_causal, scale)
 
@@ -250,7 +284,7 @@ def _chunked_lse(q, k, attn_mask, is_causal, scale, chunk: int = 256) -> torch.T
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     rows = []
     for start in range(0, q.shape[2], chunk):
-        s = (q[:, :, start:start + chunk] @ k.transpose(-1, -2)).float() * scale
+        s = (q[:, :, start : start + chunk] @ k.transpose(-1, -2)).float() * scale
         rows.append(torch.logsumexp(_mask_scores(s, attn_mask, is_causal, start), dim=-1))
     return torch.cat(rows, dim=-1)
 
@@ -261,6 +295,7 @@ def _all_masked(attn_mask, is_causal, q) -> torch.Tensor:
         return torch.zeros(1, 1, q.shape[2], dtype=torch.bool, device=q.device)
     m = attn_mask.shape[-1]
     valid = _valid_mask(attn_mask, is_causal, q.shape[2], m, q.device)
+    assert valid is not None  # a boolean attn_mask
     return ~valid.any(-1)
 
 
@@ -268,7 +303,7 @@ def _mask_scores(s, attn_mask, is_causal, row0: int):
     """Apply the mask rows row0 .. row0 + s.shape[-2] to scores s (B, H, rows, M)."""
     rows, m = s.shape[-2], s.shape[-1]
     if attn_mask is not None:
-        part = attn_mask[..., row0:row0 + rows, :] if attn_mask.shape[-2] > 1 else attn_mask
+        part = attn_mask[..., row0 : row0 + rows, :] if attn_mask.shape[-2] > 1 else attn_mask
         s = s.masked_fill(~part, float("-inf")) if part.dtype == torch.bool else s + part.float()
     if is_causal:
         qi = torch.arange(row0, row0 + rows, device=s.device).view(-1, 1)

@@ -57,13 +57,33 @@ def _program(H, GROUP):
 @triton.jit
 def _tile(base, offs_r, offs_c, stride_r, stride_c, n_r, n_c):
     """A (rows, cols) tile at base, zero outside n_r rows and n_c columns."""
-    return tl.load(base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
-                   mask=(offs_r < n_r)[:, None] & (offs_c < n_c)[None, :], other=0.0)
+    return tl.load(
+        base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+        mask=(offs_r < n_r)[:, None] & (offs_c < n_c)[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
-def _scores(q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, kp_ptr, stride_kpb, N, M, scale_log2,
-            CAUSAL: tl.constexpr, HAS_KP: tl.constexpr, PRECISION: tl.constexpr):
+def _scores(
+    q,
+    k_base,
+    offs_m,
+    offs_n,
+    offs_d,
+    skn,
+    skd,
+    D,
+    b,
+    kp_ptr,
+    stride_kpb,
+    N,
+    M,
+    scale_log2,
+    CAUSAL: tl.constexpr,
+    HAS_KP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One (BLOCK_M, BLOCK_N) tile of masked scores in log2 units, -inf where masked."""
     k = _tile(k_base, offs_n, offs_d, skn, skd, M, D)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
@@ -77,14 +97,57 @@ def _scores(q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, kp_ptr, stride_kp
 
 
 @triton.jit
-def _fwd(Q, K, V, G, O, OU, LSE, MASS, KP, SINK,
-         sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgn, sgd,
-         sob, soh, son, sod, skpb,
-         H, GROUP, N, M, scale_log2,
-         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KP: tl.constexpr,
-         HAS_GATE: tl.constexpr, HAS_SINK: tl.constexpr, WRITE_OU: tl.constexpr, SINK_TOKENS: tl.constexpr,
-         PRECISION: tl.constexpr):
+def _fwd(
+    Q,
+    K,
+    V,
+    G,
+    Out,
+    OU,
+    LSE,
+    MASS,
+    KP,
+    SINK,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sgb,
+    sgh,
+    sgn,
+    sgd,
+    sob,
+    soh,
+    son,
+    sod,
+    skpb,
+    H,
+    GROUP,
+    N,
+    M,
+    scale_log2,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KP: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    WRITE_OU: tl.constexpr,
+    SINK_TOKENS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     start_m = tl.program_id(0)
     bh, b, h, hk = _program(H, GROUP)
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -105,8 +168,9 @@ def _fwd(Q, K, V, G, O, OU, LSE, MASS, KP, SINK,
     hi = tl.minimum(M, (start_m + 1) * BLOCK_M) if CAUSAL else M
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        s = _scores(q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, KP, skpb, N, M, scale_log2,
-                           CAUSAL, HAS_KP, PRECISION)
+        s = _scores(
+            q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, KP, skpb, N, M, scale_log2, CAUSAL, HAS_KP, PRECISION
+        )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend to yet
         p = tl.exp2(s - m_safe[:, None])
@@ -127,7 +191,7 @@ def _fwd(Q, K, V, G, O, OU, LSE, MASS, KP, SINK,
     if HAS_GATE:
         g = tl.load(G + b * sgb + h * sgh + offs_m[:, None] * sgn + offs_dv[None, :] * sgd, mask=o_mask, other=0.0)
         out = out * g.to(tl.float32)
-    tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=o_mask)
+    tl.store(Out + o_offs, out.to(Out.dtype.element_ty), mask=o_mask)
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(LSE + bh * N + offs_m, lse, mask=row)
     if SINK_TOKENS > 0:
@@ -142,12 +206,49 @@ def _probs(s, lse):
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DOU, LSE, DELTA, DK, DV_, KP,
-              sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-              skpb, H, GROUP, N, M, scale_log2, scale,
-              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KP: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _bwd_dkdv(
+    Q,
+    K,
+    V,
+    DOU,
+    LSE,
+    DELTA,
+    DK,
+    DV_,
+    KP,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    skpb,
+    H,
+    GROUP,
+    N,
+    M,
+    scale_log2,
+    scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dK, dV for one key tile and one query head (summed over the GQA group by the caller)."""
     start_n = tl.program_id(0)
     bh, b, h, hk = _program(H, GROUP)
@@ -164,8 +265,9 @@ def _bwd_dkdv(Q, K, V, DOU, LSE, DELTA, DK, DV_, KP,
         offs_m = start_m + offs_m0
         row = offs_m < N
         q = _tile(Q + b * sqb + h * sqh, offs_m, offs_d, sqn, sqd, N, D)
-        s = _scores(q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, KP, skpb, N, M, scale_log2,
-                           CAUSAL, HAS_KP, PRECISION)
+        s = _scores(
+            q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, KP, skpb, N, M, scale_log2, CAUSAL, HAS_KP, PRECISION
+        )
         p = _probs(s, tl.load(LSE + bh * N + offs_m, mask=row, other=float("-inf")))
         do = _tile(DOU + b * sdb + h * sdh, offs_m, offs_dv, sdn, sdd, N, DV)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
@@ -179,12 +281,48 @@ def _bwd_dkdv(Q, K, V, DOU, LSE, DELTA, DK, DV_, KP,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DOU, LSE, DELTA, DQ, KP,
-            sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdn, sdd,
-            skpb, H, GROUP, N, M, scale_log2, scale,
-            D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_KP: tl.constexpr,
-            PRECISION: tl.constexpr):
+def _bwd_dq(
+    Q,
+    K,
+    V,
+    DOU,
+    LSE,
+    DELTA,
+    DQ,
+    KP,
+    sqb,
+    sqh,
+    sqn,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    sdb,
+    sdh,
+    sdn,
+    sdd,
+    skpb,
+    H,
+    GROUP,
+    N,
+    M,
+    scale_log2,
+    scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_KP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """dQ for one query tile."""
     start_m = tl.program_id(0)
     bh, b, h, hk = _program(H, GROUP)
@@ -203,8 +341,9 @@ def _bwd_dq(Q, K, V, DOU, LSE, DELTA, DQ, KP,
     hi = tl.minimum(M, (start_m + 1) * BLOCK_M) if CAUSAL else M
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + offs_n0
-        s = _scores(q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, KP, skpb, N, M, scale_log2,
-                           CAUSAL, HAS_KP, PRECISION)
+        s = _scores(
+            q, k_base, offs_m, offs_n, offs_d, skn, skd, D, b, KP, skpb, N, M, scale_log2, CAUSAL, HAS_KP, PRECISION
+        )
         p = _probs(s, lse)
         v = _tile(v_base, offs_n, offs_dv, svn, svd, M, DV)
         ds = p * (tl.dot(do, tl.trans(v), input_precision=PRECISION) - delta[:, None])
@@ -229,9 +368,15 @@ def _blocks(d: int, dv: int, backward: bool) -> dict:
 def _common(q, k, v, causal, kp, scale):
     b, h, n, d = q.shape
     m, dv = k.shape[2], v.shape[-1]
-    meta = {"D": d, "DV": dv, "BLOCK_D": max(16, triton.next_power_of_2(d)),
-            "BLOCK_DV": max(16, triton.next_power_of_2(dv)), "CAUSAL": causal, "HAS_KP": kp is not None,
-            "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+    meta = {
+        "D": d,
+        "DV": dv,
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),
+        "BLOCK_DV": max(16, triton.next_power_of_2(dv)),
+        "CAUSAL": causal,
+        "HAS_KP": kp is not None,
+        "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+    }
     kp_arg = kp if kp is not None else q  # any pointer; never read when HAS_KP is False
     return (b, h, n, m, d, dv), meta, kp_arg, (kp.stride(0) if kp is not None else 0), scale * LOG2E
 
@@ -245,11 +390,35 @@ def _forward(q, k, v, gate, sinks, kp, causal, scale, sink_tokens, write_ungated
     g = gate.expand(b, h, n, dv) if gate is not None else out
     cfg = _blocks(d, dv, backward=False)
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), b * h)
-    _fwd[grid](q, k, v, g, out, out_u, lse, mass, kp_arg, sinks if sinks is not None else lse,
-               *q.stride(), *k.stride(), *v.stride(), *g.stride(), *out.stride(), skpb,
-               h, h // k.shape[1], n, m, scale_log2,
-               HAS_GATE=gate is not None, HAS_SINK=sinks is not None, WRITE_OU=write_ungated,
-               SINK_TOKENS=sink_tokens, **meta, **cfg)
+    _fwd[grid](
+        q,
+        k,
+        v,
+        g,
+        out,
+        out_u,
+        lse,
+        mass,
+        kp_arg,
+        sinks if sinks is not None else lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *g.stride(),
+        *out.stride(),
+        skpb,
+        h,
+        h // k.shape[1],
+        n,
+        m,
+        scale_log2,
+        HAS_GATE=gate is not None,
+        HAS_SINK=sinks is not None,
+        WRITE_OU=write_ungated,
+        SINK_TOKENS=sink_tokens,
+        **meta,
+        **cfg,
+    )
     return out, out_u, lse, (mass if sink_tokens else None)
 
 
@@ -261,10 +430,11 @@ def _backward(q, k, v, dout_u, lse, delta, kp, causal, scale):
     dq = torch.empty(b, h, n, meta["BLOCK_D"], device=q.device, dtype=torch.float32)
     cfg = _blocks(d, dv, backward=True)
     args = (*q.stride(), *k.stride(), *v.stride(), *dout_u.stride(), skpb, h, h // hkv, n, m, scale_log2, scale)
-    _bwd_dkdv[(triton.cdiv(m, cfg["BLOCK_N"]), b * h)](q, k, v, dout_u, lse, delta, dk, dvv, kp_arg, *args,
-                                                         **meta, **cfg)
+    _bwd_dkdv[(triton.cdiv(m, cfg["BLOCK_N"]), b * h)](
+        q, k, v, dout_u, lse, delta, dk, dvv, kp_arg, *args, **meta, **cfg
+    )
     _bwd_dq[(triton.cdiv(n, cfg["BLOCK_M"]), b * h)](q, k, v, dout_u, lse, delta, dq, kp_arg, *args, **meta, **cfg)
-    group = lambda t, last: t[..., :last].view(b, hkv, h // hkv, m, last).sum(2)  # noqa: E731  GQA: sum the group
+    group = lambda t, last: t[..., :last].view(b, hkv, h // hkv, m, last).sum(2)
     return dq[..., :d].to(q.dtype), group(dk, d).to(k.dtype), group(dvv, dv).to(v.dtype)
 
 
@@ -293,8 +463,9 @@ class _FlashGated(torch.autograd.Function):
         return dq, dk, dv, dgate, dsinks, None, None, None, None
 
 
-def flash_gated_sdpa(q, k, v, gate=None, *, key_padding=None, is_causal=False, scale=None, sinks=None,
-                     sink_tokens: int = 0):
+def flash_gated_sdpa(
+    q, k, v, gate=None, *, key_padding=None, is_causal=False, scale=None, sinks=None, sink_tokens: int = 0
+):
     """Fused gated attention. Returns (out (B, Hq, N, Dv), lse (B, Hq, N) float32, mass (B, Hq, N) or None).
 
     lse includes the sink logit; mass is the probability on the first ``sink_tokens`` keys.

@@ -87,8 +87,10 @@ class Resumable:
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("split"), state.get("seed")) != (self.split, self.seed):
-            raise ValueError(f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
-                             f"{self.split!r} seed {self.seed}")
+            raise ValueError(
+                f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
+                f"{self.split!r} seed {self.seed}"
+            )
         self._resume = (state["epoch"], state["batch"])
 
 
@@ -97,9 +99,20 @@ class Batches(Resumable):
     text source; resumable (see :class:`Resumable`); reshuffled each epoch when ``shuffle``.
     """
 
-    def __init__(self, tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", *,
-                 seed: int = 0, shuffle: bool = False, epochs: int | None = 1, mlm_probability: float = 0.15,
-                 max_batches: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        split: str,
+        seq_len: int,
+        batch_size: int,
+        objective: str = "clm",
+        *,
+        seed: int = 0,
+        shuffle: bool = False,
+        epochs: int | None = 1,
+        mlm_probability: float = 0.15,
+        max_batches: int | None = None,
+    ):
         if objective not in ("clm", "mlm"):
             raise ValueError(f"unknown objective {objective!r}; valid: clm, mlm")
         if seq_len < 4 or batch_size < 1:
@@ -114,8 +127,10 @@ class Batches(Resumable):
             tail, sep = [], tokenizer.eos_token_id
         else:
             if None in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id):
-                raise ValueError("MLM batches need a tokenizer with [CLS], [SEP] and [MASK] tokens (a BERT "
-                                 "tokenizer, e.g. the bundled wordpiece-8192)")
+                raise ValueError(
+                    "MLM batches need a tokenizer with [CLS], [SEP] and [MASK] tokens (a BERT "
+                    "tokenizer, e.g. the bundled wordpiece-8192)"
+                )
             head, tail, sep = [tokenizer.cls_token_id], [tokenizer.sep_token_id], tokenizer.sep_token_id
         stream = token_stream(tokenizer, split, sep)
         body = seq_len - len(head) - len(tail)
@@ -123,8 +138,9 @@ class Batches(Resumable):
         if n_rows == 0:
             raise ValueError(f"text source {split!r} has {len(stream)} tokens, fewer than one row of {seq_len}")
         rows = torch.from_numpy(stream[: n_rows * body].astype(np.int64)).view(n_rows, body)
-        self.rows = torch.cat([torch.tensor(head).expand(n_rows, -1), rows, torch.tensor(tail).expand(n_rows, -1)],
-                              dim=1).long()
+        self.rows = torch.cat(
+            [torch.tensor(head).expand(n_rows, -1), rows, torch.tensor(tail).expand(n_rows, -1)], dim=1
+        ).long()
         special = torch.tensor(sorted(tokenizer.all_special_ids))
         self._maskable = torch.ones(max(len(tokenizer), int(self.rows.max()) + 1), dtype=torch.bool)
         self._maskable[special] = False
@@ -140,7 +156,7 @@ class Batches(Resumable):
         while self.batch < len(self):
             b = self.batch
             self.batch += 1
-            yield self._make(order[b * self.batch_size:(b + 1) * self.batch_size], epoch, b)
+            yield self._make(order[b * self.batch_size : (b + 1) * self.batch_size], epoch, b)
 
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -163,6 +179,7 @@ class Batches(Resumable):
         out.update(input_ids=ids, labels=labels)
         return out
 
+
 def is_backcopy(source: str) -> bool:
     """Whether a data source names the synthetic backcopy task (``backcopy`` or ``backcopy:...``)."""
     return source.partition(":")[0] == "backcopy"
@@ -170,7 +187,8 @@ def is_backcopy(source: str) -> bool:
 
 def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:
     """Batches of a text source (``train``, ``validation``, ``test`` or an HF dataset; see :class:`Batches`)
-    or of the synthetic ``backcopy[:key=value,...]`` task (causal LMs; see :class:`~quantgate.data.synthetic.BackcopyBatches`).
+    or of the synthetic ``backcopy[:key=value,...]`` task (causal LMs; see
+    :class:`~quantgate.data.synthetic.BackcopyBatches`).
     """
     if is_backcopy(split):
         from .synthetic import BackcopyBatches, task_options
@@ -178,8 +196,13 @@ def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str
         if objective != "clm":
             raise ValueError("the backcopy task is a causal-LM task; use --objective clm")
         max_batches = kwargs.get("max_batches")
-        return BackcopyBatches(seq_len, batch_size, seed=kwargs.get("seed", 0), epochs=kwargs.get("epochs", 1),
-                               batches_per_epoch=max_batches or 1000,
-                               bos=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1,
-                               **task_options(split))
+        return BackcopyBatches(
+            seq_len,
+            batch_size,
+            seed=kwargs.get("seed", 0),
+            epochs=kwargs.get("epochs", 1),
+            batches_per_epoch=max_batches or 1000,
+            bos=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1,
+            **task_options(split),
+        )
     return Batches(tokenizer, split, seq_len, batch_size, objective, **kwargs)

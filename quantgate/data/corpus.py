@@ -19,7 +19,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 __all__ = ["Document", "corpus", "BUNDLED_SPLITS", "DATASETS", "OfflineError", "hub_reachable"]
@@ -55,19 +55,24 @@ def corpus(split: str = "validation") -> Iterator[Document]:
     elif split.startswith("hf:") or split.split(":")[0] in DATASETS:
         yield from _hf_documents(split)
     else:
-        raise ValueError(f"unknown text source {split!r}; bundled: {', '.join(BUNDLED_SPLITS)}; online: "
-                         f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>")
+        raise ValueError(
+            f"unknown text source {split!r}; bundled: {', '.join(BUNDLED_SPLITS)}; online: "
+            f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>"
+        )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bundled(split: str) -> tuple[Document, ...]:
     path = CORPUS_DIR / f"{split}.jsonl.xz"
     if not path.is_file():
-        raise FileNotFoundError(f"bundled corpus file {path} is missing: reinstall quantgate, or rebuild it with "
-                                f"python scripts/build_corpus.py")
+        raise FileNotFoundError(
+            f"bundled corpus file {path} is missing: reinstall quantgate, or rebuild it with "
+            f"python scripts/build_corpus.py"
+        )
     with lzma.open(path, "rt", encoding="utf-8") as fh:
-        return tuple(Document(**{k: row[k] for k in ("id", "source", "work", "title", "text")})
-                     for row in map(json.loads, fh))
+        return tuple(
+            Document(**{k: row[k] for k in ("id", "source", "work", "title", "text")}) for row in map(json.loads, fh)
+        )
 
 
 def _hf_spec(source: str) -> tuple[list[tuple[str, str | None, str]], str]:
@@ -113,17 +118,21 @@ def _hf_documents(source: str) -> Iterator[Document]:
     specs, split = _hf_spec(source)
     for path, config, column in specs:
         if not hub_offline() and not hub_reachable():  # before datasets' minute of retries
-            raise OfflineError(f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable. "
-                               f"Offline, use the bundled corpus: {', '.join(BUNDLED_SPLITS)} (or set "
-                               f"HF_DATASETS_OFFLINE=1 to read a copy already in the datasets cache)")
+            raise OfflineError(
+                f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable. "
+                f"Offline, use the bundled corpus: {', '.join(BUNDLED_SPLITS)} (or set "
+                f"HF_DATASETS_OFFLINE=1 to read a copy already in the datasets cache)"
+            )
         try:
-            import datasets
+            import datasets  # datasets: imported at first use of an online source
 
             ds = datasets.load_dataset(path, config, split=split)
         except (ConnectionError, OSError) as e:
-            raise OfflineError(f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable "
-                               f"({type(e).__name__}). Offline, use the bundled corpus: "
-                               f"{', '.join(BUNDLED_SPLITS)}") from None
+            raise OfflineError(
+                f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable "
+                f"({type(e).__name__}). Offline, use the bundled corpus: "
+                f"{', '.join(BUNDLED_SPLITS)}"
+            ) from None
         for i, row in enumerate(ds):
             text = row[column].strip()
             if text:

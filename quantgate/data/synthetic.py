@@ -36,8 +36,9 @@ def task_options(source: str) -> dict[str, object]:
     if not is_backcopy(source):
         raise ValueError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
     valid = ", ".join(f"{k} ({', '.join(v[1]) if v[1] else v[0].__name__})" for k, v in TASK_OPTIONS.items())
-    options = dict(key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None,
-                              valid=valid))
+    options = dict(
+        key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None, valid=valid)
+    )
     for key, value in options.items():
         choices = TASK_OPTIONS[key][1]
         if choices and value not in choices:
@@ -59,10 +60,23 @@ class BackcopyBatches(Resumable):
     batch index), so held-out data is another ``seed`` of the same task. Resumable like :class:`Batches`.
     """
 
-    def __init__(self, seq_len: int, batch_size: int, *, n_tokens: int = 512, triggers: int = 3,
-                 branching: int = 3, trigger_prob: float = 0.08, start: str = "random", first_id: int = 5,
-                 bos: int = 1, seed: int = 0, task_seed: int = 0, epochs: int | None = None,
-                 batches_per_epoch: int = 1000):
+    def __init__(
+        self,
+        seq_len: int,
+        batch_size: int,
+        *,
+        n_tokens: int = 512,
+        triggers: int = 3,
+        branching: int = 3,
+        trigger_prob: float = 0.08,
+        start: str = "random",
+        first_id: int = 5,
+        bos: int = 1,
+        seed: int = 0,
+        task_seed: int = 0,
+        epochs: int | None = None,
+        batches_per_epoch: int = 1000,
+    ):
         if start not in TASK_OPTIONS["start"][1]:
             raise ValueError(f"backcopy: start={start!r} is not one of {', '.join(TASK_OPTIONS['start'][1])}")
         self.seq_len, self.batch_size, self.seed, self.bos = seq_len, batch_size, seed, bos

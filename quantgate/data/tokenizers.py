@@ -26,16 +26,30 @@ __all__ = ["BUNDLED_TOKENIZERS", "bundled_tokenizer", "train_tokenizer", "TOKENI
 TOKENIZER_DIR = Path(__file__).with_name("tokenizers")
 
 _SPECIAL = {
-    "bpe": dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>", mask_token="<mask>"),
-    "wordpiece": dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                      mask_token="[MASK]"),
+    "bpe": {
+        "pad_token": "<pad>",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    },
+    "wordpiece": {
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "mask_token": "[MASK]",
+    },
 }
 BUNDLED_TOKENIZERS = {"bpe-8192": ("bpe", 8192), "wordpiece-8192": ("wordpiece", 8192)}
 
 
 def _special_list(kind: str) -> list[str]:
-    order = ("pad_token", "bos_token", "eos_token", "unk_token", "mask_token") if kind == "bpe" else \
-        ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token")
+    order = (
+        ("pad_token", "bos_token", "eos_token", "unk_token", "mask_token")
+        if kind == "bpe"
+        else ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token")
+    )
     return [_SPECIAL[kind][k] for k in order]
 
 
@@ -43,15 +57,22 @@ def train_tokenizer(kind: str, vocab_size: int = 8192, split: str = "train") -> 
     """Train a ``bpe`` or ``wordpiece`` tokenizer on a text source (default: the bundled train split)."""
     specials = _special_list(kind)
     texts = (doc.text for doc in corpus(split))
+    trainer: trainers.Trainer
     if kind == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
         tok.train_from_iterator(texts, trainer)
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A </s> $B",
-                                                           special_tokens=[("<s>", 1), ("</s>", 2)])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A </s> $B", special_tokens=[("<s>", 1), ("</s>", 2)]
+        )
     elif kind == "wordpiece":
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tok.normalizer = normalizers.BertNormalizer(lowercase=False, strip_accents=False)
@@ -59,8 +80,9 @@ def train_tokenizer(kind: str, vocab_size: int = 8192, split: str = "train") -> 
         tok.decoder = decoders.WordPiece()
         trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
         tok.train_from_iterator(texts, trainer)
-        tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
-                                                           special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+        )
     else:
         raise ValueError(f"unknown tokenizer kind {kind!r}; valid: bpe, wordpiece")
     assert [tok.token_to_id(s) for s in specials] == list(range(len(specials)))
@@ -69,8 +91,9 @@ def train_tokenizer(kind: str, vocab_size: int = 8192, split: str = "train") -> 
 
 def wrap(tok: Tokenizer, kind: str) -> PreTrainedTokenizerFast:
     """A transformers tokenizer around a ``tokenizers`` one, with its special tokens."""
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False,
-                                   model_max_length=1 << 20, **_SPECIAL[kind])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, model_max_length=1 << 20, **_SPECIAL[kind]
+    )
 
 
 def bundled_tokenizer(name: str) -> PreTrainedTokenizerFast:

@@ -6,5 +6,21 @@ from .presets import PRESETS, Preset
 from .sources import PACKAGED, tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, set_backend, variant_of
 
-__all__ = ["FAMILIES", "Family", "family_of", "get_family", "build", "load", "save", "PRESETS", "Preset",
-           "PACKAGED", "tokenizer", "apply_variant", "attention_modules", "gate_parameters", "set_backend", "variant_of"]
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "family_of",
+    "get_family",
+    "build",
+    "load",
+    "save",
+    "PRESETS",
+    "Preset",
+    "PACKAGED",
+    "tokenizer",
+    "apply_variant",
+    "attention_modules",
+    "gate_parameters",
+    "set_backend",
+    "variant_of",
+]

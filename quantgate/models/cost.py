@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
+from transformers import PreTrainedConfig
 
 from .modes import eval_mode
 from .swap import apply_variant, gate_parameters
@@ -25,11 +27,14 @@ def gate_cost(model: nn.Module, tokens: int = 32) -> dict:
     the matmul FLOPs per token of a forward pass beyond those of the same model with plain attention
     (torch's FLOP counter: 2 per multiply-add; elementwise work such as the sigmoid is not counted).
     """
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(cast(PreTrainedConfig, model.config))
     config.quantgate = {k: v for k, v in (config.quantgate or {}).items() if k != "variant"}
-    twin = apply_variant(type(model)(config), "vanilla").to(next(model.parameters()).device)
-    ids = torch.randint(5, min(config.vocab_size, 200), (1, tokens), device=twin.device)
+    device = next(model.parameters()).device
+    twin = apply_variant(type(model)(config), "vanilla").to(device)
+    ids = torch.randint(5, min(config.vocab_size, 200), (1, tokens), device=device)
     with eval_mode(model):
         extra = _forward_flops(model, ids) - _forward_flops(twin.eval(), ids)
-    return {"gate_params": sum(p.numel() for p in gate_parameters(model).values()),
-            "gate_flops_per_token": extra / tokens}
+    return {
+        "gate_params": sum(p.numel() for p in gate_parameters(model).values()),
+        "gate_flops_per_token": extra / tokens,
+    }

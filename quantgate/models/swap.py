@@ -11,10 +11,11 @@ G2 (value) and G5 (output) gates ride on forward hooks of the v/o projections.
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn as nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.gates import build_gate
@@ -22,15 +23,33 @@ from ..attention.sdpa import BACKENDS, gated_sdpa
 from ..variants import AttentionVariant, VariantLike
 from .families import Family, family_of
 
-__all__ = ["ATTN_IMPLEMENTATION", "apply_variant", "variant_of", "set_backend", "gate_parameters",
-           "attention_modules"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "apply_variant",
+    "variant_of",
+    "set_backend",
+    "gate_parameters",
+    "attention_modules",
+    "check_expressible",
+    "replace_module",
+    "SinkObserver",
+]
 
 log = logging.getLogger("quantgate")
 ATTN_IMPLEMENTATION = "quantgate"
 
 
-def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                       **kwargs):
+class SinkObserver(Protocol):
+    """What the attention asks of an observer set as ``module.qg_observer`` (:func:`quantgate.observe` sets one,
+    so do the experiments' first-token probes): how many first keys to measure, and where to send the
+    attention mass on them, (B, Hq, N) per call."""
+
+    sink_tokens: int
+
+    def record_sink_mass(self, module: nn.Module, mass: torch.Tensor) -> None: ...
+
+
+def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers attention function: (B, H, N, D) in, (B, N, H, D) out, like ``sdpa_attention_forward``."""
     variant: AttentionVariant = module.qg_variant
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -42,12 +61,19 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
     if gate is not None and gate.position != "sdpa":
         gate = None
     multiplier = gate(module._qg_input) if gate is not None and not gate.needs_output else None
-    observer = module.qg_observer  # set while quantgate.observe runs: asks for the sink mass
+    observer: SinkObserver | None = module.qg_observer  # set while an observer runs: asks for the sink mass
     out = gated_sdpa(
-        query, key, value, multiplier,
-        attn_mask=attention_mask, is_causal=is_causal, scale=scaling,
+        query,
+        key,
+        value,
+        multiplier,
+        attn_mask=attention_mask,
+        is_causal=is_causal,
+        scale=scaling,
         clip=variant.clip.params(key.shape[2]) if variant.clip else None,
-        sinks=getattr(module, "sinks", None), dropout_p=dropout, backend=module.qg_backend,
+        sinks=getattr(module, "sinks", None),
+        dropout_p=dropout,
+        backend=module.qg_backend,
         sink_tokens=observer.sink_tokens if observer is not None else 0,
         fake_quant=module.qg_fake_quant,  # simulated quantization of q/k/v and softmax in/out, when set
     )
@@ -117,8 +143,9 @@ def native_variant(family: Family) -> AttentionVariant:
     return AttentionVariant.parse(family.native_gate)
 
 
-def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str = "auto",
-                  seed: int | None = None) -> nn.Module:
+def apply_variant(
+    model: nn.Module, variant: VariantLike = None, *, backend: str = "auto", seed: int | None = None
+) -> nn.Module:
     """Swap ``variant`` into every attention block of ``model`` (in place) and return the model.
 
     New parameters (gates, sinks) are initialised as the variant says and listed in the log.
@@ -129,16 +156,18 @@ def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str
     current = variant_of(model)
     if current is not None:
         if current != variant:
-            raise ValueError(f"this model already has variant {current}; build or load a fresh model to use "
-                             f"{variant} (qg.load(path, variant=...) adds a gate to an ungated checkpoint)")
+            raise ValueError(
+                f"this model already has variant {current}; build or load a fresh model to use "
+                f"{variant} (qg.load(path, variant=...) adds a gate to an ungated checkpoint)"
+            )
         return set_backend(model, backend)
-    _check_expressible(family, variant, model.config)
+    check_expressible(family, variant, model.config)
     dims = family.dims(model.config)
     added: list[str] = []
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        for i, block in enumerate(family.attention_blocks(model)):
+        for _i, block in enumerate(family.attention_blocks(model)):
             attn = block.get_submodule(family.attention)
             ref = block.get_submodule(family.o_proj).weight  # device and dtype of the new parameters
             attn.__class__ = _variant_class(type(attn))
@@ -157,36 +186,68 @@ def apply_variant(model: nn.Module, variant: VariantLike = None, *, backend: str
                     proj.register_forward_hook(hook)
                 added += [f"{family.attention}.gate.{n}" for n, _ in attn.gate.named_parameters()]
             if variant.sink is not None:
-                attn.sinks = nn.Parameter(torch.full((dims.n_heads,), variant.sink.init, device=ref.device,
-                                                     dtype=ref.dtype))
+                attn.sinks = nn.Parameter(
+                    torch.full((dims.n_heads,), variant.sink.init, device=ref.device, dtype=ref.dtype)
+                )
                 added.append(f"{family.attention}.sinks")
-    model.config.quantgate = {**(getattr(model.config, "quantgate", None) or {}), "variant": str(variant),
-                              "family": family.name}
+    model.config.quantgate = {
+        **(getattr(model.config, "quantgate", None) or {}),
+        "variant": str(variant),
+        "family": family.name,
+    }
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     set_backend(model, backend)
     if added:
         n = sum(p.numel() for p in gate_parameters(model).values())
-        init = [f"gate at pi_init={variant.gate.pi_init}"] if variant.gate and variant.gate.kind != family.native_gate else []
+        init = (
+            [f"gate at pi_init={variant.gate.pi_init}"]
+            if variant.gate and variant.gate.kind != family.native_gate
+            else []
+        )
         init += [f"sinks at {variant.sink.init}"] if variant.sink else []
-        log.info("variant %s added %d new parameters (%s; %s)", variant, n, ", ".join(init),
-                 ", ".join(sorted(set(added))))
+        log.info(
+            "variant %s added %d new parameters (%s; %s)", variant, n, ", ".join(init), ", ".join(sorted(set(added)))
+        )
     return model
 
 
-def _check_expressible(family: Family, variant: AttentionVariant, config) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where ``name`` was (a quantized Linear for a float one), keeping what the swap attached to
+    the old module: its hooks (G2/G5 gates ride on them) and the attention that owns its gate."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    new._forward_hooks.update(old._forward_hooks)
+    new._forward_pre_hooks.update(old._forward_pre_hooks)
+    if "_qg_owner" in old.__dict__:
+        object.__setattr__(new, "_qg_owner", old._qg_owner)
+    setattr(parent, child, new)
+
+
+def check_expressible(family: Family, variant: AttentionVariant, config: PretrainedConfig) -> None:
+    """Raise ValueError when ``variant`` cannot be swapped into a ``family`` model of ``config``."""
     if family.native_gate and (variant.gate is None or variant.gate.kind != family.native_gate):
-        raise ValueError(f"{family.name} has a built-in {family.native_gate} gate (part of q_proj); its variant is "
-                         f"'{family.native_gate}', optionally with +clipped or +sink, not {variant}")
+        raise ValueError(
+            f"{family.name} has a built-in {family.native_gate} gate (part of q_proj); its variant is "
+            f"'{family.native_gate}', optionally with +clipped or +sink, not {variant}"
+        )
     if not family.value_gate and variant.gate is not None and variant.gate.kind == "g2-value":
-        raise ValueError(f"{family.name}: g2-value gates each key token's values, but this architecture rebuilds "
-                         f"keys and values from a cached latent at every decoding step, where the key tokens' hidden "
-                         f"states are gone; use a G1 gate (g1-elementwise is Kimi's channel-wise output gate)")
+        raise ValueError(
+            f"{family.name}: g2-value gates each key token's values, but this architecture rebuilds "
+            f"keys and values from a cached latent at every decoding step, where the key tokens' hidden "
+            f"states are gone; use a G1 gate (g1-elementwise is Kimi's channel-wise output gate)"
+        )
     if family.native_gate and variant.gate.low_rank is not None:
         raise ValueError(f"{family.name}'s built-in gate is full rank; drop low_rank from {variant}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t not in ("full_attention", "attention") for t in layer_types):
-        log.warning("%s: variant %s applies to the %d full-attention blocks only (others: %s)", family.name, variant,
-                    sum(t == "full_attention" for t in layer_types), sorted(set(layer_types) - {"full_attention"}))
+        log.warning(
+            "%s: variant %s applies to the %d full-attention blocks only (others: %s)",
+            family.name,
+            variant,
+            sum(t == "full_attention" for t in layer_types),
+            sorted(set(layer_types) - {"full_attention"}),
+        )
 
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
@@ -207,6 +268,7 @@ def gate_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     out = {}
     for name, module in model.named_modules():
         if id(module) in owners:
-            out.update({f"{name}.{n}": p for n, p in module.named_parameters()
-                        if n.startswith("gate.") or n == "sinks"})
+            out.update(
+                {f"{name}.{n}": p for n, p in module.named_parameters() if n.startswith("gate.") or n == "sinks"}
+            )
     return out

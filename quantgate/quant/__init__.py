@@ -1,8 +1,8 @@
 """Post-training quantization: one verb, a scheme, a registry of handlers.
 
-    q_model = qg.quantize(model, "w8a8-int8-static", calibration=batches)   # a quantized copy
-    qg.quant_error(model, q_model, batches)                                  # per-layer SQNR
-    qg.quant.site_sensitivity(q_model, batches)                              # loss each act. site costs
+q_model = qg.quantize(model, "w8a8-int8-static", calibration=batches)   # a quantized copy
+qg.quant_error(model, q_model, batches)                                  # per-layer SQNR
+qg.quant.site_sensitivity(q_model, batches)                              # loss each act. site costs
 """
 
 from __future__ import annotations
@@ -10,29 +10,49 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+from collections.abc import Iterable, Mapping
+from typing import cast
 
 import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from ..models.modes import eval_mode
-from ..options import printed
 from ..models.swap import apply_variant, variant_of
-from . import backends, simulate  # importing them registers the schemes' handlers
+from ..options import printed
+from . import backends, simulate  # noqa: F401  (imported for their effect: they register the schemes' handlers)
 from .error import quant_error, site_sensitivity
-from .schemes import HANDLERS, SCHEMES, Scheme, get_scheme, handler_for
+from .schemes import HANDLERS, SCHEMES, Scheme, SimulatedScheme, TorchaoScheme, get_scheme, handler_for
 
-__all__ = ["quantize", "quant_error", "site_sensitivity", "SCHEMES", "Scheme", "get_scheme", "quantization_of",
-           "HANDLERS", "handler_for", "HardwareUnavailable"]
+__all__ = [
+    "quantize",
+    "quant_error",
+    "site_sensitivity",
+    "SCHEMES",
+    "Scheme",
+    "get_scheme",
+    "quantization_of",
+    "HANDLERS",
+    "handler_for",
+    "HardwareUnavailable",
+]
 
 log = logging.getLogger("quantgate")
+
 
 class HardwareUnavailable(RuntimeError):
     """The scheme needs hardware this machine lacks (e.g. an FP8-capable GPU); the message names an alternative."""
 
 
-def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplace: bool = False,
-             **options) -> nn.Module:
+def quantize(
+    model: nn.Module,
+    scheme: str | Scheme,
+    calibration: Iterable[Mapping[str, torch.Tensor]] | None = None,
+    *,
+    inplace: bool = False,
+    **options: object,
+) -> nn.Module:
     """Quantize ``model`` with ``scheme`` (a name from ``SCHEMES``, optionally ``name:key=value,...``);
     ``options`` are the same keys as keyword arguments. Static schemes read ``scheme.calib`` batches
     from ``calibration`` (an iterable of model-input dicts). Returns a quantized copy, or the model
@@ -48,22 +68,29 @@ def quantize(model: nn.Module, scheme: str | Scheme, calibration=None, *, inplac
     target = model if inplace else copy.deepcopy(model)
     if variant_of(target) is None:
         apply_variant(target)
-    seen = {}
+    seen: dict[str, int] = {}
 
-    def calibrate(m):
+    def calibrate(m: nn.Module) -> None:
+        assert isinstance(scheme, (SimulatedScheme, TorchaoScheme))  # the schemes that calibrate
         seen.update(_calibrate(m, calibration, scheme.calib))
 
     handler_for(scheme).apply(target, scheme, calibrate)
-    target.config.quantgate["quantization"] = {
+    meta = cast(PreTrainedConfig, target.config).quantgate
+    meta["quantization"] = {
         "scheme": str(scheme),
-        "calibration": {**seen, "source": getattr(calibration, "split", None),
-                        "seq_len": getattr(calibration, "seq_len", None)} if seen else None,
+        "calibration": {
+            **seen,
+            "source": getattr(calibration, "split", None),
+            "seq_len": getattr(calibration, "seq_len", None),
+        }
+        if seen
+        else None,
         "source_model": getattr(model.config, "_name_or_path", None) or None,
         "source_sha256": fingerprint,
     }
-    mitigation = target.config.quantgate.pop("mitigation", None)
+    mitigation = meta.pop("mitigation", None)
     if mitigation:
-        target.config.quantgate["quantization"]["mitigation"] = mitigation
+        meta["quantization"]["mitigation"] = mitigation
     return target
 
 
@@ -72,7 +99,7 @@ def quantization_of(model: nn.Module) -> dict | None:
     return (getattr(model.config, "quantgate", None) or {}).get("quantization")
 
 
-def _with_options(scheme: Scheme, options: dict) -> Scheme:
+def _with_options(scheme: Scheme, options: dict[str, object]) -> Scheme:
     if not options:
         return scheme
     text = str(scheme)
@@ -85,9 +112,9 @@ def _cuda_fp8() -> bool:
 
 
 @torch.no_grad()
-def _calibrate(model: nn.Module, batches, n: int) -> dict:
+def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] | None, n: int) -> dict[str, int]:
     """Run up to ``n`` batches through ``model`` (eval mode); checks the batches fit the model."""
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).num_embeddings
     device = next(model.parameters()).device
     count = tokens = 0
     with eval_mode(model):
@@ -96,9 +123,11 @@ def _calibrate(model: nn.Module, batches, n: int) -> dict:
                 break
             ids = batch["input_ids"]
             if int(ids.max()) >= vocab or int(ids.min()) < 0:
-                raise ValueError(f"calibration batch has token id {int(ids.max())} but the model's vocabulary has "
-                                 f"{vocab} entries: the batches come from another tokenizer; build them with "
-                                 f"qg.tokenizer(model)")
+                raise ValueError(
+                    f"calibration batch has token id {int(ids.max())} but the model's vocabulary has "
+                    f"{vocab} entries: the batches come from another tokenizer; build them with "
+                    f"qg.tokenizer(model)"
+                )
             model(**{k: v.to(device) for k, v in batch.items() if k != "labels"})
             count += 1
             tokens += ids.numel()
@@ -113,9 +142,11 @@ def _check_finite(model: nn.Module) -> None:
         if type(p.data) is torch.Tensor and p.is_floating_point():
             bad = int((~torch.isfinite(p.detach())).sum())
             if bad:
-                raise ValueError(f"{name} holds {bad} NaN or inf value{'s' if bad > 1 else ''}: the float model is "
-                                 f"broken (diverged training or a corrupt checkpoint); quantize a model whose "
-                                 f"weights are all finite")
+                raise ValueError(
+                    f"{name} holds {bad} NaN or inf value{'s' if bad > 1 else ''}: the float model is "
+                    f"broken (diverged training or a corrupt checkpoint); quantize a model whose "
+                    f"weights are all finite"
+                )
 
 
 def _fingerprint(model: nn.Module) -> str:

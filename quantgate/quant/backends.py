@@ -7,11 +7,12 @@ import logging
 import torch
 import torch.nn as nn
 
+from ..models.swap import replace_module
 from .mitigate import smooth_
 from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
 from .simulate import ActQuant, quantizable_linears
 
-__all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "replace_module", "torchao_input_ndims"]
+__all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "torchao_input_ndims"]
 
 log = logging.getLogger("quantgate")
 
@@ -69,7 +70,7 @@ def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: di
     quantize_ = _quantize_(scheme)
     for name, linear in quantizable_linears(model, scheme):
         scale = scales[name].to(linear.weight.device)
-        quantize_(linear, scheme.torchao_config(scale), filter_fn=lambda m, fqn: m is linear)
+        quantize_(linear, scheme.torchao_config(scale), filter_fn=lambda m, fqn, linear=linear: m is linear)
         linear.qg_input_ndim = int(scale.dim())
     return model
 
@@ -77,6 +78,7 @@ def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: di
 def _observe_input(quant: ActQuant):
     def hook(module, args):
         quant(args[0])  # calibrating: records the range, returns the input unchanged
+
     return hook
 
 
@@ -93,8 +95,13 @@ def apply_bnb(model: nn.Module, scheme: BnbScheme, calibrate=None, *, skeleton: 
     except ImportError as e:
         raise ModuleNotFoundError(f"llm-int8 needs bitsandbytes (pip install 'bitsandbytes>=0.50'): {e}") from None
     for name, linear in quantizable_linears(model, scheme):
-        new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                  has_fp16_weights=False, threshold=scheme.threshold)
+        new = bnb.nn.Linear8bitLt(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            has_fp16_weights=False,
+            threshold=scheme.threshold,
+        )
         if not skeleton:
             new.load_state_dict(linear.state_dict())
         new = new.to(linear.weight.device)  # moving the weight to its device quantizes it to int8
@@ -102,19 +109,6 @@ def apply_bnb(model: nn.Module, scheme: BnbScheme, calibrate=None, *, skeleton: 
     return model.eval()  # on CPU bitsandbytes quantizes activations only in eval mode
 
 
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` where ``name`` was, keeping the old module's hooks (G2/G5 gates ride on them)."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, child)
-    new._forward_hooks.update(old._forward_hooks)
-    new._forward_pre_hooks.update(old._forward_pre_hooks)
-    if "_qg_owner" in old.__dict__:
-        object.__setattr__(new, "_qg_owner", old._qg_owner)
-    setattr(parent, child, new)
-
-
 def torchao_input_ndims(model: nn.Module) -> dict[str, int]:
     """Per Linear, the rank of its inputs recorded for torchao's static scales (saved in the manifest)."""
     return {n: m.qg_input_ndim for n, m in model.named_modules() if hasattr(m, "qg_input_ndim")}
-

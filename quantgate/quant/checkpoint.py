@@ -86,9 +86,11 @@ def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None
         raise ValueError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
     state = _read(path / WEIGHTS)
     if _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
-        raise ValueError(f"{path / WEIGHTS} does not match the sha256 recorded in {path / MANIFEST} (field "
-                         f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
-                         f"save; {_RESAVE}")
+        raise ValueError(
+            f"{path / WEIGHTS} does not match the sha256 recorded in {path / MANIFEST} (field "
+            f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
+            f"save; {_RESAVE}"
+        )
     meta = config.quantgate
     config = copy.deepcopy(config)
     config.__dict__.pop("quantgate")
@@ -124,20 +126,27 @@ def _read_manifest(path: Path, config) -> dict:
         if field not in manifest:
             raise ValueError(f"{file}: field {field!r} is missing; {_RESAVE}")
         if not isinstance(manifest[field], typ):
-            raise ValueError(f"{file}: field {field!r} must be {'a string' if typ is str else 'an object'}, got "
-                             f"{type(manifest[field]).__name__}; {_RESAVE}")
+            raise ValueError(
+                f"{file}: field {field!r} must be {'a string' if typ is str else 'an object'}, got "
+                f"{type(manifest[field]).__name__}; {_RESAVE}"
+            )
     for field, parse in (("scheme", get_scheme), ("variant", AttentionVariant.parse)):
         try:
             parse(manifest[field])
         except ValueError as e:
             raise ValueError(f"{file}: field {field!r} is not a valid {field}: {e}; {_RESAVE}") from None
     meta = getattr(config, "quantgate", None) or {}
-    recorded = {"scheme": (meta.get("quantization") or {}).get("scheme"), "variant": meta.get("variant"),
-                "family": family_of(config).name}
+    recorded = {
+        "scheme": (meta.get("quantization") or {}).get("scheme"),
+        "variant": meta.get("variant"),
+        "family": family_of(config).name,
+    }
     for field, value in recorded.items():
         if manifest[field] != value:
-            raise ValueError(f"{file}: field {field!r} ({manifest[field]!r}) disagrees with {path / 'config.json'} "
-                             f"({value!r}): one of them was edited or comes from another save; {_RESAVE}")
+            raise ValueError(
+                f"{file}: field {field!r} ({manifest[field]!r}) disagrees with {path / 'config.json'} "
+                f"({value!r}): one of them was edited or comes from another save; {_RESAVE}"
+            )
     return manifest
 
 
@@ -164,5 +173,3 @@ def _read(file: Path) -> dict:
         tensors, leftover = unflatten_tensor_state_dict(tensors, meta)
         tensors.update(leftover)
     return tensors
-
-

@@ -3,13 +3,17 @@ loss each activation quantizer costs on its own."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn as nn
 
 from ..models.families import family_of
 from ..models.modes import eval_mode
+from ..stats import paired_delta
+from .simulate import act_quantizers
 
 __all__ = ["quant_error", "site_sensitivity", "sqnr_db"]
 
@@ -22,19 +26,26 @@ def sqnr_db(signal: float, noise: float) -> float:
 
 
 @torch.no_grad()
-def quant_error(fp_model: nn.Module, q_model: nn.Module, batches, *, max_batches: int | None = 4) -> dict:
+def quant_error(
+    fp_model: nn.Module,
+    q_model: nn.Module,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    *,
+    max_batches: int | None = 4,
+) -> dict:
     """Run both models on the same batches and report the SQNR (dB) of every block's output, of the
     logits and, for simulated schemes, of every activation quantizer (with FP8 saturation counts).
     ``worst_layers`` lists the three blocks with the lowest SQNR."""
-    from .simulate import act_quantizers
-
     family = family_of(fp_model)
     outputs: dict[str, list] = {"fp": [], "q": []}
     hooks = []
     for key, model in (("fp", fp_model), ("q", q_model)):
         for block in family.blocks(model):
-            hooks.append(block.register_forward_hook(
-                lambda m, a, o, key=key: outputs[key].append((o[0] if isinstance(o, tuple) else o).detach().float())))
+            hooks.append(
+                block.register_forward_hook(
+                    lambda m, a, o, key=key: outputs[key].append((o[0] if isinstance(o, tuple) else o).detach().float())
+                )
+            )
     quantizers = {n: m for n, m in q_model.named_modules() if m in set(act_quantizers(q_model))}
     for q in quantizers.values():
         q.track, q.signal, q.noise, q.overflow, q.values = True, 0.0, 0.0, 0, 0
@@ -47,10 +58,11 @@ def quant_error(fp_model: nn.Module, q_model: nn.Module, batches, *, max_batches
                 if max_batches is not None and i >= max_batches:
                     break
                 inputs = {k: v for k, v in batch.items() if k != "labels"}
-                outputs["fp"].clear(), outputs["q"].clear()
+                outputs["fp"].clear()
+                outputs["q"].clear()
                 ref = fp_model(**{k: v.to(_device(fp_model)) for k, v in inputs.items()}).logits.float()
                 got = q_model(**{k: v.to(_device(q_model)) for k, v in inputs.items()}).logits.float().to(ref.device)
-                for layer, (a, b) in enumerate(zip(outputs["fp"], outputs["q"])):
+                for layer, (a, b) in enumerate(zip(outputs["fp"], outputs["q"], strict=True)):
                     energy[layer][0] += float(a.double().square().sum())
                     energy[layer][1] += float((a.double() - b.to(a.device).double()).square().sum())
                 energy[-1][0] += float(ref.double().square().sum())
@@ -64,16 +76,25 @@ def quant_error(fp_model: nn.Module, q_model: nn.Module, batches, *, max_batches
     if batches_run == 0:
         raise ValueError("quant_error got no batches")
     layers = [{"layer": i, "sqnr_db": sqnr_db(*energy[i])} for i in range(n_layers)]
-    quant = [{"name": n, "sqnr_db": sqnr_db(q.signal, q.noise), "overflow": q.overflow, "values": q.values}
-             for n, q in quantizers.items()]
+    quant = [
+        {"name": n, "sqnr_db": sqnr_db(q.signal, q.noise), "overflow": q.overflow, "values": q.values}
+        for n, q in quantizers.items()
+    ]
     quant.sort(key=lambda r: r["sqnr_db"])
-    return {"layers": layers, "logits_sqnr_db": sqnr_db(*energy[-1]),
-            "worst_layers": sorted(layers, key=lambda r: r["sqnr_db"])[:3], "quantizers": quant,
-            "overflow": sum(r["overflow"] for r in quant), "batches": batches_run}
+    return {
+        "layers": layers,
+        "logits_sqnr_db": sqnr_db(*energy[-1]),
+        "worst_layers": sorted(layers, key=lambda r: r["sqnr_db"])[:3],
+        "quantizers": quant,
+        "overflow": sum(r["overflow"] for r in quant),
+        "batches": batches_run,
+    }
 
 
 @torch.no_grad()
-def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> dict:
+def site_sensitivity(
+    q_model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, max_batches: int = 2
+) -> dict:
     """Which activation quantizer of a simulated scheme costs what. On the batches (they carry ``labels``),
     each sequence's summed NLL with every quantizer off (weights stay as quantized), with all on, and with
     each alone on. Returns ``{"none", "all"}`` (mean loss, nats per predicted token), ``"all_change"`` (all
@@ -81,14 +102,13 @@ def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> di
     none), ``"low", "high"`` (its 95% paired bootstrap interval over the sequences), ``"sqnr_db"`` (of that
     tensor with all on), ``"lo", "hi"`` (its static range; None when dynamic)``}``, costliest first.
     Interactions are not additive: the alone changes need not compose to the all-on change."""
-    from ..stats import paired_delta
-    from .simulate import act_quantizers
-
     quantizers = act_quantizers(q_model)
     if not quantizers:
-        raise ValueError("site_sensitivity needs a model quantized by a simulated scheme with activation "
-                         "quantizers (e.g. w16a8-int8-bondarenko); this one has none")
-    data = [{k: v.to(_device(q_model)) for k, v in b.items()} for _, b in zip(range(max_batches), batches)]
+        raise ValueError(
+            "site_sensitivity needs a model quantized by a simulated scheme with activation "
+            "quantizers (e.g. w16a8-int8-bondarenko); this one has none"
+        )
+    data = [{k: v.to(_device(q_model)) for k, v in b.items()} for b in itertools.islice(batches, max_batches)]
     if not data or any("labels" not in b for b in data):
         raise ValueError("site_sensitivity needs batches with labels (quantgate.data.batches gives them)")
     shift = int(family_of(q_model).objective == "clm")  # a causal LM predicts the next token's label
@@ -98,19 +118,21 @@ def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> di
     def documents(on) -> dict:
         for q in quantizers:
             q.enabled = q in on
-        nll = []
+        per_batch = []
         for b in data:
             logits = q_model(**{k: v for k, v in b.items() if k != "labels"}).logits
-            logits = logits[:, :logits.shape[1] - shift].float()
+            logits = logits[:, : logits.shape[1] - shift].float()
             ce = nn.functional.cross_entropy(logits.transpose(1, 2), b["labels"][:, shift:], reduction="none")
-            nll.append(ce.sum(1).double())
-        nll = torch.cat(nll)
+            per_batch.append(ce.sum(1).double())
+        nll = torch.cat(per_batch)
         if not torch.isfinite(nll).all():
-            raise ValueError(f"site_sensitivity: the loss is not finite with {len(on)} of {len(quantizers)} "
-                             f"quantizers on ({', '.join(sorted(q.name for q in on)[:3]) or 'none'}); check the "
-                             f"model's weights and the quantizers' ranges (quant.simulate.check_ranges)")
-        nll = nll.tolist()
-        return {"ids": list(range(len(nll))), "loglikelihood": [-x for x in nll], "tokens": tokens}
+            raise ValueError(
+                f"site_sensitivity: the loss is not finite with {len(on)} of {len(quantizers)} "
+                f"quantizers on ({', '.join(sorted(q.name for q in on)[:3]) or 'none'}); check the "
+                f"model's weights and the quantizers' ranges (quant.simulate.check_ranges)"
+            )
+        values = nll.tolist()
+        return {"ids": list(range(len(values))), "loglikelihood": [-x for x in values], "tokens": tokens}
 
     def change(base: dict, new: dict) -> dict:
         d = paired_delta(base, new, "perplexity")
@@ -127,14 +149,25 @@ def site_sensitivity(q_model: nn.Module, batches, *, max_batches: int = 2) -> di
             for q in quantizers:
                 q.track = False
             none = documents(set())
-            rows = [{"name": q.name, **change(none, documents({q})), "sqnr_db": sqnr_db(q.signal, q.noise),
-                     "lo": None if q.spec.dynamic else float(q.lo.min()),
-                     "hi": None if q.spec.dynamic else float(q.hi.max())} for q in quantizers]
+            rows = [
+                {
+                    "name": q.name,
+                    **change(none, documents({q})),
+                    "sqnr_db": sqnr_db(q.signal, q.noise),
+                    "lo": None if q.spec.dynamic else float(q.lo.min()),
+                    "hi": None if q.spec.dynamic else float(q.hi.max()),
+                }
+                for q in quantizers
+            ]
         finally:
             for q in quantizers:
                 q.enabled, q.track = True, False
-    return {"none": mean_loss(none), "all": mean_loss(everything), "all_change": change(none, everything),
-            "sites": sorted(rows, key=lambda r: -r["ppl_change"])}
+    return {
+        "none": mean_loss(none),
+        "all": mean_loss(everything),
+        "all_change": change(none, everything),
+        "sites": sorted(rows, key=lambda r: -r["ppl_change"]),
+    }
 
 
 def _device(model: nn.Module) -> torch.device:

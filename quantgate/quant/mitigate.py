@@ -17,6 +17,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 import torch.nn as nn
 
@@ -34,24 +37,33 @@ def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Lin
     ``readers`` get s on their input columns. Pre-norm llama, qwen2, qwen3 and opt only."""
     family = family_of(model)
     if family.name not in FFN or not family.is_pre_norm(model.config):
-        raise ValueError(f"SmoothQuant folds 1 / s into the norm before each group of Linears, as a pre-norm "
-                         f"llama, qwen2, qwen3 or opt block has it; this {family.name} model "
-                         f"({'pre' if family.is_pre_norm(model.config) else 'post'}-norm) is not supported")
-    groups = []
+        raise ValueError(
+            f"SmoothQuant folds 1 / s into the norm before each group of Linears, as a pre-norm "
+            f"llama, qwen2, qwen3 or opt block has it; this {family.name} model "
+            f"({'pre' if family.is_pre_norm(model.config) else 'post'}-norm) is not supported"
+        )
+    groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []
     ffn_in, ffn_maker, ffn_out = FFN[family.name]
-    for block, attn in zip(family.blocks(model), attention_modules(model)):
-        qkv = [attn.get_submodule(p) for p in ATTN_READERS]
+    for block, attn in zip(family.blocks(model), attention_modules(model), strict=True):
+        qkv = [_linear(attn, p) for p in ATTN_READERS]
         groups.append((block.get_submodule(family.attn_norm), "norm", qkv + gate_readers(getattr(attn, "gate", None))))
-        groups.append((block.get_submodule(family.ffn_norm), "norm", [block.get_submodule(p) for p in ffn_in]))
-        groups.append((block.get_submodule(ffn_maker), "rows", [block.get_submodule(ffn_out)]))
+        groups.append((block.get_submodule(family.ffn_norm), "norm", [_linear(block, p) for p in ffn_in]))
+        groups.append((block.get_submodule(ffn_maker), "rows", [_linear(block, ffn_out)]))
     return groups
 
 
+def _linear(owner: nn.Module, path: str) -> nn.Linear:
+    """The nn.Linear at ``owner.path`` (get_submodule is typed for any Module)."""
+    return cast(nn.Linear, owner.get_submodule(path))
+
+
 @torch.no_grad()
-def smooth_(model: nn.Module, alpha: float, calibrate) -> dict:
+def smooth_(model: nn.Module, alpha: float, calibrate: Callable[[nn.Module], object]) -> dict:
     """SmoothQuant ``model`` in place (module docstring); ``calibrate(model)`` runs the calibration
     batches. Returns ``{"groups": n, "max_s": largest s, "min_s": smallest}``."""
-    from torchao.prototype.smoothquant.core import RunningAbsMaxSmoothQuantObserver
+    from torchao.prototype.smoothquant.core import (  # torchao prototype: imported at first use
+        RunningAbsMaxSmoothQuantObserver,
+    )
 
     groups = smoothing_groups(model)
     observers, handles = [], []
@@ -65,18 +77,18 @@ def smooth_(model: nn.Module, alpha: float, calibrate) -> dict:
         for h in handles:
             h.remove()
     scales = []
-    for (maker, side, readers), obs in zip(groups, observers):
+    for (maker, side, readers), obs in zip(groups, observers, strict=True):
         s = obs.compute_smoothing_factor().clamp_min(1e-5)
         for r in readers:
             r.weight.mul_(s.to(r.weight.dtype))
+        # a norm's gain (or a Linear's rows) and its bias, where it has one (a Linear always has the attribute)
+        weight, bias = cast(torch.Tensor, maker.weight), getattr(maker, "bias", None)
         if side == "norm":
-            maker.weight.div_(s.to(maker.weight.dtype))
-            if getattr(maker, "bias", None) is not None:
-                maker.bias.div_(s.to(maker.bias.dtype))
+            weight.div_(s.to(weight.dtype))
         else:
-            maker.weight.div_(s.to(maker.weight.dtype)[:, None])
-            if maker.bias is not None:
-                maker.bias.div_(s.to(maker.bias.dtype))
+            weight.div_(s.to(weight.dtype)[:, None])
+        if bias is not None:
+            bias.div_(s.to(bias.dtype))
         scales.append(s)
     every = torch.cat(scales)
     return {"groups": len(groups), "max_s": float(every.max()), "min_s": float(every.min())}
@@ -84,23 +96,27 @@ def smooth_(model: nn.Module, alpha: float, calibrate) -> dict:
 
 def _feeding(observer):
     """A forward pre-hook that shows a Linear's input to ``observer`` and changes nothing."""
+
     def hook(module, args):
         observer(args[0].float())
+
     return hook
 
 
 @torch.no_grad()
-def massive_ffns(model: nn.Module, calibrate) -> list[str]:
+def massive_ffns(model: nn.Module, calibrate: Callable[[nn.Module], object]) -> list[str]:
     """Names of the FFN modules whose output holds massive activations on the calibration batches."""
     family = family_of(model)
     names = {id(m): n for n, m in model.named_modules()}
     ffns = [block.get_submodule(family.ffn) for block in family.blocks(model)]
     found = [MassiveActivations() for _ in ffns]
-    handles = [f.register_forward_hook(lambda m, a, out, c=c: c.update(out[0] if isinstance(out, tuple) else out, None))
-               for f, c in zip(ffns, found)]
+    handles = [
+        f.register_forward_hook(lambda m, a, out, c=c: c.update(out[0] if isinstance(out, tuple) else out, None))
+        for f, c in zip(ffns, found, strict=True)
+    ]
     try:
         calibrate(model)
     finally:
         for h in handles:
             h.remove()
-    return [names[id(f)] for f, c in zip(ffns, found) if c.count]
+    return [names[id(f)] for f, c in zip(ffns, found, strict=True) if c.count]

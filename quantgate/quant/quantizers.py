@@ -33,8 +33,21 @@ try:
 except ImportError:  # the simulated schemes run without torchao: the formulas it would supply, below
     ao = None
 
-__all__ = ["FP8", "FP4", "BLOCK", "INT_BITS", "FORMATS", "int_grid", "int_qparams", "fake_int", "fake_fp8",
-           "fake_fp4", "fake_block", "quantize_weight", "RangeObserver"]
+__all__ = [
+    "FP8",
+    "FP4",
+    "BLOCK",
+    "INT_BITS",
+    "FORMATS",
+    "int_grid",
+    "int_qparams",
+    "fake_int",
+    "fake_fp8",
+    "fake_fp4",
+    "fake_block",
+    "quantize_weight",
+    "RangeObserver",
+]
 
 FP8 = {"fp8-e4m3": (torch.float8_e4m3fn, 448.0), "fp8-e5m2": (torch.float8_e5m2, 57344.0)}
 FP4 = {"fp4-e2m1": 6.0}  # the largest magnitude
@@ -49,14 +62,23 @@ def int_grid(bits: int, symmetric: bool) -> tuple[int, int]:
     return (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
 
 
-def int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool):
+def int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point (float32) that map [lo, hi] onto the b-bit grid (0 always exactly representable)."""
     qmin, qmax = int_grid(bits, symmetric)
     lo, hi = lo.float(), hi.float()
     if ao is not None:
         mapping = ao.MappingType.SYMMETRIC if symmetric else ao.MappingType.ASYMMETRIC
-        return ao.choose_qparams_affine_with_min_max(lo, hi, mapping, [], torch.int8 if symmetric else torch.uint8,
-                                                     qmin, qmax, eps=EPS, zero_point_dtype=torch.float32)
+        return ao.choose_qparams_affine_with_min_max(
+            lo,
+            hi,
+            mapping,
+            [],
+            torch.int8 if symmetric else torch.uint8,
+            qmin,
+            qmax,
+            eps=EPS,
+            zero_point_dtype=torch.float32,
+        )
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     if symmetric:
         scale = torch.maximum(-lo, hi) / ((qmax - qmin) / 2)
@@ -92,7 +114,10 @@ def fake_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tens
 
 def fake_fp4(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
     """FP4 (E2M1) round trip of ``x / scale`` (round to nearest, ties to even); returns (values, saturated)."""
-    from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, f4_unpacked_to_f32
+    from torchao.prototype.mx_formats.kernels import (  # torchao prototype: imported at first use
+        f4_unpacked_to_f32,
+        f32_to_f4_unpacked,
+    )
 
     fmax = FP4["fp4-e2m1"]
     overflow = int((x.abs() > fmax * scale).sum())
@@ -102,14 +127,16 @@ def fake_fp4(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Round trip of ``x`` through a block-scaled format (``BLOCK``), blocks along the last dim."""
-    from torchao.prototype.mx_formats.mx_tensor import MXTensor
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor  # torchao prototype: imported at first use
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # torchao prototype
 
     elem, block = BLOCK[fmt]
     if x.shape[-1] % block:
-        raise ValueError(f"{fmt} scales blocks of {block} values along the last dim, which holds {x.shape[-1]} here "
-                         f"(shape {tuple(x.shape)}); keep this tensor in full precision (keep=...) or pick a format "
-                         f"whose block divides it")
+        raise ValueError(
+            f"{fmt} scales blocks of {block} values along the last dim, which holds {x.shape[-1]} here "
+            f"(shape {tuple(x.shape)}); keep this tensor in full precision (keep=...) or pick a format "
+            f"whose block divides it"
+        )
     xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
     if fmt == "nvfp4":
         t = NVFP4Tensor.to_nvfp4(xf, block, per_tensor_scale=per_tensor_amax_to_scale(xf.abs().amax().float()))
@@ -118,7 +145,9 @@ def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return t.dequantize(torch.float32).to(x.dtype)
 
 
-def fake_quant(x, lo, hi, fmt: str, symmetric: bool) -> tuple[torch.Tensor, int]:
+def fake_quant(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, fmt: str, symmetric: bool
+) -> tuple[torch.Tensor, int]:
     """Fake-quantize ``x`` with range [lo, hi] (broadcastable) in ``fmt``; returns (values, overflow count).
     Block-scaled formats ignore the range: each block's scale comes from the block."""
     if fmt in BLOCK:
@@ -140,14 +169,21 @@ def _grouped(w: torch.Tensor, granularity: str, group_size: int) -> torch.Tensor
         return w.reshape(w.shape[0], -1)
     group_size = min(group_size, w.shape[-1])
     if w.shape[-1] % group_size:
-        raise ValueError(f"group size {group_size} does not divide the input width {w.shape[-1]}; pick a divisor "
-                         f"with group_size=")
+        raise ValueError(
+            f"group size {group_size} does not divide the input width {w.shape[-1]}; pick a divisor with group_size="
+        )
     return w.reshape(-1, group_size)
 
 
 @torch.no_grad()
-def quantize_weight(w: torch.Tensor, fmt: str, granularity: str = "tensor", symmetric: bool = True,
-                    group_size: int = 128, estimator: str = "minmax") -> torch.Tensor:
+def quantize_weight(
+    w: torch.Tensor,
+    fmt: str,
+    granularity: str = "tensor",
+    symmetric: bool = True,
+    group_size: int = 128,
+    estimator: str = "minmax",
+) -> torch.Tensor:
     """Fake-quantized copy of weight ``w`` (out, in); ``estimator="mse"`` searches the clipping range
     (20 ratios in [0.5, 1] of min-max) that minimises the squared error, per group. Block-scaled formats
     take their own blocks along the input dim, whatever ``granularity`` says."""
@@ -187,15 +223,24 @@ class RangeObserver:
     inf is refused (ValueError naming ``name``): no range could cover it.
     """
 
-    def __init__(self, estimator: str = "minmax", momentum: float = 0.9, percentile: float = 99.999,
-                 per_channel: bool = False, name: str = "activations"):
+    def __init__(
+        self,
+        estimator: str = "minmax",
+        momentum: float = 0.9,
+        percentile: float = 99.999,
+        per_channel: bool = False,
+        name: str = "activations",
+    ):
         if estimator not in ("minmax", "running-minmax", "percentile", "mse"):
             raise ValueError(f"unknown range estimator {estimator!r}; valid: minmax, running-minmax, percentile, mse")
         if per_channel and estimator not in ("minmax", "running-minmax"):
             raise ValueError("per-channel activation ranges support the minmax and running-minmax estimators")
         self.estimator, self.momentum, self.percentile, self.per_channel = estimator, momentum, percentile, per_channel
         self.name = name
-        self.lo = self.hi = self.run_lo = self.run_hi = None
+        self.lo: torch.Tensor | None = None  # all four are set by the first update
+        self.hi: torch.Tensor | None = None
+        self.run_lo: torch.Tensor | None = None
+        self.run_hi: torch.Tensor | None = None
         self.pos = torch.zeros(BINS, dtype=torch.float64)
         self.neg = torch.zeros(BINS, dtype=torch.float64)
         self.batches = 0
@@ -206,12 +251,15 @@ class RangeObserver:
         dims = tuple(range(x.dim() - 1)) if self.per_channel else tuple(range(x.dim()))
         lo, hi = x.amin(dim=dims), x.amax(dim=dims)  # NaN and inf propagate into these
         if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
-            raise ValueError(f"{self.name}: the calibration activations hold NaN or inf, which no quantization range "
-                             f"covers (the float model overflows or holds NaN on these batches); check the model and "
-                             f"its dtype in float (e.g. quantgate observe) or calibrate on other batches")
+            raise ValueError(
+                f"{self.name}: the calibration activations hold NaN or inf, which no quantization range "
+                f"covers (the float model overflows or holds NaN on these batches); check the model and "
+                f"its dtype in float (e.g. quantgate observe) or calibrate on other batches"
+            )
         if self.lo is None:
             self.lo, self.hi, self.run_lo, self.run_hi = lo, hi, lo, hi
         else:
+            assert self.hi is not None and self.run_lo is not None and self.run_hi is not None
             m = self.momentum
             self.lo, self.hi = torch.minimum(self.lo, lo), torch.maximum(self.hi, hi)
             self.run_lo, self.run_hi = m * self.run_lo + (1 - m) * lo, m * self.run_hi + (1 - m) * hi
@@ -226,6 +274,7 @@ class RangeObserver:
         """The calibrated (lo, hi)."""
         if self.lo is None:
             raise ValueError("no calibration data reached this quantizer; give calibration batches")
+        assert self.hi is not None and self.run_lo is not None and self.run_hi is not None
         if self.estimator == "minmax":
             return self.lo, self.hi
         if self.estimator == "running-minmax":

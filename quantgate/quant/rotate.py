@@ -23,11 +23,14 @@ stream's input, the head as a reader with the final norm's gain folded in.
 from __future__ import annotations
 
 import math
+from types import ModuleType
+from typing import cast
 
 import torch
 import torch.nn as nn
+from transformers import PreTrainedConfig, PreTrainedModel
 
-from ..attention.gates import BondarenkoGate, OutputGate
+from ..attention.gates import BondarenkoGate, Gate, OutputGate
 from ..models.families import family_of
 
 __all__ = ["rotate_", "check_rotatable", "gate_readers", "ATTN_READERS", "FFN", "UnitRMSNorm", "hadamard_pre_hook"]
@@ -64,10 +67,10 @@ class UnitRMSNorm(nn.Module):
         return f"eps={self.eps}"
 
 
-def _had():
+def _had() -> ModuleType:
     """torchao's Hadamard utilities (imported on first use: torchao is slow to import)."""
     try:
-        from torchao.prototype.spinquant import hadamard_utils
+        from torchao.prototype.spinquant import hadamard_utils  # torchao prototype: imported at first use
     except ImportError as e:
         raise ModuleNotFoundError(f"rotation needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
     return hadamard_utils
@@ -75,7 +78,7 @@ def _had():
 
 def hadamard_pre_hook(module: nn.Linear, args: tuple) -> tuple:
     """Forward pre-hook of an online-rotated Linear: its input x -> x M (normalized Hadamard, O(n log n))."""
-    hadK, K = module.qg_hadamard
+    hadK, K = vars(module)["qg_hadamard"]  # set by rotate_
     return (_had().matmul_hadU(args[0].contiguous(), hadK, K), *args[1:])
 
 
@@ -86,31 +89,38 @@ def _hadamard(n: int, what: str) -> tuple[torch.Tensor, int]:
     except AssertionError:  # get_hadK asserts on sizes it cannot build
         K = None
     if K is None or n % K or not _had().is_pow2(n // K):
-        raise ValueError(f"no Hadamard matrix of size {n} ({what}): torchao's hadamard_utils builds sizes "
-                         f"K * 2^m for K in {', '.join(map(str, _HAD_BASES))}")
+        raise ValueError(
+            f"no Hadamard matrix of size {n} ({what}): torchao's hadamard_utils builds sizes "
+            f"K * 2^m for K in {', '.join(map(str, _HAD_BASES))}"
+        )
     return hadK, K
 
 
-def gate_readers(gate: nn.Module | None) -> list[nn.Linear]:
+def gate_readers(gate: Gate | None) -> list[nn.Linear]:
     """The Linears of an attention gate that read the attention input x (the attention norm's output), or
     ValueError naming the gate where x is read otherwise (rotation and smoothing both rescale x's channels)."""
     if gate is None:
         return []
     if isinstance(gate, BondarenkoGate) and not hasattr(gate, "proj"):
-        raise ValueError(f"cannot rotate or smooth attention gate {gate.spec}: it reads x in per-head slices of "
-                         f"channels, not through an nn.Linear; use bondarenko:mode=all-heads")
+        raise ValueError(
+            f"cannot rotate or smooth attention gate {gate.spec}: it reads x in per-head slices of "
+            f"channels, not through an nn.Linear; use bondarenko:mode=all-heads"
+        )
     if gate.x_readers is None:
-        raise ValueError(f"cannot rotate or smooth attention gate {type(gate).__name__}: which of its layers read "
-                         f"the residual stream is not declared (its x_readers)")
+        raise ValueError(
+            f"cannot rotate or smooth attention gate {type(gate).__name__}: which of its layers read "
+            f"the residual stream is not declared (its x_readers)"
+        )
     readers = [getattr(gate, n) for n in gate.x_readers if hasattr(gate, n)]
-    return [r[0] if isinstance(r, nn.Sequential) else r for r in readers]  # low rank: the down projection
+    # low rank: the down projection
+    return [cast(nn.Linear, r[0]) if isinstance(r, nn.Sequential) else r for r in readers]
 
 
 def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     """Raise ValueError, saying why, unless :func:`rotate_` can rotate ``model`` exactly (with ``online``: its
     FFN width too); it changes nothing."""
     family = family_of(model)
-    config = model.config
+    hf, config = cast(PreTrainedModel, model), cast(PreTrainedConfig, model.config)
     if family.name in _REFUSED:
         raise ValueError(f"cannot rotate a {family.name} model: {_REFUSED[family.name]}")
     meta = getattr(config, "quantgate", None) or {}
@@ -119,29 +129,43 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     if "quantization" in meta:
         raise ValueError("this model is already quantized; rotate the float model, then quantize it")
     if not family.is_pre_norm(config):
-        raise ValueError(f"cannot rotate a post-LN {family.name} model ({family.pre_norm}=False): its norms read "
-                         f"the residual sums, so no norm sits between the stream and its readers")
+        raise ValueError(
+            f"cannot rotate a post-LN {family.name} model ({family.pre_norm}=False): its norms read "
+            f"the residual sums, so no norm sits between the stream and its readers"
+        )
     if family.name == "opt":
         if config.word_embed_proj_dim != config.hidden_size:
-            raise ValueError(f"cannot rotate an opt model with project_in/project_out (word_embed_proj_dim "
-                             f"{config.word_embed_proj_dim} != hidden_size {config.hidden_size})")
-        if model.base_model.decoder.final_layer_norm is None:
-            raise ValueError("cannot rotate an opt model without a final layer norm: the head would read the "
-                             "centred stream directly")
-    if model.get_output_embeddings() is None:
-        raise ValueError(f"cannot rotate a {type(model).__name__}: it has no LM head to rotate, so its outputs "
-                         f"would stay in the rotated basis")
+            raise ValueError(
+                f"cannot rotate an opt model with project_in/project_out (word_embed_proj_dim "
+                f"{config.word_embed_proj_dim} != hidden_size {config.hidden_size})"
+            )
+        if hf.base_model.get_submodule("decoder").final_layer_norm is None:
+            raise ValueError(
+                "cannot rotate an opt model without a final layer norm: the head would read the centred stream directly"
+            )
+    if hf.get_output_embeddings() is None:
+        raise ValueError(
+            f"cannot rotate a {type(model).__name__}: it has no LM head to rotate, so its outputs "
+            f"would stay in the rotated basis"
+        )
     blocks = family.blocks(model)
     for block in blocks:
         gate = getattr(block.get_submodule(family.attention), "gate", None)
         if isinstance(gate, OutputGate):
-            raise ValueError(f"cannot rotate attention gate {gate.spec}: it multiplies o_proj's output, the residual "
-                             f"stream, channel by channel, and an elementwise product does not commute with a rotation")
+            raise ValueError(
+                f"cannot rotate attention gate {gate.spec}: it multiplies o_proj's output, the residual "
+                f"stream, channel by channel, and an elementwise product does not commute with a rotation"
+            )
         gate_readers(gate)
     _hadamard(config.hidden_size, "d_model")
     if online:
-        for n in {block.get_submodule(FFN[family.name][2]).in_features for block in blocks}:
+        for n in {_linear(block, FFN[family.name][2]).in_features for block in blocks}:
             _hadamard(n, "d_ff, for the online transform")
+
+
+def _linear(owner: nn.Module, path: str) -> nn.Linear:
+    """The nn.Linear at ``owner.path`` (get_submodule is typed for any Module)."""
+    return cast(nn.Linear, owner.get_submodule(path))
 
 
 def _right(w: torch.Tensor, m: torch.Tensor) -> None:
@@ -163,9 +187,12 @@ def _centre(w: torch.Tensor, dim: int) -> None:
 def _fold_norm(owner: nn.Module, path: str, readers: list[nn.Linear]) -> int:
     """Fold the norm at ``owner.path`` into ``readers``, replace it by a UnitRMSNorm; return parameters added."""
     norm = owner.get_submodule(path)
-    layer_norm = isinstance(norm, nn.LayerNorm)
-    gain = norm.weight
-    shift = norm.bias if layer_norm else None
+    gain: torch.Tensor | None
+    shift: torch.Tensor | None
+    if isinstance(norm, nn.LayerNorm):
+        gain, shift, eps = norm.weight, norm.bias, norm.eps
+    else:  # the family's RMSNorm (LlamaRMSNorm and its kind): a gain, no bias
+        gain, shift, eps = cast(torch.Tensor, norm.weight), None, cast(float, norm.variance_epsilon)
     added = 0
     for linear in readers:
         w = linear.weight.double()
@@ -176,7 +203,7 @@ def _fold_norm(owner: nn.Module, path: str, readers: list[nn.Linear]) -> int:
             linear.bias.copy_(linear.bias.double() + w @ shift.double())
         if gain is not None:
             linear.weight.copy_(w * gain.double())
-    owner.set_submodule(path, UnitRMSNorm(norm.eps if layer_norm else norm.variance_epsilon))
+    owner.set_submodule(path, UnitRMSNorm(eps))
     return added
 
 
@@ -197,12 +224,15 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
                          0 without online}
     """
     check_rotatable(model, online=online)
-    family, config = family_of(model), model.config
-    base, blocks = model.base_model, family.blocks(model)
+    hf, config = cast(PreTrainedModel, model), cast(PreTrainedConfig, model.config)
+    family = family_of(model)
+    base, blocks = hf.base_model, family.blocks(model)
     ffn_in_paths, _, ffn_out_path = FFN[family.name]
     d = config.hidden_size
-    embeds = [model.get_input_embeddings()] + ([base.decoder.embed_positions] if family.name == "opt" else [])
-    head = model.get_output_embeddings()
+    embeds = [cast(nn.Embedding, hf.get_input_embeddings())]
+    if family.name == "opt":
+        embeds.append(cast(nn.Embedding, base.get_submodule("decoder.embed_positions")))
+    head: nn.Linear = hf.get_output_embeddings()
     if head.weight is embeds[0].weight:
         head.weight = nn.Parameter(head.weight.detach().clone())
         config.tie_word_embeddings = False
@@ -219,8 +249,8 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
         attn = block.get_submodule(family.attention)
         attn_in = [getattr(attn, name) for name in ATTN_READERS]
         attn_in += gate_readers(getattr(attn, "gate", None))
-        ffn_in = [block.get_submodule(p) for p in ffn_in_paths]
-        writers = [block.get_submodule(family.o_proj), block.get_submodule(ffn_out_path)]
+        ffn_in = [_linear(block, p) for p in ffn_in_paths]
+        writers = [_linear(block, family.o_proj), _linear(block, ffn_out_path)]
         added += _fold_norm(block, family.attn_norm, attn_in) + _fold_norm(block, family.ffn_norm, ffn_in)
         for linear in attn_in + ffn_in:
             _right(linear.weight, Q)
@@ -235,11 +265,18 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
             n = down.in_features
             hadK, K = _hadamard(n, "d_ff")
             down.weight.copy_(_had().matmul_hadU_slow(down.weight.double(), hadK, K))  # each row w -> w M, float64
-            down.qg_hadamard = (hadK, K)
+            vars(down)["qg_hadamard"] = (hadK, K)  # a plain attribute: nn.Module's __setattr__ is typed for tensors
             down.register_forward_pre_hook(hadamard_pre_hook)
             ops += n * (int(math.log2(n // K)) + K - 1)
 
-    info = {"kind": "hadamard", "online": online, "seed": seed, "d_model": d, "d_ff": n if online else None,
-            "extra_params": added, "extra_ops_per_token": ops}
+    info = {
+        "kind": "hadamard",
+        "online": online,
+        "seed": seed,
+        "d_model": d,
+        "d_ff": n if online else None,
+        "extra_params": added,
+        "extra_ops_per_token": ops,
+    }
     config.quantgate = {**(getattr(config, "quantgate", None) or {}), "rotation": info}
     return info

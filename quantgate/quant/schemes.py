@@ -24,17 +24,36 @@ torchao config is one ``TorchaoScheme`` row in ``SCHEMES``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 import torch.nn as nn
 
 from ..options import key_values, printed
 from ..variants import Range
 from .quantizers import BLOCK, FORMATS, INT_BITS
 
-__all__ = ["TensorQuant", "Scheme", "SimulatedScheme", "TorchaoScheme", "TorchaoStaticScheme", "BnbScheme",
-           "Handler", "handles", "handler_for", "SCHEMES", "get_scheme", "act_bits", "OPTIONS", "Option"]
+if TYPE_CHECKING:
+    from torchao.core.config import AOBaseConfig
+
+__all__ = [
+    "TensorQuant",
+    "Scheme",
+    "SimulatedScheme",
+    "TorchaoScheme",
+    "TorchaoStaticScheme",
+    "BnbScheme",
+    "Handler",
+    "handles",
+    "handler_for",
+    "SCHEMES",
+    "get_scheme",
+    "act_bits",
+    "OPTIONS",
+    "Option",
+]
 
 
 @dataclass(frozen=True)
@@ -107,10 +126,30 @@ class SimulatedScheme(Scheme):
     sink: int = 0  # first tokens of the KV cache kept in full precision
     smooth: float | None = None  # SmoothQuant's migration strength alpha
     rotate: str = "none"  # Hadamard rotation: none | residual | online (residual + FFN down-projection input)
-    options: ClassVar[tuple[str, ...]] = ("w_granularity", "w_estimator", "w_symmetric", "group_size",
-                                          "a_granularity", "a_symmetric", "dynamic", "estimator", "momentum",
-                                          "percentile", "a_bits", "w_bits", "acts", "keep", "gates", "calib",
-                                          "kv_bits", "kv_granularity", "kv_group", "sink", "smooth", "rotate")
+    options: ClassVar[tuple[str, ...]] = (
+        "w_granularity",
+        "w_estimator",
+        "w_symmetric",
+        "group_size",
+        "a_granularity",
+        "a_symmetric",
+        "dynamic",
+        "estimator",
+        "momentum",
+        "percentile",
+        "a_bits",
+        "w_bits",
+        "acts",
+        "keep",
+        "gates",
+        "calib",
+        "kv_bits",
+        "kv_granularity",
+        "kv_group",
+        "sink",
+        "smooth",
+        "rotate",
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -120,20 +159,32 @@ class SimulatedScheme(Scheme):
         if a is not None and not a.dynamic and a.granularity == "token":
             raise ValueError(f"{self.name}: per-token activation ranges are dynamic; add dynamic=true")
         if a is not None and a.format in BLOCK and (not a.dynamic or self.acts != "linear-inputs"):
-            raise ValueError(f"{self.name}: {a.format} takes each block's scale from the block at run time and blocks "
-                             f"the reduction dim of a matmul: its activations are dynamic at acts=linear-inputs")
-        if kv is not None and (kv.format in BLOCK or kv.format == "fp4-e2m1" or not kv.dynamic
-                               or kv.granularity not in ("token", "group", "channel")):
-            raise ValueError(f"{self.name}: the KV cache takes integer or FP8 formats, dynamic, per token, group or "
-                             f"channel; got {kv.format}, {kv.granularity}, dynamic={kv.dynamic}")
+            raise ValueError(
+                f"{self.name}: {a.format} takes each block's scale from the block at run time and blocks "
+                f"the reduction dim of a matmul: its activations are dynamic at acts=linear-inputs"
+            )
+        if kv is not None and (
+            kv.format in BLOCK
+            or kv.format == "fp4-e2m1"
+            or not kv.dynamic
+            or kv.granularity not in ("token", "group", "channel")
+        ):
+            raise ValueError(
+                f"{self.name}: the KV cache takes integer or FP8 formats, dynamic, per token, group or "
+                f"channel; got {kv.format}, {kv.granularity}, dynamic={kv.dynamic}"
+            )
         if self.sink and kv is None:
-            raise ValueError(f"{self.name}: sink={self.sink} keeps KV-cache tokens in full precision, but this scheme "
-                             f"leaves the cache in float; use a kv scheme such as kv4-int4:sink={self.sink}")
+            raise ValueError(
+                f"{self.name}: sink={self.sink} keeps KV-cache tokens in full precision, but this scheme "
+                f"leaves the cache in float; use a kv scheme such as kv4-int4:sink={self.sink}"
+            )
         if self.smooth is not None and self.rotate != "none":
             raise ValueError(f"{self.name}: smooth= folds its scales into the norms that rotate= removes; pick one")
         if self.smooth is not None and a is None:
-            raise ValueError(f"{self.name}: smooth= migrates activation outliers into the weights; this scheme "
-                             f"leaves the activations in float, so there is nothing to smooth")
+            raise ValueError(
+                f"{self.name}: smooth= migrates activation outliers into the weights; this scheme "
+                f"leaves the activations in float, so there is nothing to smooth"
+            )
 
     @property
     def needs_calibration(self) -> bool:
@@ -155,8 +206,8 @@ class TorchaoScheme(Scheme):
     def needs_calibration(self) -> bool:
         return self.smooth is not None
 
-    def torchao_config(self):
-        import torchao.quantization
+    def torchao_config(self) -> AOBaseConfig:
+        import torchao.quantization  # torchao is optional: imported at first use
 
         return getattr(torchao.quantization, self.config)()
 
@@ -169,13 +220,14 @@ class TorchaoStaticScheme(TorchaoScheme):
     def needs_calibration(self) -> bool:
         return True
 
-    def torchao_config(self, act_scale=None):
+    def torchao_config(self, act_scale: torch.Tensor | None = None) -> AOBaseConfig:
         """The config for one Linear whose input scale is ``act_scale`` (max |x| / 127)."""
-        import torchao.quantization
-        from torchao.quantization.granularity import PerRow, PerTensor
+        import torchao.quantization  # torchao is optional: imported at first use
+        from torchao.quantization.granularity import PerRow, PerTensor  # torchao, likewise
 
-        return getattr(torchao.quantization, self.config)(act_quant_scale=act_scale,
-                                                           granularity=[PerTensor(), PerRow()])
+        return getattr(torchao.quantization, self.config)(
+            act_quant_scale=act_scale, granularity=[PerTensor(), PerRow()]
+        )
 
 
 @dataclass(frozen=True)
@@ -201,11 +253,15 @@ class Handler:
 HANDLERS: dict[type, Handler] = {}
 
 
-def handles(scheme_class: type, *, restore: Callable, assign: bool = False):
+def handles(
+    scheme_class: type[Scheme], *, restore: Callable[..., nn.Module], assign: bool = False
+) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Register the decorated ``apply`` function, with ``restore``, as the handler of ``scheme_class``."""
-    def register(apply: Callable) -> Callable:
+
+    def register(apply: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
         HANDLERS[scheme_class] = Handler(apply, restore, assign)
         return apply
+
     return register
 
 
@@ -214,8 +270,10 @@ def handler_for(scheme: Scheme) -> Handler:
     for cls in type(scheme).__mro__:
         if cls in HANDLERS:
             return HANDLERS[cls]
-    raise TypeError(f"no handler is registered for {type(scheme).__name__} ({scheme.name}); register one with "
-                    f"@handles({type(scheme).__name__}, restore=...)")
+    raise TypeError(
+        f"no handler is registered for {type(scheme).__name__} ({scheme.name}); register one with "
+        f"@handles({type(scheme).__name__}, restore=...)"
+    )
 
 
 @dataclass(frozen=True)
@@ -229,18 +287,19 @@ class Option:
     valid: tuple | Range | None = None
     aliases: tuple[tuple[str, str], ...] = ()  # (alias, the value it stands for)
 
-    def check(self, scheme: str, key: str, value) -> None:
+    def check(self, scheme: str, key: str, value: object) -> None:
         if isinstance(self.valid, Range):
+            assert isinstance(value, (int, float))  # a Range bounds an int or float option
             self.valid.check(scheme, key, value)
         elif self.valid is not None and value not in self.valid:
             raise ValueError(f"{scheme}: {key} must be one of {', '.join(self.valid)}, got {value!r}")
 
-    def read(self, holder):
+    def read(self, holder: object) -> object:
         return getattr(holder, self.field)
 
-    def write(self, value):
+    def write(self, value: object) -> object:
         """The field value that option value ``value`` stands for."""
-        return dict(self.aliases).get(value, value)
+        return next((meant for alias, meant in self.aliases if alias == value), value)
 
 
 @dataclass(frozen=True)
@@ -248,10 +307,11 @@ class BitsOption(Option):
     """The width of an integer format, kept in the format's name (``a_bits=6``: format ``int6``);
     None for float and block-scaled formats, whose width is fixed."""
 
-    def read(self, holder):
+    def read(self, holder: object) -> int | None:
+        assert isinstance(holder, TensorQuant)  # the weight, act or kv of a scheme
         return INT_BITS.get(holder.format)
 
-    def write(self, value):
+    def write(self, value: object) -> str:
         return f"int{value}"
 
 
@@ -283,8 +343,8 @@ OPTIONS = {
 }
 
 
-def _options(s: Scheme) -> dict:
-    out = {}
+def _options(s: Scheme) -> dict[str, object]:
+    out: dict[str, object] = {}
     for key in type(s).options:
         opt = OPTIONS[key]
         holder = s if opt.where is None else getattr(s, opt.where)
@@ -296,82 +356,146 @@ def _options(s: Scheme) -> dict:
 
 def _allowed(s: Scheme) -> set[str]:
     """The options ``s`` can take: its class's, less those of a tensor kind it leaves unquantized."""
-    return {k for k in type(s).options if OPTIONS[k].where is None or getattr(s, OPTIONS[k].where)}
+    return {k for k in type(s).options if (where := OPTIONS[k].where) is None or getattr(s, where)}
 
 
 _I8_STATIC_ACT = TensorQuant("int8", "tensor", symmetric=False, estimator="running-minmax")
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (
-    SimulatedScheme(
-        "w8a8-int8-static",
-        "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
-        "running min-max over 16 calibration batches) at the input of every nn.Linear but the LM head and the "
-        "attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm outputs and the "
-        "attention's q/k/v and softmax stay in float", weight=TensorQuant("int8"), act=_I8_STATIC_ACT),
-    SimulatedScheme(
-        "w8a8-int8-bondarenko",
-        "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
-        "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
-        "tensor, running min-max, momentum 0.9, 16 calibration batches) at every site of acts=bondarenko: "
-        "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
-        "FFN activation and output; the LM head and the attention gates stay in full precision",
-        weight=TensorQuant("int8"), act=_I8_STATIC_ACT, acts="bondarenko"),
-    SimulatedScheme(
-        "w8a16-int8-bondarenko",
-        "The weights of w8a8-int8-bondarenko alone (INT8, symmetric, per tensor, min-max; embeddings and norm "
-        "weights too), activations in float: with w16a8-int8-bondarenko, it splits W8A8's loss into its weight "
-        "and activation parts", weight=TensorQuant("int8"), acts="bondarenko"),
-    SimulatedScheme(
-        "w16a8-int8-bondarenko",
-        "The activations of w8a8-int8-bondarenko alone (INT8 at every site of acts=bondarenko, static per-tensor "
-        "ranges), weights in float", act=_I8_STATIC_ACT, acts="bondarenko"),
-    SimulatedScheme("w8a8-int8-dynamic",
-                    "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
-                    weight=TensorQuant("int8", "channel"), act=TensorQuant("int8", "token", dynamic=True)),
-    SimulatedScheme("w8a8-fp8-e4m3",
-                    "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
-                    "saturation at 448 counted)", weight=TensorQuant("fp8-e4m3"), act=TensorQuant("fp8-e4m3")),
-    SimulatedScheme("w8a8-fp8-e5m2",
-                    "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation "
-                    "counted)", weight=TensorQuant("fp8-e5m2"), act=TensorQuant("fp8-e5m2")),
-    SimulatedScheme("w4a4-fp4-e2m1",
-                    "FP4 E2M1 weights and activations with one scale per tensor (activations static from calibration; "
-                    "saturation at 6 x scale counted): the contrast to the block-scaled FP4 formats",
-                    weight=TensorQuant("fp4-e2m1"), act=TensorQuant("fp4-e2m1")),
-    SimulatedScheme("w8a8-mxfp8",
-                    "OCP MXFP8: E4M3 elements, one power-of-two (E8M0) scale per block of 32 along the input dim, "
-                    "weights and activations (scales from each block at run time; torchao's emulation)",
-                    weight=TensorQuant("mxfp8"), act=TensorQuant("mxfp8", dynamic=True)),
-    SimulatedScheme("w4a4-mxfp4",
-                    "OCP MXFP4: E2M1 elements, one power-of-two (E8M0) scale per block of 32, weights and activations",
-                    weight=TensorQuant("mxfp4"), act=TensorQuant("mxfp4", dynamic=True)),
-    SimulatedScheme("w4a4-nvfp4",
-                    "NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per block of 16 under a float32 scale per tensor, "
-                    "weights and activations", weight=TensorQuant("nvfp4"), act=TensorQuant("nvfp4", dynamic=True)),
-    SimulatedScheme("kv8-int8", "The KV cache alone in INT8: keys and values as written, asymmetric, one range per "
-                                "token and head (weights and activations in float)",
-                    kv=TensorQuant("int8", "token", symmetric=False, dynamic=True, group_size=32)),
-    SimulatedScheme("kv4-int4", "The KV cache alone in INT4, asymmetric, one range per token and head; "
-                                "kv_granularity=channel is KIVI's keys per channel over blocks of kv_group tokens",
-                    kv=TensorQuant("int4", "token", symmetric=False, dynamic=True, group_size=32)),
-    SimulatedScheme("kv8-fp8-e4m3", "The KV cache alone in FP8 E4M3, one scale per token and head",
-                    kv=TensorQuant("fp8-e4m3", "token", dynamic=True, group_size=32)),
-    SimulatedScheme("w8-int8", "INT8 weight-only, symmetric per output channel", weight=TensorQuant("int8", "channel")),
-    SimulatedScheme("w4-int4-group", "INT4 weight-only, asymmetric, groups of 128 input channels",
-                    weight=TensorQuant("int4", "group", symmetric=False)),
-    TorchaoScheme("torchao-int8-dynamic", "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)",
-                  config="Int8DynamicActivationInt8WeightConfig"),
-    TorchaoScheme("torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig"),
-    TorchaoStaticScheme("torchao-int8-static",
-                        "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales "
-                        "calibrated here, per-channel weights", config="Int8StaticActivationInt8WeightConfig"),
-    TorchaoScheme("torchao-fp8-weight-only", "torchao Float8WeightOnlyConfig", config="Float8WeightOnlyConfig"),
-    TorchaoScheme("torchao-fp8-dynamic", "torchao Float8DynamicActivationFloat8WeightConfig",
-                  config="Float8DynamicActivationFloat8WeightConfig",
-                  needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this "
-                             "machine use the simulated scheme w8a8-fp8-e4m3:dynamic=true"),
-    BnbScheme("llm-int8", "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above the "
-                          "threshold (6.0) kept in 16-bit"),
-)}
+SCHEMES: dict[str, Scheme] = {
+    s.name: s
+    for s in (
+        SimulatedScheme(
+            "w8a8-int8-static",
+            "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
+            "running min-max over 16 calibration batches) at the input of every nn.Linear but the LM head and the "
+            "attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm outputs and the "
+            "attention's q/k/v and softmax stay in float",
+            weight=TensorQuant("int8"),
+            act=_I8_STATIC_ACT,
+        ),
+        SimulatedScheme(
+            "w8a8-int8-bondarenko",
+            "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
+            "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
+            "tensor, running min-max, momentum 0.9, 16 calibration batches) at every site of acts=bondarenko: "
+            "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
+            "FFN activation and output; the LM head and the attention gates stay in full precision",
+            weight=TensorQuant("int8"),
+            act=_I8_STATIC_ACT,
+            acts="bondarenko",
+        ),
+        SimulatedScheme(
+            "w8a16-int8-bondarenko",
+            "The weights of w8a8-int8-bondarenko alone (INT8, symmetric, per tensor, min-max; embeddings and norm "
+            "weights too), activations in float: with w16a8-int8-bondarenko, it splits W8A8's loss into its weight "
+            "and activation parts",
+            weight=TensorQuant("int8"),
+            acts="bondarenko",
+        ),
+        SimulatedScheme(
+            "w16a8-int8-bondarenko",
+            "The activations of w8a8-int8-bondarenko alone (INT8 at every site of acts=bondarenko, static per-tensor "
+            "ranges), weights in float",
+            act=_I8_STATIC_ACT,
+            acts="bondarenko",
+        ),
+        SimulatedScheme(
+            "w8a8-int8-dynamic",
+            "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
+            weight=TensorQuant("int8", "channel"),
+            act=TensorQuant("int8", "token", dynamic=True),
+        ),
+        SimulatedScheme(
+            "w8a8-fp8-e4m3",
+            "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
+            "saturation at 448 counted)",
+            weight=TensorQuant("fp8-e4m3"),
+            act=TensorQuant("fp8-e4m3"),
+        ),
+        SimulatedScheme(
+            "w8a8-fp8-e5m2",
+            "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation counted)",
+            weight=TensorQuant("fp8-e5m2"),
+            act=TensorQuant("fp8-e5m2"),
+        ),
+        SimulatedScheme(
+            "w4a4-fp4-e2m1",
+            "FP4 E2M1 weights and activations with one scale per tensor (activations static from calibration; "
+            "saturation at 6 x scale counted): the contrast to the block-scaled FP4 formats",
+            weight=TensorQuant("fp4-e2m1"),
+            act=TensorQuant("fp4-e2m1"),
+        ),
+        SimulatedScheme(
+            "w8a8-mxfp8",
+            "OCP MXFP8: E4M3 elements, one power-of-two (E8M0) scale per block of 32 along the input dim, "
+            "weights and activations (scales from each block at run time; torchao's emulation)",
+            weight=TensorQuant("mxfp8"),
+            act=TensorQuant("mxfp8", dynamic=True),
+        ),
+        SimulatedScheme(
+            "w4a4-mxfp4",
+            "OCP MXFP4: E2M1 elements, one power-of-two (E8M0) scale per block of 32, weights and activations",
+            weight=TensorQuant("mxfp4"),
+            act=TensorQuant("mxfp4", dynamic=True),
+        ),
+        SimulatedScheme(
+            "w4a4-nvfp4",
+            "NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per block of 16 under a float32 scale per tensor, "
+            "weights and activations",
+            weight=TensorQuant("nvfp4"),
+            act=TensorQuant("nvfp4", dynamic=True),
+        ),
+        SimulatedScheme(
+            "kv8-int8",
+            "The KV cache alone in INT8: keys and values as written, asymmetric, one range per "
+            "token and head (weights and activations in float)",
+            kv=TensorQuant("int8", "token", symmetric=False, dynamic=True, group_size=32),
+        ),
+        SimulatedScheme(
+            "kv4-int4",
+            "The KV cache alone in INT4, asymmetric, one range per token and head; "
+            "kv_granularity=channel is KIVI's keys per channel over blocks of kv_group tokens",
+            kv=TensorQuant("int4", "token", symmetric=False, dynamic=True, group_size=32),
+        ),
+        SimulatedScheme(
+            "kv8-fp8-e4m3",
+            "The KV cache alone in FP8 E4M3, one scale per token and head",
+            kv=TensorQuant("fp8-e4m3", "token", dynamic=True, group_size=32),
+        ),
+        SimulatedScheme(
+            "w8-int8", "INT8 weight-only, symmetric per output channel", weight=TensorQuant("int8", "channel")
+        ),
+        SimulatedScheme(
+            "w4-int4-group",
+            "INT4 weight-only, asymmetric, groups of 128 input channels",
+            weight=TensorQuant("int4", "group", symmetric=False),
+        ),
+        TorchaoScheme(
+            "torchao-int8-dynamic",
+            "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)",
+            config="Int8DynamicActivationInt8WeightConfig",
+        ),
+        TorchaoScheme("torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig"),
+        TorchaoStaticScheme(
+            "torchao-int8-static",
+            "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales "
+            "calibrated here, per-channel weights",
+            config="Int8StaticActivationInt8WeightConfig",
+        ),
+        TorchaoScheme("torchao-fp8-weight-only", "torchao Float8WeightOnlyConfig", config="Float8WeightOnlyConfig"),
+        TorchaoScheme(
+            "torchao-fp8-dynamic",
+            "torchao Float8DynamicActivationFloat8WeightConfig",
+            config="Float8DynamicActivationFloat8WeightConfig",
+            needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this "
+            "machine use the simulated scheme w8a8-fp8-e4m3:dynamic=true",
+        ),
+        BnbScheme(
+            "llm-int8",
+            "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above the "
+            "threshold (6.0) kept in 16-bit",
+        ),
+    )
+}
 
 
 def get_scheme(text: str | Scheme) -> Scheme:
@@ -383,12 +507,14 @@ def get_scheme(text: str | Scheme) -> Scheme:
     if name not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
     scheme = SCHEMES[name]
-    changes = {None: {}, "weight": {}, "act": {}, "kv": {}}
+    changes: dict[str | None, dict[str, Any]] = {None: {}, "weight": {}, "act": {}, "kv": {}}
     allowed = _allowed(scheme)
-    for key, value in key_values(name, arg, lambda k: OPTIONS[k].type if k in allowed else None,
-                                 valid=", ".join(sorted(allowed))):
+    for key, value in key_values(
+        name, arg, lambda k: OPTIONS[k].type if k in allowed else None, valid=", ".join(sorted(allowed))
+    ):
         opt = OPTIONS[key]
         if isinstance(opt, BitsOption):
+            assert isinstance(value, int)  # a BitsOption's type is int
             _check_bits(scheme, key, value)
         changes[opt.where][opt.field] = opt.write(value)
     parts = {w: dataclasses.replace(getattr(scheme, w), **c) for w, c in changes.items() if w is not None and c}
@@ -396,12 +522,16 @@ def get_scheme(text: str | Scheme) -> Scheme:
 
 
 def _check_bits(scheme: Scheme, key: str, value: int) -> None:
-    fmt = getattr(scheme, OPTIONS[key].where).format
+    where = OPTIONS[key].where
+    assert where is not None  # a BitsOption sets a tensor kind's format
+    fmt = getattr(scheme, where).format
     if fmt not in INT_BITS:
         kind = "a block-scaled format" if fmt in BLOCK else "a float format"
-        raise ValueError(f"{scheme.name}: {key} sets the width of an integer format, but this scheme's "
-                         f"{OPTIONS[key].where}s are {fmt}, {kind} of fixed width (pick one by scheme name, or use "
-                         f"an INT scheme such as w8a8-int8-static:{key}={value})")
+        raise ValueError(
+            f"{scheme.name}: {key} sets the width of an integer format, but this scheme's "
+            f"{OPTIONS[key].where}s are {fmt}, {kind} of fixed width (pick one by scheme name, or use "
+            f"an INT scheme such as w8a8-int8-static:{key}={value})"
+        )
     OPTIONS[key].check(scheme.name, key, value)
 
 
@@ -412,5 +542,9 @@ def act_bits(scheme: str | Scheme) -> tuple[str, int | None]:
     bits = _options(s).get("a_bits")
     if bits is None:
         return str(s), None
-    base = dataclasses.replace(s, act=dataclasses.replace(s.act, format=SCHEMES[s.name].act.format))
+    named = SCHEMES[s.name]
+    # a_bits is read off an integer activation format, which only a simulated scheme has, as its named row does
+    assert isinstance(bits, int) and isinstance(s, SimulatedScheme) and isinstance(named, SimulatedScheme)
+    assert s.act is not None and named.act is not None
+    base = dataclasses.replace(s, act=dataclasses.replace(s.act, format=named.act.format))
     return str(base), bits

@@ -91,15 +91,22 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from ..models.families import family_of
+from ..models.families import family_of, find_submodule, is_norm
 from ..models.swap import attention_modules
 from .mitigate import massive_ffns, smooth_
-from .quantizers import fake_quant, quantize_weight, RangeObserver
+from .quantizers import RangeObserver, fake_quant, quantize_weight
 from .rotate import rotate_
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
 
-__all__ = ["ActQuant", "KVQuant", "apply_simulated", "act_quantizers", "check_ranges", "kept_modules",
-           "quantizable_linears"]
+__all__ = [
+    "ActQuant",
+    "KVQuant",
+    "apply_simulated",
+    "act_quantizers",
+    "check_ranges",
+    "kept_modules",
+    "quantizable_linears",
+]
 
 
 class ActQuant(nn.Module):
@@ -119,8 +126,13 @@ class ActQuant(nn.Module):
         self.register_buffer("lo", torch.zeros(()))
         self.register_buffer("hi", torch.zeros(()))
         self.calibrating = not spec.dynamic
-        self.observer = RangeObserver(spec.estimator, spec.momentum, spec.percentile, name=name,
-                                      per_channel=spec.granularity == "channel") if self.calibrating else None
+        self.observer = (
+            RangeObserver(
+                spec.estimator, spec.momentum, spec.percentile, name=name, per_channel=spec.granularity == "channel"
+            )
+            if self.calibrating
+            else None
+        )
         self.overflow = self.values = 0
         self.track = False
         self.signal = self.noise = 0.0
@@ -186,7 +198,7 @@ class KVQuant(nn.Module):
         self.quant = ActQuant(dataclasses.replace(spec, granularity="token", dynamic=True), name)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        head, body = t[:, :, :self.sink], t[:, :, self.sink:]
+        head, body = t[:, :, : self.sink], t[:, :, self.sink :]
         if body.shape[2] == 0:
             return t
         g = self.spec.group_size
@@ -197,8 +209,9 @@ class KVQuant(nn.Module):
         elif self.spec.granularity == "group":
             g = min(g, body.shape[-1])
             if body.shape[-1] % g:
-                raise ValueError(f"{self.quant.name}: kv_group={g} does not divide the head dim {body.shape[-1]}; "
-                                 f"pick a divisor")
+                raise ValueError(
+                    f"{self.quant.name}: kv_group={g} does not divide the head dim {body.shape[-1]}; pick a divisor"
+                )
             q = self.quant(body.unflatten(-1, (-1, g))).flatten(-2)
         else:
             q = self.quant(body)
@@ -262,8 +275,10 @@ def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict 
     found = ((manifest or {}).get("mitigation") or {}).get("keep")
     if "auto" in scheme.keep:
         if found is None:
-            raise ValueError(f"{scheme}: the manifest does not say which modules keep=auto kept; quantize the model "
-                             f"again and save it with this version of quantgate")
+            raise ValueError(
+                f"{scheme}: the manifest does not say which modules keep=auto kept; quantize the model "
+                f"again and save it with this version of quantgate"
+            )
         scheme = dataclasses.replace(scheme, keep=tuple(found))
     if scheme.rotate != "none":  # the saved config records the rotation and quantization being rebuilt
         meta = model.config.quantgate
@@ -283,8 +298,9 @@ def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, ske
     if scheme.weight is not None and not skeleton:
         w = scheme.weight
         for _, linear in quantizable_linears(model, scheme):
-            linear.weight.data = quantize_weight(linear.weight.data, w.format, w.granularity, w.symmetric,
-                                                 w.group_size, w.estimator)
+            linear.weight.data = quantize_weight(
+                linear.weight.data, w.format, w.granularity, w.symmetric, w.group_size, w.estimator
+            )
         if scheme.acts == "bondarenko":
             _quantize_tables(model, scheme)
     if scheme.act is not None:
@@ -326,8 +342,9 @@ def _place_kv(model: nn.Module, scheme: SimulatedScheme) -> None:
     for attn in attention_modules(model):
         present = attn.qg_fake_quant or {}
         kv = {role: KVQuant(scheme.kv, f"{names[id(attn)]} cache {role}", role, scheme.sink) for role in ("k", "v")}
-        attn.qg_fake_quant = nn.ModuleDict({**present, **{r: nn.Sequential(present[r], q) if r in present else q
-                                                          for r, q in kv.items()}})
+        attn.qg_fake_quant = nn.ModuleDict(
+            {**present, **{r: nn.Sequential(present[r], q) if r in present else q for r, q in kv.items()}}
+        )
 
 
 def _place_linear_inputs(model: nn.Module, scheme: SimulatedScheme) -> None:
@@ -342,7 +359,7 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
     kept = kept_modules(model, scheme)
 
     def found(owner: nn.Module, paths) -> list[nn.Module]:
-        modules = filter(None, (_submodule(owner, p) for p in paths))
+        modules = filter(None, (find_submodule(owner, p) for p in paths))
         return [m for m in modules if names[id(m)] not in kept]
 
     def inputs(owner: nn.Module, *paths: str, inplace: bool = False) -> None:
@@ -367,8 +384,9 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
         inputs(block, *family.inner_inputs)
     per_tensor = dataclasses.replace(act, granularity="tensor")  # (B, H, N, .) tensors: one range each
     for attn in attention_modules(model):
-        attn.qg_fake_quant = nn.ModuleDict({k: ActQuant(per_tensor, f"{names[id(attn)]} {k}")
-                                            for k in ("q", "k", "v", "scores", "probs")})
+        attn.qg_fake_quant = nn.ModuleDict(
+            {k: ActQuant(per_tensor, f"{names[id(attn)]} {k}") for k in ("q", "k", "v", "scores", "probs")}
+        )
         if scheme.gates and hasattr(attn, "gate"):  # each gate Linear's input and output (the sigmoid input)
             for name, linear in attn.gate.named_modules(prefix=names[id(attn.gate)]):
                 if isinstance(linear, nn.Linear):
@@ -379,18 +397,6 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
 PLACEMENTS = {"linear-inputs": _place_linear_inputs, "bondarenko": _place_bondarenko}
 
 
-def _submodule(owner: nn.Module, path: str) -> nn.Module | None:
-    """``owner.get_submodule(path)``, or None where this block or model has no such module."""
-    try:
-        return owner.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "RMSNorm" in type(module).__name__
-
-
 @torch.no_grad()
 def _quantize_tables(model: nn.Module, scheme: SimulatedScheme) -> None:
     """Embedding tables and norm weights, per tensor and symmetric as the reference quantizes them; an
@@ -398,7 +404,7 @@ def _quantize_tables(model: nn.Module, scheme: SimulatedScheme) -> None:
     kept, w = kept_modules(model, scheme), scheme.weight
     head = model.get_output_embeddings()
     for name, module in model.named_modules():
-        table = isinstance(module, nn.Embedding) or _is_norm(module)
+        table = isinstance(module, nn.Embedding) or is_norm(module)
         if name in kept or not table or not isinstance(getattr(module, "weight", None), nn.Parameter):
             continue
         if head is not None and head.weight is module.weight:
@@ -415,6 +421,8 @@ def check_ranges(model: nn.Module) -> None:
     """Raise ValueError naming the first quantizer whose static range is not finite."""
     for q in act_quantizers(model):
         if not bool(torch.isfinite(q.lo).all() & torch.isfinite(q.hi).all()):
-            raise ValueError(f"{q.name}: its range [{float(q.lo.min()):g}, {float(q.hi.max()):g}] is not finite, so "
-                             f"every output would be NaN; quantize the model again from calibration batches that "
-                             f"give finite activations")
+            raise ValueError(
+                f"{q.name}: its range [{float(q.lo.min()):g}, {float(q.hi.max()):g}] is not finite, so "
+                f"every output would be NaN; quantize the model again from calibration batches that "
+                f"give finite activations"
+            )

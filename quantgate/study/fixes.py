@@ -1,0 +1,215 @@
+"""The "Which fix?" section of a study report (``report: fixes``): every scheme of the study set against
+one reference scheme (the broken one), per model, ranked by the perplexity change it causes.
+
+A scheme *fixes* a model when its whole 95% interval lies below ``within`` (default +1%); one whose
+estimate is below but whose interval reaches past it is "not resolved"; the rest rank by estimate.
+Costs: the parameters a scheme keeps in full precision or adds (``keep=auto``, a rotation's folded
+biases), the extra run-time operations per token (the online Hadamard transforms), the range kind
+(static ranges cost nothing at run time; per-token, per-block and LLM.int8's outlier split each
+read every activation), and the measured quantization time (calibration included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..quant.quantizers import BLOCK
+from ..quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme, TorchaoStaticScheme, get_scheme
+from ..stats import Delta, format_delta, paired_delta
+from .measures import ppl_key
+from .records import CellRecord
+
+__all__ = ["which_fix", "fix_rows", "FixRow", "range_kind", "without_sink", "sink_effect"]
+
+Changes = dict[tuple[str, str], "Delta | None"]  # {(cell id, scheme): its perplexity change}
+
+
+def range_kind(scheme: str) -> str:
+    """Where a scheme's activation scales come from, in words."""
+    s = get_scheme(scheme)
+    if isinstance(s, BnbScheme):
+        return f"per token, outlier columns (> {s.threshold:g}) in 16-bit"
+    if isinstance(s, TorchaoStaticScheme):
+        return "per tensor, static (torchao int8 kernel)"
+    if isinstance(s, TorchaoScheme):
+        return "per token, dynamic (torchao kernel)" if "Dynamic" in s.config else "weights only (torchao kernel)"
+    parts = []
+    a = s.act if isinstance(s, SimulatedScheme) else None
+    if a is not None:
+        if a.format in BLOCK:
+            block = BLOCK[a.format][1]
+            parts.append(
+                f"per block of {block} (E4M3) x per tensor" if a.format == "nvfp4" else f"per block of {block} (E8M0)"
+            )
+        else:
+            parts.append(f"per {a.granularity}, " + ("dynamic" if a.dynamic else "static"))
+    if isinstance(s, SimulatedScheme) and s.kv is not None:
+        parts.append(f"KV cache per {s.kv.granularity}" + (f", first {s.sink} kept" if s.sink else ""))
+    return "; ".join(parts) or "weights only"
+
+
+def without_sink(scheme: str) -> str | None:
+    """The scheme with its KV-cache sink tokens quantized too, or None where it keeps none."""
+    s = get_scheme(scheme)
+    return str(dataclasses.replace(s, sink=0)) if isinstance(s, SimulatedScheme) and s.sink else None
+
+
+def sink_effect(cell: CellRecord, base: str, kept: str) -> Delta | None:
+    """The perplexity change from ``base`` to ``kept`` (the same scheme keeping the sink tokens), paired over the
+    documents both read; None where either kept no per-document values."""
+    key = ppl_key(cell)
+    docs = [cell.scheme(s).documents.get(key[0]) if key else None for s in (base, kept)]
+    return paired_delta(*docs, key[1]) if all(docs) else None
+
+
+def _verdict(d: Delta | None, within: float) -> str:
+    if d is None:
+        return "not run"
+    if d.high is not None and d.high < within:
+        return "fixed"
+    if d.value < within:
+        return "not resolved"
+    return "not fixed"
+
+
+@dataclass(frozen=True)
+class FixRow:
+    """A scheme on one model: its perplexity change, verdict (fixed, not resolved, not fixed) and costs: the
+    parameters it keeps in (or adds at) full precision, the operations per token it adds, its quantize time."""
+
+    scheme: str
+    delta: Delta
+    verdict: str
+    params: int
+    ops: int
+    seconds: float | None
+
+
+def fix_rows(cell: CellRecord, schemes: list[str], changes: Changes, within: float) -> list[FixRow]:
+    """One row per scheme evaluated on ``cell``, best (smallest change) first."""
+    rows = []
+    for s in schemes:
+        r = cell.scheme(s)
+        d = changes.get((cell.id, s))
+        if d is None:
+            continue
+        m = r.mitigation or {}
+        rot = m.get("rotation") or {}
+        rows.append(
+            FixRow(
+                scheme=s,
+                delta=d,
+                verdict=_verdict(d, within),
+                params=(m.get("kept_params") or 0) + (rot.get("extra_params") or 0),
+                ops=rot.get("extra_ops_per_token") or 0,
+                seconds=r.quantize_s,
+            )
+        )
+    return sorted(rows, key=lambda row: row.delta.value)
+
+
+def which_fix(
+    cells: list[CellRecord], schemes: list[str], changes: Changes, fixes: dict, pairs: list[list[str]]
+) -> list[str]:
+    """The report's opening section (module docstring)."""
+    reference = str(get_scheme(fixes["reference"]))
+    within = float(fixes.get("within", 0.01))
+    lines = [
+        "## Which fix?",
+        "",
+        f"Each scheme against `{reference}` (the reference) on every model: a scheme *fixes* a model when "
+        f"its whole 95% interval lies below +{within:.0%} of the float perplexity; *not resolved* when the "
+        f"estimate is below but the interval reaches past it.",
+        "",
+    ]
+    by_model: dict[str, CellRecord] = {}
+    for c in cells:
+        by_model.setdefault(c.model, c)
+    rows_of = {m: fix_rows(c, schemes, changes, within) for m, c in by_model.items()}
+    for model, c in by_model.items():
+        rows = rows_of[model]
+        ref = changes.get((c.id, reference))
+        fixed = [r for r in rows if r.verdict == "fixed" and r.scheme != reference]
+        unresolved = [r for r in rows if r.verdict == "not resolved" and r.scheme != reference]
+        text = f"- **{model}** ({c.variant}): `{reference}` {format_delta(ref)}"
+        if ref is not None and _verdict(ref, within) == "fixed":
+            text += f", already within +{within:.0%}: it needs no fix."
+        elif fixed:
+            text += (
+                f"; fixed by {len(fixed)} of {len(rows) - 1}, best first: "
+                + ", ".join(f"`{r.scheme}` {format_delta(r.delta)}" for r in fixed)
+                + "."
+            )
+        else:
+            text += f"; no scheme here brings it within +{within:.0%}."
+        if unresolved:
+            text += " Not resolved: " + ", ".join(f"`{r.scheme}` {format_delta(r.delta)}" for r in unresolved) + "."
+        lines.append(text)
+    for ungated, gated in pairs:
+        if ungated in by_model and gated in by_model:
+            fixed_u, fixed_g = ([r.scheme for r in rows_of[m] if r.verdict == "fixed"] for m in (ungated, gated))
+            only_g = [s for s in fixed_g if s not in fixed_u]
+            lines.append(
+                f"- **{gated}** vs its ungated twin **{ungated}**: {len(fixed_g)} vs {len(fixed_u)} of the "
+                f"schemes keep them within +{within:.0%}"
+                + ("; only the gated twin: " + ", ".join(f"`{s}`" for s in only_g) if only_g else "")
+                + "."
+            )
+    for s in schemes:
+        base = without_sink(s)
+        if base is not None and base in schemes:
+            effects = [
+                f"{format_delta(sink_effect(c, base, s))} on {m}"
+                for m, c in by_model.items()
+                if base in c.schemes and s in c.schemes
+            ]
+            lines.append(
+                f"- KV cache: keeping its first {get_scheme(s).sink} token(s) in full precision (`{s}` "
+                f"against `{base}`, paired over the same documents) changes the perplexity by "
+                + ", ".join(effects)
+                + "."
+            )
+    head = ["scheme", "range kind", *by_model]
+    lines += [
+        "",
+        "Change of perplexity per model (rows: schemes, best on the first model first; ~: within noise):",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    order = [r.scheme for r in next(iter(rows_of.values()))]
+    order += [s for s in schemes if s not in order]
+    for s in order:
+        cols = [
+            format_delta(changes.get((c.id, s)))
+            + ("" if _verdict(changes.get((c.id, s)), within) != "fixed" else " **fixed**")
+            for c in by_model.values()
+        ]
+        lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")
+    head = [
+        "scheme",
+        *[f"{m}: {x}" for m in by_model for x in ("extra full-precision params", "extra ops / token", "quantize s")],
+    ]
+    lines += [
+        "",
+        "Cost: parameters kept in (or added at) full precision, run-time operations per token that "
+        "the mitigation adds (the online Hadamard transforms; static ranges add none, dynamic ones read "
+        "each activation: see the range kind), and the time to quantize (calibration included) on this "
+        "machine. Forward-time ratios: benchmarks/quant_speed.py.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    costs = {m: {r.scheme: r for r in rows} for m, rows in rows_of.items()}
+    for s in order:
+        cols = []
+        for m in by_model:
+            r = costs[m].get(s)
+            cols += (
+                ["-", "-", "-"]
+                if r is None
+                else [f"{r.params:,}", f"{r.ops:,}", "-" if r.seconds is None else f"{r.seconds:.1f}"]
+            )
+        lines.append("| " + " | ".join([f"`{s}`", *cols]) + " |")
+    return [*lines, "", "Plot: study_fixes.png.", ""]

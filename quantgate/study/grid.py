@@ -1,0 +1,126 @@
+"""A study's grid: the models it resolves to (:class:`ModelSpec`), the cells they expand into
+(:class:`Cell`: model x variant x seed) and where each cell's steps live in a run directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..quant.schemes import OPTIONS, get_scheme
+
+__all__ = ["ModelSpec", "Study", "Cell", "cell_dir", "cell_slug", "slug", "expand_scheme", "shrink"]
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    source: dict  # {"preset": ..., "config": {...}} or {"load": ...}
+    train: dict | None
+    variants: list[str]
+    schemes: list[dict]  # {"scheme": canonical name, "tasks": None (all of eval's) or a subset}
+    eval: dict
+    observe: dict
+    seeds: list[int]
+    calibration: dict  # the study's, updated by the model's own
+
+
+@dataclass
+class Study:
+    name: str
+    description: str
+    models: list[ModelSpec]
+    calibration: dict
+    report: dict
+    raw: dict = field(default_factory=dict)  # the resolved study, written to config.yaml
+
+    def cells(self) -> list[Cell]:
+        """The grid: every model x variant x seed, in the study's order."""
+        out = []
+        for m in self.models:
+            for variant in m.variants:
+                for seed in m.seeds:
+                    suffix = f"-seed{seed}" if len(m.seeds) > 1 else ""
+                    out.append(Cell(m, variant, seed, f"{m.name}/{variant}{suffix}"))
+        return out
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: a model's variant at a seed. ``id`` is ``model/variant[-seedN]``."""
+
+    model: ModelSpec
+    variant: str
+    seed: int
+    id: str
+
+    @property
+    def slug(self) -> str:
+        """The cell's folder name under ``<run>/cells/``."""
+        return cell_slug(self.model.name, self.id)
+
+
+def cell_slug(model: str, cell_id: str) -> str:
+    """The folder name of cell ``cell_id`` (``model/variant[-seedN]``) of ``model``: ``model--variant[-seedN]``,
+    with the characters a folder name cannot hold replaced."""
+    return slug(f"{model}--{cell_id[len(model) + 1 :]}")
+
+
+def cell_dir(run_dir: str | Path, model: str, cell_id: str) -> Path:
+    """Where a run keeps a cell's steps (its JSON files, and ``train/`` for a trained model)."""
+    return Path(run_dir) / "cells" / cell_slug(model, cell_id)
+
+
+def slug(text: str) -> str:
+    """``text`` as a file or folder name."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def expand_scheme(entry: dict) -> list[str]:
+    """The canonical schemes of a ``schemes:`` entry: ``{scheme: S, <option>: value or [values], ...}``,
+    one per combination of the listed values (``a_bits: [8, 6, 5, 4]``: a bit sweep)."""
+    options = {k: v if isinstance(v, list) else [v] for k, v in entry.items() if k in OPTIONS}
+    names = []
+    for values in itertools.product(*options.values()):
+        given = ",".join(
+            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in zip(options, values, strict=True)
+        )
+        names.append(str(get_scheme(f"{entry.get('scheme', '')}:{given}" if given else entry.get("scheme", ""))))
+    return list(dict.fromkeys(names))
+
+
+def shrink(study: Study) -> Study:
+    """The same study at a budget of seconds (a pipeline check): the first variant, seed and scheme of
+    each model, 4 training steps of 2 x 32 tokens, one batch or item per evaluation, calibration and
+    observation."""
+    small = {"seq_len": 32, "batch_size": 2}
+    models = []
+    for m in study.models:
+        train = (
+            None
+            if m.train is None
+            else {
+                **m.train,
+                **small,
+                "steps": 4,
+                "eval_every": 0,
+                "observe_every": 2,
+                "eval_batches": 1,
+                "grad_accum": 1,
+            }
+        )
+        models.append(
+            dataclasses.replace(
+                m,
+                train=train,
+                variants=m.variants[:1],
+                seeds=m.seeds[:1],
+                schemes=m.schemes[:1],
+                eval={**m.eval, "limit": 1},
+                observe={**m.observe, **small, "batches": 1},
+                calibration={**m.calibration, **small, "batches": 1},
+            )
+        )
+    return dataclasses.replace(study, models=models, calibration={**study.calibration, **small, "batches": 1})

@@ -1,0 +1,120 @@
+"""What a study cell's numbers say: its headline perplexity, the change a scheme causes (with its paired
+interval, :mod:`quantgate.stats`), its largest activation and sink, and the activation-bit budget of a
+bit sweep. The report, the "Which fix?" section, the experiments and the headline script read these."""
+
+from __future__ import annotations
+
+from ..quant.schemes import act_bits
+from ..stats import Delta, change
+from .records import CellRecord, Results
+
+__all__ = [
+    "PPL_KEYS",
+    "ACCURACY",
+    "BUDGET",
+    "metric_of",
+    "ppl_of",
+    "ppl_key",
+    "ppl_change",
+    "scheme_change",
+    "float_change",
+    "peak_activation",
+    "max_layer_sink",
+    "bit_sweeps",
+    "budget",
+]
+
+TaskMetric = tuple[str, str]  # (task, metric)
+
+# the headline perplexity of a cell: the first of these its tasks report
+PPL_KEYS: tuple[TaskMetric, ...] = (
+    ("quantgate_ppl", "word_perplexity"),
+    ("quantgate_mlm_ppl", "perplexity"),
+    ("quantgate_backcopy", "perplexity"),
+)
+ACCURACY: tuple[TaskMetric, ...] = (
+    ("quantgate_cloze", "acc"),
+    ("quantgate_nextsent", "acc"),
+    ("quantgate_backcopy", "copy_acc"),
+)
+BUDGET = 0.01  # the perplexity increase a bit budget allows
+
+
+def metric_of(results: Results | None, task_metric: TaskMetric) -> float | None:
+    """``results[task][metric]``, or None where the evaluation lacks it."""
+    task, metric = task_metric
+    return ((results or {}).get(task) or {}).get(metric)
+
+
+def ppl_of(results: Results | None) -> float | None:
+    """The headline perplexity in an evaluation's results (see PPL_KEYS), or None."""
+    return next((v for v in (metric_of(results, k) for k in PPL_KEYS) if v is not None), None)
+
+
+def ppl_key(cell: CellRecord) -> TaskMetric | None:
+    """The (task, metric) of a study cell's headline perplexity (see PPL_KEYS), or None."""
+    return next((k for k in PPL_KEYS if metric_of(cell.float_results, k) is not None), None)
+
+
+def ppl_change(cell: CellRecord, scheme: str) -> Delta | None:
+    """The change of the headline perplexity that ``scheme`` causes in a study cell, a
+    :class:`~quantgate.stats.Delta` (interval n/a where the cell kept no per-document values), or None."""
+    key = ppl_key(cell)
+    return scheme_change(cell, scheme, key) if key else None
+
+
+def scheme_change(cell: CellRecord, scheme: str, task_metric: TaskMetric) -> Delta | None:
+    """The change of ``task_metric`` (task, metric) that ``scheme`` causes in a study cell (as :func:`ppl_change`)."""
+    r = cell.scheme(scheme)
+    task, metric = task_metric
+    return change(
+        metric,
+        metric_of(cell.float_results, task_metric),
+        metric_of(r.results, task_metric),
+        cell.float_documents.get(task),
+        r.documents.get(task),
+    )
+
+
+def float_change(base: CellRecord, cell: CellRecord) -> Delta | None:
+    """``cell``'s headline float perplexity relative to ``base``'s (another model read on the same documents),
+    with the paired interval over those documents; None where either lacks it."""
+    key = ppl_key(base)
+    if key is None:
+        return None
+    docs = [c.float_documents.get(key[0]) for c in (base, cell)]
+    return change(key[1], metric_of(base.float_results, key), metric_of(cell.float_results, key), *docs)
+
+
+def peak_activation(cell: CellRecord) -> tuple[float | None, float | None]:
+    """A cell's largest residual-stream activation and the max / median |x| of the block that holds it."""
+    top = max(cell.layers, key=lambda L: L["max_activation"], default=None)
+    summary = cell.summary
+    return summary.get("max_activation"), top.get("max_median_ratio") if top else summary.get("max_median_ratio")
+
+
+def max_layer_sink(cell: CellRecord) -> tuple[float, int]:
+    """A cell's largest per-layer first-token attention, and its layer."""
+    return max((L["sink_mass"], i) for i, L in enumerate(cell.layers))
+
+
+def bit_sweeps(schemes: list[str]) -> dict[str, list[tuple[int, str]]]:
+    """Schemes that differ only in their activation width: ``{base: [(bits, scheme), ...]}``, widest
+    first, for every base with at least two widths."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for scheme in schemes:
+        base, bits = act_bits(scheme)
+        if bits is not None:
+            groups.setdefault(base, []).append((bits, scheme))
+    return {base: sorted(g, reverse=True) for base, g in groups.items() if len(g) > 1}
+
+
+def budget(points: list[tuple[int, Delta | None]]) -> tuple[int, Delta] | None:
+    """The fewest bits whose perplexity increase, and that of every wider width, stays under
+    :data:`BUDGET`: ``(bits, its Delta)``; None when even the widest exceeds it. ``points`` widest first."""
+    found = None
+    for bits, d in points:
+        if d is None or d.value >= BUDGET:
+            break
+        found = (bits, d)
+    return found

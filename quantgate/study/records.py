@@ -1,0 +1,147 @@
+"""What a study run wrote, typed: ``metrics.json`` read into a :class:`StudyRecord` of :class:`CellRecord`\\ s.
+
+The JSON keeps its keys (older runs read the same); these classes are what the report, the plots, the
+experiments and the headline script read instead of string keys. Nested measurements that are tables of
+their own (an evaluation's ``{task: {metric: value}}``, observe's per-layer rows) stay mappings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .grid import cell_dir
+
+__all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
+
+Results = dict[str, dict[str, float]]  # {task: {metric: value}}
+Documents = dict[str, dict[str, list[float]]]  # {task: {metric: [one value per document]}}
+
+
+@dataclass(frozen=True)
+class SchemeRecord:
+    """One scheme's step in a cell: its evaluation, quantization error and what quantizing recorded;
+    ``error`` (and nothing else) where the hardware could not run it."""
+
+    results: Results | None = None
+    documents: Documents = field(default_factory=dict)
+    logits_sqnr_db: float | None = None
+    worst_layers: list[dict[str, Any]] = field(default_factory=list)
+    overflow: int = 0
+    calibration: dict[str, Any] | None = None
+    mitigation: dict[str, Any] | None = None
+    quantize_s: float | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SchemeRecord:
+        return cls(**{k: v for k, v in data.items() if k != "key"})
+
+    def to_json(self) -> dict[str, Any]:
+        """The step's JSON as the run writes it (an error step keeps only its error and seconds)."""
+        if self.error is not None:
+            return {"error": self.error, "seconds": self.seconds}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "error"}
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """One cell (model x variant x seed) of a study run. ``trained``: the training summary (``trained``
+    False for untrained or loaded models); ``observe``: ``{"summary": {...}, "layers": [{...}, ...]}``;
+    ``cost``: the gate's parameters and FLOPs per token (None in runs made before they were recorded)."""
+
+    id: str
+    model: str
+    variant: str
+    seed: int = 0
+    source: dict[str, Any] = field(default_factory=dict)
+    trained: dict[str, Any] = field(default_factory=dict)
+    observe: dict[str, Any] = field(default_factory=dict)
+    cost: dict[str, float] | None = None
+    float_results: Results = field(default_factory=dict)
+    float_documents: Documents = field(default_factory=dict)
+    schemes: dict[str, SchemeRecord] = field(default_factory=dict)
+    seconds: float = 0.0
+    run_dir: Path | None = None  # the run directory it was read from (not part of the JSON)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], run_dir: Path | None = None) -> CellRecord:
+        d = dict(data, run_dir=run_dir)
+        d["float_results"] = d.pop("float", {})
+        d["schemes"] = {s: SchemeRecord.from_json(r) for s, r in (d.get("schemes") or {}).items()}
+        d["float_documents"] = d.get("float_documents") or {}
+        return cls(**d)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "run_dir"}
+        d["float"] = d.pop("float_results")
+        d["schemes"] = {s: r.to_json() for s, r in self.schemes.items()}
+        return d
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """observe's summary over the model (max activation, sink mass, gate mean, ...)."""
+        return self.observe.get("summary") or {}
+
+    @property
+    def layers(self) -> list[dict[str, Any]]:
+        """observe's per-layer rows."""
+        return self.observe.get("layers") or []
+
+    @property
+    def is_trained(self) -> bool:
+        return bool(self.trained.get("trained"))
+
+    @property
+    def directory(self) -> Path:
+        """The cell's folder in its run (its step files, and ``train/`` for a model trained there)."""
+        if self.run_dir is None:
+            raise ValueError(f"cell {self.id} was not read from a run directory (use read_metrics)")
+        return cell_dir(self.run_dir, self.model, self.id)
+
+    def scheme(self, name: str) -> SchemeRecord:
+        """The record of scheme ``name``, an empty one where the cell did not run it."""
+        return self.schemes.get(name) or SchemeRecord()
+
+
+@dataclass(frozen=True)
+class StudyRecord:
+    """A run's metrics.json: the resolved study, its cells, the schemes in order, and where it ran."""
+
+    study: dict[str, Any]
+    cells: list[CellRecord]
+    schemes: list[str]
+    versions: dict[str, str | None] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)
+    wall_seconds: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], run_dir: Path | None = None) -> StudyRecord:
+        return cls(**{**data, "cells": [CellRecord.from_json(c, run_dir) for c in data["cells"]]})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "study": self.study,
+            "cells": [c.to_json() for c in self.cells],
+            "schemes": self.schemes,
+            "versions": self.versions,
+            "machine": self.machine,
+            "wall_seconds": self.wall_seconds,
+        }
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """The study's ``report:`` settings (notes, pairs, baseline, fixes)."""
+        return self.study.get("report") or {}
+
+
+def read_metrics(run_dir: str | Path) -> StudyRecord:
+    """The :class:`StudyRecord` of a study run directory (its metrics.json)."""
+    path = Path(run_dir) / "metrics.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
+    return StudyRecord.from_json(json.loads(path.read_text()), Path(run_dir))

@@ -1,0 +1,717 @@
+"""Tables and plots across runs: ``compare`` sets evaluation results side by side, float against
+quantized, with the change each scheme causes and its 95% interval (:mod:`quantgate.stats`)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from ..plots import bar_panels
+from ..stats import NOISE_LEGEND, change, fmt, format_delta, seed_delta
+from .fixes import which_fix
+from .measures import (
+    ACCURACY,
+    BUDGET,
+    bit_sweeps,
+    budget,
+    float_change,
+    max_layer_sink,
+    metric_of,
+    peak_activation,
+    ppl_change,
+    ppl_of,
+    scheme_change,
+)
+from .plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
+from .records import CellRecord, StudyRecord, read_metrics
+
+__all__ = [
+    "compare",
+    "collect_evals",
+    "write_study_report",
+    "study_markdown",
+    "study_plots",
+    "spearman",
+    "pearson",
+]
+
+HEADLINE = (
+    "quantgate_ppl/word_perplexity",
+    "quantgate_ppl/bits_per_byte",
+    "quantgate_cloze/acc",
+    "quantgate_nextsent/acc",
+    "quantgate_mlm_ppl/perplexity",
+)
+MIN_CORRELATION_N = 5  # correlations across fewer cells are not printed
+DELTA_LEGEND = (
+    "Change (delta): quantized / float - 1 for perplexities, quantized - float for accuracies "
+    "(percentage points) and bits per byte, with its 95% interval from a paired bootstrap over the "
+    "evaluated documents (1,000 resamples, BCa). " + NOISE_LEGEND + "."
+)
+
+
+def collect_evals(paths) -> list[dict]:
+    """Every eval.json under the given files or directories, flattened to one record each."""
+    records = []
+    for p in map(Path, paths):
+        if (p / "metrics.json").is_file():  # a study run: every cell, float and quantized
+            records += _study_records(read_metrics(p), p)
+            continue
+        files = [p] if p.is_file() else sorted(p.rglob("eval.json"))
+        if not files:
+            raise FileNotFoundError(
+                f"{p} holds no eval.json or metrics.json (write one with quantgate eval ... --out {p}, or run a study)"
+            )
+        for f in files:
+            data = json.loads(f.read_text())
+            s = data["settings"]
+            records.append(
+                {
+                    "model": s.get("model") or f.parent.name,
+                    "variant": s.get("variant"),
+                    "seed": None,
+                    "scheme": s.get("quantization") or "float",
+                    "path": str(f),
+                    "documents": data.get("documents") or {},
+                    **_flat(data["results"]),
+                }
+            )
+    return records
+
+
+def _flat(results: dict | None) -> dict:
+    return {f"{task}/{m}": v for task, ms in (results or {}).items() for m, v in ms.items() if m != "sample_len"}
+
+
+def _study_records(metrics: StudyRecord, path: Path) -> list[dict]:
+    out = []
+    for c in metrics.cells:
+        run = {
+            "model": f"{metrics.study['name']}:{c.model}",
+            "variant": c.variant,
+            "seed": c.seed,
+            "path": str(path),
+        }
+        out.append({**run, "scheme": "float", "documents": c.float_documents, **_flat(c.float_results)})
+        out += [{**run, "scheme": s, "documents": r.documents, **_flat(r.results)} for s, r in c.schemes.items()]
+    return out
+
+
+def compare(paths, out: str | Path | None = None) -> str:
+    """Markdown table of every run, with each quantized run's change from the float run of the same
+    model, variant and seed and its 95% interval; with ``out``, also compare.md, compare.csv (the
+    change and its interval bounds as numbers) and compare.png there."""
+    records = collect_evals(paths)
+    metrics = [m for m in HEADLINE if any(m in r for r in records)] or sorted(
+        {k for r in records for k in r if "/" in k}
+    )
+    base = {(r["model"], r["variant"], r["seed"]): r for r in records if r["scheme"] == "float"}
+    rows = []
+    for r in sorted(
+        records, key=lambda r: (r["model"], str(r["variant"]), r["seed"] or 0, r["scheme"] != "float", r["scheme"])
+    ):
+        ref = base.get((r["model"], r["variant"], r["seed"]))
+        row = {"model": r["model"], "variant": r["variant"], "seed": r["seed"], "scheme": r["scheme"]}
+        for m in metrics:
+            row[m] = r.get(m)
+            if ref is not None and r is not ref:
+                task, metric = m.split("/", 1)
+                row[f"{m} delta"] = change(
+                    metric, ref.get(m), r.get(m), ref["documents"].get(task), r["documents"].get(task)
+                )
+        rows.append(row)
+    columns = ["model", "variant", "seed", "scheme"] + [c for m in metrics for c in (m, f"{m} delta")]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append(
+            "| "
+            + " | ".join(format_delta(row.get(c)) if c.endswith("delta") else fmt(row.get(c)) for c in columns)
+            + " |"
+        )
+    table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + "\n"
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "compare.md").write_text(table)
+        _write_csv(rows, metrics, out / "compare.csv")
+        _plot(rows, metrics, out / "compare.png")
+    return table
+
+
+def _write_csv(rows: list[dict], metrics: list[str], path: Path) -> None:
+    """One row per run; each delta as three numbers: the change, and its interval's low and high ends."""
+    run = ["model", "variant", "seed", "scheme"]
+    columns = run + [c for m in metrics for c in (m, f"{m} delta", f"{m} delta low", f"{m} delta high")]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns)
+        writer.writeheader()
+        for row in rows:
+            flat = {c: row.get(c) for c in (*run, *metrics)}
+            for m in metrics:
+                d = row.get(f"{m} delta")
+                if d is not None:
+                    flat |= {f"{m} delta": d.value, f"{m} delta low": d.low, f"{m} delta high": d.high}
+            writer.writerow(flat)
+
+
+def _plot(rows, metrics, path: Path) -> None:
+    def label(r):
+        return "\n".join(str(r[k]) for k in ("model", "variant", "seed", "scheme") if r[k] is not None)
+
+    bar_panels({m: [(label(r), r.get(m)) for r in rows] for m in metrics}, path, title="float vs quantized")
+
+
+# --- study reports --------------------------------------------------------------------------------
+
+OUTLIER_LEGEND = (
+    "Max inf-norm: per tensor, each sequence's max |x| averaged over sequences (Bondarenko et al.), the largest "
+    "over their tensors. Max activation: the largest |x| of the residual stream (block outputs) over blocks; "
+    "max / median: that block's max |x| over its median |x|, so that a smaller maximum at the same ratio reads as a "
+    "smaller scale, not fewer outliers. Kurtosis: mu4 / sigma^4 (non-excess, Gaussian = 3) of each sequence's "
+    "flattened tokens x channels tensor, averaged over sequences, then over Bondarenko et al.'s tensors (their "
+    "reference code): for BERT each layer's FFN output and the LayerNorm output after it (the inf-norm adds that "
+    "LayerNorm's input, the residual sum); for decoders each block's output, attention output, FFN output and the "
+    "outputs of its two norms, and the final norm's output."
+)
+
+
+def _run(cell: CellRecord) -> list[str]:
+    """The seed and training tokens of a cell, for its table rows."""
+    return [str(cell.seed), f"{cell.trained['tokens']:,}" if cell.is_trained else "pretrained"]
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def pearson(x: list[float], y: list[float]) -> float | None:
+    n = len(x)
+    if n < 3:
+        return None
+    mx, my = sum(x) / n, sum(y) / n
+    sx = sum((a - mx) ** 2 for a in x) ** 0.5
+    sy = sum((b - my) ** 2 for b in y) ** 0.5
+    if sx == 0 or sy == 0:
+        return None
+    return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / (sx * sy)
+
+
+def spearman(x: list[float], y: list[float]) -> float | None:
+    return pearson(_ranks(x), _ranks(y))
+
+
+def _quantities(cell: CellRecord, schemes: list[str], changes: dict) -> dict:
+    s = cell.summary
+    peak, ratio = peak_activation(cell)
+    out = {
+        "gate mean": s.get("gate_mean"),
+        "sink mass": s.get("sink_mass"),
+        "max activation": peak,
+        "max / median": ratio,
+        "FP ppl": ppl_of(cell.float_results),
+    }
+    for scheme in schemes:
+        d = changes[cell.id, scheme]
+        out[f"ppl increase {scheme}"] = d.value if d is not None else None
+    return out
+
+
+def _cost(cell: CellRecord) -> list[str]:
+    cost = cell.cost  # None in runs made before gate costs were recorded
+    return [f"{cost['gate_params']:,}", fmt(cost["gate_flops_per_token"])] if cost else ["-", "-"]
+
+
+def study_markdown(metrics: StudyRecord) -> str:
+    st, cells = metrics.study, metrics.cells
+    schemes = metrics.schemes
+    changes = {(c.id, s): ppl_change(c, s) for c in cells for s in schemes}
+    m = metrics.machine
+    lines = [
+        f"# Study: {st['name']}",
+        "",
+        st.get("description", "").strip(),
+        "",
+        f"Reproduce: `{('quantgate study ' + st.get('file', '<study.yaml>')).strip()}`; "
+        "rebuild this page from metrics.json with `quantgate report <this directory>`.",
+        f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads); "
+        + ", ".join(f"{k} {v}" for k, v in metrics.versions.items() if v)
+        + ".",
+        f"Compute: {metrics.wall_seconds['steps_total']:.0f} s over all steps of all cells ({len(cells)} cells).",
+        "",
+    ]
+    settings = metrics.report
+    fixes = settings.get("fixes")
+    if fixes:
+        lines += which_fix(cells, schemes, changes, fixes, settings.get("pairs") or [])
+    lines += _answer(cells, schemes, changes, settings.get("pairs") or [])
+    lines += ["## What the numbers show", "", *_sentences(cells, schemes, changes), ""]
+    # Bondarenko-style table
+    head = [
+        "model",
+        "variant",
+        "seed",
+        "tokens trained",
+        "FP ppl",
+        "max inf-norm",
+        "max activation",
+        "max / median",
+        "kurtosis",
+        "sink mass",
+        "gate mean",
+    ]
+    for s in schemes:
+        head += [f"{s} ppl", "change [95% CI]"]
+    lines += [
+        "## Outliers, sinks and quantized perplexity (Bondarenko et al.'s table)",
+        "",
+        "Perplexity is `quantgate_ppl` word perplexity on held-out text for causal LMs, `quantgate_mlm_ppl` "
+        "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; sink mass is the mean "
+        "attention on the first token. All rows ran on the machine above.",
+        "",
+        OUTLIER_LEGEND,
+        "",
+        DELTA_LEGEND,
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for c in cells:
+        s = c.summary
+        row = [
+            c.model,
+            c.variant,
+            *_run(c),
+            fmt(ppl_of(c.float_results)),
+            fmt(s["max_inf_norm"]),
+            *map(fmt, peak_activation(c)),
+            fmt(s["kurtosis"]),
+            fmt(s["sink_mass"]),
+            fmt(s["gate_mean"]),
+        ]
+        for sch in schemes:
+            r = c.scheme(sch)
+            row += [fmt(ppl_of(r.results)) if r.error is None else "n/a", format_delta(changes[c.id, sch])]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += _across_seeds(cells, schemes, changes)
+    lines += _bit_budget(cells, schemes, changes)
+    acc_rows = [(c, t) for t in ACCURACY for c in cells if metric_of(c.float_results, t) is not None]
+    if acc_rows:
+        head = ["model", "variant", "seed", "task", "FP acc"] + [x for s in schemes for x in (f"{s} acc", "change")]
+        lines += [
+            "",
+            "## Accuracy (bundled tasks)",
+            "",
+            "Change in percentage points, with its 95% paired-bootstrap interval over the items; " + NOISE_LEGEND + ".",
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
+        for c, t in acc_rows:
+            row = [c.model, c.variant, str(c.seed), t[0], fmt(metric_of(c.float_results, t))]
+            for s in schemes:
+                row += [fmt(metric_of(c.scheme(s).results, t)), format_delta(scheme_change(c, s, t))]
+            lines.append("| " + " | ".join(row) + " |")
+    # Qiu-style table and correlations
+    head = [
+        "model",
+        "variant",
+        "seed",
+        "tokens trained",
+        "mean gate",
+        "max activation",
+        "max / median",
+        "first-token attention",
+        "FP ppl",
+        "gate params",
+        "gate FLOPs / token",
+    ]
+    lines += [
+        "",
+        "## Gate, activations and sinks (Qiu et al.'s table)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for c in cells:
+        s = c.summary
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    c.model,
+                    c.variant,
+                    *_run(c),
+                    fmt(s["gate_mean"]),
+                    *map(fmt, peak_activation(c)),
+                    fmt(s["sink_mass"]),
+                    fmt(ppl_of(c.float_results)),
+                    *_cost(c),
+                ]
+            )
+            + " |"
+        )
+    lines += _correlations([_quantities(c, schemes, changes) for c in cells])
+    lines += _against_baseline(cells, schemes, changes, settings.get("baseline"))
+    lines += _side_by_side(cells, schemes, changes)
+    # quantization error
+    lines += [
+        "",
+        "## Where quantization hurts",
+        "",
+        "| model | variant | scheme | logits SQNR (dB) | worst blocks (dB) | FP8 saturated values |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        for sch, r in c.schemes.items():
+            if r.error is not None:
+                lines.append(f"| {c.model} | {c.variant} | {sch} | not run: {r.error} | | |")
+                continue
+            worst = ", ".join(f"{w['layer']} ({w['sqnr_db']:.1f})" for w in r.worst_layers)
+            lines.append(f"| {c.model} | {c.variant} | {sch} | {fmt(r.logits_sqnr_db)} | {worst} | {r.overflow} |")
+    trained = [c for c in cells if c.is_trained]
+    if trained:
+        lines += [
+            "",
+            "## Training",
+            "",
+            "| model | variant | seed | steps | tokens | final train loss | held-out loss |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in trained:
+            t = c.trained
+            lines.append(
+                f"| {c.model} | {c.variant} | {c.seed} | {t['steps']} | {t['tokens']:,} | "
+                f"{fmt(t['final_train_loss'])} | {fmt(t['final_eval_loss'])} |"
+            )
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in _plot_names(metrics)]
+    notes = settings.get("notes", "").strip()
+    if notes:
+        lines += ["", "## Reading (from the study file)", "", notes]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _bit_budget(cells: list[CellRecord], schemes: list[str], changes: dict) -> list[str]:
+    sweeps = bit_sweeps(schemes)
+    if not sweeps:
+        return []
+    lines = [
+        "## Bit budget",
+        "",
+        f"The fewest activation bits at which the perplexity increase stays under {BUDGET:.0%} (at that width "
+        f"and every wider one), with the increase and its interval there; the sweep's changes beside it. A "
+        f"budget whose interval reaches past {BUDGET:.0%} is not resolved by this evaluation. Plot: "
+        f"study_bits.png.",
+        "",
+    ]
+    for base, points in sweeps.items():
+        head = ["model", "variant", "seed", "budget", *[f"A{b}" for b, _ in points]]
+        lines += [f"`{base}`:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c in cells:
+            deltas = [(b, changes.get((c.id, sch))) for b, sch in points]
+            found = budget(deltas)
+            text = f"A{found[0]}: {format_delta(found[1])}" if found else f"none (A{points[0][0]} already over)"
+            lines.append(
+                "| "
+                + " | ".join([c.model, c.variant, *_run(c)[:1], text, *[format_delta(d) for _, d in deltas]])
+                + " |"
+            )
+        lines.append("")
+    return lines
+
+
+def _across_seeds(cells: list[CellRecord], schemes: list[str], changes: dict) -> list[str]:
+    """Per model and variant trained with several seeds: the perplexity change averaged over the seeds
+    (:func:`stats.seed_delta`: geometric mean of the ratios), with a t-interval across them."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        groups.setdefault((c.model, c.variant), []).append(c)
+    groups = {k: g for k, g in groups.items() if len(g) > 1}
+    if not groups:
+        return []
+    head = ["model", "variant", "seeds", "FP ppl (mean)"] + [
+        f"{s} change, geometric mean [95% t-interval]" for s in schemes
+    ]
+    lines = [
+        "",
+        "## Across seeds",
+        "",
+        "Each seed's perplexity ratio from the table above, averaged geometrically "
+        "over the seeds, with a 95% Student t-interval on the log ratios across the seeds (seed-to-seed "
+        "spread; the per-seed intervals are over documents). " + NOISE_LEGEND + ".",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for (model, variant), group in groups.items():
+        fp = [ppl_of(c.float_results) for c in group if ppl_of(c.float_results) is not None]
+        row = [model, variant, ", ".join(str(c.seed) for c in group), fmt(sum(fp) / len(fp) if fp else None)]
+        for s in schemes:
+            deltas = [changes[c.id, s] for c in group if changes[c.id, s] is not None]
+            row.append(format_delta(seed_delta([d.value for d in deltas], deltas[0].kind)) if deltas else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _correlations(qs: list[dict]) -> list[str]:
+    """Spearman / Pearson between every two quantities across cells, where at least MIN_CORRELATION_N
+    cells have both."""
+    lines = [
+        "",
+        f"Correlations across cells (Spearman / Pearson; n = cells with both numbers; omitted below "
+        f"n = {MIN_CORRELATION_N}):",
+        "",
+    ]
+    names = list(qs[0]) if qs else []
+    rows = []
+    for a in names:
+        row = [a]
+        for b in names:
+            pairs = [(q[a], q[b]) for q in qs if q.get(a) is not None and q.get(b) is not None]
+            if a == b or len(pairs) < MIN_CORRELATION_N:
+                row.append("-")
+                continue
+            x, y = [p[0] for p in pairs], [p[1] for p in pairs]
+            row.append(f"{fmt(spearman(x, y))} / {fmt(pearson(x, y))} (n={len(pairs)})")
+        rows.append(row)
+    if all(v == "-" for row in rows for v in row[1:]):
+        return [*lines, f"None: fewer than {MIN_CORRELATION_N} cells have any two of the numbers."]
+    return (
+        lines
+        + ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        + ["| " + " | ".join(row) + " |" for row in rows]
+    )
+
+
+def _against_baseline(cells: list[CellRecord], schemes: list[str], changes: dict, baseline: str | None) -> list[str]:
+    """Each variant against the ``baseline`` variant of its model and seed (``report: baseline``): float
+    perplexity relative to the baseline's, paired over the held-out documents both read; gate parameters
+    as a share of the baseline's; first-token attention; the bit sweeps' perplexity changes."""
+    if not baseline:
+        return []
+    base = {(c.model, c.seed): c for c in cells if c.variant == baseline}
+    if not base:  # e.g. a smoke run, which keeps each model's first variant
+        return []
+    swept = [(b, s) for points in bit_sweeps(schemes).values() for b, s in points]
+    head = [
+        "model",
+        "variant",
+        "seed",
+        f"FP ppl vs {baseline}",
+        f"gate params (x {baseline}'s)",
+        "first-token attention (max layer)",
+        *(f"{s}" for _, s in swept),
+    ]
+    lines = [
+        "",
+        f"## Against {baseline}",
+        "",
+        f"Float perplexity of each variant relative to `{baseline}` of the same model and seed, with its 95% "
+        "paired-bootstrap interval over the held-out documents both read; gate parameters, and their multiple "
+        f"of `{baseline}`'s where it has any; the quantized changes are each model's own (float to quantized). "
+        + NOISE_LEGEND
+        + ".",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for c in cells:
+        b = base.get((c.model, c.seed))
+        if b is None:
+            continue
+        params = (c.cost or {}).get("gate_params"), (b.cost or {}).get("gate_params")
+        sink, layer = max_layer_sink(c)
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    c.model,
+                    c.variant,
+                    str(c.seed),
+                    "-" if c is b else format_delta(float_change(b, c)),
+                    "-"
+                    if params[0] is None
+                    else f"{params[0]:,}" + (f" ({params[0] / params[1]:.2f}x)" if params[1] else ""),
+                    f"{sink:.2f} ({layer})",
+                    *(format_delta(changes.get((c.id, s))) for _, s in swept),
+                ]
+            )
+            + " |"
+        )
+    return lines
+
+
+def _side_by_side(cells: list[CellRecord], schemes: list[str], changes: dict) -> list[str]:
+    """The variants that several models share, one row each, the models' numbers in adjacent columns."""
+    models = list(dict.fromkeys(c.model for c in cells))
+    by = {(c.model, c.variant): c for c in cells if c.seed == cells[0].seed}
+    shared = [v for v in dict.fromkeys(c.variant for c in cells) if sum((m, v) in by for m in models) > 1]
+    if len(models) < 2 or not shared:
+        return []
+    scheme = schemes[0] if schemes else None
+
+    def peak(c):
+        top, ratio = peak_activation(c)
+        return f"{fmt(top)} ({fmt(ratio)})"
+
+    metrics = [
+        ("FP ppl", lambda c: fmt(ppl_of(c.float_results))),
+        ("first-token attn", lambda c: fmt(c.summary["sink_mass"])),
+        ("max activation (max / median)", peak),
+        *([(f"{scheme} change", lambda c: format_delta(changes[c.id, scheme]))] if scheme else []),
+        ("gate params", lambda c: _cost(c)[0]),
+    ]
+    head = ["variant"] + [f"{m}: {name}" for name, _ in metrics for m in models]
+    lines = [
+        "",
+        f"## Models side by side ({' vs '.join(models)})",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for v in shared:
+        row = [v] + [fn(by[(m, v)]) if (m, v) in by else "-" for _, fn in metrics for m in models]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: list[list[str]]) -> list[str]:
+    """The study's answer first: per [ungated, gated] pair of models (``report: pairs``), the first scheme's
+    change with its interval and the activation-bit budgets; then each other model's changes."""
+    if not pairs:
+        return []
+    first = {}
+    for c in cells:
+        first.setdefault(c.model, c)
+    lines = ["## The answer", ""]
+    for ungated, gated in pairs:
+        u, g = first[ungated], first[gated]
+        scheme = next((s for s in schemes if changes.get((u.id, s)) and changes.get((g.id, s))), None)
+        if scheme is None:  # no scheme evaluated on both
+            continue
+        du, dg = changes[u.id, scheme], changes[g.id, scheme]
+        apart = du.low is not None and dg.high is not None and (du.low > dg.high or dg.low > du.high)
+
+        def about(c):
+            (sink, layer), (_, ratio) = max_layer_sink(c), peak_activation(c)
+            return f"first-token attention up to {sink:.2f} (layer {layer}), max / median {fmt(ratio)}"
+
+        text = (
+            f"- **{ungated}** (ungated; {about(u)}) changes by {format_delta(du)} under `{scheme}`, its gated "
+            f"twin **{gated}** ({about(g)}) by {format_delta(dg)}: the intervals "
+            + ("are apart." if apart else "overlap, no difference at this width.")
+        )
+        for base, points in bit_sweeps(schemes).items():
+            budgets = [budget([(b, changes.get((c.id, s))) for b, s in points]) for c in (u, g)]
+            text += (
+                f" Activation-bit budget (`{base}`, +{BUDGET:.0%}): "
+                + " vs ".join(f"A{f[0]}" if f else "none" for f in budgets)
+                + "; "
+                + "; ".join(
+                    f"A{b}: {format_delta(changes.get((u.id, s)))} vs {format_delta(changes.get((g.id, s)))}"
+                    for b, s in points[1:]
+                )
+                + "."
+            )
+            for task_metric in (t for t in ACCURACY if metric_of(u.float_results, t) is not None):
+                text += (
+                    f" {task_metric[1]} ({task_metric[0]}): "
+                    + "; ".join(
+                        f"A{b} {format_delta(scheme_change(u, s, task_metric))} vs "
+                        f"{format_delta(scheme_change(g, s, task_metric))}"
+                        for b, s in points
+                    )
+                    + "."
+                )
+        lines.append(text)
+    paired = {m for p in pairs for m in p}
+    for model, c in first.items():
+        if model not in paired:
+            moved = [f"{format_delta(changes[c.id, s])} under `{s}`" for s in schemes if changes.get((c.id, s))]
+            peak, ratio = peak_activation(c)
+            lines.append(
+                f"- **{model}** ({c.variant}; largest residual activation {fmt(peak)}, max / median "
+                f"{fmt(ratio)}): " + "; ".join(moved) + "."
+            )
+    return [*lines, ""]
+
+
+def _sentences(cells: list[CellRecord], schemes: list[str], changes: dict) -> list[str]:
+    out = []
+    for c in cells:
+        s = c.summary
+        peak, ratio = peak_activation(c)
+        massive = s.get("massive_activations", 0)
+        where = ""
+        if s.get("top_massive"):
+            top = s["top_massive"][0]
+            where = (
+                f" (largest: channel {top['channel']} in layer {top['layer']}, at token positions "
+                f"{[p for p, _ in top['positions']]})"
+            )
+        gate = f"; mean gate {fmt(s['gate_mean'])}" if s.get("gate_mean") is not None else ""
+        text = (
+            f"- **{c.model} / {c.variant}**: largest residual activation {fmt(peak)} "
+            f"({fmt(ratio)} x its block's median), {massive} massive activations by Sun et al.'s criterion"
+            f"{where}; mean first-token attention {fmt(s['sink_mass'])}{gate}."
+        )
+        fp = ppl_of(c.float_results)
+        moves = []
+        for sch in schemes:
+            q = ppl_of(c.scheme(sch).results)
+            if q is not None and fp is not None:
+                moves.append(f"{sch} {fmt(fp)} -> {fmt(q)} ({format_delta(changes[c.id, sch])})")
+        if moves:
+            text += " Perplexity: " + "; ".join(moves) + "."
+        out.append(text)
+    return out
+
+
+def _plot_names(metrics: StudyRecord) -> list[str]:
+    names = ["study_layers.png", "study_quant.png"]
+    if bit_sweeps(metrics.schemes):
+        names.append("study_bits.png")
+    if any(c.trained.get("observe_curve") for c in metrics.cells):
+        names.append("study_training.png")
+    if metrics.report.get("fixes"):
+        names.append("study_fixes.png")
+    return names
+
+
+def study_plots(metrics: StudyRecord, out: Path) -> None:
+    plot_study_layers(metrics.cells, out / "study_layers.png")
+    plot_study_quant(metrics.cells, metrics.schemes, out / "study_quant.png")
+    if "study_bits.png" in _plot_names(metrics):
+        sweeps = {
+            base: [(b, {c.id: ppl_change(c, sch) for c in metrics.cells}) for b, sch in points]
+            for base, points in bit_sweeps(metrics.schemes).items()
+        }
+        plot_bit_sweeps(sweeps, [c.id for c in metrics.cells], BUDGET, out / "study_bits.png")
+    if "study_training.png" in _plot_names(metrics):
+        plot_study_training(metrics.cells, out / "study_training.png")
+    if "study_fixes.png" in _plot_names(metrics):
+        fixes = metrics.report["fixes"]
+        plot_fixes(
+            {c.model: {s: ppl_change(c, s) for s in metrics.schemes} for c in metrics.cells},
+            float(fixes.get("within", 0.01)),
+            out / "study_fixes.png",
+        )
+
+
+def write_study_report(run_dir: str | Path) -> Path:
+    """report.md and plots of a study run directory, from its metrics.json alone."""
+    run_dir = Path(run_dir)
+    metrics = read_metrics(run_dir)
+    (run_dir / "report.md").write_text(study_markdown(metrics))
+    study_plots(metrics, run_dir)
+    return run_dir / "report.md"

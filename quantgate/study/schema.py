@@ -1,0 +1,491 @@
+"""A study file's schema and its validation: :func:`load_study` reads the YAML into a :class:`Study`
+(:mod:`.grid`), checking every value a run would meet before any work starts; errors name the YAML line
+and the valid choices."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+import typing
+from pathlib import Path
+
+import yaml
+from accelerate.utils import PrecisionType
+from huggingface_hub.errors import StrictDataclassError
+
+from ..data.corpus import BUNDLED_SPLITS, DATASETS, _hf_spec
+from ..data.synthetic import is_backcopy, task_options
+from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
+from ..models.families import family_of, get_family
+from ..models.io import read_config
+from ..models.presets import PRESETS
+from ..models.sources import PACKAGED, resolve
+from ..models.swap import check_expressible
+from ..quant.schemes import OPTIONS, get_scheme
+from ..train import TrainConfig
+from ..variants import AttentionVariant
+from .grid import Cell, ModelSpec, Study, expand_scheme
+
+__all__ = ["load_study", "StudyError", "DEFAULT_STUDY"]
+
+DEFAULT_STUDY = Path(__file__).parents[1] / "studies" / "quickstart.yaml"  # the main job, shipped in the package
+HUB_ID = r"[\w-][\w.-]*/[\w.-]+"  # owner/name
+
+
+class StudyError(ValueError):
+    """A study file that cannot run; the message names the line and the valid choices."""
+
+
+# --- the schema ------------------------------------------------------------------------------------
+
+SECTION_KEYS = {
+    "calibration": {"data": "train", "batches": 16, "seq_len": 128, "batch_size": 8},
+    "observe": {"data": "validation", "batches": 3, "seq_len": 128, "batch_size": 8, "sink_tokens": 1},
+    "eval": {"tasks": ["quantgate_ppl"], "limit": None, "batch_size": "auto"},
+    "report": {"notes": ""},
+}
+TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", *SECTION_KEYS}
+MODEL_KEYS = {
+    "name",
+    "preset",
+    "load",
+    "config",
+    "train",
+    "variants",
+    "schemes",
+    "eval",
+    "observe",
+    "calibration",
+    "seeds",
+}
+TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "extra", "stop_after"}
+
+# Each value a study sets: (type, (test, what it wants) or None); None values take the defaults
+AT_LEAST_1 = (lambda x: x >= 1, ">= 1")
+AT_LEAST_0 = (lambda x: x >= 0, ">= 0")
+ABOVE_0 = (lambda x: x > 0, "> 0")
+FOLDER_NAME = (lambda s: not {"/", "\\"} & set(s), "without / or \\ (it names a folder)")
+TRAIN_RANGES = {
+    "steps": AT_LEAST_1,
+    "batch_size": AT_LEAST_1,
+    "seq_len": AT_LEAST_1,
+    "grad_accum": AT_LEAST_1,
+    "eval_batches": AT_LEAST_1,
+    "log_every": AT_LEAST_1,
+    "eval_every": AT_LEAST_0,
+    "observe_every": AT_LEAST_0,
+    "checkpoint_every": AT_LEAST_0,
+    "seed": AT_LEAST_0,
+    "lr": ABOVE_0,
+    "gate_lr": ABOVE_0,
+    "max_grad_norm": ABOVE_0,
+    "warmup": AT_LEAST_0,
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "weight_decay": AT_LEAST_0,
+    "gate_weight_decay": AT_LEAST_0,
+    "norm_weight_decay": AT_LEAST_0,
+    "betas": (lambda b: all(0 <= x < 1 for x in b), "each in [0, 1)"),
+}
+TRAIN_RULES = {k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS}
+TOP_RULES = {
+    "name": (str, FOLDER_NAME),
+    "description": (str, None),
+    "seed": (int, AT_LEAST_0),
+    "variants": (list[str], None),
+    "schemes": (list, None),
+    "models": (list, None),
+}
+MODEL_RULES = {
+    "name": (str, FOLDER_NAME),
+    "preset": (str, None),
+    "load": (str, None),
+    "config": (dict | None, None),
+    "train": (dict | None, None),
+    "variants": (list[str], None),
+    "schemes": (list, None),
+    "seeds": (list[int], (lambda s: all(x >= 0 for x in s), "each >= 0")),
+    "eval": (dict | None, None),
+    "observe": (dict | None, None),
+}
+DATA_RULES = {
+    "data": (str, None),
+    "batches": (int, AT_LEAST_1),
+    "seq_len": (int, AT_LEAST_1),
+    "batch_size": (int, AT_LEAST_1),
+}
+SECTION_RULES = {
+    "calibration": DATA_RULES,
+    "observe": {**DATA_RULES, "sink_tokens": (int, AT_LEAST_1)},
+    "eval": {
+        "tasks": (list[str], None),
+        "limit": (float | dict[str, float | None] | None, None),  # values: _check_limit
+        "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
+        "max_length": (int, AT_LEAST_1),
+    },  # lm-eval's window (tokens); default: see _eval_settings
+    "report": {
+        "notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
+        "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
+        "baseline": (str, None),  # a variant the report sets every other variant of a model against
+        "fixes": (dict, None),
+    },  # {reference: scheme, within: fraction}: the report opens with a ranking
+}
+
+
+def _compose(text: str, path: str):
+    """YAML -> (python data, {key path: line number})."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise StudyError(f"{path}: not valid YAML: {e}") from None
+    lines: dict[tuple, int] = {}
+    scalars = yaml.SafeLoader("")
+
+    def walk(n, where: tuple):
+        lines[where] = n.start_mark.line + 1
+        if isinstance(n, yaml.MappingNode):
+            return {k.value: walk(v, (*where, k.value)) for k, v in n.value}
+        if isinstance(n, yaml.SequenceNode):
+            return [walk(v, (*where, i)) for i, v in enumerate(n.value)]
+        return scalars.construct_object(n)
+
+    return (walk(node, ()) if node is not None else {}), lines
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and validate a study file; every problem a run would meet raises StudyError (naming the YAML
+    line) before any work starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"no study file {path}; the default study is {DEFAULT_STUDY}")
+    data, lines = _compose(path.read_text(), str(path))
+
+    def fail(where: tuple, message: str):
+        raise StudyError(f"{path}:{_line(lines, where)}: {message}")
+
+    def first(*paths: tuple) -> tuple:
+        """The first of ``paths`` the file sets: where a merged setting (model's, else study's) was written."""
+        return next((p for p in paths if p in lines), paths[-1])
+
+    def check_keys(obj, valid, where):
+        if not isinstance(obj, dict):
+            fail(where, f"expected a mapping with keys {', '.join(sorted(valid))}")
+        for key in obj:
+            if key not in valid:
+                fail((*where, key), f"unknown key {key!r}; valid: {', '.join(sorted(valid))}")
+
+    check_keys(data, TOP_KEYS, ())
+    _check_values(data, TOP_RULES, (), fail)
+    if not data.get("models"):
+        fail(("models",), "a study needs a non-empty 'models' list")
+    sections = {}
+    for sec, defaults in SECTION_KEYS.items():
+        given = data.get(sec) or {}
+        check_keys(given, set(SECTION_RULES[sec]), (sec,))
+        _check_values(given, SECTION_RULES[sec], (sec,), fail)
+        sections[sec] = {**defaults, **given}
+    _check_limit(sections["eval"], ("eval",), fail)
+    seed = data.get("seed", 0)
+    top_variants = data.get("variants") or ["vanilla"]
+    top_schemes = data.get("schemes") or []
+    models = []
+    for i, m in enumerate(data["models"]):
+        where = ("models", i)
+        check_keys(m, MODEL_KEYS, where)
+        _check_values(m, MODEL_RULES, where, fail)
+        if ("preset" in m) == ("load" in m):
+            fail(where, "each model needs exactly one of 'preset' (built from config) or 'load' (a checkpoint)")
+        if "preset" in m and m["preset"] not in PRESETS:
+            fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
+        if "train" in m and "preset" not in m:
+            fail((*where, "train"), "'train' needs a 'preset' (fine-tuning a loaded model: use quantgate train)")
+        config, family = _model_config(m, where, fail)
+        objective = family.objective if family else None
+
+        train = m.get("train")
+        if train is not None:
+            at = (*where, "train")
+            check_keys(train, TRAIN_KEYS, at)
+            _check_values(train, TRAIN_RULES, at, fail)
+            _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), fail)
+            try:
+                TrainConfig(**train).resolved(family.name)
+            except ValueError as e:  # the trainer's own check of the schedule
+                fail((*at, "schedule"), str(e))
+            for key in ("data", "eval_data"):
+                if train.get(key) is not None:
+                    _check_source(train[key], (*at, key), fail, objective)
+            _check_seq_len(
+                family, config, "train", train.get("seq_len", TrainConfig.seq_len), first((*at, "seq_len"), at), fail
+            )
+        variants = m.get("variants", top_variants)
+        for j, v in enumerate(variants):
+            at = (*where, "variants", j) if "variants" in m else first(("variants", j), where)
+            try:
+                variant = AttentionVariant.parse(v)
+            except ValueError as e:
+                fail(at, str(e))
+            try:
+                _check_variant(variant, family, config, loaded="load" in m)
+            except ValueError as e:
+                fail(at, f"variant {v!r}: {e}")
+        for sec in ("eval", "observe", "calibration"):
+            check_keys(m.get(sec) or {}, set(SECTION_RULES[sec]), (*where, sec))
+            _check_values(m.get(sec) or {}, SECTION_RULES[sec], (*where, sec), fail)
+        ev = {**sections["eval"], **(m.get("eval") or {})}
+        _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), fail)
+        if "limit" in (m.get("eval") or {}):
+            _check_limit(ev, (*where, "eval"), fail)
+        schemes = []
+        for j, s in enumerate(m.get("schemes", top_schemes)):
+            at = (*where, "schemes", j) if "schemes" in m else ("schemes", j)
+            entry = s if isinstance(s, dict) else {"scheme": s}
+            check_keys(entry, {"scheme", "tasks", *OPTIONS}, at)
+            try:
+                names = expand_scheme(entry)
+            except ValueError as e:
+                fail(at, str(e))
+            tasks = entry.get("tasks")
+            if tasks is not None and not set(tasks) <= set(ev["tasks"]):
+                fail(
+                    (*at, "tasks"),
+                    f"a scheme evaluates a subset of the model's tasks ({', '.join(ev['tasks'])}), "
+                    f"so that its numbers compare with the float model's; got {tasks}",
+                )
+            schemes += [{"scheme": name, "tasks": tasks} for name in names]
+        ob = {**sections["observe"], **(m.get("observe") or {})}
+        if ob["sink_tokens"] >= ob["seq_len"]:
+            fail(
+                first((*where, "observe", "sink_tokens"), ("observe", "sink_tokens"), where),
+                f"sink_tokens ({ob['sink_tokens']}) must be fewer than observe's seq_len ({ob['seq_len']})",
+            )
+        cal = {**sections["calibration"], **(m.get("calibration") or {})}
+        for sec, cfg in (("observe", ob), ("calibration", cal)):
+            _check_source(cfg["data"], first((*where, sec, "data"), (sec, "data"), where), fail, objective)
+            _check_seq_len(
+                family, config, sec, cfg["seq_len"], first((*where, sec, "seq_len"), (sec, "seq_len"), where), fail
+            )
+        name = str(m.get("name") or m.get("preset") or m.get("load"))
+        source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
+        seeds = list(m.get("seeds") or [seed])
+        models.append(ModelSpec(name, source, train, list(variants), list(schemes), ev, ob, seeds, cal))
+    study = Study(
+        data.get("name") or path.stem, data.get("description", ""), models, sections["calibration"], sections["report"]
+    )
+    _check_folders(study, lines, fail)
+    names = [m.name for m in models]
+    for i, pair in enumerate(sections["report"].get("pairs") or []):
+        for name in pair:
+            if name not in names:
+                fail(
+                    ("report", "pairs", i),
+                    f"pair {pair} names {name!r}, not a model of this study; models: {', '.join(names)}",
+                )
+    baseline = sections["report"].get("baseline")
+    if baseline is not None and not any(baseline in m.variants for m in models):
+        fail(
+            ("report", "baseline"),
+            f"baseline {baseline!r} is not a variant of any model; variants: "
+            f"{', '.join(sorted({v for m in models for v in m.variants}))}",
+        )
+    fixes = sections["report"].get("fixes")
+    if fixes is not None:
+        _check_fixes(
+            fixes, {e["scheme"] for m in models for e in m.schemes}, lambda msg: fail(("report", "fixes"), msg)
+        )
+    default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
+    study.raw = {
+        "name": study.name,
+        "file": "" if default else str(path),
+        "description": study.description,
+        "seed": seed,
+        "models": [dataclasses.asdict(m) for m in models],
+        **{k: sections[k] for k in ("calibration", "report")},
+    }
+    return study
+
+
+def _check_fixes(fixes: dict, schemes: set[str], fail) -> None:
+    """``report: fixes: {reference: SCHEME, within: FRACTION}``: the scheme the fixes are set against (one of the
+    study's) and the perplexity increase that counts as fixed (default 0.01)."""
+    unknown = set(fixes) - {"reference", "within"}
+    if unknown:
+        fail(f"unknown key(s) {', '.join(sorted(unknown))}; valid: reference, within")
+    try:
+        reference = str(get_scheme(fixes.get("reference", "")))
+    except ValueError as e:
+        return fail(f"reference: {e}")
+    if reference not in schemes:
+        fail(f"reference {reference!r} is not a scheme of this study; schemes: {', '.join(sorted(schemes))}")
+    within = fixes.get("within", 0.01)
+    if isinstance(within, bool) or not isinstance(within, (int, float)) or not 0 < within < 1:
+        fail(f"within must be a fraction in (0, 1) (0.01: within 1% of float), got {within!r}")
+
+
+def _line(lines: dict, where: tuple) -> int:
+    return lines.get(where) or lines.get(where[:-1]) or 1
+
+
+def _fits(value, hint) -> bool:
+    """Whether a YAML value has the type ``hint`` (int, float, str, list[...], tuple[...], dict[...], X | None)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if origin is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_fits, value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(_fits(k, args[0]) and _fits(v, args[1]) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, origin or hint) if hint is not type(None) else value is None
+
+
+def _check_values(given: dict, rules: dict, where: tuple, fail) -> None:
+    """Check each value of ``given`` against its rule: (type, (test, what the test wants) or None)."""
+    for key, value in given.items():
+        hint, test = rules.get(key, (object, None))
+        if _fits(value, hint) and (value is None or test is None or test[0](value)):
+            continue
+        wants = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hint)) + (f", {test[1]}" if test else "")
+        fail((*where, key), f"{key} must be {wants}; got {value!r}{_number_as_text(value)}")
+
+
+def _number_as_text(value) -> str:
+    """A note for numbers YAML 1.1 reads as text: 1e-3 (an exponent needs a point and a sign: 1.0e-3)."""
+    try:
+        number = float(value) if isinstance(value, str) and "e" in value.lower() else math.nan
+    except ValueError:
+        return ""
+    if not math.isfinite(number):
+        return ""
+    text = str(int(number)) if number.is_integer() else re.sub(r"^(-?\d+)e", r"\1.0e", repr(number))
+    return f" (YAML reads {value} as text; write {text})"
+
+
+def _check_precision(value, where: tuple, fail) -> None:
+    choices = ("auto", *PrecisionType.list())
+    if value not in choices:
+        fail(where, f"mixed_precision must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_limit(ev: dict, where: tuple, fail) -> None:
+    """Each limit is one evaluate accepts (:func:`quantgate.evaluate.check_limit`), and a per-task limit
+    names only tasks the evaluation runs (a misspelt task would run in full)."""
+    limit = ev["limit"]
+    unknown = sorted(set(limit) - set(ev["tasks"])) if isinstance(limit, dict) else []
+    if unknown:
+        fail(
+            (*where, "limit", unknown[0]),
+            f"limit names {', '.join(map(repr, unknown))}, not among the evaluated tasks ({', '.join(ev['tasks'])})",
+        )
+    for task, value in limit.items() if isinstance(limit, dict) else [(None, limit)]:
+        try:
+            check_limit(value)
+        except ValueError as e:
+            fail((*where, "limit", task) if task else (*where, "limit"), str(e))
+
+
+def _check_source(source: str, where, fail, objective: str | None = None) -> None:
+    if is_backcopy(source):
+        if objective == "mlm":
+            fail(where, f"data source {source!r} is a causal-LM task and this model is a masked LM; use a text source")
+        try:
+            task_options(source)
+        except ValueError as e:
+            fail(where, str(e))
+        return
+    if source in BUNDLED_SPLITS:
+        return
+    if source.startswith("hf:") or source.split(":")[0] in DATASETS:
+        try:
+            _hf_spec(source)
+            return
+        except ValueError as e:
+            fail(where, str(e))
+    fail(
+        where,
+        f"unknown data source {source!r}; valid: {', '.join(BUNDLED_SPLITS)}, backcopy[:key=value,...], "
+        f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>",
+    )
+
+
+def _check_tasks(tasks, where, fail) -> None:
+    for t in unknown_tasks(tasks):
+        fail(where, f"unknown task {t!r}; bundled: {', '.join(BUNDLED_TASKS)} (any lm-eval task name online)")
+
+
+def _model_config(m: dict, where: tuple, fail):
+    """The transformers config and family a model will have: its preset's with the study's overrides, or its
+    checkpoint's. (None, None) where reading it would take long (a packaged GGUF model, converted on first
+    load) or needs the network (a hub id): the run checks those when it loads them."""
+    if "preset" in m:
+        preset, overrides = PRESETS[m["preset"]], m.get("config") or {}
+        family = get_family(preset.family)
+        cls = family.config_class()
+        try:
+            config = cls(**{**preset.config, **overrides})
+        except (StrictDataclassError, ValueError, TypeError) as e:
+            named = re.search(r"field '(\w+)'", str(e))
+            key = named.group(1) if named and named.group(1) in overrides else None
+            fail((*where, "config", key) if key else (*where, "config"), f"config: {' '.join(str(e).split())}")
+        known = vars(cls())
+        for key in overrides:  # transformers keeps an unknown key as a plain attribute; known ones it uses
+            if key in vars(config) and key not in known:
+                fail(
+                    (*where, "config", key),
+                    f"unknown config key {key!r} for {cls.__name__}; valid: "
+                    f"{', '.join(sorted(k for k in known if not k.startswith('_')))}",
+                )
+        return config, family
+    load = m["load"]
+    if (load in PACKAGED and PACKAGED[load].gguf_file) or (re.fullmatch(HUB_ID, load) and not Path(load).exists()):
+        return None, None
+    if load not in PACKAGED and not Path(load).exists():
+        fail(
+            (*where, "load"),
+            f"cannot load {load!r}: no such checkpoint directory; give a packaged model "
+            f"({', '.join(PACKAGED)}), a checkpoint directory or a hub id (owner/name)",
+        )
+    try:
+        config = read_config(resolve(load))
+        return config, family_of(config)
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+        fail((*where, "load"), f"cannot load {load!r}: {e}")
+
+
+def _check_variant(variant: AttentionVariant, family, config, loaded: bool) -> None:
+    """Raise ValueError when the run could not swap ``variant`` into the model (the check of
+    :func:`~quantgate.models.swap.apply_variant`). A loaded model's 'vanilla' means its own attention."""
+    if family is not None and not (loaded and variant.is_vanilla):
+        check_expressible(family, variant, config)
+
+
+def _check_folders(study: Study, lines: dict, fail) -> None:
+    """Two cells must not share a run folder (names that differ only in characters a folder name drops)."""
+    seen: dict[str, Cell] = {}
+    for cell in study.cells():
+        other = seen.setdefault(cell.slug, cell)
+        if other is not cell:
+            i, j = (next(n for n, m in enumerate(study.models) if m is c.model) for c in (other, cell))
+            at = [("models", n, "name") if ("models", n, "name") in lines else ("models", n) for n in (i, j)]
+            fail(
+                at[1],
+                f"cells {other.id!r} (line {_line(lines, at[0])}) and {cell.id!r} (line "
+                f"{_line(lines, at[1])}) would share the folder cells/{cell.slug}: give the models "
+                f"names that differ in letters, digits or . _ -",
+            )
+
+
+def _check_seq_len(family, config, section: str, seq_len: int, where: tuple, fail) -> None:
+    """A section's seq_len the model's positions can hold (a family without the config, a packaged GGUF or hub
+    model, is checked when it loads)."""
+    try:
+        if family:
+            family.check_seq_len(config, seq_len)
+    except ValueError as e:
+        fail(where, f"{section} seq_len: {e}")

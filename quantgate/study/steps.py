@@ -1,0 +1,311 @@
+"""Running a study: each cell's steps, cached by key.
+
+For each cell a run trains (or loads) -> observes -> evaluates in float -> for each scheme: quantizes,
+measures SQNR, evaluates. Every step writes one JSON file atomically under ``<out>/cells/<cell>/`` with a
+key: the hash of everything the step depends on (its settings and the keys of the steps before it).
+Re-running skips steps whose file carries the current key, so an interrupted study continues where it
+stopped and changing one setting re-runs only what depends on it. Training checkpoints as it goes and
+resumes too. One run writes a run directory at a time (it holds the directory's lock,
+:mod:`quantgate.runlock`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from ..checkpoint import load
+from ..data import batches
+from ..evaluate import evaluate
+from ..files import write_text_atomic
+from ..models import build
+from ..models.cost import gate_cost
+from ..models.families import family_of
+from ..models.sources import tokenizer as get_tokenizer
+from ..observe import observe
+from ..provenance import machine, versions
+from ..quant import HardwareUnavailable, quant_error, quantize
+from ..quant.schemes import get_scheme
+from ..runlock import run_lock
+from ..train import TrainConfig, can_resume, train
+from .grid import Cell, ModelSpec, cell_dir, shrink, slug
+from .records import CellRecord, SchemeRecord, StudyRecord
+from .report import write_study_report
+from .schema import DEFAULT_STUDY, load_study
+
+__all__ = ["run_study", "plan"]
+
+log = logging.getLogger("quantgate")
+EVAL_FORMAT = "per-document values"  # in the evaluation steps' keys: older cached evaluations lack them, so rerun
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _write_json(path: Path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _done(path: Path, key: str) -> dict | None:
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("key") == key:
+            return data
+    return None
+
+
+def plan(path: str | Path) -> str:
+    """A dry run: validate the study and describe its grid (cells, training tokens) without running it."""
+    study = load_study(path)
+    lines = [
+        f"study {study.name}: {len(study.cells())} cells, schemes "
+        f"{', '.join(dict.fromkeys(x['scheme'] for m in study.models for x in m.schemes))}"
+    ]
+    for cell in study.cells():
+        m = cell.model
+        preset = " ".join(str(x) for x in (m.source.get("preset"), m.source.get("config")) if x)
+        if "load" in m.source:
+            what = f"load {m.source['load']}"
+        elif m.train is None:
+            what = f"build {preset} untrained"
+        else:
+            c = TrainConfig(**m.train)
+            what = (
+                f"train {preset} on {c.data}: {c.steps} steps x {c.batch_size * c.grad_accum} x {c.seq_len} = "
+                f"{c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens"
+            )
+        lines.append(f"  {cell.id} (seed {cell.seed}): {what}; eval {', '.join(m.eval['tasks'])}")
+    return "\n".join(lines)
+
+
+def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, smoke: bool = False) -> Path:
+    """Run (or continue) a study; returns the run directory with metrics.json and report.md.
+    ``smoke``: the shrunk study (:func:`shrink`), to check a study file end to end in seconds."""
+    study = load_study(path)
+    study = shrink(study) if smoke else study
+    out = Path(out) if out else Path("results") / study.name
+    with run_lock(out):  # one writer per run directory: a second run on it stops here, naming the first
+        (out / "config.yaml").write_text(yaml.safe_dump(study.raw, sort_keys=False))
+        cells = study.cells()
+        started = time.perf_counter()
+        records = []
+        for n, cell in enumerate(cells, 1):
+            log.info("[%d/%d] %s", n, len(cells), cell.id)
+            records.append(_run_cell(cell, cell_dir(out, cell.model.name, cell.id)))
+        order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
+        metrics = StudyRecord(
+            study=study.raw,
+            cells=records,
+            schemes=order,
+            versions=versions(),
+            machine=machine(),
+            wall_seconds={
+                "this_invocation": round(time.perf_counter() - started, 1),
+                "steps_total": round(sum(r.seconds for r in records), 1),
+            },
+        )
+        _write_json(out / "metrics.json", metrics.to_json())
+        write_study_report(out)
+    return out
+
+
+def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
+    m, seed = cell.model, cell.seed
+    model_key = _key("model", m.source, cell.variant, m.train, seed)
+    state = {"model": None, "tokenizer": None}
+    seconds = 0.0
+
+    def model():
+        if state["model"] is None:
+            state["model"], state["tokenizer"] = _materialise(m, cell, cdir, seed, model_key)
+        return state["model"]
+
+    def tokenizer():
+        model()
+        return state["tokenizer"]
+
+    def step(name: str, key: str, compute):
+        nonlocal seconds
+        path = cdir / f"{name}.json"
+        done = _done(path, key)
+        if done is not None:
+            seconds += done.get("seconds", 0.0)
+            return done
+        log.info("  %s: %s", cell.id, name)
+        t0 = time.perf_counter()
+        result = {"key": key, **compute()}
+        result["seconds"] = round(time.perf_counter() - t0, 2)
+        seconds += result["seconds"]
+        _write_json(path, result)
+        return result
+
+    trained = step("model", model_key, lambda: _train_summary(model, cdir))
+    ob_cfg = m.observe
+    observed = step("observe", _key(model_key, ob_cfg), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
+    ev_cfg = _eval_settings(m)
+    float_eval = step(
+        "eval-float", _key(model_key, ev_cfg, EVAL_FORMAT), lambda: _evaluate(model(), tokenizer(), ev_cfg)
+    )
+    cost = step("cost", model_key, lambda: gate_cost(model()))
+    schemes = {}
+    for entry in m.schemes:
+        scheme = entry["scheme"]
+        cfg = {**ev_cfg, "tasks": entry["tasks"] or ev_cfg["tasks"]}
+        key = _key(model_key, scheme, m.calibration, cfg, m.observe, EVAL_FORMAT)
+        schemes[scheme] = step(
+            f"scheme-{slug(scheme)}", key, lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, c, m, seed)
+        )
+    return CellRecord(
+        id=cell.id,
+        model=m.name,
+        variant=cell.variant,
+        seed=seed,
+        source=m.source,
+        trained={k: v for k, v in trained.items() if k not in ("key", "seconds")},
+        observe=observed["observe"],
+        cost={k: cost[k] for k in ("gate_params", "gate_flops_per_token")},
+        float_results=float_eval["results"],
+        float_documents=float_eval["documents"],
+        schemes={k: SchemeRecord.from_json(v) for k, v in schemes.items()},
+        seconds=round(seconds, 1),
+    )
+
+
+def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str):
+    """Build, train or load the cell's model (training resumes from its checkpoints)."""
+    if "load" in m.source:
+        model = load(m.source["load"], cell.variant if cell.variant != "vanilla" else None)
+        return model, get_tokenizer(model)
+    train_dir = cdir / "train"
+    if m.train is not None and (train_dir / "model" / "config.json").is_file() and _same_key(train_dir, model_key):
+        model = load(train_dir / "model")
+        return model, get_tokenizer(model)
+    model = build(m.source["preset"], cell.variant, seed=seed, **m.source["config"])
+    tok = get_tokenizer(model)
+    if m.train is not None:
+        if not _same_key(train_dir, model_key):
+            shutil.rmtree(train_dir, ignore_errors=True)
+        train_dir.mkdir(parents=True, exist_ok=True)
+        (train_dir / "study-key").write_text(model_key)
+        resume = can_resume(train_dir)
+        steps = int(m.train.get("steps", TrainConfig.steps))
+        cfg = TrainConfig(
+            **{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, "out": str(train_dir), "resume": resume}
+        )
+        model = train(model, tok, config=cfg)
+    return model, tok
+
+
+def _same_key(train_dir: Path, key: str) -> bool:
+    f = train_dir / "study-key"
+    return f.is_file() and f.read_text().strip() == key
+
+
+def _train_summary(model, cdir: Path) -> dict:
+    model()  # builds, trains or loads
+    logf = cdir / "train" / "log.jsonl"
+    if not logf.is_file():
+        return {"trained": False}
+    recs = [json.loads(line) for line in logf.read_text().splitlines() if line.strip()]
+    train = [r for r in recs if r["event"] == "train"]
+    evals = [r for r in recs if r["event"] == "eval"]
+    return {
+        "trained": True,
+        "steps": train[-1]["step"] if train else 0,
+        "tokens": train[-1]["tokens"] if train else 0,
+        "final_train_loss": train[-1]["loss"] if train else None,
+        "final_eval_loss": evals[-1]["loss"] if evals else None,
+        "curve": [{"step": r["step"], "loss": r["loss"]} for r in train],
+        "eval_curve": [{"step": r["step"], "loss": r["loss"]} for r in evals],
+        "observe_curve": [
+            {k: r[k] for k in ("step", "layers", "max_activation", "sink_mass", "gate_mean", "kurtosis")}
+            for r in recs
+            if r["event"] == "observe"
+        ],
+    }
+
+
+def _observe(model, tok, cfg: dict, cdir: Path) -> dict:
+    data = batches(
+        tok, cfg["data"], cfg["seq_len"], cfg["batch_size"], family_of(model).objective, max_batches=cfg["batches"]
+    )
+    report = observe(model, data, sink_tokens=cfg["sink_tokens"])
+    report.save(cdir / "observe")
+    layers = [
+        {
+            k: L[k]
+            for k in ("max_inf_norm", "kurtosis", "max_activation", "sink_mass", "gate_mean", "massive_activations")
+        }
+        | {"max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"]}
+        for L in report.layers
+    ]
+    summary = {k: v for k, v in report.summary.items() if k not in ("final_norm_in", "final_norm_out", "nonfinite")}
+    summary["nonfinite"] = len(report.summary["nonfinite"])
+    top = sorted(((i, e) for i, L in enumerate(report.layers) for e in L["massive"]), key=lambda t: -t[1]["max_abs"])
+    summary["top_massive"] = [
+        {"layer": i, "channel": e["channel"], "max_abs": e["max_abs"], "positions": e["positions"]} for i, e in top[:3]
+    ]
+    return {"observe": {"summary": summary, "layers": layers}}
+
+
+ROLLING_TASKS = ("quantgate_ppl",)  # perplexity over whole documents, read in windows of max_length tokens
+
+
+def _eval_settings(m: ModelSpec) -> dict:
+    """The model's eval settings; a model trained here reads the documents of a perplexity task in windows of
+    its training length (beyond it a RoPE model extrapolates and a learned position table is untrained),
+    unless max_length says otherwise. Loaded models use their own context (:func:`quantgate.evaluate.evaluate`'s
+    default); item tasks (cloze, next sentence) always do: an item must fit whole."""
+    if m.train is None or "max_length" in m.eval or not set(m.eval["tasks"]) & set(ROLLING_TASKS):
+        return m.eval
+    return {**m.eval, "max_length": m.train.get("seq_len", TrainConfig.seq_len)}
+
+
+def _evaluate(model, tok, cfg: dict) -> dict:
+    """Metrics per task, and each document's values (the report's paired intervals need them)."""
+    results, documents = {}, {}
+    for task in cfg["tasks"]:  # one task at a time: each may carry its own limit
+        limit = cfg["limit"].get(task) if isinstance(cfg["limit"], dict) else cfg["limit"]
+        window = cfg.get("max_length") if task in ROLLING_TASKS else None
+        out = evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"], max_length=window)
+        results.update(out["results"])
+        documents.update(out["documents"])
+    return {"results": results, "documents": documents}
+
+
+def _quantized(model, tok, scheme: str, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
+    objective = family_of(model).objective
+    s = get_scheme(scheme)
+    calibration, options = None, {}
+    if s.needs_calibration:
+        calib = m.calibration
+        calibration = batches(
+            tok, calib["data"], calib["seq_len"], calib["batch_size"], objective, shuffle=True, seed=seed
+        )
+        options = {"calib": calib["batches"]}
+    start = time.perf_counter()
+    try:
+        q = quantize(model, scheme, calibration=calibration, **options)
+    except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal
+        return {"error": str(e)}
+    quantize_s = time.perf_counter() - start
+    held_out = batches(tok, m.observe["data"], m.observe["seq_len"], m.observe["batch_size"], objective, max_batches=1)
+    err = quant_error(model, q, held_out, max_batches=1)
+    out = _evaluate(q, tok, ev_cfg)
+    return {
+        "results": out["results"],
+        "documents": out["documents"],
+        "logits_sqnr_db": err["logits_sqnr_db"],
+        "worst_layers": err["worst_layers"],
+        "overflow": err["overflow"],
+        "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration"),
+        "mitigation": (q.config.quantgate or {}).get("quantization", {}).get("mitigation"),
+        "quantize_s": quantize_s,
+    }
