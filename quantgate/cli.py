@@ -28,7 +28,6 @@ __all__ = ["main"]
 
 def _load_or_build(source: str, variant: str | None):
     """Packaged checkpoints and directories load; other preset names build a fresh model."""
-
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
         return build(source, variant)
     return load(source, variant)
@@ -36,21 +35,19 @@ def _load_or_build(source: str, variant: str | None):
 
 def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwargs):
     """Text batches for ``model`` (its objective), refusing a ``seq_len`` its positions cannot hold."""
-
     family = family_of(model)
     family.check_seq_len(model.config, seq_len)
     return batches(tokenizer, source, seq_len, batch_size, family.objective, **kwargs)
 
 
-def cmd_info(args) -> int:
-
+def cmd_info(args: argparse.Namespace) -> int:
     if args.list:
         print("presets (shapes, built from config):")
         for name, p in PRESETS.items():
             print(f"  {name:<16} {p.family:<11} {p.description}")
         print("packaged checkpoints (real weights, offline):")
-        for name, p in PACKAGED.items():
-            print(f"  {name:<16} {p.description}")
+        for name, packaged in PACKAGED.items():
+            print(f"  {name:<16} {packaged.description}")
         print(f"bundled tokenizers: {', '.join(BUNDLED_TOKENIZERS)}")
         print(
             f"text sources: {', '.join(BUNDLED_SPLITS)} (bundled); "
@@ -83,8 +80,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_observe(args) -> int:
-
+def cmd_observe(args: argparse.Namespace) -> int:
     model = _load_or_build(args.model, args.variant)
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
     report = observe(model, data, sink_tokens=args.sink_tokens)
@@ -94,8 +90,7 @@ def cmd_observe(args) -> int:
     return 0
 
 
-def cmd_quantize(args) -> int:
-
+def cmd_quantize(args: argparse.Namespace) -> int:
     if args.list:
         for name, scheme in SCHEMES.items():
             print(f"{name:<26} {scheme.description}")
@@ -121,8 +116,7 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-
+def cmd_eval(args: argparse.Namespace) -> int:
     check_limit(args.limit)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant)
     tok = tokenizer(model)
@@ -146,16 +140,14 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_compare(args) -> int:
-
+def cmd_compare(args: argparse.Namespace) -> int:
     print(compare(args.runs, args.out))
     if args.out:
         print(f"wrote {args.out}/compare.md, compare.csv, compare.png")
     return 0
 
 
-def cmd_train(args) -> int:
-
+def cmd_train(args: argparse.Namespace) -> int:
     if bool(args.preset) == bool(args.model):
         raise ValueError("train needs exactly one of --preset (from scratch) or --model (a checkpoint to fine-tune)")
     overrides = _config_overrides(args.config)
@@ -197,7 +189,6 @@ def cmd_train(args) -> int:
 
 def _config_overrides(text: str | None) -> dict:
     """``key=value,key=value`` -> {key: value}, values parsed as JSON where they can be."""
-
     out = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         key, eq, raw = item.partition("=")
@@ -215,8 +206,7 @@ def _objective(model) -> str:
     return family_of(model).objective
 
 
-def cmd_study(args) -> int:
-
+def cmd_study(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan(args.study or DEFAULT_STUDY))
         return 0
@@ -225,8 +215,7 @@ def cmd_study(args) -> int:
     return 0
 
 
-def cmd_report(args) -> int:
-
+def cmd_report(args: argparse.Namespace) -> int:
     if not Path(args.run).is_dir():
         raise FileNotFoundError(f"no study run directory {args.run}")
     with run_lock(args.run):  # not while a study is writing there
@@ -234,8 +223,7 @@ def cmd_report(args) -> int:
     return 0
 
 
-def cmd_build_tokenizers(args) -> int:
-
+def cmd_build_tokenizers(args: argparse.Namespace) -> int:
     for path in build_bundled(Path(args.out) if args.out else TOKENIZER_DIR):
         print(f"wrote {path}")
     return 0

@@ -31,7 +31,7 @@ import platform
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,7 @@ from .stats import METRICS, aggregate
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
-__all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "backcopy_metrics"]
+__all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "mlm_documents", "backcopy_metrics"]
 
 log = logging.getLogger("quantgate")
 TASK_DIR = Path(__file__).with_name("tasks")
@@ -138,7 +138,7 @@ def evaluate(
             }
         )
     if "quantgate_mlm_ppl" in tasks:
-        documents["quantgate_mlm_ppl"] = _mlm_documents(model, tokenizer, limit=limit)
+        documents["quantgate_mlm_ppl"] = mlm_documents(model, tokenizer, limit=limit)
         results["quantgate_mlm_ppl"] = {"perplexity": aggregate(documents["quantgate_mlm_ppl"], "perplexity")}
     if "quantgate_backcopy" in tasks:
         documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
@@ -274,25 +274,16 @@ def _number(v) -> int | float:
     return int(v) if v.is_integer() else v
 
 
-def mlm_perplexity(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    split: str = "test",
-    seq_len: int = 128,
-    batch_size: int = 16,
-    seed: int = 0,
-    limit: int | float | None = None,
-) -> float:
-    """Masked-token perplexity: exp(mean cross-entropy over the 15% masked positions), fixed masks."""
-    docs = _mlm_documents(model, tokenizer, split=split, seq_len=seq_len, batch_size=batch_size, seed=seed, limit=limit)
-    return aggregate(docs, "perplexity")
+def mlm_perplexity(model: nn.Module, tokenizer: PreTrainedTokenizerBase, **options: Any) -> float:
+    """Masked-token perplexity: exp(mean cross-entropy over the 15% masked positions), fixed masks;
+    ``options``: those of :func:`mlm_documents`."""
+    return aggregate(mlm_documents(model, tokenizer, **options), "perplexity")
 
 
 @torch.no_grad()
-def _mlm_documents(
+def mlm_documents(
     model: nn.Module,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     *,
     split: str = "test",
     seq_len: int = 128,

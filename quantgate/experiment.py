@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
+from matplotlib.figure import Figure
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .checkpoint import load
 from .data import batches
-from .models.swap import attention_modules, variant_of
+from .models.families import config_of
+from .models.swap import VariantAttention, attention_modules, variant_of
 from .provenance import machine, versions
 from .stats import Delta, format_ratio, paired_delta  # format_ratio: for the scripts
 from .study import read_metrics
@@ -39,7 +45,7 @@ __all__ = [
 ]
 
 
-def sequences(tokenizer, source: str, seq_len: int, n: int, *, seed: int = 0) -> torch.Tensor:
+def sequences(tokenizer: PreTrainedTokenizerBase, source: str, seq_len: int, n: int, *, seed: int = 0) -> torch.Tensor:
     """(n, seq_len) held-out token ids from a text source or ``backcopy``."""
     rows = []
     for batch in batches(tokenizer, source, seq_len, 1, "clm", seed=seed, max_batches=n):
@@ -63,14 +69,16 @@ def perplexity(total_nll: torch.Tensor, tokens: int) -> float:
     return math.exp(float(total_nll.sum()) / tokens)
 
 
-def ppl_change(base_nll, new_nll, tokens_per_sequence: int) -> Delta:
+def ppl_change(
+    base_nll: torch.Tensor | Sequence[float], new_nll: torch.Tensor | Sequence[float], tokens_per_sequence: int
+) -> Delta:
     """The relative change of perplexity ppl_new / ppl_base - 1 between two settings evaluated on the same
     sequences, with a 95% paired bootstrap interval over the sequences (:func:`quantgate.stats.paired_delta`).
 
     ``base_nll``, ``new_nll``: per-sequence summed NLL in nats (as :func:`nll` returns), shape (B,), tensors or
     lists, sequence i the same in both; ``tokens_per_sequence``: tokens each sum covers (L - start)."""
 
-    def documents(values) -> dict:
+    def documents(values: torch.Tensor | Sequence[float]) -> dict:
         v = torch.as_tensor(values, dtype=torch.float64).tolist()
         return {"ids": list(range(len(v))), "loglikelihood": [-x for x in v], "tokens": [tokens_per_sequence] * len(v)}
 
@@ -91,25 +99,25 @@ class _FirstTokenProbe:
 
     sink_tokens = 1
 
-    def __init__(self, modules):
+    def __init__(self, modules: list[nn.Module]) -> None:
         self.index = {id(m): i for i, m in enumerate(modules)}
         self.mass: list[torch.Tensor | None] = [None] * len(modules)
 
-    def record_sink_mass(self, module, mass: torch.Tensor) -> None:
+    def record_sink_mass(self, module: nn.Module, mass: torch.Tensor) -> None:
         self.mass[self.index[id(module)]] = mass.float().mean(1).cpu()  # mean over heads: (B, N)
 
 
 @contextmanager
-def _probe(model: nn.Module):
+def _probe(model: nn.Module) -> Iterator[_FirstTokenProbe]:
     modules = attention_modules(model)
     probe = _FirstTokenProbe(modules)
     for m in modules:
-        m.qg_observer = probe
+        cast(VariantAttention, m).qg_observer = probe
     try:
         yield probe
     finally:
         for m in modules:
-            m.qg_observer = None
+            cast(VariantAttention, m).qg_observer = None
 
 
 @torch.no_grad()
@@ -119,7 +127,7 @@ def first_token_attention(model: nn.Module, ids: torch.Tensor, mask: torch.Tenso
     model.eval()
     with _probe(model) as probe:
         model(input_ids=ids, attention_mask=mask)
-    return torch.stack(probe.mass)
+    return torch.stack(cast(list[torch.Tensor], probe.mass))  # a quantgate model: every layer recorded its mass
 
 
 def trained_models(run_dir: str | Path, seed: int = 0) -> dict[str, nn.Module]:
@@ -144,7 +152,7 @@ def trained_models(run_dir: str | Path, seed: int = 0) -> dict[str, nn.Module]:
 def with_rope(model: nn.Module, rope_type: str, factor: float, trained_len: int) -> nn.Module:
     """The model with RoPE scaling set through transformers' rope_parameters ("default", "linear" or
     "yarn", ``factor`` over ``trained_len``); rebuilds the rotary embedding in place."""
-    config = model.config
+    config = config_of(model)
     base = {k: v for k, v in config.rope_parameters.items() if k in ("rope_theta", "partial_rotary_factor")}
     if rope_type == "default":
         config.rope_parameters = {**base, "rope_type": "default"}
@@ -157,15 +165,17 @@ def with_rope(model: nn.Module, rope_type: str, factor: float, trained_len: int)
             **({"original_max_position_embeddings": trained_len} if rope_type == "yarn" else {}),
         }
         config.max_position_embeddings = int(trained_len * factor)
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config=config).to(next(model.parameters()).device)
+    hf = cast(PreTrainedModel, model)
+    inner = hf.get_decoder() if hasattr(model, "get_decoder") else cast(nn.Module, model.model)
+    rotary = cast(nn.Module, inner.rotary_emb)
+    inner.rotary_emb = type(rotary)(config=config).to(next(model.parameters()).device)
     return model
 
 
 PAIR = {"--pair": ("results/cpu_recipe", "study run whose trained tiny models (seed 0) to use")}
 
 
-def script_args(doc: str, out: str, **extra) -> argparse.Namespace:
+def script_args(doc: str, out: str, **extra: tuple[object, str]) -> argparse.Namespace:
     """The experiment scripts' command line: --smoke, --out (default ``out``) and ``extra``
     ({flag: (default, help)})."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,9 +186,7 @@ def script_args(doc: str, out: str, **extra) -> argparse.Namespace:
     return ap.parse_args()
 
 
-def save_figure(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
+def save_figure(fig: Figure, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

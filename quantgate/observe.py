@@ -39,17 +39,21 @@ import logging
 import math
 import weakref
 from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from .files import write_text_atomic
-from .models.families import family_of, is_norm
+from .models.families import Family, config_of, family_of, is_norm
 from .models.modes import eval_mode
-from .models.swap import apply_variant, attention_modules, variant_of
+from .models.swap import VariantAttention, apply_variant, attention_modules, variant_of
 from .stats import fmt
 
 __all__ = ["observe", "ObserveReport", "TensorStats"]
@@ -61,8 +65,10 @@ HIST_SAMPLE = 1 << 16  # elements per update that feed the |x| histogram (median
 CHUNK = 1 << 22  # elements of a tensor folded in at a time: bounds TensorStats' temporaries (~50 MB)
 UNIT_BINS = 20  # histograms of values in [0, 1] (gates, sink mass)
 
+Decode = Callable[[int], str | list[str]]  # a token id -> its text, for the reports (the tokenizer's)
 
-def paper_tensors(family) -> tuple[tuple[str, ...], tuple[str, ...]]:
+
+def paper_tensors(family: Family) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Per block: the tensors of Bondarenko et al.'s kurtosis, and those added for the max inf-norm."""
     if family.objective == "mlm":  # BERT, post-LN: the FFN output and LN(FFN output + residual)
         return ("ffn_out", f"norm_out.{family.ffn_norm}"), (f"norm_in.{family.ffn_norm}",)
@@ -82,7 +88,7 @@ def _stride(n: int, channels: int) -> int:
 class TensorStats:
     """Running statistics of one activation tensor (B, T, ...) over many batches."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sequences = 0
         self.inf_norm_sum = 0.0
         self.kurtosis_sum = 0.0
@@ -91,12 +97,12 @@ class TensorStats:
         self.hist = torch.zeros(LOG_BINS, dtype=torch.float64)
         self.channel_max: torch.Tensor | None = None
         self.channel_top: torch.Tensor | None = None
-        self.max_positions: Counter = Counter()
-        self.max_tokens: Counter = Counter()
+        self.max_positions: Counter[int] = Counter()
+        self.max_tokens: Counter[int] = Counter()
         self.nonfinite = 0
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None):
+    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
         """Fold in ``x`` (B, T, ...), C = prod(...) features per token; ``valid`` (B, T) marks real
         (non-padding) tokens, the only ones measured; positions count real tokens.
 
@@ -172,10 +178,10 @@ class TensorStats:
         idx = int(torch.searchsorted(self.hist.cumsum(0), torch.tensor(total / 2, dtype=torch.float64)))
         return 10 ** (LOG_LO + (idx + 0.5) * (LOG_HI - LOG_LO) / LOG_BINS)
 
-    def summary(self, decode=None, top: int = 5) -> dict:
+    def summary(self, decode: Decode | None = None, top: int = 5) -> dict:
         n = max(self.sequences, 1)
         med = self.median_abs
-        out = {
+        out: dict[str, Any] = {
             "inf_norm": self.inf_norm_sum / n,
             "max_abs": self.max_abs,
             "kurtosis": self.kurtosis_sum / self.kurtosis_n if self.kurtosis_n else None,
@@ -185,14 +191,15 @@ class TensorStats:
             "max_at_token0": self.max_positions.get(0, 0) / n,
             "max_positions": [[p, c] for p, c in self.max_positions.most_common(top)],
         }
-        if self.channel_top is not None:
-            tokens = float(self.channel_top.sum())
-            order = torch.argsort(self.channel_max, descending=True)[:top]  # the largest-magnitude channels
+        channel_top, channel_max = self.channel_top, self.channel_max
+        if channel_top is not None and channel_max is not None:  # set together by the first update
+            tokens = float(channel_top.sum())
+            order = torch.argsort(channel_max, descending=True)[:top]  # the largest-magnitude channels
             out["top_channels"] = [
                 {
                     "channel": int(ch),
-                    "share_of_token_max": float(self.channel_top[ch]) / tokens,
-                    "max_abs": float(self.channel_max[ch]),
+                    "share_of_token_max": float(channel_top[ch]) / tokens,
+                    "max_abs": float(channel_max[ch]),
                 }
                 for ch in order
             ]
@@ -203,7 +210,9 @@ class TensorStats:
         return out
 
 
-def _tokens(x: torch.Tensor, keep: torch.Tensor | None, rows: slice, tokens: slice):
+def _tokens(
+    x: torch.Tensor, keep: torch.Tensor | None, rows: slice, tokens: slice
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x[rows, tokens]`` (x: (B, T, ...)) as float32 (b, L, C) with padding set to 0 (a view of ``x``
     where it is float32 and unpadded: never to be written), and its mask ``keep`` (b, L, 1) or None."""
     xc = x[rows, tokens]
@@ -217,13 +226,13 @@ def _tokens(x: torch.Tensor, keep: torch.Tensor | None, rows: slice, tokens: sli
 class MassiveActivations:
     """Sun et al.'s massive activations: |x| > 100 and > 1000 x the sequence's median |x|."""
 
-    def __init__(self, absolute: float = 100.0, relative: float = 1000.0):
+    def __init__(self, absolute: float = 100.0, relative: float = 1000.0) -> None:
         self.absolute, self.relative = absolute, relative
         self.count = 0
         self.by_channel: dict[int, dict] = {}
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None):
+    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> None:
         a = x.detach().float().abs().nan_to_num_(0.0)  # one full-size copy
         b, t = a.shape[:2]
         a = a.reshape(b, t, -1)
@@ -240,7 +249,7 @@ class MassiveActivations:
             if input_ids is not None and input_ids.shape[1] == t:
                 entry["tokens"][int(input_ids[i, pos])] += 1
 
-    def summary(self, decode=None, top: int = 5) -> list[dict]:
+    def summary(self, decode: Decode | None = None, top: int = 5) -> list[dict]:
         rows = sorted(self.by_channel.values(), key=lambda e: -e["max_abs"])[:top]
         return [
             {
@@ -257,23 +266,26 @@ class MassiveActivations:
 class UnitStats:
     """Per-head running mean, share below 0.1 and a histogram of values in [0, 1] (gates, sink mass)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sum: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
         self.below = 0.0
         self.hist = torch.zeros(UNIT_BINS, dtype=torch.float64)
 
     @torch.no_grad()
-    def update(self, values: torch.Tensor):
+    def update(self, values: torch.Tensor) -> None:
         """``values`` (heads, n): one row per head."""
         v = values.detach().float()
         s, n = v.sum(dim=1).double(), torch.full((v.shape[0],), v.shape[1], dtype=torch.float64)
-        self.sum, self.count = (s, n) if self.sum is None else (self.sum + s, self.count + n)
+        if self.sum is None or self.count is None:  # the first update (they are set together)
+            self.sum, self.count = s, n
+        else:
+            self.sum, self.count = self.sum + s, self.count + n
         self.below += float((v < 0.1).sum())
         self.hist += torch.histc(v.clamp(0, 1), bins=UNIT_BINS, min=0.0, max=1.0).double()
 
     def summary(self) -> dict | None:
-        if self.sum is None:
+        if self.sum is None or self.count is None:
             return None
         per_head = (self.sum / self.count).tolist()
         total = float(self.count.sum())
@@ -309,26 +321,28 @@ class _Layer:
 class _Observer:
     """Registers the hooks for one observe run; removes them on exit."""
 
-    def __init__(self, model: nn.Module, sink_tokens: int):
+    def __init__(self, model: nn.Module, sink_tokens: int) -> None:
         self.model, self.sink_tokens = model, sink_tokens
         self.family = family_of(model)
         self.blocks = self.family.blocks(model)
         self.layers = [_Layer() for _ in self.blocks]
         self.final, self.final_out = TensorStats(), TensorStats()  # the final norm's input and output
-        self.input_ids = self.valid = None
-        self.seen: dict[int, tuple] = {}  # id -> (weak reference, version, stats) of the tensors measured so far
-        self.handles: list = []
+        self.input_ids: torch.Tensor | None = None  # the batch's (B, T) ids and real-token mask, set per batch
+        self.valid: torch.Tensor | None = None
+        # id -> (weak reference, version, stats) of the tensors measured so far
+        self.seen: dict[int, tuple[weakref.ref[torch.Tensor], int, TensorStats]] = {}
+        self.handles: list[RemovableHandle] = []
         self.attn_layer: dict[int, int] = {}
 
-    def __enter__(self):
+    def __enter__(self) -> _Observer:
         fam = self.family
         with_attention = {id(b) for b in fam.attention_blocks(self.model)}
         for i, block in enumerate(self.blocks):
             layer = self.layers[i]
             self._hook(block, lambda m, a, o, L=layer: self._record(L, "block_out", o, massive=True))
-            skip = set()
+            skip: set[nn.Module] = set()
             if id(block) in with_attention:
-                attn = block.get_submodule(fam.attention)
+                attn = cast(VariantAttention, block.get_submodule(fam.attention))
                 attn.qg_observer = self
                 self.attn_layer[id(attn)] = i
                 o_proj = block.get_submodule(fam.o_proj)
@@ -341,7 +355,7 @@ class _Observer:
                         gate, lambda m, a, o, L=layer: L.gate.update(_gate_rows(o, m.position, m.dims.n_kv_heads))
                     )
                 elif fam.native_gate_values is not None:  # a built-in gate (Qwen3-Next): the family reads it
-                    dims, values = fam.dims(self.model.config), fam.native_gate_values
+                    dims, values = fam.dims(config_of(self.model)), fam.native_gate_values
                     self._hook(
                         block.get_submodule(fam.q_proj),
                         lambda m, a, o, L=layer, d=dims, f=values: L.gate.update(f(o, d)),
@@ -365,30 +379,33 @@ class _Observer:
             self._hook(final, self._record_final)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         for h in self.handles:
             h.remove()
         for attn in attention_modules(self.model):
-            attn.qg_observer = None
+            cast(VariantAttention, attn).qg_observer = None
 
-    def _hook(self, module, fn):
+    def _hook(self, module: nn.Module, fn: Callable[..., None]) -> None:
         self.handles.append(module.register_forward_hook(fn))
 
-    def _record_final(self, module, args, out) -> None:
+    def _record_final(self, module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         self.final.update(args[0], self.input_ids, self.valid)
         self.final_out.update(out, self.input_ids, self.valid)
 
-    def _record(self, layer: _Layer, name: str, out, massive: bool = False, then=None) -> None:
+    def _record(
+        self, layer: _Layer, name: str, out: Any, massive: bool = False, then: tuple[str, Any] | None = None
+    ) -> None:
         """Fold a hooked tensor into the layer's statistics and let it go (returns None: hooks must not
         replace outputs). The same tensor object feeding several modules (q/k/v, gate/up) is measured
         once; ``seen`` holds only a weak reference to it, so no activation outlives its use."""
-        x = out[0] if isinstance(out, tuple) else out
-        ref, version, stats = self.seen.get(id(x), (None, None, None))
-        if ref is not None and ref() is x and version == x._version:
-            layer.tensors.setdefault(name, stats)
+        x: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        seen = self.seen.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version:
+            layer.tensors.setdefault(name, seen[2])
         else:
             stats = layer.stats(name)
             self.seen[id(x)] = (weakref.ref(x), x._version, stats)
+            assert self.input_ids is not None, "observe sets the batch's input_ids before its forward pass"
             tokens = _by_token(x, *self.input_ids.shape)
             if tokens is None:
                 stats.update(x.reshape(1, -1, x.shape[-1]))
@@ -399,7 +416,7 @@ class _Observer:
         if then is not None:
             self._record(layer, *then)
 
-    def record_sink_mass(self, module, mass: torch.Tensor):
+    def record_sink_mass(self, module: nn.Module, mass: torch.Tensor) -> None:
         """mass (B, H, N): attention on the first sink_tokens keys, from gated_sdpa."""
         layer = self.layers[self.attn_layer[id(module)]]
         b, _h, n = mass.shape
@@ -442,7 +459,7 @@ class ObserveReport:
 
     def save(self, out: str | Path) -> Path:
         """Write observe.json, observe.md and PNG plots into directory ``out``."""
-        from .plots import plot_observe
+        from .plots import plot_observe  # matplotlib: imported at first use (~0.7 s; `import quantgate` skips it)
 
         out = Path(out)
         write_text_atomic(out / "observe.json", json.dumps(self.to_dict(), indent=1))
@@ -520,11 +537,11 @@ def _mean(values):
 @torch.no_grad()
 def observe(
     model: nn.Module,
-    batches,
+    batches: Iterable[Mapping[str, torch.Tensor]],
     *,
     sink_tokens: int = 1,
     max_batches: int | None = None,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     progress: bool = True,
 ) -> ObserveReport:
     """Stream statistics of ``model`` over ``batches`` (dicts with input_ids, optional attention_mask
@@ -541,13 +558,13 @@ def observe(
     decode = (lambda t: tokenizer.convert_ids_to_tokens(int(t))) if tokenizer is not None else None
     device = next(model.parameters()).device
     losses, tokens, sequences, seq_len, n_batches = [], 0, 0, 0, 0
-    total = len(batches) if hasattr(batches, "__len__") else None
+    total = len(batches) if isinstance(batches, Sized) else None
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
     with eval_mode(model), _Observer(model, sink_tokens) as obs:
         for batch in tqdm(itertools.islice(batches, max_batches), total=total, desc="observe", disable=not progress):
             ids = batch["input_ids"]
-            family.check_seq_len(model.config, ids.shape[1])
+            family.check_seq_len(config_of(model), ids.shape[1])
             if sink_tokens >= ids.shape[1]:
                 raise ValueError(
                     f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
@@ -556,7 +573,7 @@ def observe(
             mask = batch.get("attention_mask")
             obs.input_ids, obs.seen = ids, {}
             obs.valid = mask.bool() if mask is not None else None
-            forward = model if "labels" in batch else model.base_model
+            forward = model if "labels" in batch else cast(nn.Module, model.base_model)
             out = forward(**{k: v.to(device) for k, v in batch.items()})
             if getattr(out, "loss", None) is not None:
                 losses.append(float(out.loss))
@@ -611,7 +628,7 @@ def observe(
     return ObserveReport(summary, layers, meta)
 
 
-def _layer_summary(layer: _Layer, decode, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]) -> dict:
+def _layer_summary(layer: _Layer, decode: Decode | None, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]) -> dict:
     tensors = {name: t.summary(decode) for name, t in layer.tensors.items()}
     paper = [tensors[n] for n in kurt_set if n in tensors]
     sink, gate = layer.sink.summary(), layer.gate.summary()

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -11,10 +13,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+if TYPE_CHECKING:  # observe imports this module to draw its report
+    from .observe import ObserveReport
+
 __all__ = ["plot_observe", "bar_panels", "plot_training", "save_png"]
 
 
-def plot_observe(report, out: Path) -> list[Path]:
+def plot_observe(report: ObserveReport, out: Path) -> list[Path]:
     """Per-layer max |x| and kurtosis; layer x head sink-mass heatmap; gate histograms."""
     out = Path(out)
     layers = report.layers
@@ -91,8 +96,6 @@ def bar_panels(panels: dict[str, list[tuple[str, float | None]]], path: Path, ti
 def plot_training(log_path: Path, path: Path) -> Path | None:
     """Outlier emergence over training from a trainer's log.jsonl: loss, residual max |x|, first-token
     attention and gate mean per layer against steps."""
-    import json
-
     records = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
     train = [r for r in records if r["event"] == "train"]
     evals = [r for r in records if r["event"] == "eval"]

@@ -32,6 +32,8 @@ __all__ = [
     "format_delta",
     "format_ratio",
     "NOISE_LEGEND",
+    "fmt",
+    "table_head",
 ]
 
 CONFIDENCE = 0.95
@@ -245,6 +247,11 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
     unit = {"perplexity": "%", "accuracy": " pp"}.get(d.kind, "")
     interval = "[n/a]" if d.low is None or d.high is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
     return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")
+
+
+def table_head(columns: list[str]) -> list[str]:
+    """A markdown table's header: the column names and the rule under them."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def fmt(v: object) -> str:

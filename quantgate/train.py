@@ -27,6 +27,7 @@ warning, folders that are not one) and refuses changed settings (:data:`FREE_ON_
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -36,33 +37,51 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol, TypedDict, cast
 
 import numpy as np
 import torch
 import torch.nn as nn
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from .checkpoint import dedupe, save
 from .data import batches as text_batches
+from .data.batches import Resumable
 from .data.synthetic import is_backcopy
 from .files import write_text_atomic
-from .models.families import family_of, is_norm
+from .models.families import config_of, family_of, is_norm
+from .models.io import load_state, read_safetensors
 from .models.modes import eval_mode
-from .models.swap import gate_parameters, variant_of
+from .models.swap import apply_variant, gate_parameters, variant_of
+from .observe import observe
+from .plots import plot_training
 from .runlock import run_lock
 
 __all__ = ["TrainConfig", "train", "can_resume", "TrainingDiverged", "FAMILY_DEFAULTS", "make_data"]
 
 log = logging.getLogger("quantgate")
 
+
+class FamilyDefaults(TypedDict):
+    """A family's optimiser recipe: the values TrainConfig's ``None`` fields take."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    schedule: str
+
+
 # The papers' optimiser settings per family (Bondarenko et al.: OPT lr 4e-4, AdamW(0.9, 0.95), wd 0.1;
 # BERT lr 1e-4, linear decay, wd 0.01); a model family not listed uses the OPT recipe.
-FAMILY_DEFAULTS = {
+FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "opt": {"lr": 4e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "schedule": "cosine"},
     "bert": {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "schedule": "linear"},
 }
@@ -104,7 +123,8 @@ class TrainConfig:
         d = FAMILY_DEFAULTS.get(family, FAMILY_DEFAULTS["opt"])
         c = TrainConfig(**asdict(self))
         c.lr = self.lr if self.lr is not None else d["lr"]
-        c.betas = tuple(self.betas) if self.betas is not None else d["betas"]
+        # a list where the config came from JSON or YAML: tuple() keeps its two values
+        c.betas = cast(tuple[float, float], tuple(self.betas)) if self.betas is not None else d["betas"]
         c.weight_decay = self.weight_decay if self.weight_decay is not None else d["weight_decay"]
         c.schedule = self.schedule or d["schedule"]
         if c.schedule not in ("cosine", "linear", "constant"):
@@ -133,6 +153,17 @@ FREE_ON_RESUME = frozenset(
 )
 CHECKPOINT_FORMAT = 1  # trainer.json "format"; earlier checkpoints were accelerate's pickles and are not loaded
 MODEL_FILE, OPTIMIZER_FILE, TRAINER_FILE = "model.safetensors", "optimizer.safetensors", "trainer.json"
+LOG_FILE = "log.jsonl"
+
+Batch = dict[str, torch.Tensor]  # one micro-batch: input_ids, attention_mask, labels, (rows, seq_len)
+
+
+class _Checkpointable(Protocol):
+    """Data a checkpointed run can resume (:func:`_check_checkpointable` makes sure it has both)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class TrainingDiverged(RuntimeError):
@@ -141,14 +172,14 @@ class TrainingDiverged(RuntimeError):
 
 def make_data(
     config: TrainConfig,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     objective: str,
     world: int = 1,
     source: str | None = None,
     shuffle: bool = True,
-    epochs=None,
+    epochs: int | None = None,
     seed: int | None = None,
-):
+) -> Resumable:
     """Global micro-batches (``batch_size x world`` rows) from ``config.data`` (or ``source``)."""
     source = source or config.data
     seed = config.seed if seed is None else seed
@@ -167,7 +198,7 @@ def make_data(
 def _param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
     gates = {id(p) for p in gate_parameters(model).values()}
     norms = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
-    groups = {"gate": [], "norm": [], "no_decay": [], "decay": []}
+    groups: dict[str, list[nn.Parameter]] = {"gate": [], "norm": [], "no_decay": [], "decay": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -191,7 +222,7 @@ def _param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
     ]
 
 
-def _schedule(c: TrainConfig):
+def _schedule(c: TrainConfig) -> Callable[[int], float]:
     warmup = int(c.warmup * c.steps) if c.warmup < 1 else int(c.warmup)
 
     def factor(step: int) -> float:
@@ -219,8 +250,6 @@ def _identity(model: nn.Module) -> dict:
 
 
 def _sha(text: str) -> str:
-    import hashlib
-
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -228,16 +257,21 @@ def _sha(text: str) -> str:
 class _Run:
     """The training state a checkpoint saves and a resume restores (with each process's RNG states)."""
 
-    acc: object  # accelerate.Accelerator
+    acc: Accelerator
     model: nn.Module  # unwrapped
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    data: object  # resumable global micro-batches (state_dict / load_state_dict)
+    data: Iterable[Batch]  # global micro-batches; resumable (_Checkpointable) where the run checkpoints
     step: int = 0
     tokens: int = 0
 
 
-def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = None) -> nn.Module:
+def train(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    data: Iterable[Batch] | None = None,
+    config: TrainConfig | None = None,
+) -> nn.Module:
     """Train ``model`` and return it (unwrapped). ``data`` yields global micro-batches; by default
     ``config.data`` through :func:`make_data`. With ``config.out``, logs, checkpoints, the final
     model and a plot of outlier emergence are written there (layout: the module docstring), while the
@@ -250,16 +284,13 @@ def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = N
     step, a state the run really had; when they are all finite they are written to ``last-good-model``
     (no per-step copy is kept: a model that was never finite, or an update that overflowed with a finite
     gradient, leaves none, and the message says so). Then :class:`TrainingDiverged` is raised."""
-    from accelerate import Accelerator
-
     c = (config or TrainConfig()).resolved(family_of(model).name)
-    family_of(model).check_seq_len(model.config, c.seq_len)
+    model_config = config_of(model)
+    family_of(model).check_seq_len(model_config, c.seq_len)
     if variant_of(model) is None:
-        from .models.swap import apply_variant
-
         apply_variant(model)
     if is_backcopy(c.data):  # quantgate_backcopy then scores the model on held-out data of its own task
-        model.config.quantgate["task"] = c.data
+        model_config.quantgate["task"] = c.data
     mp = c.mixed_precision if c.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     acc = Accelerator(gradient_accumulation_steps=c.grad_accum, mixed_precision=mp, cpu=not torch.cuda.is_available())
     out = Path(c.out) if c.out else None
@@ -267,9 +298,14 @@ def train(model: nn.Module, tokenizer, data=None, config: TrainConfig | None = N
         return _train(acc, model, tokenizer, data, c, out)
 
 
-def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | None) -> nn.Module:
-    from accelerate.utils import set_seed
-
+def _train(
+    acc: Accelerator,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    data: Iterable[Batch] | None,
+    c: TrainConfig,
+    out: Path | None,
+) -> nn.Module:
     family = family_of(model)
     set_seed(c.seed)
     world, rank = acc.num_processes, acc.process_index
@@ -279,6 +315,7 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
     if out is not None and acc.is_main_process:
         _remove_leftovers(out)
     identity = _identity(model)
+    assert c.lr is not None and c.betas is not None, "train() passes the config resolved()"
     opt = torch.optim.AdamW(_param_groups(model, c), lr=c.lr, betas=c.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(c))
     model, opt = acc.prepare(model, opt)  # the schedule steps once per optimizer step, on every process
@@ -288,7 +325,7 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
         _resume(run, out, identity, c)
     eval_data = _eval_batches(c, tokenizer, family.objective) if c.eval_data else None
     logger = _JsonLog(
-        out / "log.jsonl" if out and acc.is_main_process else None, keep_until=run.step if c.resume else None
+        out / LOG_FILE if out and acc.is_main_process else None, keep_until=run.step if c.resume else None
     )
     if not c.resume:
         logger.write({"event": "config", "config": asdict(c), "identity": identity, "world_size": world})
@@ -355,9 +392,7 @@ def _train(acc, model: nn.Module, tokenizer, data, c: TrainConfig, out: Path | N
     acc.wait_for_everyone()
     if out is not None and acc.is_main_process and run.step == c.steps:
         _save_model(raw, out / "model", tokenizer)
-        from .plots import plot_training
-
-        plot_training(logger.path, out / "training.png")
+        plot_training(out / LOG_FILE, out / "training.png")
     return raw
 
 
@@ -370,22 +405,20 @@ def _shard(batch: dict, rank: int, world: int, device) -> dict:
     return {k: v[rank * part : (rank + 1) * part].to(device) for k, v in batch.items()}
 
 
-def _eval_batches(c: TrainConfig, tokenizer, objective: str) -> list[dict]:
+def _eval_batches(c: TrainConfig, tokenizer: PreTrainedTokenizerBase, objective: str) -> list[Batch]:
     source = c.data if is_backcopy(c.data) and c.eval_data == "validation" else c.eval_data
     data = make_data(c, tokenizer, objective, source=source, shuffle=False, epochs=1, seed=c.seed + 1)
     return list(itertools.islice(data, c.eval_batches))
 
 
 @torch.no_grad()
-def _eval_loss(model: nn.Module, data: list[dict], device) -> float:
+def _eval_loss(model: nn.Module, data: list[Batch], device: torch.device) -> float:
     with eval_mode(model):
         return sum(float(model(**{k: v.to(device) for k, v in b.items()}).loss) for b in data) / len(data)
 
 
-def _light_observe(model: nn.Module, data: list[dict]) -> dict:
+def _light_observe(model: nn.Module, data: list[Batch]) -> dict:
     """Per layer: residual max |x|, mean kurtosis, first-token attention, gate mean."""
-    from .observe import observe
-
     report = observe(model, data, progress=False)
     return {
         "layers": [
@@ -401,10 +434,8 @@ def _light_observe(model: nn.Module, data: list[dict]) -> dict:
     }
 
 
-def _check_checkpointable(acc, data) -> None:
+def _check_checkpointable(acc: Accelerator, data: Iterable[Batch]) -> None:
     """Before any work: refuse checkpoints this trainer cannot write or resume correctly."""
-    from accelerate.utils import DistributedType
-
     if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise ValueError(
             f"checkpoints (checkpoint_every, stop_after, resume) are not supported under "
@@ -447,7 +478,7 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
             "progress": {"step": run.step, "tokens": run.tokens},
             "optimizer": {"param_groups": opt["param_groups"]},
             "scheduler": run.scheduler.state_dict(),
-            "data": run.data.state_dict(),
+            "data": cast(_Checkpointable, run.data).state_dict(),  # checked by _check_checkpointable
             "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
         }
         (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1))
@@ -531,16 +562,14 @@ def _read_trainer(path: Path) -> dict:
 
 def _load_checkpoint(run: _Run, path: Path, saved: dict) -> None:
     """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only."""
-    from .models.io import _load_state, _read_safetensors
-
-    _load_state(run.model, _read_safetensors([path / MODEL_FILE]), path / MODEL_FILE)
+    load_state(run.model, read_safetensors(path / MODEL_FILE), path / MODEL_FILE)
     state: dict[int, dict] = {}
-    for key, t in _read_safetensors([path / OPTIMIZER_FILE]).items():
+    for key, t in read_safetensors(path / OPTIMIZER_FILE).items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = t
     run.optimizer.load_state_dict({"state": state, "param_groups": saved["optimizer"]["param_groups"]})
     run.scheduler.load_state_dict(saved["scheduler"])
-    run.data.load_state_dict(saved["data"])
+    cast(_Checkpointable, run.data).load_state_dict(saved["data"])  # checked by _check_checkpointable
     if run.acc.scaler is not None:
         run.acc.scaler.load_state_dict(saved["scaler"])
     run.step, run.tokens = saved["progress"]["step"], saved["progress"]["tokens"]
@@ -551,7 +580,8 @@ def _save_rng(file: Path) -> None:
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    _, key, pos, has_gauss, gauss = np.random.get_state()
+    # the legacy global generator's state is always the (MT19937, key, pos, has_gauss, gauss) tuple
+    _, key, pos, has_gauss, gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     save_file(
         tensors,
         str(file),
@@ -588,7 +618,7 @@ def _diverged(run: _Run, out: Path | None, what: str) -> NoReturn:
     raise TrainingDiverged(f"{what}{saved}. Lower the learning rate or use bf16/fp32")
 
 
-def _save_model(model: nn.Module, path: Path, tokenizer=None) -> None:
+def _save_model(model: nn.Module, path: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
     tmp = _temporary(path)
     shutil.rmtree(tmp, ignore_errors=True)
     save(model, tmp, tokenizer)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..variants import GATE_KINDS, GateSpec, gate_kind, logit
 
-__all__ = ["AttentionDims", "Gate", "build_gate"]
+__all__ = ["AttentionDims", "Gate", "ProjGate", "build_gate"]
 
 
 OPEN_LOGIT = 30.0  # sigmoid(30) == 1.0 in float32
@@ -129,46 +129,51 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.view(b, n, heads, -1).transpose(1, 2)
 
 
-@gate_kind("g1-elementwise", "G1: sigmoid(x W) per (head, channel) on the SDPA output (Qiu et al.)")
-class ElementwiseGate(Gate):
-    """G1 elementwise: sigmoid(x W) per (head, channel), (B, Hq, N, Dh)."""
+class ProjGate(Gate):
+    """A gate computed from one projection of x, ``proj``: x (B, N, d_model) -> logits (B, N, width(dims)),
+    a Linear (or two at ``low_rank``) whose bias starts at the kind's initial logit; ``layout`` puts the
+    logits where the gate multiplies (default: as they are), then the activation applies."""
 
     x_readers = ("proj",)
 
+    @staticmethod
+    def width(dims: AttentionDims) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def layout(z: torch.Tensor, dims: AttentionDims) -> torch.Tensor:
+        return z
+
     def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
-        self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
+        self.proj = _proj(dims.d_model, self.width(dims), spec.low_rank, spec.bias_init, std)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activation(_heads(self.proj(x), self.dims.n_heads))
+        return self.activation(self.layout(self.proj(x), self.dims))
+
+
+@gate_kind("g1-elementwise", "G1: sigmoid(x W) per (head, channel) on the SDPA output (Qiu et al.)")
+class ElementwiseGate(ProjGate):
+    """G1 elementwise: sigmoid(x W) per (head, channel), (B, Hq, N, Dh)."""
+
+    width = staticmethod(lambda dims: dims.n_heads * dims.head_dim)
+    layout = staticmethod(lambda z, dims: _heads(z, dims.n_heads))
 
 
 @gate_kind("g1-headwise", "G1: one sigmoid(x w_h) per head on the SDPA output")
-class HeadwiseGate(Gate):
+class HeadwiseGate(ProjGate):
     """G1 headwise: one sigmoid(x w_h) per head and token, (B, Hq, N, 1)."""
 
-    x_readers = ("proj",)
-
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
-        super().__init__(spec, dims)
-        self.proj = _proj(dims.d_model, dims.n_heads, spec.low_rank, spec.bias_init, std)
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
+    width = staticmethod(lambda dims: dims.n_heads)
+    layout = staticmethod(lambda z, dims: z.transpose(1, 2).unsqueeze(-1))
 
 
 @gate_kind("g1-headshared", "G1: elementwise over d_head, shared by all heads")
-class HeadSharedGate(Gate):
+class HeadSharedGate(ProjGate):
     """G1 head-shared: elementwise over d_head, the same for every head, (B, 1, N, Dh)."""
 
-    x_readers = ("proj",)
-
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
-        super().__init__(spec, dims)
-        self.proj = _proj(dims.d_model, dims.head_dim, spec.low_rank, spec.bias_init, std)
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(x)).unsqueeze(1)
+    width = staticmethod(lambda dims: dims.head_dim)
+    layout = staticmethod(lambda z, dims: z.unsqueeze(1))
 
 
 @gate_kind("g1-constant", "G1: input-independent learned sigmoid per (head, channel)", low_rank=False)
@@ -200,35 +205,19 @@ class NSSigmoidGate(ElementwiseGate):
 
 
 @gate_kind("g2-value", "G2: elementwise sigmoid(x W) on the values, from the key token")
-class ValueGate(Gate):
+class ValueGate(ProjGate):
     """G2: elementwise sigmoid(x W) on the value projection, from each key token's x."""
 
-    x_readers = ("proj",)
-
     position = "value"
-
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
-        super().__init__(spec, dims)
-        self.proj = _proj(dims.d_model, dims.n_kv_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(x))
+    width = staticmethod(lambda dims: dims.n_kv_heads * dims.head_dim)
 
 
 @gate_kind("g5-output", "G5: elementwise sigmoid(x W) after the output projection")
-class OutputGate(Gate):
+class OutputGate(ProjGate):
     """G5: elementwise sigmoid(x W) after the output projection."""
 
-    x_readers = ("proj",)
-
     position = "output"
-
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
-        super().__init__(spec, dims)
-        self.proj = _proj(dims.d_model, dims.d_model, spec.low_rank, spec.bias_init, std)
-
-    def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(x))
+    width = staticmethod(lambda dims: dims.d_model)
 
 
 @gate_kind(

@@ -28,7 +28,9 @@ __all__ = ["flash_gated_sdpa", "supports", "INTERPRET", "MAX_HEAD_DIM"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_HEAD_DIM = 256
-LOG2E = 1.4426950408889634
+# log2(e), from natural-log to log2 units (the kernels use exp2/log2). A module global that a @triton.jit
+# kernel reads must be a constexpr, compiled or interpreted; the launchers take its float, LOG2E.value.
+LOG2E = tl.constexpr(1.4426950408889634)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -158,7 +160,7 @@ def _fwd(
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     if HAS_SINK:  # the sink is a key with logit `sink` and a zero value: it only adds to the normaliser
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * LOG2E
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     else:
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
@@ -201,7 +203,7 @@ def _fwd(
 @triton.jit
 def _probs(s, lse):
     """Probabilities from log2-unit scores and the natural log-sum-exp; rows with lse=-inf get 0."""
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     return tl.exp2(s - lse2[:, None])
 
 
@@ -378,7 +380,7 @@ def _common(q, k, v, causal, kp, scale):
         "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
     }
     kp_arg = kp if kp is not None else q  # any pointer; never read when HAS_KP is False
-    return (b, h, n, m, d, dv), meta, kp_arg, (kp.stride(0) if kp is not None else 0), scale * LOG2E
+    return (b, h, n, m, d, dv), meta, kp_arg, (kp.stride(0) if kp is not None else 0), scale * LOG2E.value
 
 
 def _forward(q, k, v, gate, sinks, kp, causal, scale, sink_tokens, write_ungated):
@@ -464,8 +466,17 @@ class _FlashGated(torch.autograd.Function):
 
 
 def flash_gated_sdpa(
-    q, k, v, gate=None, *, key_padding=None, is_causal=False, scale=None, sinks=None, sink_tokens: int = 0
-):
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    *,
+    key_padding: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    sink_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Fused gated attention. Returns (out (B, Hq, N, Dv), lse (B, Hq, N) float32, mass (B, Hq, N) or None).
 
     lse includes the sink logit; mass is the probability on the first ``sink_tokens`` keys.

@@ -20,13 +20,19 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from .corpus import corpus
+from .synthetic import BackcopyBatches, Resumable, is_backcopy, task_options
 
-__all__ = ["Batches", "Resumable", "batches", "token_stream", "cache_dir"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
+
+__all__ = ["Batches", "BatchOptions", "Resumable", "batches", "token_stream", "cache_dir"]
 
 
 def cache_dir() -> Path:
@@ -36,7 +42,7 @@ def cache_dir() -> Path:
 _STREAMS: dict[str, np.ndarray] = {}
 
 
-def token_stream(tokenizer, split: str, separator: int) -> np.ndarray:
+def token_stream(tokenizer: PreTrainedTokenizerBase, split: str, separator: int) -> np.ndarray:
     """All documents of ``split`` tokenized and joined, ``separator`` after each, as int32."""
     key = hashlib.sha256(f"{tokenizer.backend_tokenizer.to_str()}|{split}|{separator}".encode()).hexdigest()[:24]
     if key in _STREAMS:
@@ -58,40 +64,9 @@ def token_stream(tokenizer, split: str, separator: int) -> np.ndarray:
     return stream
 
 
-def _prepends_bos(tokenizer) -> bool:
+def _prepends_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     bos = tokenizer.bos_token_id
     return bos is not None and tokenizer("a").input_ids[:1] == [bos]
-
-
-class Resumable:
-    """Epoch/batch bookkeeping shared by the batch iterables.
-
-    ``epochs=None`` repeats forever. Every ``for`` loop starts from the beginning, except the first
-    one after ``load_state_dict``, which continues where the saved state stopped; ``state_dict()``
-    after a batch names the next one. Subclasses set ``split``, ``seed``, ``epochs`` and define
-    ``_batches(epoch)``, which yields from ``self.batch`` on and advances it.
-    """
-
-    epoch = batch = 0
-    _resume: tuple[int, int] | None = None
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.epoch, self.batch = self._resume or (0, 0)
-        self._resume = None
-        while self.epochs is None or self.epoch < self.epochs:
-            yield from self._batches(self.epoch)
-            self.epoch, self.batch = self.epoch + 1, 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch, "split": self.split, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if (state.get("split"), state.get("seed")) != (self.split, self.seed):
-            raise ValueError(
-                f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
-                f"{self.split!r} seed {self.seed}"
-            )
-        self._resume = (state["epoch"], state["batch"])
 
 
 class Batches(Resumable):
@@ -101,7 +76,7 @@ class Batches(Resumable):
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         split: str,
         seq_len: int,
         batch_size: int,
@@ -112,7 +87,7 @@ class Batches(Resumable):
         epochs: int | None = 1,
         mlm_probability: float = 0.15,
         max_batches: int | None = None,
-    ):
+    ) -> None:
         if objective not in ("clm", "mlm"):
             raise ValueError(f"unknown objective {objective!r}; valid: clm, mlm")
         if seq_len < 4 or batch_size < 1:
@@ -180,19 +155,30 @@ class Batches(Resumable):
         return out
 
 
-def is_backcopy(source: str) -> bool:
-    """Whether a data source names the synthetic backcopy task (``backcopy`` or ``backcopy:...``)."""
-    return source.partition(":")[0] == "backcopy"
+class BatchOptions(TypedDict, total=False):
+    """The keywords :func:`batches` passes on to :class:`Batches` (the backcopy task takes ``seed``,
+    ``epochs`` and ``max_batches``)."""
+
+    seed: int
+    shuffle: bool
+    epochs: int | None
+    mlm_probability: float
+    max_batches: int | None
 
 
-def batches(tokenizer, split: str, seq_len: int, batch_size: int, objective: str = "clm", **kwargs) -> Batches:
+def batches(
+    tokenizer: PreTrainedTokenizerBase,
+    split: str,
+    seq_len: int,
+    batch_size: int,
+    objective: str = "clm",
+    **kwargs: Unpack[BatchOptions],
+) -> Batches | BackcopyBatches:
     """Batches of a text source (``train``, ``validation``, ``test`` or an HF dataset; see :class:`Batches`)
     or of the synthetic ``backcopy[:key=value,...]`` task (causal LMs; see
     :class:`~quantgate.data.synthetic.BackcopyBatches`).
     """
     if is_backcopy(split):
-        from .synthetic import BackcopyBatches, task_options
-
         if objective != "clm":
             raise ValueError("the backcopy task is a causal-LM task; use --objective clm")
         max_batches = kwargs.get("max_batches")

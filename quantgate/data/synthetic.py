@@ -16,33 +16,89 @@ activation at BOS to flatten it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypedDict, cast
 
 import torch
 
 from ..options import key_values
-from .batches import Resumable, is_backcopy
 
-__all__ = ["BackcopyBatches", "TASK_OPTIONS", "is_backcopy", "task_options"]
+__all__ = ["BackcopyBatches", "Resumable", "TASK_OPTIONS", "TaskOptions", "is_backcopy", "task_options"]
 
-# option: (type, its valid values or None); start: the token after BOS, uniform over the vocabulary or drawn
-# from BOS's successors; trigger_prob: the chance of a trigger at each position; triggers: how many there are
-TASK_OPTIONS = {"start": (str, ("random", "chain")), "trigger_prob": (float, None), "triggers": (int, None)}
+_STARTS = ("random", "chain")  # the token after BOS: uniform over the vocabulary, or drawn from BOS's successors
+
+# option: (type, its valid values or None); start: see _STARTS; trigger_prob: the chance of a trigger at each
+# position; triggers: how many there are
+TASK_OPTIONS: dict[str, tuple[type, tuple[str, ...] | None]] = {
+    "start": (str, _STARTS),
+    "trigger_prob": (float, None),
+    "triggers": (int, None),
+}
 
 
-def task_options(source: str) -> dict[str, object]:
+class TaskOptions(TypedDict, total=False):
+    """The :class:`BackcopyBatches` keywords a data source can set (:data:`TASK_OPTIONS`)."""
+
+    start: str
+    trigger_prob: float
+    triggers: int
+
+
+def is_backcopy(source: str) -> bool:
+    """Whether a data source names the synthetic backcopy task (``backcopy`` or ``backcopy:...``)."""
+    return source.partition(":")[0] == "backcopy"
+
+
+class Resumable:
+    """Epoch/batch bookkeeping shared by the batch iterables (:class:`~quantgate.data.batches.Batches`
+    and :class:`BackcopyBatches`).
+
+    ``epochs=None`` repeats forever. Every ``for`` loop starts from the beginning, except the first
+    one after ``load_state_dict``, which continues where the saved state stopped; ``state_dict()``
+    after a batch names the next one. Subclasses set ``split``, ``seed``, ``epochs`` and define
+    ``_batches(epoch)``, which yields from ``self.batch`` on and advances it.
+    """
+
+    epoch = batch = 0
+    _resume: tuple[int, int] | None = None
+    split: str
+    seed: int
+    epochs: int | None
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.epoch, self.batch = self._resume or (0, 0)
+        self._resume = None
+        while self.epochs is None or self.epoch < self.epochs:
+            yield from self._batches(self.epoch)
+            self.epoch, self.batch = self.epoch + 1, 0
+
+    def _batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__} must define _batches(epoch)")
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch, "split": self.split, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("split"), state.get("seed")) != (self.split, self.seed):
+            raise ValueError(
+                f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
+                f"{self.split!r} seed {self.seed}"
+            )
+        self._resume = (state["epoch"], state["batch"])
+
+
+def task_options(source: str) -> TaskOptions:
     """The :class:`BackcopyBatches` keywords of a ``backcopy[:key=value,...]`` source; ValueError naming
     an unknown option or a value outside its range."""
     _, _, arg = source.partition(":")
     if not is_backcopy(source):
         raise ValueError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
     valid = ", ".join(f"{k} ({', '.join(v[1]) if v[1] else v[0].__name__})" for k, v in TASK_OPTIONS.items())
-    options = dict(
-        key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None, valid=valid)
-    )
-    for key, value in options.items():
+    parsed = dict(key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None, valid=valid))
+    for key, value in parsed.items():
         choices = TASK_OPTIONS[key][1]
         if choices and value not in choices:
             raise ValueError(f"backcopy: {key}={value} is not one of {', '.join(choices)}")
+    options = cast(TaskOptions, parsed)  # key_values converted each value to its TASK_OPTIONS type
     if not 0 <= options.get("trigger_prob", 0.5) <= 1:
         raise ValueError(f"backcopy: trigger_prob={options['trigger_prob']} is not a probability (0-1)")
     if options.get("triggers", 1) < 1:
@@ -76,9 +132,9 @@ class BackcopyBatches(Resumable):
         task_seed: int = 0,
         epochs: int | None = None,
         batches_per_epoch: int = 1000,
-    ):
-        if start not in TASK_OPTIONS["start"][1]:
-            raise ValueError(f"backcopy: start={start!r} is not one of {', '.join(TASK_OPTIONS['start'][1])}")
+    ) -> None:
+        if start not in _STARTS:
+            raise ValueError(f"backcopy: start={start!r} is not one of {', '.join(_STARTS)}")
         self.seq_len, self.batch_size, self.seed, self.bos = seq_len, batch_size, seed, bos
         self.first_id, self.n_tokens, self.trigger_prob = first_id, n_tokens, trigger_prob
         self.epochs, self.batches_per_epoch, self.start = epochs, batches_per_epoch, start

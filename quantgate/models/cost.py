@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import copy
-from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import PreTrainedConfig
 
+from .families import config_of
 from .modes import eval_mode
 from .swap import apply_variant, gate_parameters
 
@@ -27,7 +26,7 @@ def gate_cost(model: nn.Module, tokens: int = 32) -> dict:
     the matmul FLOPs per token of a forward pass beyond those of the same model with plain attention
     (torch's FLOP counter: 2 per multiply-add; elementwise work such as the sigmoid is not counted).
     """
-    config = copy.deepcopy(cast(PreTrainedConfig, model.config))
+    config = copy.deepcopy(config_of(model))
     config.quantgate = {k: v for k, v in (config.quantgate or {}).items() if k != "variant"}
     device = next(model.parameters()).device
     twin = apply_variant(type(model)(config), "vanilla").to(device)

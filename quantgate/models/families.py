@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict, cast
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,7 @@ import transformers
 
 from ..attention.gates import AttentionDims
 
-__all__ = ["Family", "FAMILIES", "family_of", "get_family", "is_norm", "find_submodule"]
+__all__ = ["Family", "FAMILIES", "family_of", "get_family", "is_norm", "find_submodule", "config_of"]
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -66,10 +67,10 @@ class Family:
     final_norm: str | None = "norm"  # from model.base_model: the norm after the last block (post-LN BERT: none)
     head: str | None = None  # from the model: the task head (default: the output embeddings)
 
-    def config_class(self) -> type[transformers.PretrainedConfig]:
+    def config_class(self) -> type[transformers.PreTrainedConfig]:
         return getattr(transformers, self.config_cls)
 
-    def model_class(self, config: transformers.PretrainedConfig | None = None) -> type[transformers.PreTrainedModel]:
+    def model_class(self, config: transformers.PreTrainedConfig | None = None) -> type[transformers.PreTrainedModel]:
         """The checkpoint's own architecture when it belongs to this family, else the default."""
         for arch in getattr(config, "architectures", None) or ():
             cls = getattr(transformers, arch, None)
@@ -78,19 +79,19 @@ class Family:
         return getattr(transformers, self.model_cls)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.base_model.get_submodule(self.layers))
+        return list(cast(nn.ModuleList, _base_model(model).get_submodule(self.layers)))
 
     def final_norm_of(self, model: nn.Module) -> nn.Module | None:
         """The norm after the last block, or None where the family or this model has none (OPT-350m's
         post-LN layout, BERT)."""
-        return find_submodule(model.base_model, self.final_norm) if self.final_norm else None
+        return find_submodule(_base_model(model), self.final_norm) if self.final_norm else None
 
     def masked_lm_loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """A masked LM's loss computing vocabulary logits only at the masked positions (~7x less work for small
         models than the head's logits at every position; the same value). Other models: their own loss."""
         if self.objective != "mlm" or self.head is None:
             return model(**batch).loss
-        hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        hidden = _base_model(model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         picked = batch["labels"] != -100
         logits = model.get_submodule(self.head)(hidden.last_hidden_state[picked])
         return nn.functional.cross_entropy(logits.float(), batch["labels"][picked])
@@ -99,7 +100,7 @@ class Family:
         """Blocks that hold softmax attention (hybrid models also have linear-attention blocks)."""
         return [b for b in self.blocks(model) if _has(b, self.attention)]
 
-    def dims(self, config) -> AttentionDims:
+    def dims(self, config: transformers.PreTrainedConfig) -> AttentionDims:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         if self.v_head_dim:  # gates multiply the attention output: its head dim is the values'
@@ -107,10 +108,10 @@ class Family:
         kv = getattr(config, "num_key_value_heads", None) or heads
         return AttentionDims(config.hidden_size, heads, kv, head_dim)
 
-    def is_pre_norm(self, config) -> bool:
+    def is_pre_norm(self, config: transformers.PreTrainedConfig) -> bool:
         return bool(getattr(config, self.pre_norm)) if isinstance(self.pre_norm, str) else self.pre_norm
 
-    def check_seq_len(self, config, seq_len: int) -> None:
+    def check_seq_len(self, config: transformers.PreTrainedConfig, seq_len: int) -> None:
         """Raise ValueError when ``seq_len`` tokens do not fit the model's positions (learned tables only:
         RoPE models run past ``max_position_embeddings``, though beyond what they were trained on)."""
         limit = getattr(config, "max_position_embeddings", None) if self.learned_positions else None
@@ -123,8 +124,19 @@ class Family:
             )
 
     @staticmethod
-    def init_std(config) -> float:
-        return float(getattr(config, "initializer_range", None) or getattr(config, "init_std", 0.02))
+    def init_std(config: transformers.PreTrainedConfig) -> float:
+        std = getattr(config, "initializer_range", None)
+        return float(std if std else getattr(config, "init_std", 0.02))
+
+
+def config_of(model: nn.Module) -> transformers.PreTrainedConfig:
+    """``model.config``, typed (nn.Module types its attributes loosely)."""
+    return cast(transformers.PreTrainedConfig, model.config)
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """``model.base_model`` (the transformer without its task head); nn.Module types attributes loosely."""
+    return cast(nn.Module, model.base_model)
 
 
 def find_submodule(owner: nn.Module, path: str) -> nn.Module | None:
@@ -139,7 +151,17 @@ def _has(module: nn.Module, path: str) -> bool:
     return find_submodule(module, path) is not None
 
 
-_DECODER = {
+class _DecoderLayout(TypedDict):
+    layers: str
+    attention: str
+    q_proj: str
+    v_proj: str
+    o_proj: str
+    ffn: str
+    objective: str
+
+
+_DECODER: _DecoderLayout = {
     "layers": "layers",
     "attention": "self_attn",
     "q_proj": "self_attn.q_proj",
@@ -245,7 +267,7 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def family_of(model_or_config) -> Family:
+def family_of(model_or_config: nn.Module | transformers.PreTrainedConfig) -> Family:
     """The family of a transformers model or config, by ``config.model_type``."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)

@@ -11,22 +11,24 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..variants import AttentionVariant, GateSpec, VariantLike
-from .families import Family, family_of, get_family
+from .families import Family, config_of, family_of, get_family
 from .presets import get_preset, preset_config
 from .sources import resolve
 from .sources import tokenizer as get_tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, variant_of
 
-__all__ = ["build", "save", "load", "read_config"]
+__all__ = ["build", "save", "load", "read_config", "read_safetensors", "read_safetensors_with_metadata", "load_state"]
 
 log = logging.getLogger("quantgate")
 
@@ -38,7 +40,7 @@ def build(
     seed: int = 0,
     dtype: torch.dtype | None = None,
     backend: str = "auto",
-    **config_overrides,
+    **config_overrides: object,
 ) -> nn.Module:
     """A freshly initialised model of a named preset with ``variant`` swapped in.
 
@@ -49,17 +51,18 @@ def build(
     config = preset_config(preset, config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = family.model_class()(config)
+        model: nn.Module = family.model_class()(config)
         apply_variant(model, variant, backend=backend)
-    model.config.quantgate["tokenizer"] = preset_.tokenizer
-    model.config._name_or_path = preset
+    model_config = config_of(model)
+    model_config.quantgate["tokenizer"] = preset_.tokenizer
+    model_config._name_or_path = preset
     return model.to(dtype) if dtype is not None else model
 
 
 VARIANT_WEIGHTS = "quantgate.safetensors"  # the variant's own parameters (gates, sinks), beside the base weights
 
 
-def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
     """Write ``model`` to directory ``path``: a transformers checkpoint of the base weights whose
     config.json names the variant, quantgate.safetensors with the gate and sink parameters, and the
     tokenizer (``tokenizer``, else the one the model was built or loaded with) so the directory is
@@ -69,7 +72,7 @@ def save(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     path = Path(path)
     extra = gate_parameters(model)
     base = {k: v for k, v in model.state_dict().items() if k not in extra}
-    model.save_pretrained(path, state_dict=base)
+    cast(PreTrainedModel, model).save_pretrained(path, state_dict=base)
     save_file({k: p.detach().contiguous() for k, p in extra.items()}, str(path / VARIANT_WEIGHTS))
     if tokenizer is None:
         try:
@@ -101,8 +104,8 @@ def load(
     config = read_config(path)
     family = family_of(config)
     _weight_files(path)  # fail early, and never fall back to pickled weights
-    qiu = variant_of(config) is None and _qiu_variant(config) is not None
-    saved = _qiu_variant(config) if qiu else variant_of(config)
+    qiu = _qiu_variant(config) if variant_of(config) is None else None  # Qiu et al.'s layout: its gate
+    saved = qiu if qiu is not None else variant_of(config)
     target = AttentionVariant.parse(variant) if variant is not None else saved
     if saved is not None and target is not None and saved != target and not saved.is_vanilla:
         raise ValueError(
@@ -111,24 +114,24 @@ def load(
         )
     config = copy.deepcopy(config)
     task = (config.__dict__.pop("quantgate", None) or {}).get("task")  # the data it was trained on, if synthetic
-    if qiu:
-        model = _load_qiu(family, path, config, saved, seed)
+    if qiu is not None:
+        model = _load_qiu(family, path, config, qiu, seed)
     else:
         model = _from_pretrained(family, path, config, strict=saved is not None)
         gates = path / VARIANT_WEIGHTS
         if saved is not None and not saved.is_vanilla:
             apply_variant(model, saved, seed=seed)
-            _load_state(model, _read_safetensors([gates]), gates, only=gate_parameters(model))
+            load_state(model, read_safetensors(gates), gates, only=gate_parameters(model))
         elif gates.is_file():  # a vanilla model has no gate weights to take
-            _load_state(model, _read_safetensors([gates]), gates, only={})
+            load_state(model, read_safetensors(gates), gates, only={})
     apply_variant(model, target, backend=backend, seed=seed)
     if task is not None:
-        model.config.quantgate["task"] = task
+        config_of(model).quantgate["task"] = task
     model.eval()
     return model.to(dtype) if dtype is not None else model
 
 
-def read_config(path: Path):
+def read_config(path: Path) -> PreTrainedConfig:
     """The transformers config of a checkpoint directory, with clear errors."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -161,23 +164,43 @@ def _weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"{path} has no *.safetensors weights.{hint}")
 
 
+_INCOMPLETE = "the checkpoint is incomplete; re-save it with qg.save"
+_REFETCH = "re-save or re-download the checkpoint"
+
+
+def read_safetensors_with_metadata(
+    path: Path, *, incomplete: str = _INCOMPLETE, fix: str = _REFETCH
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of the safetensors file ``path`` and its header metadata (``{}`` when it has none),
+    never unpickling anything. A missing file is a FileNotFoundError (``{path} is missing: {incomplete}``),
+    an unreadable one a ValueError naming the file, saying it is corrupt or truncated and how to ``fix`` it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {incomplete}")
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            tensors = {key: fh.get_tensor(key) for key in fh.keys()}
+            metadata: dict[str, str] = fh.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"cannot read {path}: {e}. The file is corrupt or truncated; {fix}") from None
+    return tensors, metadata
+
+
+def read_safetensors(path: Path, *, incomplete: str = _INCOMPLETE, fix: str = _REFETCH) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path``, with the errors of :func:`read_safetensors_with_metadata`."""
+    return read_safetensors_with_metadata(path, incomplete=incomplete, fix=fix)[0]
+
+
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    state = {}
+    """The tensors of ``files`` (a checkpoint's weight shards) in one state dict."""
+    state: dict[str, torch.Tensor] = {}
     for f in files:
-        if not f.is_file():
-            raise FileNotFoundError(f"{f} is missing: the checkpoint is incomplete; re-save it with qg.save")
-        try:
-            with safe_open(str(f), framework="pt") as fh:
-                for key in fh.keys():
-                    state[key] = fh.get_tensor(key)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(
-                f"cannot read {f}: {e}. The file is corrupt or truncated; re-save or re-download the checkpoint"
-            ) from None
+        state.update(read_safetensors(f))
     return state
 
 
-def _load_state(model: nn.Module, state: dict[str, torch.Tensor], where: Path, only: dict | None = None) -> None:
+def load_state(
+    model: nn.Module, state: dict[str, torch.Tensor], where: Path, only: Mapping[str, object] | None = None
+) -> None:
     """Load ``state`` (read from ``where``) into ``model``; every key of ``only`` (default: the whole
     state dict) must be covered and every tensor of ``state`` used."""
     expected = set(only if only is not None else model.state_dict())
@@ -193,9 +216,9 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str]) -> None:
     if not (missing or unused):
         return
 
-    def few(keys):
-        keys = sorted(keys)
-        return ", ".join(keys[:3]) + (", ..." if len(keys) > 3 else "")
+    def few(keys: set[str]) -> str:
+        names = sorted(keys)
+        return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
     parts = (
         [f"holds {len(unused)} tensors the model built from config.json does not use ({few(unused)})"] if unused else []
@@ -208,13 +231,15 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str]) -> None:
     )
 
 
-def _from_pretrained(family: Family, path: Path, config, strict: bool) -> nn.Module:
+def _from_pretrained(family: Family, path: Path, config: PreTrainedConfig, strict: bool) -> nn.Module:
     """transformers' from_pretrained; ``strict`` (checkpoints written by :func:`save`): the weights must fit
     the model exactly. Other checkpoints may carry heads the model does not use (transformers warns)."""
     try:
-        model, info = family.model_class(config).from_pretrained(
+        loaded = family.model_class(config).from_pretrained(
             path, config=config, use_safetensors=True, output_loading_info=True
         )
+        # with output_loading_info, from_pretrained (typed as returning the model) returns (model, info)
+        model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise ValueError(
             f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"
@@ -232,7 +257,7 @@ def _from_pretrained(family: Family, path: Path, config, strict: bool) -> nn.Mod
 # --- Qiu et al.'s gated Qwen3 layout: q_proj emits [queries | gates] per key/value group ----------
 
 
-def _qiu_variant(config) -> AttentionVariant | None:
+def _qiu_variant(config: PreTrainedConfig) -> AttentionVariant | None:
     if getattr(config, "model_type", None) != "qwen3":
         return None
     if getattr(config, "headwise_attn_output_gate", False):
@@ -242,7 +267,7 @@ def _qiu_variant(config) -> AttentionVariant | None:
     return None
 
 
-def _load_qiu(family: Family, path: Path, config, variant: AttentionVariant, seed: int) -> nn.Module:
+def _load_qiu(family: Family, path: Path, config: PreTrainedConfig, variant: AttentionVariant, seed: int) -> nn.Module:
     if getattr(config, "qkv_bias", None) not in (None, getattr(config, "attention_bias", False)):
         config.attention_bias = config.qkv_bias
     model = family.model_class(config)(config)
@@ -251,28 +276,28 @@ def _load_qiu(family: Family, path: Path, config, variant: AttentionVariant, see
             attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
     apply_variant(model, variant, seed=seed)
     state = _split_qiu_q_proj(_read_safetensors(_weight_files(path)), model, family)
-    _load_state(model, state, path)
+    load_state(model, state, path)
     return model
 
 
-def _split_qiu_q_proj(state, model, family: Family) -> dict[str, torch.Tensor]:
+def _split_qiu_q_proj(state: Mapping[str, torch.Tensor], model: nn.Module, family: Family) -> dict[str, torch.Tensor]:
     """Rewrite each fused q_proj (Hkv groups of [G*D query rows | G*g gate rows]) into q_proj + gate.proj."""
-    dims = family.dims(model.config)
+    dims = family.dims(config_of(model))
     groups, d = dims.n_heads // dims.n_kv_heads, dims.head_dim
     prefix = model.base_model_prefix
-    state = dict(state)
+    new = dict(state)
     for i, block in enumerate(family.attention_blocks(model)):
-        attn = block.get_submodule(family.attention)
-        g = attn.gate.proj.out_features // dims.n_heads  # 1 (headwise) or D (elementwise)
+        gate = cast(nn.Linear, block.get_submodule(f"{family.attention}.gate.proj"))
+        g = gate.out_features // dims.n_heads  # 1 (headwise) or D (elementwise)
         base = f"{prefix}.{family.layers}.{i}.{family.attention}"
         for kind in ("weight", "bias"):
             key = f"{base}.q_proj.{kind}"
-            if key not in state:
+            if key not in new:
                 if kind == "bias":
-                    state[f"{base}.gate.proj.bias"] = torch.zeros(dims.n_heads * g)
+                    new[f"{base}.gate.proj.bias"] = torch.zeros(dims.n_heads * g)
                 continue
-            fused = state.pop(key)
+            fused = new.pop(key)
             per_group = fused.reshape(dims.n_kv_heads, groups * (d + g), *fused.shape[1:])
-            state[key] = per_group[:, : groups * d].reshape(dims.n_heads * d, *fused.shape[1:])
-            state[f"{base}.gate.proj.{kind}"] = per_group[:, groups * d :].reshape(dims.n_heads * g, *fused.shape[1:])
-    return state
+            new[key] = per_group[:, : groups * d].reshape(dims.n_heads * d, *fused.shape[1:])
+            new[f"{base}.gate.proj.{kind}"] = per_group[:, groups * d :].reshape(dims.n_heads * g, *fused.shape[1:])
+    return new

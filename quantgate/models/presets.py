@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedConfig
 
@@ -28,45 +29,26 @@ class Preset:
     tokenizer: str = "bpe-8192"  # bundled tokenizer, packaged model or hub id whose tokenizer fits
 
 
-def _bert(d, layers, heads, ffn, vocab=8192, pos=1024, **kw):
-    return dict(
-        vocab_size=vocab,
-        hidden_size=d,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=ffn,
-        max_position_embeddings=pos,
-        pad_token_id=0,
-        **kw,
-    )
+def _shape(d: int, layers: int, heads: int, vocab: int, pos: int, **kw: object) -> dict[str, object]:
+    """What every family's config names alike: width, depth, heads, vocabulary and positions."""
+    shape = {"hidden_size": d, "num_hidden_layers": layers, "num_attention_heads": heads, "vocab_size": vocab}
+    return {**shape, "max_position_embeddings": pos, **kw}
 
 
-def _opt(d, layers, heads, ffn, vocab=8192, pos=2048, **kw):
-    return dict(
-        vocab_size=vocab,
-        hidden_size=d,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        ffn_dim=ffn,
-        max_position_embeddings=pos,
-        word_embed_proj_dim=d,
-        do_layer_norm_before=True,
-        **{**SPECIAL, **kw},
-    )
+def _bert(d: int, layers: int, heads: int, ffn: int, vocab: int = 8192, pos: int = 1024, **kw: object) -> dict:
+    return _shape(d, layers, heads, vocab, pos, intermediate_size=ffn, pad_token_id=0, **kw)
 
 
-def _decoder(d, layers, heads, kv, ffn, vocab=8192, pos=8192, **kw):
-    return dict(
-        vocab_size=vocab,
-        hidden_size=d,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=ffn,
-        max_position_embeddings=pos,
-        tie_word_embeddings=True,
-        **{**SPECIAL, **kw},
-    )
+def _opt(d: int, layers: int, heads: int, ffn: int, vocab: int = 8192, pos: int = 2048, **kw: object) -> dict:
+    opt = {"ffn_dim": ffn, "word_embed_proj_dim": d, "do_layer_norm_before": True}
+    return _shape(d, layers, heads, vocab, pos, **opt, **{**SPECIAL, **kw})
+
+
+def _decoder(
+    d: int, layers: int, heads: int, kv: int, ffn: int, vocab: int = 8192, pos: int = 8192, **kw: object
+) -> dict:
+    decoder = {"num_key_value_heads": kv, "intermediate_size": ffn, "tie_word_embeddings": True}
+    return _shape(d, layers, heads, vocab, pos, **decoder, **{**SPECIAL, **kw})
 
 
 def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
@@ -100,6 +82,12 @@ def _mla(d, layers, heads, ffn, q_rank, kv_rank, nope, rope, v, **kw):
     )
     return cfg
 
+
+# the published checkpoints' own settings beside their shapes
+_QWEN3_06B: dict[str, Any] = {"vocab": 151936, "pos": 40960, "head_dim": 128, "rope_theta": 1e6, "rms_norm_eps": 1e-6}
+_QWEN3_06B |= {"bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": None}
+_SMOLLM2: dict[str, Any] = {"vocab": 49152, "pos": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
+_SMOLLM2 |= {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
 PRESETS: dict[str, Preset] = {
     "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)", "wordpiece-8192"),
@@ -138,44 +126,9 @@ PRESETS: dict[str, Preset] = {
         "OPT-125m shape; init std 0.006 as Bondarenko",
         "facebook/opt-125m",
     ),
-    "qwen3-0.6b": Preset(
-        "qwen3",
-        _decoder(
-            1024,
-            28,
-            16,
-            8,
-            3072,
-            vocab=151936,
-            pos=40960,
-            head_dim=128,
-            rope_theta=1e6,
-            rms_norm_eps=1e-6,
-            bos_token_id=151643,
-            eos_token_id=151645,
-            pad_token_id=None,
-        ),
-        "Qwen3-0.6B shape",
-        "Qwen/Qwen3-0.6B",
-    ),
+    "qwen3-0.6b": Preset("qwen3", _decoder(1024, 28, 16, 8, 3072, **_QWEN3_06B), "Qwen3-0.6B shape", "Qwen/Qwen3-0.6B"),
     "smollm2-135m": Preset(
-        "llama",
-        _decoder(
-            576,
-            30,
-            9,
-            3,
-            1536,
-            vocab=49152,
-            pos=8192,
-            rope_theta=100000.0,
-            rms_norm_eps=1e-5,
-            bos_token_id=1,
-            eos_token_id=2,
-            pad_token_id=2,
-        ),
-        "SmolLM2-135M shape (Llama, 30 layers)",
-        "smollm2-135m",
+        "llama", _decoder(576, 30, 9, 3, 1536, **_SMOLLM2), "SmolLM2-135M shape (Llama, 30 layers)", "smollm2-135m"
     ),
 }
 

@@ -11,17 +11,17 @@ G2 (value) and G5 (output) gates ride on forward hooks of the v/o projections.
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.nn as nn
-from transformers import AttentionInterface, PretrainedConfig
+from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.gates import build_gate
 from ..attention.sdpa import BACKENDS, gated_sdpa
 from ..variants import AttentionVariant, VariantLike
-from .families import Family, family_of
+from .families import Family, config_of, family_of
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -89,10 +89,24 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, _attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
-class VariantAttention:
+if TYPE_CHECKING:  # the mixin always comes before a family's attention class, an nn.Module
+    _AttentionBase = nn.Module
+else:
+    _AttentionBase = object
+
+
+class VariantAttention(_AttentionBase):
     """Mixin for a family's attention class: keeps the block input x while the block runs."""
 
-    def forward(self, hidden_states, *args, **kwargs):
+    # set by apply_variant (and by the observers, simulated quantization and set_backend later)
+    qg_variant: AttentionVariant
+    qg_backend: str
+    qg_observer: SinkObserver | None
+    qg_fake_quant: nn.ModuleDict | None
+    _qg_input: torch.Tensor | None
+    _qg_output_gate: torch.Tensor | None
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         gate = getattr(self, "gate", None)
         self._qg_input = hidden_states
         if gate is not None and gate.position == "output":
@@ -133,7 +147,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return [block.get_submodule(family.attention) for block in family.attention_blocks(model)]
 
 
-def variant_of(model_or_config) -> AttentionVariant | None:
+def variant_of(model_or_config: nn.Module | PreTrainedConfig) -> AttentionVariant | None:
     """The variant recorded on a model (or its config), or None when quantgate has not touched it."""
     meta = getattr(getattr(model_or_config, "config", model_or_config), "quantgate", None) or {}
     return AttentionVariant.parse(meta["variant"]) if "variant" in meta else None
@@ -161,41 +175,44 @@ def apply_variant(
                 f"{variant} (qg.load(path, variant=...) adds a gate to an ungated checkpoint)"
             )
         return set_backend(model, backend)
-    check_expressible(family, variant, model.config)
-    dims = family.dims(model.config)
+    config = config_of(model)
+    check_expressible(family, variant, config)
+    dims = family.dims(config)
     added: list[str] = []
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
         for _i, block in enumerate(family.attention_blocks(model)):
-            attn = block.get_submodule(family.attention)
-            ref = block.get_submodule(family.o_proj).weight  # device and dtype of the new parameters
-            attn.__class__ = _variant_class(type(attn))
+            module = block.get_submodule(family.attention)
+            ref = cast(torch.Tensor, block.get_submodule(family.o_proj).weight)  # device, dtype of new parameters
+            module.__class__ = _variant_class(type(module))
+            attn = cast(VariantAttention, module)
             attn.qg_variant = variant
             attn.qg_observer = None
             attn.qg_fake_quant = None
             attn._qg_input = None
             gate_spec = variant.gate if variant.gate and variant.gate.kind != family.native_gate else None
             if gate_spec is not None:
-                attn.gate = build_gate(gate_spec, dims, family.init_std(model.config)).to(ref.device, ref.dtype)
+                gate = build_gate(gate_spec, dims, family.init_std(config)).to(ref.device, ref.dtype)
+                attn.gate = gate
                 hooks = {"value": (family.v_proj, _value_gate_hook), "output": (family.o_proj, _output_gate_hook)}
-                if attn.gate.position in hooks:
-                    path, hook = hooks[attn.gate.position]
+                if gate.position in hooks:
+                    path, hook = hooks[gate.position]
                     proj = block.get_submodule(path)
                     object.__setattr__(proj, "_qg_owner", attn)  # not a submodule: no duplicate parameters
                     proj.register_forward_hook(hook)
-                added += [f"{family.attention}.gate.{n}" for n, _ in attn.gate.named_parameters()]
+                added += [f"{family.attention}.gate.{n}" for n, _ in gate.named_parameters()]
             if variant.sink is not None:
                 attn.sinks = nn.Parameter(
                     torch.full((dims.n_heads,), variant.sink.init, device=ref.device, dtype=ref.dtype)
                 )
                 added.append(f"{family.attention}.sinks")
-    model.config.quantgate = {
-        **(getattr(model.config, "quantgate", None) or {}),
+    config.quantgate = {
+        **(getattr(config, "quantgate", None) or {}),
         "variant": str(variant),
         "family": family.name,
     }
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cast(PreTrainedModel, model).set_attn_implementation(ATTN_IMPLEMENTATION)
     set_backend(model, backend)
     if added:
         n = sum(p.numel() for p in gate_parameters(model).values())
@@ -224,7 +241,7 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def check_expressible(family: Family, variant: AttentionVariant, config: PretrainedConfig) -> None:
+def check_expressible(family: Family, variant: AttentionVariant, config: PreTrainedConfig) -> None:
     """Raise ValueError when ``variant`` cannot be swapped into a ``family`` model of ``config``."""
     if family.native_gate and (variant.gate is None or variant.gate.kind != family.native_gate):
         raise ValueError(
@@ -237,7 +254,7 @@ def check_expressible(family: Family, variant: AttentionVariant, config: Pretrai
             f"keys and values from a cached latent at every decoding step, where the key tokens' hidden "
             f"states are gone; use a G1 gate (g1-elementwise is Kimi's channel-wise output gate)"
         )
-    if family.native_gate and variant.gate.low_rank is not None:
+    if family.native_gate and variant.gate is not None and variant.gate.low_rank is not None:
         raise ValueError(f"{family.name}'s built-in gate is full rank; drop low_rank from {variant}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t not in ("full_attention", "attention") for t in layer_types):
@@ -255,7 +272,7 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     for attn in attention_modules(model):
-        attn.qg_backend = backend
+        cast(VariantAttention, attn).qg_backend = backend
     return model
 
 
@@ -265,7 +282,7 @@ def gate_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     MoE routers and MLP ``gate_proj`` weights also carry "gate" in their names; they are not included.
     """
     owners = {id(attn) for attn in attention_modules(model)}
-    out = {}
+    out: dict[str, nn.Parameter] = {}
     for name, module in model.named_modules():
         if id(module) in owners:
             out.update(

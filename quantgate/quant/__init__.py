@@ -16,8 +16,9 @@ from typing import cast
 import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
+from ..models.families import config_of
 from ..models.modes import eval_mode
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
@@ -75,7 +76,7 @@ def quantize(
         seen.update(_calibrate(m, calibration, scheme.calib))
 
     handler_for(scheme).apply(target, scheme, calibrate)
-    meta = cast(PreTrainedConfig, target.config).quantgate
+    meta = config_of(target).quantgate
     meta["quantization"] = {
         "scheme": str(scheme),
         "calibration": {

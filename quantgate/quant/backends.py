@@ -3,31 +3,38 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
+from ..models.families import config_of
 from ..models.swap import replace_module
 from .mitigate import smooth_
 from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
-from .simulate import ActQuant, quantizable_linears
+from .simulate import ActQuant, Calibrate, quantizable_linears
 
 __all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "torchao_input_ndims"]
 
 log = logging.getLogger("quantgate")
 
+# the attribute of a static-quantized Linear holding the rank of its inputs (nn.Module's __setattr__ is typed
+# for tensors and modules only, so it is set with setattr)
+_INPUT_NDIM = "qg_input_ndim"
 
-def _quantize_(scheme: TorchaoScheme):
+
+def _quantize_(scheme: TorchaoScheme) -> Callable[..., None]:
     """torchao's ``quantize_``, or an error saying how to install torchao."""
     try:
-        from torchao.quantization import quantize_
+        from torchao.quantization import quantize_  # torchao is optional: imported at first use, for the hint below
     except ImportError as e:
         raise ModuleNotFoundError(f"{scheme.name} needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
     return quantize_
 
 
 @handles(TorchaoScheme, restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None), assign=True)
-def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate) -> nn.Module:
+def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> nn.Module:
     """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
     _smooth(model, scheme, calibrate)
     targets = {id(m) for _, m in quantizable_linears(model, scheme)}
@@ -41,29 +48,34 @@ def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manife
 
 
 @handles(TorchaoStaticScheme, restore=restore_torchao_static, assign=True)
-def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate) -> nn.Module:
+def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate: Calibrate) -> nn.Module:
     """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
     scales (max |x| / 127) from the calibration batches."""
     _smooth(model, scheme, calibrate)
     linears = quantizable_linears(model, scheme)
     spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
     observers = {name: ActQuant(spec, f"{name} input") for name, _ in linears}
-    handles_ = [linear.register_forward_pre_hook(_observe_input(observers[name])) for name, linear in linears]
+    handles_: list[RemovableHandle] = [
+        linear.register_forward_pre_hook(_observe_input(observers[name])) for name, linear in linears
+    ]
     calibrate(model)
     for h in handles_:
         h.remove()
     scales = {}
     for name, q in observers.items():
-        lo, hi = q.observer.range("int8", True)
+        assert q.observer is not None  # still calibrating: never frozen
+        lo, hi = q.observer.range("int8", True)  # raises unless calibration data reached the Linear
+        assert q.ndim is not None  # set by the calibration data that reached it
         scales[name] = (torch.maximum(lo.abs(), hi.abs()) / 127).clamp_min(1e-12).reshape((1,) * q.ndim)
     return _with_input_scales(model, scheme, scales)
 
 
-def _smooth(model: nn.Module, scheme: TorchaoScheme, calibrate) -> None:
+def _smooth(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> None:
     """SmoothQuant's folded scales (``smooth=``), before torchao quantizes the weights; not when restoring a
     saved model (``calibrate`` None), whose weights and norms come smoothed from the file."""
     if scheme.smooth is not None and calibrate is not None:
-        model.config.quantgate["mitigation"] = {"smooth": smooth_(model, scheme.smooth, calibrate)}
+        mitigation = {"smooth": smooth_(model, scheme.smooth, calibrate)}
+        config_of(model).quantgate["mitigation"] = mitigation
 
 
 def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: dict[str, torch.Tensor]) -> nn.Module:
@@ -71,7 +83,7 @@ def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: di
     for name, linear in quantizable_linears(model, scheme):
         scale = scales[name].to(linear.weight.device)
         quantize_(linear, scheme.torchao_config(scale), filter_fn=lambda m, fqn, linear=linear: m is linear)
-        linear.qg_input_ndim = int(scale.dim())
+        setattr(linear, _INPUT_NDIM, int(scale.dim()))
     return model
 
 
@@ -88,10 +100,12 @@ def restore_bnb(model: nn.Module, scheme: BnbScheme, manifest: dict | None = Non
 
 
 @handles(BnbScheme, restore=restore_bnb)
-def apply_bnb(model: nn.Module, scheme: BnbScheme, calibrate=None, *, skeleton: bool = False) -> nn.Module:
+def apply_bnb(
+    model: nn.Module, scheme: BnbScheme, calibrate: Calibrate | None = None, *, skeleton: bool = False
+) -> nn.Module:
     """Replace every Linear but the kept ones with bitsandbytes' Linear8bitLt (LLM.int8, outlier threshold)."""
     try:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # bitsandbytes is optional and heavy: imported at first use
     except ImportError as e:
         raise ModuleNotFoundError(f"llm-int8 needs bitsandbytes (pip install 'bitsandbytes>=0.50'): {e}") from None
     for name, linear in quantizable_linears(model, scheme):
@@ -111,4 +125,4 @@ def apply_bnb(model: nn.Module, scheme: BnbScheme, calibrate=None, *, skeleton: 
 
 def torchao_input_ndims(model: nn.Module) -> dict[str, int]:
     """Per Linear, the rank of its inputs recorded for torchao's static scales (saved in the manifest)."""
-    return {n: m.qg_input_ndim for n, m in model.named_modules() if hasattr(m, "qg_input_ndim")}
+    return {n: getattr(m, _INPUT_NDIM) for n, m in model.named_modules() if hasattr(m, _INPUT_NDIM)}

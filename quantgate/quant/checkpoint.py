@@ -18,19 +18,20 @@ import hashlib
 import json
 import platform
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 from ..checkpoint import QUANTIZED_MANIFEST, dedupe
 from ..models import io as model_io
-from ..models.families import family_of
+from ..models.families import config_of, family_of
 from ..models.sources import tokenizer as get_tokenizer
 from ..models.swap import apply_variant, variant_of
 from ..provenance import versions
-from ..variants import AttentionVariant
+from ..variants import AttentionVariant, VariantLike
 from .backends import torchao_input_ndims
 from .schemes import get_scheme, handler_for
 from .simulate import check_ranges
@@ -44,20 +45,23 @@ _FIELDS = {"scheme": str, "variant": str, "family": str, "aliases": dict, "input
 _RESAVE = "save the quantized model again (qg.save, or quantgate quantize)"
 
 
-def save_quantized(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+def save_quantized(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
     """Save a quantized model (and its tokenizer) to directory ``path`` (``qg.save`` sends it here)."""
-    quant = model.config.quantgate["quantization"]
+    config = config_of(model)
+    quant = config.quantgate["quantization"]
     check_ranges(model)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors, aliases = dedupe(model.state_dict())
     metadata_ = {}
     if any(type(t) is not torch.Tensor for t in tensors.values()):
-        from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+        from torchao.prototype.safetensors.safetensors_support import (  # torchao prototype: imported at first use
+            flatten_tensor_state_dict,
+        )
 
         tensors, metadata_ = flatten_tensor_state_dict(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / WEIGHTS), metadata=metadata_ or None)
-    model.config.save_pretrained(path)
+    config.save_pretrained(path)
     manifest = {
         **quant,
         "variant": str(variant_of(model)),
@@ -78,7 +82,9 @@ def save_quantized(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
     return path
 
 
-def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None, backend: str = "auto"):
+def load_quantized(
+    path: Path, variant: VariantLike = None, *, dtype: torch.dtype | None = None, backend: str = "auto"
+) -> nn.Module:
     """Load the quantized checkpoint in directory ``path`` (``qg.load`` sends it here)."""
     config = model_io.read_config(path)
     manifest = _read_manifest(path, config)
@@ -97,7 +103,7 @@ def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None
     family = family_of(config)
     scheme = get_scheme(manifest["scheme"])
     with torch.random.fork_rng(devices=[]):
-        model = family.model_class(config)(config)
+        model: nn.Module = family.model_class(config)(config)
     apply_variant(model, manifest["variant"], backend=backend)
     handler = handler_for(scheme)
     handler.restore(model, scheme, manifest)
@@ -107,12 +113,12 @@ def load_quantized(path: Path, variant=None, *, dtype: torch.dtype | None = None
         model.load_state_dict(state, strict=True, assign=handler.assign)
     except RuntimeError as e:
         raise ValueError(f"{path / WEIGHTS} does not match its config and manifest: {e}") from None
-    model.config.quantgate = {**meta}
+    config_of(model).quantgate = {**meta}
     model.eval()
     return model.to(dtype) if dtype is not None else model
 
 
-def _read_manifest(path: Path, config) -> dict:
+def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
     """The manifest of ``path``, checked: its fields and their types, a valid scheme and variant, and the
     same scheme, variant and family as config.json's quantgate record."""
     file = path / MANIFEST
@@ -158,17 +164,14 @@ def _sha256(file: Path) -> str:
     return h.hexdigest()
 
 
-def _read(file: Path) -> dict:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} is missing: the quantized checkpoint is incomplete; save it again")
-    try:
-        with safe_open(str(file), framework="pt") as fh:
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-            meta = fh.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read {file}: {e}. The file is corrupt or truncated; save the model again") from None
+def _read(file: Path) -> dict[str, torch.Tensor]:
+    tensors, meta = model_io.read_safetensors_with_metadata(
+        file, incomplete="the quantized checkpoint is incomplete; save it again", fix="save the model again"
+    )
     if any(k != "format" for k in meta):
-        from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+        from torchao.prototype.safetensors.safetensors_support import (  # torchao prototype: imported at first use
+            unflatten_tensor_state_dict,
+        )
 
         tensors, leftover = unflatten_tensor_state_dict(tensors, meta)
         tensors.update(leftover)

@@ -23,7 +23,7 @@ from typing import cast
 import torch
 import torch.nn as nn
 
-from ..models.families import family_of
+from ..models.families import config_of, family_of
 from ..models.swap import attention_modules
 from ..observe import MassiveActivations
 from .rotate import ATTN_READERS, FFN, gate_readers
@@ -35,12 +35,12 @@ def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Lin
     """``(maker, side, readers)`` per group: ``maker`` makes the readers' shared input, as a norm
     (``side="norm"``: 1 / s scales its weight and bias) or a Linear (``side="rows"``: its output rows);
     ``readers`` get s on their input columns. Pre-norm llama, qwen2, qwen3 and opt only."""
-    family = family_of(model)
-    if family.name not in FFN or not family.is_pre_norm(model.config):
+    family, config = family_of(model), config_of(model)
+    if family.name not in FFN or not family.is_pre_norm(config):
         raise ValueError(
             f"SmoothQuant folds 1 / s into the norm before each group of Linears, as a pre-norm "
             f"llama, qwen2, qwen3 or opt block has it; this {family.name} model "
-            f"({'pre' if family.is_pre_norm(model.config) else 'post'}-norm) is not supported"
+            f"({'pre' if family.is_pre_norm(config) else 'post'}-norm) is not supported"
         )
     groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []
     ffn_in, ffn_maker, ffn_out = FFN[family.name]

@@ -28,10 +28,10 @@ from typing import cast
 
 import torch
 import torch.nn as nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..attention.gates import BondarenkoGate, Gate, OutputGate
-from ..models.families import family_of
+from ..models.families import config_of, family_of
 
 __all__ = ["rotate_", "check_rotatable", "gate_readers", "ATTN_READERS", "FFN", "UnitRMSNorm", "hadamard_pre_hook"]
 
@@ -120,7 +120,7 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     """Raise ValueError, saying why, unless :func:`rotate_` can rotate ``model`` exactly (with ``online``: its
     FFN width too); it changes nothing."""
     family = family_of(model)
-    hf, config = cast(PreTrainedModel, model), cast(PreTrainedConfig, model.config)
+    hf, config = cast(PreTrainedModel, model), config_of(model)
     if family.name in _REFUSED:
         raise ValueError(f"cannot rotate a {family.name} model: {_REFUSED[family.name]}")
     meta = getattr(config, "quantgate", None) or {}
@@ -224,7 +224,7 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
                          0 without online}
     """
     check_rotatable(model, online=online)
-    hf, config = cast(PreTrainedModel, model), cast(PreTrainedConfig, model.config)
+    hf, config = cast(PreTrainedModel, model), config_of(model)
     family = family_of(model)
     base, blocks = hf.base_model, family.blocks(model)
     ffn_in_paths, _, ffn_out_path = FFN[family.name]

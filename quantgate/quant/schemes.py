@@ -360,6 +360,15 @@ def _allowed(s: Scheme) -> set[str]:
 
 
 _I8_STATIC_ACT = TensorQuant("int8", "tensor", symmetric=False, estimator="running-minmax")
+
+
+def _block_scaled(name: str, description: str) -> SimulatedScheme:
+    """Weights and Linear inputs in the block-scaled format the name ends with (mxfp8, mxfp4, nvfp4); the
+    activations' block scales come from each block at run time."""
+    fmt = name.split("-", 1)[1]
+    return SimulatedScheme(name, description, weight=TensorQuant(fmt), act=TensorQuant(fmt, dynamic=True))
+
+
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
@@ -424,25 +433,19 @@ SCHEMES: dict[str, Scheme] = {
             weight=TensorQuant("fp4-e2m1"),
             act=TensorQuant("fp4-e2m1"),
         ),
-        SimulatedScheme(
+        _block_scaled(
             "w8a8-mxfp8",
             "OCP MXFP8: E4M3 elements, one power-of-two (E8M0) scale per block of 32 along the input dim, "
             "weights and activations (scales from each block at run time; torchao's emulation)",
-            weight=TensorQuant("mxfp8"),
-            act=TensorQuant("mxfp8", dynamic=True),
         ),
-        SimulatedScheme(
+        _block_scaled(
             "w4a4-mxfp4",
             "OCP MXFP4: E2M1 elements, one power-of-two (E8M0) scale per block of 32, weights and activations",
-            weight=TensorQuant("mxfp4"),
-            act=TensorQuant("mxfp4", dynamic=True),
         ),
-        SimulatedScheme(
+        _block_scaled(
             "w4a4-nvfp4",
             "NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per block of 16 under a float32 scale per tensor, "
             "weights and activations",
-            weight=TensorQuant("nvfp4"),
-            act=TensorQuant("nvfp4", dynamic=True),
         ),
         SimulatedScheme(
             "kv8-int8",

@@ -87,11 +87,14 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn as nn
+from transformers import PreTrainedModel
 
-from ..models.families import family_of, find_submodule, is_norm
+from ..models.families import config_of, family_of, find_submodule, is_norm
 from ..models.swap import attention_modules
 from .mitigate import massive_ffns, smooth_
 from .quantizers import RangeObserver, fake_quant, quantize_weight
@@ -108,6 +111,8 @@ __all__ = [
     "quantizable_linears",
 ]
 
+Calibrate = Callable[[nn.Module], object]  # calibrate(model) runs the calibration batches through model
+
 
 class ActQuant(nn.Module):
     """Fake-quantizes the tensors that flow through it.
@@ -119,6 +124,9 @@ class ActQuant(nn.Module):
     behind its SQNR. ``name`` says which tensor it quantizes (``model.layers.0.mlp.up_proj input``);
     ``enabled`` off passes tensors through unchanged (one site at a time: :func:`~.error.site_sensitivity`).
     """
+
+    lo: torch.Tensor  # buffers, registered in __init__
+    hi: torch.Tensor
 
     def __init__(self, spec: TensorQuant, name: str):
         super().__init__()
@@ -136,7 +144,7 @@ class ActQuant(nn.Module):
         self.overflow = self.values = 0
         self.track = False
         self.signal = self.noise = 0.0
-        self.ndim = None  # rank of the tensors seen (torchao static scales need it)
+        self.ndim: int | None = None  # rank of the tensors seen (torchao static scales need it)
         self.enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +152,7 @@ class ActQuant(nn.Module):
         if not self.enabled:
             return x
         if self.calibrating:
+            assert self.observer is not None  # a calibrating quantizer has its observer
             self.observer.update(x)
             return x
         if self.spec.dynamic:
@@ -163,6 +172,7 @@ class ActQuant(nn.Module):
     def freeze(self) -> None:
         """End calibration: fix the static range from what was observed."""
         if self.calibrating:
+            assert self.observer is not None  # a calibrating quantizer has its observer
             lo, hi = self.observer.range(self.spec.format, self.spec.symmetric)
             self.lo, self.hi = lo.to(self.lo.device).float(), hi.to(self.hi.device).float()
             self.calibrating, self.observer = False, None
@@ -226,7 +236,7 @@ def kept_modules(model: nn.Module, scheme: Scheme) -> set[str]:
     ``acts=bondarenko`` the family's whole task head), the attention gates unless ``scheme.gates``,
     and the scheme's ``keep`` patterns."""
     names = {id(m): n for n, m in model.named_modules()}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast(PreTrainedModel, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     roots = {names[id(head)]} if head is not None and id(head) in names else set()
     family = family_of(model)
     if isinstance(scheme, SimulatedScheme) and scheme.acts == "bondarenko" and family.head is not None:
@@ -281,7 +291,7 @@ def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict 
             )
         scheme = dataclasses.replace(scheme, keep=tuple(found))
     if scheme.rotate != "none":  # the saved config records the rotation and quantization being rebuilt
-        meta = model.config.quantgate
+        meta = config_of(model).quantgate
         saved = {k: meta.pop(k) for k in ("rotation", "quantization") if k in meta}
         rotate_(model, online=scheme.rotate == "online")
         meta.update(saved)
@@ -289,10 +299,13 @@ def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict 
 
 
 @handles(SimulatedScheme, restore=restore_simulated)
-def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, skeleton: bool = False) -> nn.Module:
-    """Quantize ``model`` in place. ``calibrate(model)`` runs the calibration batches; ``skeleton``
-    only attaches frozen quantizers (:func:`restore_simulated`). The scheme's mitigations run first
-    (:mod:`quantgate.quant.mitigate`); what they did is recorded in ``model.config.quantgate["mitigation"]``."""
+def apply_simulated(
+    model: nn.Module, scheme: SimulatedScheme, calibrate: Calibrate | None, *, skeleton: bool = False
+) -> nn.Module:
+    """Quantize ``model`` in place. ``calibrate(model)`` runs the calibration batches (None: the scheme
+    needs none); ``skeleton`` only attaches frozen quantizers (:func:`restore_simulated`). The scheme's
+    mitigations run first (:mod:`quantgate.quant.mitigate`); what they did is recorded in
+    ``model.config.quantgate["mitigation"]``."""
     if not skeleton:
         scheme = _mitigate(model, scheme, calibrate)
     if scheme.weight is not None and not skeleton:
@@ -302,63 +315,72 @@ def apply_simulated(model: nn.Module, scheme: SimulatedScheme, calibrate, *, ske
                 linear.weight.data, w.format, w.granularity, w.symmetric, w.group_size, w.estimator
             )
         if scheme.acts == "bondarenko":
-            _quantize_tables(model, scheme)
+            _quantize_tables(model, scheme, w)
     if scheme.act is not None:
-        PLACEMENTS[scheme.acts](model, scheme)
+        PLACEMENTS[scheme.acts](model, scheme, scheme.act)
     if scheme.kv is not None:
-        _place_kv(model, scheme)
+        _place_kv(model, scheme.kv, scheme.sink)
     quantizers = act_quantizers(model)
     if skeleton:
         for q in quantizers:
             q.calibrating, q.observer = False, None
     elif any(q.calibrating for q in quantizers):
-        calibrate(model)
+        _needed(calibrate, scheme)(model)
         for q in quantizers:
             q.freeze()
     return model
 
 
-def _mitigate(model: nn.Module, scheme: SimulatedScheme, calibrate) -> SimulatedScheme:
+def _needed(calibrate: Calibrate | None, scheme: SimulatedScheme) -> Calibrate:
+    """``calibrate``, which ``scheme`` needs: ValueError when there is none."""
+    if calibrate is None:
+        raise ValueError(f"{scheme} needs calibration batches: pass a calibrate function")
+    return calibrate
+
+
+def _mitigate(model: nn.Module, scheme: SimulatedScheme, calibrate: Calibrate | None) -> SimulatedScheme:
     """Rotate, smooth, and resolve ``keep=auto``, in that order; returns the scheme with the kept modules
     named."""
-    done = {}
+    done: dict[str, object] = {}
     if scheme.rotate != "none":
         done["rotation"] = rotate_(model, online=scheme.rotate == "online")
     if scheme.smooth is not None:
-        done["smooth"] = smooth_(model, scheme.smooth, calibrate)
+        done["smooth"] = smooth_(model, scheme.smooth, _needed(calibrate, scheme))
     if "auto" in scheme.keep:
-        found = massive_ffns(model, calibrate)
+        found = massive_ffns(model, _needed(calibrate, scheme))
         done["keep"] = found
         done["kept_params"] = sum(p.numel() for name in found for p in model.get_submodule(name).parameters())
         scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(found))
     if done:
-        model.config.quantgate["mitigation"] = done
+        config_of(model).quantgate["mitigation"] = done
     return scheme
 
 
-def _place_kv(model: nn.Module, scheme: SimulatedScheme) -> None:
-    """KV-cache quantizers on every attention's keys and values, after any activation quantizer there."""
+def _place_kv(model: nn.Module, spec: TensorQuant, sink: int) -> None:
+    """KV-cache quantizers (``spec``, the first ``sink`` tokens kept) on every attention's keys and values,
+    after any activation quantizer there."""
     names = {id(m): n for n, m in model.named_modules()}
     for attn in attention_modules(model):
-        present = attn.qg_fake_quant or {}
-        kv = {role: KVQuant(scheme.kv, f"{names[id(attn)]} cache {role}", role, scheme.sink) for role in ("k", "v")}
+        fake_quant = cast("nn.ModuleDict | None", attn.qg_fake_quant)  # set by apply_variant
+        present: dict[str, nn.Module] = dict(fake_quant.items()) if fake_quant else {}
+        kv = {role: KVQuant(spec, f"{names[id(attn)]} cache {role}", role, sink) for role in ("k", "v")}
         attn.qg_fake_quant = nn.ModuleDict(
             {**present, **{r: nn.Sequential(present[r], q) if r in present else q for r, q in kv.items()}}
         )
 
 
-def _place_linear_inputs(model: nn.Module, scheme: SimulatedScheme) -> None:
+def _place_linear_inputs(model: nn.Module, scheme: SimulatedScheme, act: TensorQuant) -> None:
     for name, linear in quantizable_linears(model, scheme):
-        _on_input(linear, scheme.act, name)
+        _on_input(linear, act, name)
 
 
-def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
+def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme, act: TensorQuant) -> None:
     """The reference's sites (module docstring), found through the model's Family."""
-    family, act, base = family_of(model), scheme.act, model.base_model
+    family, base = family_of(model), cast(PreTrainedModel, model).base_model
     names = {id(m): n for n, m in model.named_modules()}
     kept = kept_modules(model, scheme)
 
-    def found(owner: nn.Module, paths) -> list[nn.Module]:
+    def found(owner: nn.Module, paths: tuple[str, ...]) -> list[nn.Module]:
         modules = filter(None, (find_submodule(owner, p) for p in paths))
         return [m for m in modules if names[id(m)] not in kept]
 
@@ -373,7 +395,7 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
     if family.embed_sum:
         inputs(base, family.embed_sum)
     outputs(base, *family.outer_outputs)
-    pre_norm = family.is_pre_norm(model.config)
+    pre_norm = family.is_pre_norm(config_of(model))
     for block in family.blocks(model):
         if pre_norm:  # residual sum 1 enters the FFN norm and, as the same tensor, the block's second sum
             inputs(block, family.ffn_norm, inplace=True)
@@ -388,28 +410,33 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme) -> None:
             {k: ActQuant(per_tensor, f"{names[id(attn)]} {k}") for k in ("q", "k", "v", "scores", "probs")}
         )
         if scheme.gates and hasattr(attn, "gate"):  # each gate Linear's input and output (the sigmoid input)
-            for name, linear in attn.gate.named_modules(prefix=names[id(attn.gate)]):
+            gate = cast(nn.Module, attn.gate)
+            for name, linear in gate.named_modules(prefix=names[id(gate)]):
                 if isinstance(linear, nn.Linear):
                     _on_input(linear, act, name)
                     _on_output(linear, act, name)
 
 
-PLACEMENTS = {"linear-inputs": _place_linear_inputs, "bondarenko": _place_bondarenko}
+PLACEMENTS: dict[str, Callable[[nn.Module, SimulatedScheme, TensorQuant], None]] = {
+    "linear-inputs": _place_linear_inputs,
+    "bondarenko": _place_bondarenko,
+}
 
 
 @torch.no_grad()
-def _quantize_tables(model: nn.Module, scheme: SimulatedScheme) -> None:
-    """Embedding tables and norm weights, per tensor and symmetric as the reference quantizes them; an
-    embedding tied to the full-precision head gets its own copy."""
-    kept, w = kept_modules(model, scheme), scheme.weight
-    head = model.get_output_embeddings()
+def _quantize_tables(model: nn.Module, scheme: SimulatedScheme, w: TensorQuant) -> None:
+    """Embedding tables and norm weights, per tensor and symmetric as the reference quantizes them (the
+    format, group size and estimator of the weights' spec ``w``); an embedding tied to the full-precision
+    head gets its own copy."""
+    kept = kept_modules(model, scheme)
+    head = cast(PreTrainedModel, model).get_output_embeddings()
     for name, module in model.named_modules():
         table = isinstance(module, nn.Embedding) or is_norm(module)
         if name in kept or not table or not isinstance(getattr(module, "weight", None), nn.Parameter):
             continue
         if head is not None and head.weight is module.weight:
             module.weight = nn.Parameter(module.weight.detach().clone())
-            model.config.tie_word_embeddings = False
+            config_of(model).tie_word_embeddings = False
         module.weight.data = quantize_weight(module.weight.data, w.format, "tensor", True, w.group_size, w.estimator)
 
 

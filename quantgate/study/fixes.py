@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..quant.quantizers import BLOCK
 from ..quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme, TorchaoStaticScheme, get_scheme
-from ..stats import Delta, format_delta, paired_delta
+from ..stats import Delta, format_delta, paired_delta, table_head
 from .measures import ppl_key
 from .records import CellRecord
 
@@ -49,6 +49,11 @@ def range_kind(scheme: str) -> str:
     return "; ".join(parts) or "weights only"
 
 
+def _sink_tokens(scheme: str) -> int:
+    s = get_scheme(scheme)
+    return s.sink if isinstance(s, SimulatedScheme) else 0
+
+
 def without_sink(scheme: str) -> str | None:
     """The scheme with its KV-cache sink tokens quantized too, or None where it keeps none."""
     s = get_scheme(scheme)
@@ -59,8 +64,10 @@ def sink_effect(cell: CellRecord, base: str, kept: str) -> Delta | None:
     """The perplexity change from ``base`` to ``kept`` (the same scheme keeping the sink tokens), paired over the
     documents both read; None where either kept no per-document values."""
     key = ppl_key(cell)
-    docs = [cell.scheme(s).documents.get(key[0]) if key else None for s in (base, kept)]
-    return paired_delta(*docs, key[1]) if all(docs) else None
+    if key is None:
+        return None
+    docs_base, docs_kept = (cell.scheme(s).documents.get(key[0]) for s in (base, kept))
+    return paired_delta(docs_base, docs_kept, key[1]) if docs_base and docs_kept else None
 
 
 def _verdict(d: Delta | None, within: float) -> str:
@@ -165,7 +172,7 @@ def which_fix(
                 if base in c.schemes and s in c.schemes
             ]
             lines.append(
-                f"- KV cache: keeping its first {get_scheme(s).sink} token(s) in full precision (`{s}` "
+                f"- KV cache: keeping its first {_sink_tokens(s)} token(s) in full precision (`{s}` "
                 f"against `{base}`, paired over the same documents) changes the perplexity by "
                 + ", ".join(effects)
                 + "."
@@ -175,8 +182,7 @@ def which_fix(
         "",
         "Change of perplexity per model (rows: schemes, best on the first model first; ~: within noise):",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     order = [r.scheme for r in next(iter(rows_of.values()))]
     order += [s for s in schemes if s not in order]
@@ -198,8 +204,7 @@ def which_fix(
         "each activation: see the range kind), and the time to quantize (calibration included) on this "
         "machine. Forward-time ratios: benchmarks/quant_speed.py.",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     costs = {m: {r.scheme: r for r in rows} for m, rows in rows_of.items()}
     for s in order:

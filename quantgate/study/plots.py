@@ -77,7 +77,7 @@ def plot_bit_sweeps(
     fig, axes = plt.subplots(1, len(sweeps), figsize=(5.5 * len(sweeps), 4.2), squeeze=False)
     for ax, (base, points) in zip(axes[0], sweeps.items(), strict=True):
         for cid in cell_ids:
-            pts = [(b, d[cid]) for b, d in points if d.get(cid) is not None]
+            pts = [(b, d) for b, ds in points if (d := ds.get(cid)) is not None]
             if len(pts) < 2:  # a model quantized at one width only has no sweep to draw
                 continue
             xs, ys = [b for b, _ in pts], [1 + d.value for _, d in pts]
@@ -124,7 +124,7 @@ def plot_fixes(changes: dict[str, dict[str, Delta | None]], within: float, path:
     best first on the first model."""
     models = list(changes)
     first = changes[models[0]]
-    schemes = sorted(first, key=lambda s: float("inf") if first[s] is None else first[s].value)
+    schemes = sorted(first, key=lambda s: float("inf") if (d := first[s]) is None else d.value)
     fig, ax = plt.subplots(figsize=(8.0, 0.32 * len(schemes) + 1.6))
     height = 0.8 / len(models)
     cmap = plt.get_cmap("tab10")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..plots import bar_panels
-from ..stats import NOISE_LEGEND, change, fmt, format_delta, seed_delta
+from ..stats import NOISE_LEGEND, change, fmt, format_delta, seed_delta, table_head
 from .fixes import which_fix
 from .measures import (
     ACCURACY,
@@ -51,7 +52,7 @@ DELTA_LEGEND = (
 )
 
 
-def collect_evals(paths) -> list[dict]:
+def collect_evals(paths: Iterable[str | Path]) -> list[dict]:
     """Every eval.json under the given files or directories, flattened to one record each."""
     records = []
     for p in map(Path, paths):
@@ -98,7 +99,7 @@ def _study_records(metrics: StudyRecord, path: Path) -> list[dict]:
     return out
 
 
-def compare(paths, out: str | Path | None = None) -> str:
+def compare(paths: Iterable[str | Path], out: str | Path | None = None) -> str:
     """Markdown table of every run, with each quantized run's change from the float run of the same
     model, variant and seed and its 95% interval; with ``out``, also compare.md, compare.csv (the
     change and its interval bounds as numbers) and compare.png there."""
@@ -122,7 +123,7 @@ def compare(paths, out: str | Path | None = None) -> str:
                 )
         rows.append(row)
     columns = ["model", "variant", "seed", "scheme"] + [c for m in metrics for c in (m, f"{m} delta")]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = table_head(columns)
     for row in rows:
         lines.append(
             "| "
@@ -283,21 +284,20 @@ def study_markdown(metrics: StudyRecord) -> str:
         "",
         DELTA_LEGEND,
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     for c in cells:
-        s = c.summary
+        summ = c.summary
         row = [
             c.model,
             c.variant,
             *_run(c),
             fmt(ppl_of(c.float_results)),
-            fmt(s["max_inf_norm"]),
+            fmt(summ["max_inf_norm"]),
             *map(fmt, peak_activation(c)),
-            fmt(s["kurtosis"]),
-            fmt(s["sink_mass"]),
-            fmt(s["gate_mean"]),
+            fmt(summ["kurtosis"]),
+            fmt(summ["sink_mass"]),
+            fmt(summ["gate_mean"]),
         ]
         for sch in schemes:
             r = c.scheme(sch)
@@ -314,8 +314,7 @@ def study_markdown(metrics: StudyRecord) -> str:
             "",
             "Change in percentage points, with its 95% paired-bootstrap interval over the items; " + NOISE_LEGEND + ".",
             "",
-            "| " + " | ".join(head) + " |",
-            "|" + "---|" * len(head),
+            *table_head(head),
         ]
         for c, t in acc_rows:
             row = [c.model, c.variant, str(c.seed), t[0], fmt(metric_of(c.float_results, t))]
@@ -340,11 +339,10 @@ def study_markdown(metrics: StudyRecord) -> str:
         "",
         "## Gate, activations and sinks (Qiu et al.'s table)",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     for c in cells:
-        s = c.summary
+        summ = c.summary
         lines.append(
             "| "
             + " | ".join(
@@ -352,9 +350,9 @@ def study_markdown(metrics: StudyRecord) -> str:
                     c.model,
                     c.variant,
                     *_run(c),
-                    fmt(s["gate_mean"]),
+                    fmt(summ["gate_mean"]),
                     *map(fmt, peak_activation(c)),
-                    fmt(s["sink_mass"]),
+                    fmt(summ["sink_mass"]),
                     fmt(ppl_of(c.float_results)),
                     *_cost(c),
                 ]
@@ -389,10 +387,10 @@ def study_markdown(metrics: StudyRecord) -> str:
             "|---|---|---|---|---|---|---|",
         ]
         for c in trained:
-            t = c.trained
+            tr = c.trained
             lines.append(
-                f"| {c.model} | {c.variant} | {c.seed} | {t['steps']} | {t['tokens']:,} | "
-                f"{fmt(t['final_train_loss'])} | {fmt(t['final_eval_loss'])} |"
+                f"| {c.model} | {c.variant} | {c.seed} | {tr['steps']} | {tr['tokens']:,} | "
+                f"{fmt(tr['final_train_loss'])} | {fmt(tr['final_eval_loss'])} |"
             )
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in _plot_names(metrics)]
     notes = settings.get("notes", "").strip()
@@ -416,7 +414,7 @@ def _bit_budget(cells: list[CellRecord], schemes: list[str], changes: dict) -> l
     ]
     for base, points in sweeps.items():
         head = ["model", "variant", "seed", "budget", *[f"A{b}" for b, _ in points]]
-        lines += [f"`{base}`:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += [f"`{base}`:", "", *table_head(head)]
         for c in cells:
             deltas = [(b, changes.get((c.id, sch))) for b, sch in points]
             found = budget(deltas)
@@ -433,10 +431,10 @@ def _bit_budget(cells: list[CellRecord], schemes: list[str], changes: dict) -> l
 def _across_seeds(cells: list[CellRecord], schemes: list[str], changes: dict) -> list[str]:
     """Per model and variant trained with several seeds: the perplexity change averaged over the seeds
     (:func:`stats.seed_delta`: geometric mean of the ratios), with a t-interval across them."""
-    groups: dict[tuple, list[dict]] = {}
+    by: dict[tuple[str, str], list[CellRecord]] = {}
     for c in cells:
-        groups.setdefault((c.model, c.variant), []).append(c)
-    groups = {k: g for k, g in groups.items() if len(g) > 1}
+        by.setdefault((c.model, c.variant), []).append(c)
+    groups = {k: g for k, g in by.items() if len(g) > 1}
     if not groups:
         return []
     head = ["model", "variant", "seeds", "FP ppl (mean)"] + [
@@ -450,11 +448,10 @@ def _across_seeds(cells: list[CellRecord], schemes: list[str], changes: dict) ->
         "over the seeds, with a 95% Student t-interval on the log ratios across the seeds (seed-to-seed "
         "spread; the per-seed intervals are over documents). " + NOISE_LEGEND + ".",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     for (model, variant), group in groups.items():
-        fp = [ppl_of(c.float_results) for c in group if ppl_of(c.float_results) is not None]
+        fp = [v for c in group if (v := ppl_of(c.float_results)) is not None]
         row = [model, variant, ", ".join(str(c.seed) for c in group), fmt(sum(fp) / len(fp) if fp else None)]
         for s in schemes:
             deltas = [changes[c.id, s] for c in group if changes[c.id, s] is not None]
@@ -522,8 +519,7 @@ def _against_baseline(cells: list[CellRecord], schemes: list[str], changes: dict
         + NOISE_LEGEND
         + ".",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     for c in cells:
         b = base.get((c.model, c.seed))
@@ -576,8 +572,7 @@ def _side_by_side(cells: list[CellRecord], schemes: list[str], changes: dict) ->
         "",
         f"## Models side by side ({' vs '.join(models)})",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *table_head(head),
     ]
     for v in shared:
         row = [v] + [fn(by[(m, v)]) if (m, v) in by else "-" for _, fn in metrics for m in models]
@@ -590,7 +585,7 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
     change with its interval and the activation-bit budgets; then each other model's changes."""
     if not pairs:
         return []
-    first = {}
+    first: dict[str, CellRecord] = {}
     for c in cells:
         first.setdefault(c.model, c)
     lines = ["## The answer", ""]

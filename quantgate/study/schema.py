@@ -9,7 +9,9 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from accelerate.utils import PrecisionType
@@ -40,7 +42,7 @@ class StudyError(ValueError):
 
 # --- the schema ------------------------------------------------------------------------------------
 
-SECTION_KEYS = {
+SECTION_KEYS: dict[str, dict[str, Any]] = {
     "calibration": {"data": "train", "batches": 16, "seq_len": 128, "batch_size": 8},
     "observe": {"data": "validation", "batches": 3, "seq_len": 128, "batch_size": 8, "sink_tokens": 1},
     "eval": {"tasks": ["quantgate_ppl"], "limit": None, "batch_size": "auto"},
@@ -63,6 +65,8 @@ MODEL_KEYS = {
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "extra", "stop_after"}
 
 # Each value a study sets: (type, (test, what it wants) or None); None values take the defaults
+Test = tuple[Callable[[Any], bool], str]  # (test, what it wants)
+Rules = dict[str, tuple[Any, Test | None]]  # key: (type hint, test or None)
 AT_LEAST_1 = (lambda x: x >= 1, ">= 1")
 AT_LEAST_0 = (lambda x: x >= 0, ">= 0")
 ABOVE_0 = (lambda x: x > 0, "> 0")
@@ -88,8 +92,10 @@ TRAIN_RANGES = {
     "norm_weight_decay": AT_LEAST_0,
     "betas": (lambda b: all(0 <= x < 1 for x in b), "each in [0, 1)"),
 }
-TRAIN_RULES = {k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS}
-TOP_RULES = {
+TRAIN_RULES: Rules = {
+    k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS
+}
+TOP_RULES: Rules = {
     "name": (str, FOLDER_NAME),
     "description": (str, None),
     "seed": (int, AT_LEAST_0),
@@ -97,7 +103,7 @@ TOP_RULES = {
     "schemes": (list, None),
     "models": (list, None),
 }
-MODEL_RULES = {
+MODEL_RULES: Rules = {
     "name": (str, FOLDER_NAME),
     "preset": (str, None),
     "load": (str, None),
@@ -109,13 +115,13 @@ MODEL_RULES = {
     "eval": (dict | None, None),
     "observe": (dict | None, None),
 }
-DATA_RULES = {
+DATA_RULES: Rules = {
     "data": (str, None),
     "batches": (int, AT_LEAST_1),
     "seq_len": (int, AT_LEAST_1),
     "batch_size": (int, AT_LEAST_1),
 }
-SECTION_RULES = {
+SECTION_RULES: dict[str, Rules] = {
     "calibration": DATA_RULES,
     "observe": {**DATA_RULES, "sink_tokens": (int, AT_LEAST_1)},
     "eval": {
@@ -205,7 +211,7 @@ def load_study(path: str | Path) -> Study:
 
         train = m.get("train")
         if train is not None:
-            at = (*where, "train")
+            at: tuple = (*where, "train")
             check_keys(train, TRAIN_KEYS, at)
             _check_values(train, TRAIN_RULES, at, fail)
             _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), fail)

@@ -30,7 +30,7 @@ from ..models.families import family_of
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
 from ..provenance import machine, versions
-from ..quant import HardwareUnavailable, quant_error, quantize
+from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
 from ..quant.schemes import get_scheme
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
@@ -305,7 +305,7 @@ def _quantized(model, tok, scheme: str, ev_cfg: dict, m: ModelSpec, seed: int) -
         "logits_sqnr_db": err["logits_sqnr_db"],
         "worst_layers": err["worst_layers"],
         "overflow": err["overflow"],
-        "calibration": (q.config.quantgate or {}).get("quantization", {}).get("calibration"),
-        "mitigation": (q.config.quantgate or {}).get("quantization", {}).get("mitigation"),
+        "calibration": (quantization_of(q) or {}).get("calibration"),
+        "mitigation": (quantization_of(q) or {}).get("mitigation"),
         "quantize_s": quantize_s,
     }
