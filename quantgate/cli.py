@@ -178,6 +178,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "resume",
             "stop_after",
             "schedule",
+            "log_with",
         )
         if getattr(args, k) is not None
     }
@@ -301,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--out", help="run directory (log.jsonl, checkpoints/, model/, training.png)")
+    tr.add_argument(
+        "--log-with",
+        dest="log_with",
+        choices=("tensorboard",),
+        help="also log to TensorBoard (out/tensorboard/, through accelerate's trackers; pip install tensorboard)",
+    )
     tr.add_argument("--resume", action="store_true", default=None, help="continue from the last checkpoint in --out")
     tr.set_defaults(func=cmd_train)
     st = sub.add_parser("study", help="run a study YAML: train/load -> observe -> quantize -> evaluate -> report")

@@ -8,6 +8,11 @@ on its share, so N processes with per-device batch B see exactly what one proces
 Output directory (one writer at a time: the run holds ``.quantgate.lock``, see :mod:`quantgate.runlock`)::
 
     log.jsonl                 one record per logged step, eval and observe pass
+    tensorboard/              with ``log_with="tensorboard"`` (``--log-with tensorboard``): the same scalars
+                              as TensorBoard events, through accelerate's trackers (``train/loss``,
+                              ``eval/loss``, ``observe/sink_mass``, ``observe/layer_<i>/sink_mass``, ...),
+                              and the config as hyperparameters. A resumed run appends; TensorBoard shows
+                              the steps retrained after the checkpoint twice, log.jsonl keeps them once
     checkpoints/step-N/       everything a resume needs, as safetensors and JSON (never pickle):
         model.safetensors         the unwrapped weights (tied weights stored once)
         optimizer.safetensors     AdamW moments and step counts, keyed "<parameter index>.<name>"
@@ -46,7 +51,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, is_tensorboard_available, set_seed
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
@@ -115,6 +120,7 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     mixed_precision: str = "auto"  # auto (bf16 on GPU, none on CPU) | no | bf16 | fp16
+    log_with: str | None = None  # also log to this accelerate tracker: "tensorboard" (into out/tensorboard/)
     out: str | None = None
     resume: bool = False
     extra: dict = field(default_factory=dict)  # free-form, recorded in trainer.json
@@ -146,6 +152,7 @@ FREE_ON_RESUME = frozenset(
         "observe_every",
         "checkpoint_every",
         "log_every",
+        "log_with",
         "out",
         "resume",
         "extra",
@@ -292,10 +299,35 @@ def train(
     if is_backcopy(c.data):  # quantgate_backcopy then scores the model on held-out data of its own task
         model_config.quantgate["task"] = c.data
     mp = c.mixed_precision if c.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
-    acc = Accelerator(gradient_accumulation_steps=c.grad_accum, mixed_precision=mp, cpu=not torch.cuda.is_available())
     out = Path(c.out) if c.out else None
+    _check_tracker(c.log_with, out)
+    acc = Accelerator(
+        gradient_accumulation_steps=c.grad_accum,
+        mixed_precision=mp,
+        cpu=not torch.cuda.is_available(),
+        log_with=c.log_with,
+        project_dir=out,
+    )
     with run_lock(out) if out is not None and acc.is_main_process else contextlib.nullcontext():
-        return _train(acc, model, tokenizer, data, c, out)
+        try:
+            return _train(acc, model, tokenizer, data, c, out)
+        finally:  # the tracker's events so far are flushed, also when the run stops on an error
+            if c.log_with is not None:
+                acc.end_training()
+
+
+TRACKERS = {"tensorboard": is_tensorboard_available}  # the accelerate trackers a run can log to
+
+
+def _check_tracker(log_with: str | None, out: Path | None) -> None:
+    if log_with is None:
+        return
+    if log_with not in TRACKERS:
+        raise ValueError(f"unknown log_with {log_with!r}; valid: {', '.join(TRACKERS)}")
+    if out is None:
+        raise ValueError(f"log_with={log_with} writes into the run directory: give out (--out)")
+    if not TRACKERS[log_with]():
+        raise ValueError(f"log_with={log_with} needs the {log_with} package: pip install {log_with}")
 
 
 def _train(
@@ -325,8 +357,12 @@ def _train(
         _resume(run, out, identity, c)
     eval_data = _eval_batches(c, tokenizer, family.objective) if c.eval_data else None
     logger = _JsonLog(
-        out / LOG_FILE if out and acc.is_main_process else None, keep_until=run.step if c.resume else None
+        out / LOG_FILE if out and acc.is_main_process else None,
+        keep_until=run.step if c.resume else None,
+        tracker=acc if c.log_with is not None else None,
     )
+    if c.log_with is not None:
+        acc.init_trackers("tensorboard", config=_hyperparameters(c))
     if not c.resume:
         logger.write({"event": "config", "config": asdict(c), "identity": identity, "world_size": world})
     model.train()
@@ -680,10 +716,12 @@ def _first_nonfinite_block(model: nn.Module, batch: dict) -> str:
 
 class _JsonLog:
     """log.jsonl. A fresh run starts it empty; a resumed one keeps the records up to the checkpoint's step
-    (those after it came from the interrupted run and are logged again as the steps are retrained)."""
+    (those after it came from the interrupted run and are logged again as the steps are retrained). With a
+    ``tracker`` (the Accelerator, its trackers started), each record's numbers go there too (:func:`scalars`)."""
 
-    def __init__(self, path: Path | None, keep_until: int | None):
+    def __init__(self, path: Path | None, keep_until: int | None, tracker: Accelerator | None = None):
         self.path = path
+        self.tracker = tracker
         if path is None:
             return
         kept = []
@@ -695,6 +733,27 @@ class _JsonLog:
         if self.path is not None:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        if self.tracker is not None and "step" in record:
+            self.tracker.log(scalars(record), step=record["step"])
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A log record's numbers under ``<event>/<name>``; an observe record's per-layer values also as
+    ``observe/layer_<i>/<name>`` (None values, such as an ungated model's gate mean, are left out)."""
+    event = record["event"]
+    out = {
+        f"{event}/{k}": float(v)
+        for k, v in record.items()
+        if k not in ("event", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    for i, layer in enumerate(record.get("layers") or []):
+        out |= {f"{event}/layer_{i}/{k}": float(v) for k, v in layer.items() if isinstance(v, (int, float))}
+    return out
+
+
+def _hyperparameters(c: TrainConfig) -> dict[str, bool | int | float | str]:
+    """The config as TensorBoard hyperparameters: numbers, text and flags as they are, anything else as text."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in asdict(c).items()}
 
 
 def _step_of(line: str, unreadable: int) -> int:

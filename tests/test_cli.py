@@ -99,3 +99,12 @@ def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, caps
     fail(RuntimeError("shape mismatch"))  # a bug, not the user's setup: its traceback, not a misleading line
     with pytest.raises(RuntimeError, match="shape mismatch"):
         main(["quantize", "tiny-llama", "--scheme", "w8-int8"])
+
+
+def test_train_log_with_tensorboard_writes_events_beside_the_log(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny-llama", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                 "--out", str(out), "--log-with", "tensorboard"]) == 0
+    assert (out / "log.jsonl").is_file() and list((out / "tensorboard").glob("events.out.tfevents.*"))
+    with pytest.raises(SystemExit):  # argparse names the valid choices
+        main(["train", "--preset", "tiny-llama", "--log-with", "wandb"])

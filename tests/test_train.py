@@ -176,3 +176,40 @@ def test_masked_only_mlm_loss_equals_the_heads_loss():
     batch = next(iter(qg.data.batches(qg.tokenizer(model), "validation", 32, 8, "mlm")))
     with torch.no_grad():
         assert family_of(model).masked_lm_loss(model, batch).item() == pytest.approx(model(**batch).loss.item(), abs=1e-5)
+
+
+def test_log_with_tensorboard_writes_the_logs_numbers_as_events(tmp_path):
+    """``log_with="tensorboard"`` (``--log-with tensorboard``): every number of log.jsonl's train, eval and observe
+    records is a TensorBoard scalar at its step, per-layer observe values included; the config is stored too."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    model = qg.build("tiny-llama", "g1-elementwise", seed=0)
+    config = TrainConfig(steps=4, observe_every=2, eval_every=2, out=str(out), log_with="tensorboard",
+                         **{**FAST, "log_every": 1})
+    train(model, qg.tokenizer(model), config=config)
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    tags = events.Tags()["scalars"]
+
+    def logged(event, key, layer=None):
+        rows = [r for r in records if r["event"] == event]
+        return [(r["step"], (r["layers"][layer] if layer is not None else r)[key]) for r in rows]
+
+    for event, key, layer, tag in (("train", "loss", None, "train/loss"), ("train", "lr", None, "train/lr"),
+                                   ("eval", "loss", None, "eval/loss"), ("observe", "sink_mass", None, "observe/sink_mass"),
+                                   ("observe", "gate_mean", 1, "observe/layer_1/gate_mean")):
+        assert tag in tags
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        want = logged(event, key, layer)
+        assert [s for s, _ in got] == [s for s, _ in want] and len(want) >= 2
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)  # float32 events
+    assert list((out / "tensorboard").rglob("hparams.yml"))  # the config, as hyperparameters
+
+
+def test_log_with_needs_a_run_directory_and_a_known_tracker():
+    model = qg.build("tiny-llama", seed=0)
+    with pytest.raises(ValueError, match="writes into the run directory: give out"):
+        train(model, qg.tokenizer(model), config=TrainConfig(steps=1, log_with="tensorboard", **FAST))
+    with pytest.raises(ValueError, match="unknown log_with 'wandb'; valid: tensorboard"):
+        train(model, qg.tokenizer(model), config=TrainConfig(steps=1, log_with="wandb", out="x", **FAST))

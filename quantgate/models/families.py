@@ -65,6 +65,12 @@ class Family:
     embed_sum: str | None = None  # from model.base_model: the module whose input is the sum of embeddings
     outer_outputs: tuple[str, ...] = ("norm",)  # from model.base_model: outputs around the blocks (final norm)
     final_norm: str | None = "norm"  # from model.base_model: the norm after the last block (post-LN BERT: none)
+    position_table: str | None = None  # from model.base_model: a learned position table added to the embeddings
+    # the FFN's Linears, for the fixes that fold into them (SmoothQuant, the rotation): those reading the FFN
+    # norm, the one whose output rows scale the output Linear's input channels (act(gate) * up is linear in
+    # up; ReLU(fc1) is positively homogeneous), and the output Linear; None: not known for this family
+    ffn_linears: tuple[tuple[str, ...], str, str] | None = None
+    no_rotation: str | None = None  # why a Hadamard rotation cannot be folded into this family, if it cannot
     head: str | None = None  # from the model: the task head (default: the output embeddings)
 
     def config_class(self) -> type[transformers.PreTrainedConfig]:
@@ -171,6 +177,8 @@ _DECODER: _DecoderLayout = {
     "objective": "clm",
 }
 
+_GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj")  # act(gate) * up -> down
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -195,7 +203,10 @@ FAMILIES: dict[str, Family] = {
             embed_sum="embeddings.LayerNorm",
             outer_outputs=("embeddings.LayerNorm",),
             final_norm=None,
+            position_table="embeddings.position_embeddings",
             head="cls",
+            no_rotation="post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and "
+            "its readers",
         ),
         Family(
             "opt",
@@ -218,10 +229,12 @@ FAMILIES: dict[str, Family] = {
             embed_sum="decoder.layers.0",
             outer_outputs=("decoder.final_layer_norm", "decoder.project_out"),
             final_norm="decoder.final_layer_norm",
+            position_table="decoder.embed_positions",
+            ffn_linears=(("fc1",), "fc1", "fc2"),
         ),
-        Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER),
-        Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER),
-        Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER),
+        Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+        Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+        Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
         Family(
             "qwen3-next",
             ("qwen3_next",),
@@ -232,6 +245,7 @@ FAMILIES: dict[str, Family] = {
             native_gate_values=_qwen3_next_gate,
             branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),
             inner_inputs=("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj", "mlp.shared_expert.down_proj"),
+            no_rotation="linear-attention blocks and zero-centred (1 + w) norms are not handled",
         ),
         # DeepSeek-V3 multi-head latent attention: queries and keys/values through low-rank latents
         # (q_a/q_b, kv_a_proj_with_mqa/kv_b_proj), decoupled RoPE dims, q/k head dim != v head dim
@@ -249,6 +263,8 @@ FAMILIES: dict[str, Family] = {
             "mlp",
             v_head_dim="v_head_dim",
             value_gate=False,
+            no_rotation="the attention reads the stream through latent projections with their own norms inside "
+            "the attention",
             inner_inputs=(
                 "self_attn.q_b_proj",
                 "self_attn.kv_b_proj",

@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..models.families import config_of, family_of
 from ..models.swap import attention_modules
 from ..observe import MassiveActivations
-from .rotate import ATTN_READERS, FFN, gate_readers
+from .rotate import ATTN_READERS, gate_readers, linear_at
 
 __all__ = ["smooth_", "smoothing_groups", "massive_ffns"]
 
@@ -36,25 +36,20 @@ def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Lin
     (``side="norm"``: 1 / s scales its weight and bias) or a Linear (``side="rows"``: its output rows);
     ``readers`` get s on their input columns. Pre-norm llama, qwen2, qwen3 and opt only."""
     family, config = family_of(model), config_of(model)
-    if family.name not in FFN or not family.is_pre_norm(config):
+    if family.ffn_linears is None or not family.is_pre_norm(config):
         raise ValueError(
             f"SmoothQuant folds 1 / s into the norm before each group of Linears, as a pre-norm "
             f"llama, qwen2, qwen3 or opt block has it; this {family.name} model "
             f"({'pre' if family.is_pre_norm(config) else 'post'}-norm) is not supported"
         )
     groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []
-    ffn_in, ffn_maker, ffn_out = FFN[family.name]
+    ffn_in, ffn_maker, ffn_out = family.ffn_linears
     for block, attn in zip(family.blocks(model), attention_modules(model), strict=True):
-        qkv = [_linear(attn, p) for p in ATTN_READERS]
+        qkv = [linear_at(attn, p) for p in ATTN_READERS]
         groups.append((block.get_submodule(family.attn_norm), "norm", qkv + gate_readers(getattr(attn, "gate", None))))
-        groups.append((block.get_submodule(family.ffn_norm), "norm", [_linear(block, p) for p in ffn_in]))
-        groups.append((block.get_submodule(ffn_maker), "rows", [_linear(block, ffn_out)]))
+        groups.append((block.get_submodule(family.ffn_norm), "norm", [linear_at(block, p) for p in ffn_in]))
+        groups.append((block.get_submodule(ffn_maker), "rows", [linear_at(block, ffn_out)]))
     return groups
-
-
-def _linear(owner: nn.Module, path: str) -> nn.Linear:
-    """The nn.Linear at ``owner.path`` (get_submodule is typed for any Module)."""
-    return cast(nn.Linear, owner.get_submodule(path))
 
 
 @torch.no_grad()

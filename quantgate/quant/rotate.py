@@ -31,24 +31,19 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 
 from ..attention.gates import BondarenkoGate, Gate, OutputGate
-from ..models.families import config_of, family_of
+from ..models.families import config_of, family_of, find_submodule
 
-__all__ = ["rotate_", "check_rotatable", "gate_readers", "ATTN_READERS", "FFN", "UnitRMSNorm", "hadamard_pre_hook"]
+__all__ = [
+    "rotate_",
+    "check_rotatable",
+    "gate_readers",
+    "ATTN_READERS",
+    "linear_at",
+    "UnitRMSNorm",
+    "hadamard_pre_hook",
+]
 
 ATTN_READERS = ("q_proj", "k_proj", "v_proj")  # in the family's attention module
-# family -> (Linears reading the FFN norm, the Linear whose output rows scale the FFN output Linear's input
-# channel by channel (act(gate) * up; ReLU(fc1) is positively homogeneous), the FFN output Linear): block paths
-FFN = {
-    "llama": (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj"),
-    "qwen2": (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj"),
-    "qwen3": (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj"),
-    "opt": (("fc1",), "fc1", "fc2"),
-}
-_REFUSED = {
-    "bert": "post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and its readers",
-    "mla": "the attention reads the stream through latent projections with their own norms inside the attention",
-    "qwen3-next": "linear-attention blocks and zero-centred (1 + w) norms are not handled",
-}
 _HAD_BASES = (1, 12, 20, 28, 36, 40, 44, 52, 60, 108, 140, 156, 172)  # torchao's get_hadK: sizes K * 2^m
 
 
@@ -121,8 +116,10 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     FFN width too); it changes nothing."""
     family = family_of(model)
     hf, config = cast(PreTrainedModel, model), config_of(model)
-    if family.name in _REFUSED:
-        raise ValueError(f"cannot rotate a {family.name} model: {_REFUSED[family.name]}")
+    if family.no_rotation:
+        raise ValueError(f"cannot rotate a {family.name} model: {family.no_rotation}")
+    if family.ffn_linears is None:
+        raise ValueError(f"cannot rotate a {family.name} model: its FFN layout is not known (Family.ffn_linears)")
     meta = getattr(config, "quantgate", None) or {}
     if "rotation" in meta:
         raise ValueError(f"this model is already rotated ({meta['rotation']}); rotate a fresh float model")
@@ -133,16 +130,14 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
             f"cannot rotate a post-LN {family.name} model ({family.pre_norm}=False): its norms read "
             f"the residual sums, so no norm sits between the stream and its readers"
         )
-    if family.name == "opt":
-        if config.word_embed_proj_dim != config.hidden_size:
-            raise ValueError(
-                f"cannot rotate an opt model with project_in/project_out (word_embed_proj_dim "
-                f"{config.word_embed_proj_dim} != hidden_size {config.hidden_size})"
-            )
-        if hf.base_model.get_submodule("decoder").final_layer_norm is None:
-            raise ValueError(
-                "cannot rotate an opt model without a final layer norm: the head would read the centred stream directly"
-            )
+    base = hf.base_model
+    for path in family.outer_outputs[1:]:  # a projection around the blocks (OPT's project_in/project_out)
+        if find_submodule(base, path) is not None:
+            raise ValueError(f"cannot rotate a {family.name} model with {path} (project_in/project_out): not handled")
+    if family.final_norm_of(model) is None:
+        raise ValueError(
+            f"cannot rotate a {family.name} model without a final norm: the head would read the stream directly"
+        )
     if hf.get_output_embeddings() is None:
         raise ValueError(
             f"cannot rotate a {type(model).__name__}: it has no LM head to rotate, so its outputs "
@@ -159,11 +154,11 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
         gate_readers(gate)
     _hadamard(config.hidden_size, "d_model")
     if online:
-        for n in {_linear(block, FFN[family.name][2]).in_features for block in blocks}:
+        for n in {linear_at(block, family.ffn_linears[2]).in_features for block in blocks}:
             _hadamard(n, "d_ff, for the online transform")
 
 
-def _linear(owner: nn.Module, path: str) -> nn.Linear:
+def linear_at(owner: nn.Module, path: str) -> nn.Linear:
     """The nn.Linear at ``owner.path`` (get_submodule is typed for any Module)."""
     return cast(nn.Linear, owner.get_submodule(path))
 
@@ -227,11 +222,13 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
     hf, config = cast(PreTrainedModel, model), config_of(model)
     family = family_of(model)
     base, blocks = hf.base_model, family.blocks(model)
-    ffn_in_paths, _, ffn_out_path = FFN[family.name]
+    assert family.ffn_linears is not None  # check_rotatable refused it otherwise
+    ffn_in_paths, _, ffn_out_path = family.ffn_linears
     d = config.hidden_size
+    centre = isinstance(base.get_submodule(family.outer_outputs[0]), nn.LayerNorm)  # see the module docstring
     embeds = [cast(nn.Embedding, hf.get_input_embeddings())]
-    if family.name == "opt":
-        embeds.append(cast(nn.Embedding, base.get_submodule("decoder.embed_positions")))
+    if family.position_table is not None:
+        embeds.append(cast(nn.Embedding, base.get_submodule(family.position_table)))
     head: nn.Linear = hf.get_output_embeddings()
     if head.weight is embeds[0].weight:
         head.weight = nn.Parameter(head.weight.detach().clone())
@@ -239,7 +236,7 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
     Q = _had().random_hadamard_matrix(d, "cpu", seed).double()
 
     for table in embeds:
-        if family.name == "opt":
+        if centre:
             _centre(table.weight, -1)
         _right(table.weight, Q)
     added = _fold_norm(base, family.outer_outputs[0], [head])
@@ -249,13 +246,13 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
         attn = block.get_submodule(family.attention)
         attn_in = [getattr(attn, name) for name in ATTN_READERS]
         attn_in += gate_readers(getattr(attn, "gate", None))
-        ffn_in = [_linear(block, p) for p in ffn_in_paths]
-        writers = [_linear(block, family.o_proj), _linear(block, ffn_out_path)]
+        ffn_in = [linear_at(block, p) for p in ffn_in_paths]
+        writers = [linear_at(block, family.o_proj), linear_at(block, ffn_out_path)]
         added += _fold_norm(block, family.attn_norm, attn_in) + _fold_norm(block, family.ffn_norm, ffn_in)
         for linear in attn_in + ffn_in:
             _right(linear.weight, Q)
         for linear in writers:
-            if family.name == "opt":
+            if centre:
                 _centre(linear.weight, 0)
                 if linear.bias is not None:
                     _centre(linear.bias, 0)

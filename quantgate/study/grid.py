@@ -8,10 +8,61 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..quant.schemes import OPTIONS, get_scheme
 
-__all__ = ["ModelSpec", "Study", "Cell", "cell_dir", "cell_slug", "slug", "expand_scheme", "shrink"]
+__all__ = [
+    "DataSettings",
+    "ObserveSettings",
+    "EvalSettings",
+    "ModelSpec",
+    "Study",
+    "Cell",
+    "cell_dir",
+    "cell_slug",
+    "slug",
+    "expand_scheme",
+    "shrink",
+]
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Where a step reads its batches (``calibration:``): a text source or the backcopy task, ``batches`` of
+    ``batch_size`` x ``seq_len`` tokens."""
+
+    data: str
+    batches: int
+    seq_len: int
+    batch_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as the study file names them (what the step keys hash)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ObserveSettings(DataSettings):
+    """``observe:``: the batches observe reads, and how many first keys count as the sink."""
+
+    sink_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """``eval:``: the tasks, their limit (one for all, or per task), lm-eval's batch size and, for the
+    perplexity tasks, the window in tokens (None: the model's own context)."""
+
+    tasks: list[str]
+    limit: float | dict[str, float | None] | None = None
+    batch_size: int | str = "auto"
+    max_length: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as the study file names them (what the step keys hash); no max_length when unset."""
+        d = dataclasses.asdict(self)
+        return d if self.max_length is not None else {k: v for k, v in d.items() if k != "max_length"}
 
 
 @dataclass
@@ -21,10 +72,15 @@ class ModelSpec:
     train: dict | None
     variants: list[str]
     schemes: list[dict]  # {"scheme": canonical name, "tasks": None (all of eval's) or a subset}
-    eval: dict
-    observe: dict
+    eval: EvalSettings
+    observe: ObserveSettings
     seeds: list[int]
-    calibration: dict  # the study's, updated by the model's own
+    calibration: DataSettings  # the study's, updated by the model's own
+
+    def as_dict(self) -> dict[str, Any]:
+        """The resolved model entry, as config.yaml and metrics.json record it."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return d | {k: getattr(self, k).as_dict() for k in ("eval", "observe", "calibration")}
 
 
 @dataclass
@@ -32,7 +88,7 @@ class Study:
     name: str
     description: str
     models: list[ModelSpec]
-    calibration: dict
+    calibration: DataSettings
     report: dict
     raw: dict = field(default_factory=dict)  # the resolved study, written to config.yaml
 
@@ -95,7 +151,7 @@ def shrink(study: Study) -> Study:
     """The same study at a budget of seconds (a pipeline check): the first variant, seed and scheme of
     each model, 4 training steps of 2 x 32 tokens, one batch or item per evaluation, calibration and
     observation."""
-    small = {"seq_len": 32, "batch_size": 2}
+    small: dict[str, Any] = {"seq_len": 32, "batch_size": 2}
     models = []
     for m in study.models:
         train = (
@@ -118,9 +174,11 @@ def shrink(study: Study) -> Study:
                 variants=m.variants[:1],
                 seeds=m.seeds[:1],
                 schemes=m.schemes[:1],
-                eval={**m.eval, "limit": 1},
-                observe={**m.observe, **small, "batches": 1},
-                calibration={**m.calibration, **small, "batches": 1},
+                eval=dataclasses.replace(m.eval, limit=1),
+                observe=dataclasses.replace(m.observe, **small, batches=1),
+                calibration=dataclasses.replace(m.calibration, **small, batches=1),
             )
         )
-    return dataclasses.replace(study, models=models, calibration={**study.calibration, **small, "batches": 1})
+    return dataclasses.replace(
+        study, models=models, calibration=dataclasses.replace(study.calibration, **small, batches=1)
+    )

@@ -28,7 +28,7 @@ from ..models.swap import check_expressible
 from ..quant.schemes import OPTIONS, get_scheme
 from ..train import TrainConfig
 from ..variants import AttentionVariant
-from .grid import Cell, ModelSpec, Study, expand_scheme
+from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, expand_scheme
 
 __all__ = ["load_study", "StudyError", "DEFAULT_STUDY"]
 
@@ -275,10 +275,12 @@ def load_study(path: str | Path) -> Study:
         name = str(m.get("name") or m.get("preset") or m.get("load"))
         source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
         seeds = list(m.get("seeds") or [seed])
-        models.append(ModelSpec(name, source, train, list(variants), list(schemes), ev, ob, seeds, cal))
-    study = Study(
-        data.get("name") or path.stem, data.get("description", ""), models, sections["calibration"], sections["report"]
-    )
+        settings = EvalSettings(**ev), ObserveSettings(**ob), DataSettings(**cal)
+        models.append(
+            ModelSpec(name, source, train, list(variants), list(schemes), settings[0], settings[1], seeds, settings[2])
+        )
+    calibration = DataSettings(**sections["calibration"])
+    study = Study(data.get("name") or path.stem, data.get("description", ""), models, calibration, sections["report"])
     _check_folders(study, lines, fail)
     names = [m.name for m in models]
     for i, pair in enumerate(sections["report"].get("pairs") or []):
@@ -306,7 +308,7 @@ def load_study(path: str | Path) -> Study:
         "file": "" if default else str(path),
         "description": study.description,
         "seed": seed,
-        "models": [dataclasses.asdict(m) for m in models],
+        "models": [m.as_dict() for m in models],
         **{k: sections[k] for k in ("calibration", "report")},
     }
     return study

@@ -11,12 +11,14 @@ resumes too. One run writes a run directory at a time (it holds the directory's 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -34,7 +36,7 @@ from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
 from ..quant.schemes import get_scheme
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
-from .grid import Cell, ModelSpec, cell_dir, shrink, slug
+from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, cell_dir, shrink, slug
 from .records import CellRecord, SchemeRecord, StudyRecord
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
@@ -81,7 +83,7 @@ def plan(path: str | Path) -> str:
                 f"train {preset} on {c.data}: {c.steps} steps x {c.batch_size * c.grad_accum} x {c.seq_len} = "
                 f"{c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens"
             )
-        lines.append(f"  {cell.id} (seed {cell.seed}): {what}; eval {', '.join(m.eval['tasks'])}")
+        lines.append(f"  {cell.id} (seed {cell.seed}): {what}; eval {', '.join(m.eval.tasks)}")
     return "\n".join(lines)
 
 
@@ -148,17 +150,17 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
 
     trained = step("model", model_key, lambda: _train_summary(model, cdir))
     ob_cfg = m.observe
-    observed = step("observe", _key(model_key, ob_cfg), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
+    observed = step("observe", _key(model_key, ob_cfg.as_dict()), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
     ev_cfg = _eval_settings(m)
     float_eval = step(
-        "eval-float", _key(model_key, ev_cfg, EVAL_FORMAT), lambda: _evaluate(model(), tokenizer(), ev_cfg)
+        "eval-float", _key(model_key, ev_cfg.as_dict(), EVAL_FORMAT), lambda: _evaluate(model(), tokenizer(), ev_cfg)
     )
     cost = step("cost", model_key, lambda: gate_cost(model()))
     schemes = {}
     for entry in m.schemes:
         scheme = entry["scheme"]
-        cfg = {**ev_cfg, "tasks": entry["tasks"] or ev_cfg["tasks"]}
-        key = _key(model_key, scheme, m.calibration, cfg, m.observe, EVAL_FORMAT)
+        cfg = dataclasses.replace(ev_cfg, tasks=entry["tasks"] or ev_cfg.tasks)
+        key = _key(model_key, scheme, m.calibration.as_dict(), cfg.as_dict(), m.observe.as_dict(), EVAL_FORMAT)
         schemes[scheme] = step(
             f"scheme-{slug(scheme)}", key, lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, c, m, seed)
         )
@@ -232,11 +234,9 @@ def _train_summary(model, cdir: Path) -> dict:
     }
 
 
-def _observe(model, tok, cfg: dict, cdir: Path) -> dict:
-    data = batches(
-        tok, cfg["data"], cfg["seq_len"], cfg["batch_size"], family_of(model).objective, max_batches=cfg["batches"]
-    )
-    report = observe(model, data, sink_tokens=cfg["sink_tokens"])
+def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
+    data = batches(tok, cfg.data, cfg.seq_len, cfg.batch_size, family_of(model).objective, max_batches=cfg.batches)
+    report = observe(model, data, sink_tokens=cfg.sink_tokens)
     report.save(cdir / "observe")
     layers = [
         {
@@ -258,45 +258,44 @@ def _observe(model, tok, cfg: dict, cdir: Path) -> dict:
 ROLLING_TASKS = ("quantgate_ppl",)  # perplexity over whole documents, read in windows of max_length tokens
 
 
-def _eval_settings(m: ModelSpec) -> dict:
+def _eval_settings(m: ModelSpec) -> EvalSettings:
     """The model's eval settings; a model trained here reads the documents of a perplexity task in windows of
     its training length (beyond it a RoPE model extrapolates and a learned position table is untrained),
     unless max_length says otherwise. Loaded models use their own context (:func:`quantgate.evaluate.evaluate`'s
     default); item tasks (cloze, next sentence) always do: an item must fit whole."""
-    if m.train is None or "max_length" in m.eval or not set(m.eval["tasks"]) & set(ROLLING_TASKS):
+    if m.train is None or m.eval.max_length is not None or not set(m.eval.tasks) & set(ROLLING_TASKS):
         return m.eval
-    return {**m.eval, "max_length": m.train.get("seq_len", TrainConfig.seq_len)}
+    return dataclasses.replace(m.eval, max_length=m.train.get("seq_len", TrainConfig.seq_len))
 
 
-def _evaluate(model, tok, cfg: dict) -> dict:
+def _evaluate(model, tok, cfg: EvalSettings) -> dict:
     """Metrics per task, and each document's values (the report's paired intervals need them)."""
     results, documents = {}, {}
-    for task in cfg["tasks"]:  # one task at a time: each may carry its own limit
-        limit = cfg["limit"].get(task) if isinstance(cfg["limit"], dict) else cfg["limit"]
-        window = cfg.get("max_length") if task in ROLLING_TASKS else None
-        out = evaluate(model, tok, [task], limit=limit, batch_size=cfg["batch_size"], max_length=window)
+    for task in cfg.tasks:  # one task at a time: each may carry its own limit
+        limit = cfg.limit.get(task) if isinstance(cfg.limit, dict) else cfg.limit
+        window = cfg.max_length if task in ROLLING_TASKS else None
+        out = evaluate(model, tok, [task], limit=limit, batch_size=cfg.batch_size, max_length=window)
         results.update(out["results"])
         documents.update(out["documents"])
     return {"results": results, "documents": documents}
 
 
-def _quantized(model, tok, scheme: str, ev_cfg: dict, m: ModelSpec, seed: int) -> dict:
+def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed: int) -> dict:
     objective = family_of(model).objective
     s = get_scheme(scheme)
-    calibration, options = None, {}
+    calibration, options = None, dict[str, Any]()
     if s.needs_calibration:
         calib = m.calibration
-        calibration = batches(
-            tok, calib["data"], calib["seq_len"], calib["batch_size"], objective, shuffle=True, seed=seed
-        )
-        options = {"calib": calib["batches"]}
+        calibration = batches(tok, calib.data, calib.seq_len, calib.batch_size, objective, shuffle=True, seed=seed)
+        options = {"calib": calib.batches}
     start = time.perf_counter()
     try:
         q = quantize(model, scheme, calibration=calibration, **options)
     except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal
         return {"error": str(e)}
     quantize_s = time.perf_counter() - start
-    held_out = batches(tok, m.observe["data"], m.observe["seq_len"], m.observe["batch_size"], objective, max_batches=1)
+    ob = m.observe
+    held_out = batches(tok, ob.data, ob.seq_len, ob.batch_size, objective, max_batches=1)
     err = quant_error(model, q, held_out, max_batches=1)
     out = _evaluate(q, tok, ev_cfg)
     return {
