@@ -131,7 +131,7 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
             f"the residual sums, so no norm sits between the stream and its readers"
         )
     base = hf.base_model
-    for path in family.outer_outputs[1:]:  # a projection around the blocks (OPT's project_in/project_out)
+    for path in (p for p in family.outer_outputs if p != family.final_norm):  # OPT's project_in/project_out
         if find_submodule(base, path) is not None:
             raise ValueError(f"cannot rotate a {family.name} model with {path} (project_in/project_out): not handled")
     if family.final_norm_of(model) is None:
@@ -225,7 +225,8 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
     assert family.ffn_linears is not None  # check_rotatable refused it otherwise
     ffn_in_paths, _, ffn_out_path = family.ffn_linears
     d = config.hidden_size
-    centre = isinstance(base.get_submodule(family.outer_outputs[0]), nn.LayerNorm)  # see the module docstring
+    assert family.final_norm is not None  # check_rotatable refused a model without one
+    centre = isinstance(family.final_norm_of(model), nn.LayerNorm)  # see the module docstring
     embeds = [cast(nn.Embedding, hf.get_input_embeddings())]
     if family.position_table is not None:
         embeds.append(cast(nn.Embedding, base.get_submodule(family.position_table)))
@@ -239,7 +240,7 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
         if centre:
             _centre(table.weight, -1)
         _right(table.weight, Q)
-    added = _fold_norm(base, family.outer_outputs[0], [head])
+    added = _fold_norm(base, family.final_norm, [head])
     _right(head.weight, Q)
     n = ops = 0
     for block in blocks:

@@ -46,18 +46,19 @@ class DataSettings:
 class ObserveSettings(DataSettings):
     """``observe:``: the batches observe reads, and how many first keys count as the sink."""
 
-    sink_tokens: int = 1
+    sink_tokens: int
 
 
 @dataclass(frozen=True)
 class EvalSettings:
     """``eval:``: the tasks, their limit (one for all, or per task), lm-eval's batch size and, for the
-    perplexity tasks, the window in tokens (None: the model's own context)."""
+    perplexity tasks, the window in tokens (None: the model's own context). The defaults are the schema's
+    (:data:`~quantgate.study.schema.SECTION_KEYS`)."""
 
     tasks: list[str]
-    limit: float | dict[str, float | None] | None = None
-    batch_size: int | str = "auto"
-    max_length: int | None = None
+    limit: float | dict[str, float | None] | None
+    batch_size: int | str
+    max_length: int | None = None  # set only by the study file or for a model trained here
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as the study file names them (what the step keys hash); no max_length when unset."""
