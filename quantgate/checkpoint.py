@@ -25,12 +25,21 @@ __all__ = ["save", "load", "dedupe", "QUANTIZED_MANIFEST"]
 QUANTIZED_MANIFEST = "quantization.json"  # its presence marks a quantized checkpoint
 
 
-def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-    """Save a float or quantized model (and its tokenizer) to directory ``path``."""
+def save(
+    model: nn.Module,
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Save a float or quantized model (and its tokenizer) to directory ``path``; ``dtype``: the storage dtype
+    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.checkpoint.save_quantized`)."""
     if (getattr(model.config, "quantgate", None) or {}).get("quantization"):
         from .quant.checkpoint import save_quantized  # import cycle: quant.checkpoint imports this module
 
-        return save_quantized(model, path, tokenizer)
+        return save_quantized(model, path, tokenizer, dtype=dtype)
+    if dtype is not None:
+        raise ValueError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
     return model_io.save(model, path, tokenizer)
 
 

@@ -8,12 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
+
 from . import __version__
 from .checkpoint import load, save
 from .data import batches
 from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
-from .evaluate import check_limit, evaluate
+from .evaluate import _require_lm_eval, check_limit, check_lm_eval_options, evaluate, load_for_eval
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
 from .observe import observe
 from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
@@ -64,6 +66,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     n_gate = sum(p.numel() for p in gates.values())
     n_all = sum(p.numel() for p in model.parameters())
     dtype = next(model.parameters()).dtype
+    quant = quantization_of(model) or {}
     rows = [
         ("model", args.model),
         ("family", family_of(model).name),
@@ -71,9 +74,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("variant", str(variant_of(model))),
         ("parameters", f"{n_all:,} ({n_all - n_gate:,} base + {n_gate:,} gate/sink)"),
         ("dtype", str(dtype).removeprefix("torch.")),
-        ("quantization", (quantization_of(model) or {}).get("scheme", "none")),
-        ("layers", str(model.config.num_hidden_layers)),
+        ("quantization", quant.get("scheme", "none")),
     ]
+    if quant:
+        rows.append(("quantized by", quant["origin"]))
+    if quant.get("source_sha256"):
+        rows.append(("float source", f"{quant.get('source_model') or '?'} (sha256 {quant['source_sha256'][:16]})"))
+    rows.append(("layers", str(model.config.num_hidden_layers)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -101,7 +108,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     model = _load_or_build(args.model, args.variant)
     tok = tokenizer(model)
     held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
-    calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if scheme.needs_calibration else None
+    needs = scheme.needs_calibration or (args.out and scheme.export_calibration)
+    calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if needs else None
     q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib else {}))
     report = quant_error(model, q, held_out, max_batches=2)
     print(
@@ -111,37 +119,61 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if report["overflow"]:
         print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
     if args.out:
-        save(q, args.out, tok)
-        print(f"wrote {args.out}")
+        save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
+        fmt = json.loads((Path(args.out) / "quantization.json").read_text())["format"]
+        why = json.loads((Path(args.out) / "config.json").read_text()).get("quantgate", {}).get("load_with")
+        print(f"wrote {args.out} ({fmt} format: " + (why or "transformers, lm-eval and vLLM load it") + ")")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     check_limit(args.limit)  # before the model loads and calibrates
-    model = _load_or_build(args.model, args.variant)
-    tok = tokenizer(model)
-    if args.scheme:
-        calib = _batches(model, tok, "train", 128, 8)
-        model = quantize(model, args.scheme, calibration=calib)
+    check_lm_eval_options(args.num_fewshot, args.bootstrap_iters, args.output_path, args.log_samples)
+    model = load_for_eval(args.model, args.variant, args.scheme)  # what `--model quantgate` loads, too
+    model_args = {"pretrained": args.model, "scheme": args.scheme, "variant": args.variant}
     result = evaluate(
         model,
-        tok,
+        tokenizer(model),
         [t.strip() for t in args.tasks.split(",") if t.strip()],
         limit=args.limit,
         batch_size=args.batch_size,
+        num_fewshot=args.num_fewshot,
+        bootstrap_iters=args.bootstrap_iters,
+        output_path=args.output_path,
+        log_samples=args.log_samples,
+        model_args={k: v for k, v in model_args.items() if v is not None},
     )
     for task, metrics in result["results"].items():
-        print(f"{task}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "sample_len"))
+        shown = [
+            f"{k} {v:.4g}" + (f" ± {metrics[k + '_stderr']:.2g}" if k + "_stderr" in metrics else "")
+            for k, v in metrics.items()
+            if k != "sample_len" and not k.endswith("_stderr")
+        ]
+        print(f"{task}: " + ", ".join(shown))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(result, indent=1))
         print(f"wrote {out / 'eval.json'}")
+    for path in _lm_eval_files(result.get("lm_eval_output")):
+        print(f"wrote {path}")
     return 0
 
 
+def _lm_eval_files(written: dict | None) -> list[str]:
+    """The files evaluate() wrote in lm-eval's format: its results, then each task's samples."""
+    return [written["results"], *written.get("samples", {}).values()] if written else []
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    _require_lm_eval()  # one line naming what to install, before lm-eval's own import errors
+    from .lm_eval_models import main as lm_eval_main  # lm-eval is optional: imported at first use
+
+    return lm_eval_main(args.args)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    print(compare(args.runs, args.out))
+    print(compare(args.runs, args.out, baseline=args.baseline))
     if args.out:
         print(f"wrote {args.out}/compare.md, compare.csv, compare.png")
     return 0
@@ -261,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--seq-len", type=int, default=128)
     qz.add_argument("--batch-size", type=int, default=8)
     qz.add_argument("--out", help="write the quantized checkpoint here")
+    qz.add_argument(
+        "--save-dtype",
+        choices=("bfloat16", "float16"),
+        help="store a compressed-tensors export's full-precision tensors (embeddings, norms, head) in this dtype",
+    )
     qz.set_defaults(func=cmd_quantize)
     ev = sub.add_parser("eval", help="evaluate through lm-eval (bundled offline tasks or any lm-eval task online)")
     ev.add_argument("model", help="a preset, packaged model or model directory (float or quantized)")
@@ -270,9 +307,41 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
     ev.add_argument("--batch-size", default="auto")
     ev.add_argument("--out", help="write eval.json here (quantgate compare reads it)")
+    ev.add_argument(
+        "--num-fewshot", type=int, help="few-shot examples per lm-eval task (lm-eval's --num_fewshot; default: 0)"
+    )
+    ev.add_argument(
+        "--bootstrap-iters",
+        type=int,
+        default=0,
+        help="lm-eval's standard errors (<metric>_stderr; perplexity by bootstrap resamples); default 0: none",
+    )
+    ev.add_argument(
+        "--output-path",
+        help="also write lm-eval's own results JSON here (a directory, as lm_eval --output_path; lm-eval tasks only)",
+    )
+    ev.add_argument(
+        "--log-samples", action="store_true", help="with --output-path: lm-eval's per-sample jsonl files too"
+    )
     ev.set_defaults(func=cmd_eval)
+    lme = sub.add_parser(
+        "lm-eval",
+        add_help=False,
+        prefix_chars="\0",  # every argument, --help included, goes to lm-eval unread
+        help="lm-eval's own command line (lm_eval ARGS) with quantgate's models (--model quantgate, "
+        "quantgate-mlm) registered and its tasks on --include_path",
+    )
+    lme.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's arguments, unchanged")
+    lme.set_defaults(func=cmd_lm_eval)
     cmp = sub.add_parser("compare", help="float vs quantized metrics of several runs, with deltas and a plot")
-    cmp.add_argument("runs", nargs="+", help="run directories or eval.json files")
+    cmp.add_argument(
+        "runs", nargs="+", help="run directories, eval.json files or lm-eval results JSON (lm_eval --output_path)"
+    )
+    cmp.add_argument(
+        "--baseline",
+        help="the run every other is compared with (a run directory, eval.json or lm-eval results JSON); "
+        "default: each quantized run's float source, found by the sha256 its record holds",
+    )
     cmp.add_argument("--out", help="write compare.md, compare.csv and compare.png here")
     cmp.set_defaults(func=cmd_compare)
     tr = sub.add_parser("train", help="train from scratch (--preset) or fine-tune a checkpoint (--model), resumable")

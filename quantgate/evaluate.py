@@ -21,12 +21,22 @@ columns as :mod:`quantgate.stats` reads them): the summed log-likelihood with th
 bytes and tokens for perplexity tasks, acc (and acc_norm) per item for multiple-choice and cloze tasks,
 the summed log-likelihood and token count per sequence for the computed tasks. From them
 :func:`quantgate.stats.paired_delta` puts an interval on the change between two evaluations.
+
+lm-eval's own conventions, for the lm-eval tasks: ``num_fewshot`` (lm-eval's ``--num_fewshot``),
+``bootstrap_iters`` (its stderr: 0, the default, computes none; above 0 each metric lm-eval has a
+stderr for gets ``<metric>_stderr`` beside it in ``results``), ``output_path`` (the results JSON
+``lm_eval --output_path`` writes, by lm-eval's own EvaluationTracker) and ``log_samples`` (its
+per-sample jsonl files beside it). The computed tasks are no lm-eval tasks: they are in quantgate's
+result (eval.json) only, never in lm-eval's files, and take neither few-shot context nor stderr.
+:mod:`quantgate.lm_eval_models` registers the same models with lm-eval (``--model quantgate``,
+``--model quantgate-mlm``) for lm-eval's own command line (``quantgate lm-eval``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 from collections.abc import Iterable
 from functools import lru_cache
@@ -37,26 +47,40 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
+from .checkpoint import load
 from .data import batches
 from .data.corpus import OfflineError, hub_reachable
 from .data.synthetic import BackcopyBatches
-from .models.families import family_of
+from .models import PACKAGED, PRESETS, build
+from .models.families import config_of, family_of
 from .models.modes import eval_mode
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .provenance import versions
+from .quant import _fingerprint, get_scheme, quantization_of, quantize
 from .stats import METRICS, aggregate
 
 if TYPE_CHECKING:
+    from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-__all__ = ["evaluate", "check_limit", "BUNDLED_TASKS", "mlm_perplexity", "mlm_documents", "backcopy_metrics"]
+__all__ = [
+    "evaluate",
+    "check_limit",
+    "check_lm_eval_options",
+    "load_for_eval",
+    "BUNDLED_TASKS",
+    "mlm_perplexity",
+    "mlm_documents",
+    "backcopy_metrics",
+]
 
 log = logging.getLogger("quantgate")
 TASK_DIR = Path(__file__).with_name("tasks")
 BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl", "quantgate_backcopy")
 COMPUTED_TASKS = ("quantgate_mlm_ppl", "quantgate_backcopy")  # scored here, not through lm-eval
 BACKCOPY_HELD_OUT_SEED = 1_000_003
+CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE = "train", 128, 8  # what --scheme calibrates on (eval, lm-eval)
 OFFLINE_EQUIVALENTS = {
     "wikitext": "quantgate_ppl",
     "lambada_openai": "quantgate_cloze",
@@ -90,6 +114,66 @@ def check_limit(limit: int | float | None) -> int | float | None:
     return int(limit) if limit >= 1 else float(limit)
 
 
+def check_lm_eval_options(
+    num_fewshot: int | None = None,
+    bootstrap_iters: int = 0,
+    output_path: str | os.PathLike[str] | None = None,
+    log_samples: bool = False,
+) -> None:
+    """Refuse, with one line naming the fix, lm-eval options that cannot work: a negative or fractional
+    ``num_fewshot`` (examples) or ``bootstrap_iters`` (resamples), ``log_samples`` without ``output_path``,
+    an ``output_path`` that is an existing file not named ``*.json``."""
+    for name, value in (
+        ("num_fewshot (--num-fewshot)", num_fewshot),
+        ("bootstrap_iters (--bootstrap-iters)", bootstrap_iters),
+    ):
+        if value is None and name.startswith("num_fewshot"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    if log_samples and output_path is None:
+        raise ValueError(
+            "log_samples (--log-samples) writes lm-eval's per-sample files beside its results file: "
+            "give output_path (--output-path) too"
+        )
+    if output_path is not None:
+        path = Path(output_path)
+        if not str(output_path).strip():
+            raise ValueError("the output path is empty: give a directory or a file name ending in .json")
+        if path.suffix != ".json" and path.exists() and not path.is_dir():
+            raise ValueError(f"output path {path} is a file: give a directory or a file name ending in .json")
+        if path.suffix == ".json" and path.is_dir():
+            raise ValueError(f"output path {path} is a directory named *.json: lm-eval would take it for a file name")
+
+
+def load_for_eval(
+    source: str,
+    variant: str | None = None,
+    scheme: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> nn.Module:
+    """The model ``quantgate eval SOURCE [--variant V] [--scheme S]`` evaluates, and lm-eval's ``--model
+    quantgate`` / ``quantgate-mlm`` load: a packaged checkpoint or directory through :func:`quantgate.load`
+    (float or quantized), another preset name built fresh (seed 0); with ``scheme``, quantized after
+    calibrating on the train split (128-token sequences, batches of 8: ``CALIB_*``)."""
+    if scheme is not None:
+        get_scheme(scheme)  # an unknown scheme or option fails before the model loads
+    if source in PRESETS and source not in PACKAGED and not Path(source).exists():
+        model = build(source, variant, dtype=dtype)
+    else:
+        model = load(source, variant, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    if scheme is not None:
+        family = family_of(model)
+        family.check_seq_len(config_of(model), CALIB_SEQ_LEN)
+        calib = batches(get_tokenizer(model), CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE, family.objective)
+        model = quantize(model, scheme, calibration=calib)
+    return model
+
+
 def evaluate(
     model: nn.Module,
     tokenizer: PreTrainedTokenizerBase | None = None,
@@ -98,26 +182,48 @@ def evaluate(
     limit: int | float | None = None,
     batch_size: int | str = "auto",
     max_length: int | None = None,
+    num_fewshot: int | None = None,
+    bootstrap_iters: int = 0,
+    output_path: str | os.PathLike[str] | None = None,
+    log_samples: bool = False,
+    model_args: dict[str, Any] | None = None,
 ) -> dict:
     """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
     "documents": {task: {column: [one value per document]}}, "settings": ..., "versions": ...}`` with what
-    is needed to reproduce the numbers."""
+    is needed to reproduce the numbers.
+
+    lm-eval's options apply to the lm-eval tasks (not the computed ones, ``COMPUTED_TASKS``):
+    ``num_fewshot`` examples of context (None: each task's default, 0 for the bundled ones; perplexity
+    tasks score each document alone whatever it says, as in lm-eval); ``bootstrap_iters`` > 0 adds
+    lm-eval's standard error as ``<metric>_stderr`` where lm-eval has one (means in closed form,
+    perplexity by that many bootstrap resamples; word/byte perplexity have none); ``output_path``
+    writes lm-eval's own results file (``DIR/<model>/results_<date>.json``, or ``NAME_<date>.json``
+    for a ``NAME.json`` path) and ``log_samples`` its ``samples_<task>_<date>.jsonl`` beside it, both
+    by lm-eval's EvaluationTracker; the paths are returned under ``"lm_eval_output"``. The computed
+    tasks appear in neither file. ``model_args`` (e.g. ``{"pretrained": DIR, "scheme": S}``) is what
+    lm-eval's file records as the model's arguments, with ``quantgate`` (``quantgate-mlm``) as its
+    model, the lm-eval model that loads the same thing; without it the file records the model as
+    lm-eval records any pre-built one (its name, no arguments)."""
     limit = check_limit(limit)
+    check_lm_eval_options(num_fewshot, bootstrap_iters, output_path, log_samples)
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     family = family_of(model)
     _check_vocabulary(model, tokenizer)
     _check_tasks(tasks, family.objective)
+    lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
+    _check_lm_eval_tasks(lm_tasks, tasks, num_fewshot, bootstrap_iters, output_path)
     if batch_size == "auto":
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
     max_length = max_length or _context_length(model)
     results: dict[str, dict] = {}
     documents: dict[str, dict] = {}
-    lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
+    written: dict[str, Any] | None = None
     if lm_tasks:
         lm_eval = _require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
+        tracker = _tracker(output_path)
         with eval_mode(model):
             manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
             out = lm_eval.simple_evaluate(
@@ -125,8 +231,11 @@ def evaluate(
                 tasks=lm_tasks,
                 task_manager=manager,
                 limit=limit,
+                batch_size=batch_size,  # recorded in lm-eval's config (the model is built already)
+                num_fewshot=num_fewshot,
                 log_samples=True,
-                bootstrap_iters=0,
+                bootstrap_iters=bootstrap_iters,
+                evaluation_tracker=tracker,
                 verbosity="ERROR",
             )
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
@@ -137,25 +246,38 @@ def evaluate(
                 if samples
             }
         )
+        if tracker is not None:  # after _documents: lm-eval's sample writer rewrites the samples in place
+            objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
+            written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
+            skipped = [t for t in tasks if t in COMPUTED_TASKS]
+            if skipped:
+                log.info(f"{', '.join(skipped)}: computed by quantgate, not lm-eval: in quantgate's result only")
     if "quantgate_mlm_ppl" in tasks:
         documents["quantgate_mlm_ppl"] = mlm_documents(model, tokenizer, limit=limit)
         results["quantgate_mlm_ppl"] = {"perplexity": aggregate(documents["quantgate_mlm_ppl"], "perplexity")}
     if "quantgate_backcopy" in tasks:
         documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
         results["quantgate_backcopy"] = _backcopy_results(documents["quantgate_backcopy"])
-    quant = (getattr(model.config, "quantgate", None) or {}).get("quantization")
+    quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
     return {
         "results": results,
         "documents": documents,
+        **({"lm_eval_output": written} if written is not None else {}),
         "settings": {
             "tasks": tasks,
             "limit": limit,
+            "num_fewshot": num_fewshot,
+            "bootstrap_iters": bootstrap_iters,
             "batch_size": batch_size,
             "max_length": max_length,
             "model": getattr(model.config, "_name_or_path", None) or None,
+            "model_sha256": _fingerprint(model),  # identity: quantize() records it as its source_sha256
             "family": family.name,
             "variant": str(variant_of(model)),
             "quantization": quant["scheme"] if quant else None,
+            "quantization_origin": quant.get("origin") if quant else None,
+            "source_sha256": quant.get("source_sha256") if quant else None,  # the float model it came from
+            "quantization_record": quant,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         },
         "versions": {
@@ -205,6 +327,83 @@ def _check_tasks(tasks: list[str], objective: str) -> None:
         )
 
 
+def _check_lm_eval_tasks(lm_tasks: list[str], tasks: list[str], num_fewshot, bootstrap_iters: int, output_path) -> None:
+    """lm-eval's options need at least one lm-eval task: on computed tasks alone they would do nothing."""
+    if lm_tasks:
+        return
+    asked = [
+        name
+        for name, on in (
+            ("num_fewshot", num_fewshot is not None),
+            ("bootstrap_iters", bootstrap_iters > 0),
+            ("an output path (lm-eval's results file)", output_path is not None),
+        )
+        if on
+    ]
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)} apply to lm-eval tasks, and {', '.join(tasks)} are computed by quantgate, "
+            f"not lm-eval: drop them, or add an lm-eval task (e.g. quantgate_ppl)"
+        )
+
+
+def _tracker(output_path) -> EvaluationTracker | None:
+    """lm-eval's EvaluationTracker for ``output_path``, its folder made first (an unwritable path fails
+    here, before the evaluation)."""
+    if output_path is None:
+        return None
+    from lm_eval.loggers import EvaluationTracker  # lm-eval is optional: imported at first use
+
+    path = Path(output_path)
+    try:
+        (path.parent if path.suffix == ".json" else path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write lm-eval's results to {path}: {e.strerror or e}") from None
+
+    return EvaluationTracker(output_path=str(output_path))
+
+
+def _write_lm_eval_output(
+    tracker: EvaluationTracker, out: dict, log_samples: bool, lm_model: str, model_args: dict | None, model
+) -> dict:
+    """Write lm-eval's results file (and with ``log_samples`` its per-task samples files) as ``lm_eval
+    --output_path`` does (lm_eval/_cli/run.py), through lm-eval's own tracker; the paths written."""
+    if model_args is not None:  # what `lm_eval --model quantgate --model_args ...` would record
+        out["config"]["model"], out["config"]["model_args"] = lm_model, dict(model_args)
+    name = getattr(model.config, "_name_or_path", None)
+    naming = model_args if model_args is not None else ({"pretrained": name} if name else "")
+    general = tracker.general_config_tracker  # simple_evaluate named the model CUSTOM, with a random name
+    general.log_experiment_args(
+        model_source=lm_model if model_args is not None else general.model_source,
+        model_args=naming,
+        system_instruction=general.system_instruction,
+        chat_template=general.chat_template,
+        fewshot_as_multiturn=bool(general.fewshot_as_multiturn),
+    )
+    aggregated = {k: v for k, v in out.items() if k != "samples"}
+    samples = out["samples"]
+    tracker.save_results_aggregated(results=aggregated, samples=samples if log_samples else None)
+    base = Path(tracker.output_path)
+    folder = base.parent if base.suffix == ".json" else base / str(general.model_name_sanitized)
+    date = getattr(tracker, "date_id", None)
+    if base.suffix == ".json":
+        results_file = base.with_name(f"{base.stem}_{date}.json")
+    else:
+        results_file = folder / f"results_{date}.json"
+    if date is None or not results_file.is_file():  # lm-eval logs its failure to write and goes on
+        raise OSError(f"lm-eval could not write its results under {base} (is it writable?)")
+    written: dict[str, Any] = {"results": str(results_file)}
+    if log_samples:
+        written["samples"] = {}
+        for task in aggregated["configs"]:
+            tracker.save_results_samples(task_name=task, samples=samples[task])
+            path = folder / f"samples_{task}_{date}.jsonl"
+            if not path.is_file():
+                raise OSError(f"lm-eval could not write its samples of {task} to {path}")
+            written["samples"][task] = str(path)
+    return written
+
+
 def unknown_tasks(tasks: Iterable[str]) -> list[str]:
     """The names that are neither bundled nor lm-eval tasks (lm-eval's index is read only when needed)."""
     others = [t for t in tasks if t not in BUNDLED_TASKS]
@@ -219,22 +418,17 @@ def _context_length(model: nn.Module) -> int:
 
 
 def _wrap(model, tokenizer, objective: str, batch_size, max_length):
-    if objective == "mlm":
-        return _register()(model, tokenizer, batch_size=batch_size, max_length=max_length)
-    from lm_eval.models.huggingface import HFLM  # lm-eval is optional: imported at first use
+    """The lm-eval model for ``model``: the classes lm-eval's ``--model quantgate`` / ``quantgate-mlm``
+    construct (quantgate.lm_eval_models), so both routes score with the same settings."""
+    from . import lm_eval_models  # imports lm-eval: optional, imported at first use
 
+    if objective == "mlm":
+        return lm_eval_models.PseudoLogLikelihoodLM(model, tokenizer, batch_size=batch_size, max_length=max_length)
     try:
-        # add_bos_token=False: lm-eval itself puts BOS (its prefix token) before each rolling window; a
-        # tokenizer that also prepends BOS would score a spurious extra token
-        return HFLM(
-            pretrained=model,
-            tokenizer=tokenizer,
-            batch_size=batch_size,
-            max_length=max_length,
-            backend="causal",
-            add_bos_token=False,
+        return lm_eval_models.QuantgateLM(
+            pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
         )
-    except (AssertionError, TypeError, ValueError) as e:
+    except (AssertionError, TypeError) as e:
         raise ValueError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
 
 
@@ -360,66 +554,10 @@ def _backcopy_documents(
     return docs
 
 
-@lru_cache(maxsize=1)
 def _register():
-    """Define PseudoLogLikelihoodLM and register it with lm-eval as ``quantgate-mlm``, at first use."""
+    """PseudoLogLikelihoodLM, registered with lm-eval as ``quantgate-mlm`` (with ``quantgate``) on import."""
     _require_lm_eval()
-    from lm_eval.api.model import LM  # lm-eval is optional: imported at first use
-    from lm_eval.api.registry import register_model  # lm-eval, likewise
-
-    @register_model("quantgate-mlm")
-    class PseudoLogLikelihoodLM(LM):
-        """lm-eval model for masked LMs: a text's log-likelihood is its pseudo-log-likelihood, the sum
-        over its tokens of log p(token | all other tokens) with that token masked (Salazar et al. 2020).
-        ``loglikelihood(context, continuation)`` sums over the continuation's tokens with the context
-        visible; ``is_greedy`` says whether every continuation token is the masked argmax."""
-
-        def __init__(self, model, tokenizer, batch_size: int = 16, max_length: int = 512):
-            super().__init__()
-            if tokenizer.mask_token_id is None or tokenizer.cls_token_id is None:
-                raise ValueError("pseudo-log-likelihood needs a tokenizer with [MASK], [CLS] and [SEP] (a BERT one)")
-            self.model, self.tok = model, tokenizer
-            self.batch_size = int(batch_size) if str(batch_size).isdigit() else 16
-            self.max_length = max_length
-            self._device = next(model.parameters()).device
-
-        def _pll(self, context_ids: list[int], target_ids: list[int]) -> tuple[float, bool]:
-            """Sum of log p(target token | rest) over the target tokens, masking one at a time."""
-            body = self.max_length - 2
-            context_ids = context_ids[-max(body - len(target_ids), 0) :] if body > len(target_ids) else []
-            target_ids = target_ids[-body:]
-            ids = torch.tensor([self.tok.cls_token_id, *context_ids, *target_ids, self.tok.sep_token_id])
-            positions = torch.arange(1 + len(context_ids), 1 + len(context_ids) + len(target_ids))
-            total, greedy = 0.0, True
-            for chunk in positions.split(self.batch_size):
-                batch = ids.repeat(len(chunk), 1)
-                batch[torch.arange(len(chunk)), chunk] = self.tok.mask_token_id
-                logits = self.model(input_ids=batch.to(self._device)).logits.float()
-                logp = logits[torch.arange(len(chunk)), chunk].log_softmax(-1)
-                truth = ids[chunk].to(self._device)
-                total += float(logp.gather(1, truth[:, None]).sum())
-                greedy &= bool((logp.argmax(-1) == truth).all())
-            return total, greedy
-
-        def _encode(self, text: str) -> list[int]:
-            return self.tok(text, add_special_tokens=False).input_ids
-
-        @torch.no_grad()
-        def loglikelihood(self, requests):
-            return [self._pll(self._encode(r.args[0]), self._encode(r.args[1])) for r in requests]
-
-        @torch.no_grad()
-        def loglikelihood_rolling(self, requests):
-            out = []
-            for r in requests:
-                ids, body, total = self._encode(r.args[0]), self.max_length - 2, 0.0
-                for start in range(0, len(ids), body):  # disjoint windows, each scored in full
-                    total += self._pll([], ids[start : start + body])[0]
-                out.append(total)
-            return out
-
-        def generate_until(self, requests):
-            raise NotImplementedError("masked LMs do not generate text: use loglikelihood or multiple-choice tasks")
+    from .lm_eval_models import PseudoLogLikelihoodLM  # imports lm-eval: optional, imported at first use
 
     return PseudoLogLikelihoodLM
 

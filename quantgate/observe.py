@@ -476,7 +476,8 @@ class ObserveReport:
     def markdown(self) -> str:
         s, m = self.summary, self.meta
         lines = [
-            f"# Observe: {m.get('model', 'model')} ({m.get('variant')})",
+            f"# Observe: {m.get('model', 'model')} ({m.get('variant')}"
+            + (f", quantized {m['quantization']})" if m.get("quantization") else ")"),
             "",
             f"{m['sequences']} sequences x {m['seq_len']} tokens from `{m.get('data')}`; sink = first "
             f"{m['sink_tokens']} key(s).",
@@ -624,8 +625,15 @@ def observe(
         "batches": n_batches,
         "data": getattr(batches, "split", None),
         "model": getattr(model.config, "_name_or_path", "") or None,
+        "quantization": (_quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
     }
     return ObserveReport(summary, layers, meta)
+
+
+def _quantization_of(model: nn.Module) -> dict | None:
+    from .quant import quantization_of  # import cycle: quant.mitigate imports this module
+
+    return quantization_of(model)
 
 
 def _layer_summary(layer: _Layer, decode: Decode | None, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]) -> dict:

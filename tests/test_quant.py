@@ -273,7 +273,7 @@ def test_bad_calibration():
 
 def test_corrupt_quantized_checkpoint(tmp_path):
     qg.save(qg.quantize(qg.build("tiny-llama"), "w8-int8"), tmp_path / "q")
-    f = tmp_path / "q" / "quantized.safetensors"
+    f = tmp_path / "q" / "model.safetensors"  # compressed-tensors' layout
     f.write_bytes(f.read_bytes()[:200])
     with pytest.raises(ValueError, match="corrupt or truncated"):
         qg.load(tmp_path / "q")

@@ -104,7 +104,7 @@ def _edit_json(file, **changes):
 def test_the_saved_checkpoint_loads_identically_and_records_its_weights_hash(saved, tmp_path):
     path = _copy(saved, tmp_path)
     manifest = json.loads((path / "quantization.json").read_text())
-    assert manifest["weights_sha256"] == hashlib.sha256((path / "quantized.safetensors").read_bytes()).hexdigest()
+    assert manifest["weights_sha256"] == hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
     assert torch.equal(_logits(qg.load(path)), saved[1])
 
 
@@ -138,12 +138,12 @@ def test_edited_manifest_field_is_named(saved, tmp_path, field, value, fragment)
 
 def test_changed_weights_do_not_match_the_manifest(saved, tmp_path):
     path = _copy(saved, tmp_path)
-    weights = path / "quantized.safetensors"
+    weights = path / "model.safetensors"  # compressed-tensors layout
     state = load_file(weights)
     key = next(k for k in state if k.endswith("fc1.weight"))
     state[key] = state[key] * 2
     save_file(state, weights)  # a valid file with other values
-    with pytest.raises(ValueError, match=r"quantized\.safetensors does not match the sha256 recorded in .*"
+    with pytest.raises(ValueError, match=r"model\.safetensors does not match the sha256 recorded in .*"
                                          r"quantization\.json \(field 'weights_sha256'\)"):
         qg.load(path)
 

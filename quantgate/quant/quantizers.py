@@ -46,6 +46,8 @@ __all__ = [
     "fake_fp4",
     "fake_block",
     "quantize_weight",
+    "quantize_weight_qparams",
+    "qparams",
     "RangeObserver",
 ]
 
@@ -128,7 +130,6 @@ def fake_fp4(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
 def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Round trip of ``x`` through a block-scaled format (``BLOCK``), blocks along the last dim."""
     from torchao.prototype.mx_formats.mx_tensor import MXTensor  # torchao prototype: imported at first use
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # torchao prototype
 
     elem, block = BLOCK[fmt]
     if x.shape[-1] % block:
@@ -138,11 +139,16 @@ def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
             f"whose block divides it"
         )
     xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    if fmt == "nvfp4":
-        t = NVFP4Tensor.to_nvfp4(xf, block, per_tensor_scale=per_tensor_amax_to_scale(xf.abs().amax().float()))
-    else:
-        t = MXTensor.to_mx(xf, elem, block)
+    t = _nvfp4(xf) if fmt == "nvfp4" else MXTensor.to_mx(xf, elem, block)
     return t.dequantize(torch.float32).to(x.dtype)
+
+
+def _nvfp4(x: torch.Tensor):
+    """torchao's NVFP4 tensor of ``x``: blocks of 16 along the last dim, the per-tensor scale from max |x|."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # torchao prototype
+
+    xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+    return NVFP4Tensor.to_nvfp4(xf, 16, per_tensor_scale=per_tensor_amax_to_scale(xf.abs().amax().float()))
 
 
 def fake_quant(
@@ -152,13 +158,23 @@ def fake_quant(
     Block-scaled formats ignore the range: each block's scale comes from the block."""
     if fmt in BLOCK:
         return fake_block(x, fmt), 0
+    scale, zero = qparams(lo, hi, fmt, symmetric)
+    if fmt in FP8:
+        return fake_fp8(x, scale, fmt)
+    if fmt in FP4:
+        return fake_fp4(x, scale)
+    return fake_int(x, scale, zero, INT_BITS[fmt], symmetric), 0
+
+
+def qparams(lo: torch.Tensor, hi: torch.Tensor, fmt: str, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point (float32, shaped like ``lo``) of range [lo, hi] in the integer, FP8 or FP4 format
+    ``fmt`` (the float formats' zero point is 0): ``x = (q - zero) * scale``."""
     if fmt in FP8 or fmt in FP4:
         # torchao's float8 scale (_choose_scale_float8) reads a tensor, not a calibrated range: its formula
         fmax = FP8[fmt][1] if fmt in FP8 else FP4[fmt]
         scale = (torch.maximum(lo.abs(), hi.abs()).float() / fmax).clamp_min(EPS)
-        return fake_fp8(x, scale, fmt) if fmt in FP8 else fake_fp4(x, scale)
-    scale, zero = int_qparams(lo, hi, INT_BITS[fmt], symmetric)
-    return fake_int(x, scale, zero, INT_BITS[fmt], symmetric), 0
+        return scale, torch.zeros_like(scale)
+    return int_qparams(lo, hi, INT_BITS[fmt], symmetric)
 
 
 def _grouped(w: torch.Tensor, granularity: str, group_size: int) -> torch.Tensor:
@@ -187,8 +203,27 @@ def quantize_weight(
     """Fake-quantized copy of weight ``w`` (out, in); ``estimator="mse"`` searches the clipping range
     (20 ratios in [0.5, 1] of min-max) that minimises the squared error, per group. Block-scaled formats
     take their own blocks along the input dim, whatever ``granularity`` says."""
+    return quantize_weight_qparams(w, fmt, granularity, symmetric, group_size, estimator)[0]
+
+
+@torch.no_grad()
+def quantize_weight_qparams(
+    w: torch.Tensor,
+    fmt: str,
+    granularity: str = "tensor",
+    symmetric: bool = True,
+    group_size: int = 128,
+    estimator: str = "minmax",
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`quantize_weight`, with the scale and zero point it used (float32, one per row (channel),
+    per (row, group) of ``group_size`` inputs, or a single one: shape (1,), (out, 1) or (out, in / group);
+    ``q = (w / scale).round() + zero``); for NVFP4, its FP8 block scales (as float32, (out, in / 16)) and the
+    per-tensor scale in place of the zero point; None for the MX formats, whose scales are powers of two."""
+    if fmt == "nvfp4":
+        t = _nvfp4(w)
+        return t.dequantize(torch.float32).to(w.dtype), t.scale.float(), t.per_tensor_scale.float().reshape(1)
     if fmt in BLOCK:
-        return fake_block(w, fmt)
+        return fake_block(w, fmt), None, None
     g = _grouped(w.float(), granularity, group_size)
     lo, hi = g.amin(dim=1, keepdim=True), g.amax(dim=1, keepdim=True)
     if estimator == "mse":
@@ -204,7 +239,9 @@ def quantize_weight(
     elif estimator != "minmax":
         raise ValueError(f"unknown weight range estimator {estimator!r}; valid: minmax, mse")
     q, _ = fake_quant(g, lo, hi, fmt, symmetric)
-    return q.reshape(w.shape).to(w.dtype)
+    scale, zero = qparams(lo, hi, fmt, symmetric)
+    shape = (1,) if granularity == "tensor" else (w.shape[0], -1)
+    return q.reshape(w.shape).to(w.dtype), scale.reshape(shape), zero.reshape(shape)
 
 
 LOG_LO, LOG_HI, BINS = -12.0, 8.0, 4000  # |x| histograms: 0.005 decade per bin

@@ -107,6 +107,12 @@ class Scheme:
         """Whether :func:`~quantgate.quant.quantize` needs calibration batches."""
         return False
 
+    @property
+    def export_calibration(self) -> bool:
+        """Whether saving in another tool's format takes calibration batches the simulation does not need
+        (NVFP4: compressed-tensors' activations have a static per-tensor scale, from their maximum)."""
+        return False
+
     def __str__(self) -> str:
         base = SCHEMES[self.name]
         changed = [f"{k}={printed(v)}" for k, v in _options(self).items() if _options(base).get(k) != v]
@@ -191,6 +197,10 @@ class SimulatedScheme(Scheme):
         static = self.act is not None and not self.act.dynamic
         return static or self.smooth is not None or "auto" in self.keep
 
+    @property
+    def export_calibration(self) -> bool:
+        return self.act is not None and self.act.format == "nvfp4" and not self.needs_calibration
+
 
 @dataclass(frozen=True)
 class TorchaoScheme(Scheme):
@@ -245,7 +255,7 @@ class Handler:
     same structure without calibrating, for loading a saved model (``manifest``: its quantization.json);
     ``assign``: the saved state replaces the parameters (tensor subclasses) instead of being copied in."""
 
-    apply: Callable[[nn.Module, Scheme, Callable], nn.Module]
+    apply: Callable[[nn.Module, Scheme, Callable | None], nn.Module]
     restore: Callable[[nn.Module, Scheme, dict], nn.Module]
     assign: bool = False
 

@@ -97,7 +97,7 @@ from transformers import PreTrainedModel
 from ..models.families import config_of, family_of, find_submodule, is_norm
 from ..models.swap import attention_modules
 from .mitigate import massive_ffns, smooth_
-from .quantizers import RangeObserver, fake_quant, quantize_weight
+from .quantizers import RangeObserver, fake_quant, quantize_weight, quantize_weight_qparams
 from .rotate import rotate_
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
 
@@ -109,9 +109,13 @@ __all__ = [
     "check_ranges",
     "kept_modules",
     "quantizable_linears",
+    "WEIGHT_QPARAMS",
 ]
 
 Calibrate = Callable[[nn.Module], object]  # calibrate(model) runs the calibration batches through model
+# the attribute of a quantized Linear holding its weight's (scale, zero point), float32, as
+# quantizers.quantize_weight_qparams returns them (not in the state dict: the export formats store them)
+WEIGHT_QPARAMS = "qg_weight_qparams"
 
 
 class ActQuant(nn.Module):
@@ -127,12 +131,15 @@ class ActQuant(nn.Module):
 
     lo: torch.Tensor  # buffers, registered in __init__
     hi: torch.Tensor
+    amax: torch.Tensor
 
     def __init__(self, spec: TensorQuant, name: str):
         super().__init__()
         self.spec, self.name = spec, name
         self.register_buffer("lo", torch.zeros(()))
         self.register_buffer("hi", torch.zeros(()))
+        # NVFP4: the largest |x| seen, for the static per-tensor scale of a compressed-tensors export
+        self.register_buffer("amax", torch.zeros(()), persistent=False)
         self.calibrating = not spec.dynamic
         self.observer = (
             RangeObserver(
@@ -155,6 +162,8 @@ class ActQuant(nn.Module):
             assert self.observer is not None  # a calibrating quantizer has its observer
             self.observer.update(x)
             return x
+        if self.spec.format == "nvfp4":
+            self.amax = torch.maximum(self.amax, x.detach().abs().amax().float())
         if self.spec.dynamic:
             dims = -1 if self.spec.granularity == "token" else tuple(range(x.dim()))
             lo, hi = x.detach().amin(dim=dims, keepdim=True), x.detach().amax(dim=dims, keepdim=True)
@@ -311,9 +320,11 @@ def apply_simulated(
     if scheme.weight is not None and not skeleton:
         w = scheme.weight
         for _, linear in quantizable_linears(model, scheme):
-            linear.weight.data = quantize_weight(
+            linear.weight.data, scale, zero = quantize_weight_qparams(
                 linear.weight.data, w.format, w.granularity, w.symmetric, w.group_size, w.estimator
             )
+            if scale is not None and zero is not None:  # the grid, for checkpoints in other tools' formats
+                setattr(linear, WEIGHT_QPARAMS, (scale, zero))
         if scheme.acts == "bondarenko":
             _quantize_tables(model, scheme, w)
     if scheme.act is not None:
@@ -328,6 +339,8 @@ def apply_simulated(
         _needed(calibrate, scheme)(model)
         for q in quantizers:
             q.freeze()
+    elif calibrate is not None and scheme.export_calibration:
+        calibrate(model)  # NVFP4 activations: their maxima, the static global scales of an export (quant.export)
     return model
 
 

@@ -1,0 +1,350 @@
+"""quantgate's models as lm-eval models, and ``quantgate lm-eval``: lm-eval's own command line with them.
+
+Importing this module (it imports lm-eval) registers two models in lm-eval's model registry:
+
+* ``quantgate`` (:class:`QuantgateLM`, an HFLM subclass, so every request type lm-eval has works):
+  causal LMs. ``pretrained=NAME`` is a directory, packaged checkpoint or preset, loaded by
+  :func:`quantgate.evaluate.load_for_eval` (:func:`quantgate.load`, never transformers' AutoModel:
+  quantgate's gated and quantized checkpoints are not plain transformers models), the loader
+  ``quantgate eval`` uses; ``scheme=S`` quantizes it after calibrating as ``quantgate eval --scheme``
+  does (train split, 128-token sequences, batches of 8); ``variant=V`` swaps an attention variant in
+  first; ``dtype=float32|bfloat16|float16`` loads in that dtype. HFLM's other options pass through.
+* ``quantgate-mlm`` (:class:`PseudoLogLikelihoodLM`): masked LMs, scored by pseudo-log-likelihood;
+  the same ``pretrained``, ``scheme``, ``variant`` and ``dtype``.
+
+lm-eval 0.4.13 has no plugin mechanism for models: its registry (lm_eval.api.registry) is filled from
+lm_eval.models.MODEL_MAPPING and from ``@register_model`` in imported code, it reads no entry-point
+group (its registry accepts an importlib EntryPoint as a lazy target, but nothing discovers them),
+and ``--include_path`` adds tasks only. So ``lm_eval --model quantgate`` cannot find these models,
+and :func:`main` (``quantgate lm-eval ARGS``) runs lm-eval's own command line
+(``lm_eval.__main__.cli_evaluate``) in a process that has imported this module, with ARGS unchanged
+but for ``--include_path`` set to quantgate's task folder when ARGS name none. ``--model_args`` splits
+on commas, so a scheme or variant with options of its own goes in lm-eval's JSON form:
+``--model_args '{"pretrained": "DIR", "scheme": "w8a8-int8-static:calib=4,act_bits=6"}'``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from transformers import PreTrainedTokenizerBase
+
+from .evaluate import TASK_DIR, _check_vocabulary, _context_length, load_for_eval
+from .models.families import family_of
+from .models.sources import tokenizer as get_tokenizer
+from .models.swap import variant_of
+from .quant import quantization_of
+
+__all__ = ["QuantgateLM", "PseudoLogLikelihoodLM", "main", "with_task_folder"]
+
+# HFLM options that only mean something when HFLM loads the model itself from a hub id or directory
+_LOADING_OPTIONS = {
+    "revision",
+    "subfolder",
+    "parallelize",
+    "max_memory_per_gpu",
+    "max_cpu_memory",
+    "offload_folder",
+    "tp_plan",
+    "peft",
+    "delta",
+    "autogptq",
+    "gptqmodel",
+    "gguf_file",
+    "use_fast_tokenizer",
+    "backend",  # always causal here; masked LMs are quantgate-mlm
+}
+_HFLM_OPTIONS = set(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs", "pretrained"}
+
+
+def _optional(value: object) -> str | None:
+    """A model_args value: lm-eval turns ``scheme=`` or ``scheme=None`` into "" or None."""
+    return None if value is None or str(value).strip() in ("", "None", "none") else str(value)
+
+
+def _dtype(value: object) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name in ("", "auto", "None", "none"):
+        return None
+    if name not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype {value!r}: quantgate models load as float32, bfloat16 or float16 (or auto)")
+    return getattr(torch, name)
+
+
+def _load(pretrained: object, scheme: object, variant: object, dtype: object, device: object, kind: str) -> nn.Module:
+    """The model behind ``pretrained``: an in-memory model as it is, or a name loaded by load_for_eval."""
+    if isinstance(pretrained, nn.Module):
+        given = [k for k, v in (("scheme", scheme), ("variant", variant), ("dtype", dtype)) if _optional(v)]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} apply to a model loaded by name (pretrained=DIR_OR_PRESET); "
+                f"quantize or convert an in-memory model before handing it to {kind}"
+            )
+        return pretrained
+    if _optional(pretrained) is None:
+        raise ValueError(f"{kind} needs pretrained=NAME: a model directory, packaged checkpoint or preset")
+    return load_for_eval(
+        str(pretrained),
+        _optional(variant),
+        _optional(scheme),
+        dtype=_dtype(dtype),
+        device=_device(device),
+    )
+
+
+def _device(value: object) -> str | None:
+    """lm-eval's ``--device`` (default cuda:0) as HFLM takes it: one this machine lacks falls back to
+    cuda if there is one, else the CPU; None keeps the model where it loads (the CPU)."""
+    name = _optional(value)
+    if name is None:
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {value!r} is no torch device (cpu, cuda, cuda:0, mps)") from None
+    present = {
+        "cpu": True,
+        "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
+        "mps": torch.backends.mps.is_available(),
+    }.get(device.type, False)
+    return str(device) if present else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _source(pretrained: object, model: nn.Module) -> str | None:
+    """The name the model was loaded from: ``pretrained``, or an in-memory model's ``_name_or_path``."""
+    if pretrained is not None and not isinstance(pretrained, nn.Module):
+        return str(pretrained)
+    return getattr(model.config, "_name_or_path", None) or None
+
+
+def _batch_size(model: nn.Module, batch_size: object) -> int | str:
+    """lm-eval's batch size, with ``auto`` 8 on a CPU as in quantgate eval (lm-eval's search for the
+    largest batch that fits is meant for GPU memory)."""
+    if batch_size is None or str(batch_size).startswith("auto"):
+        return 8 if next(model.parameters()).device.type == "cpu" else str(batch_size or "auto")
+    if not str(batch_size).isdigit() or int(str(batch_size)) < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1 or auto, got {batch_size!r}")
+    return int(str(batch_size))
+
+
+def _model_info(model: nn.Module, source: str | None) -> dict[str, Any]:
+    """What lm-eval's results file records about the model (its ``config``), without hub look-ups."""
+    quant = quantization_of(model)
+    return {
+        "model_num_parameters": sum(p.numel() for p in model.parameters()),
+        "model_dtype": str(next(model.parameters()).dtype),
+        "quantgate_source": source,
+        "quantgate_family": family_of(model).name,
+        "quantgate_variant": str(variant_of(model)),
+        "quantgate_quantization": quant["scheme"] if quant else None,
+    }
+
+
+@contextmanager
+def _quiet_hflm() -> Iterator[None]:
+    """HFLM warns that an in-memory model ignores its loading options; here that is the design."""
+    hf_log = logging.getLogger("lm_eval.models.huggingface")
+    level = hf_log.level
+    hf_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_log.setLevel(level)
+
+
+@register_model("quantgate")
+class QuantgateLM(HFLM):
+    """lm-eval's HFLM over a model quantgate loads (``pretrained=NAME``, optional ``scheme``, ``variant``,
+    ``dtype``) or over an in-memory causal LM (``pretrained=model``). As in ``quantgate eval``: quantgate's
+    tokenizer for the model, ``add_bos_token=False`` (lm-eval puts its prefix token, BOS, before each
+    rolling window itself; a tokenizer adding BOS again would score a spurious token), ``max_length`` the
+    model's positions (at most 4096), ``batch_size`` auto = 8 on a CPU."""
+
+    def __init__(
+        self,
+        pretrained: str | nn.Module | None = None,
+        scheme: str | None = None,
+        variant: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        batch_size: int | str | None = "auto",
+        max_length: int | None = None,
+        add_bos_token: bool = False,
+        device: str | None = None,
+        **options: Any,
+    ) -> None:
+        options.pop("trust_remote_code", None)  # lm-eval adds it for --trust_remote_code; quantgate runs none
+        refused = sorted(set(options) & _LOADING_OPTIONS)
+        if refused:
+            raise ValueError(f"--model quantgate loads through quantgate.load; {', '.join(refused)} do not apply")
+        unknown = sorted(set(options) - _HFLM_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"--model quantgate takes pretrained, scheme, variant, dtype and HFLM's options; "
+                f"not {', '.join(unknown)}"
+            )
+        model = _load(pretrained, scheme, variant, dtype, device, "--model quantgate")
+        source = _source(pretrained, model)
+        if family_of(model).objective != "clm":
+            raise ValueError(f"{source or type(model).__name__} is a masked LM: use --model quantgate-mlm")
+        if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
+            raise ValueError("tokenizer: --model quantgate uses the model's own tokenizer (qg.tokenizer); omit it")
+        tok = tokenizer if tokenizer is not None else get_tokenizer(model)
+        _check_vocabulary(model, tok)
+        with _quiet_hflm():
+            super().__init__(
+                pretrained=model,
+                tokenizer=tok,
+                batch_size=_batch_size(model, batch_size),
+                max_length=max_length or _context_length(model),
+                backend="causal",
+                add_bos_token=add_bos_token,
+                **options,
+            )
+        self.quantgate_source = source
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Parameters, dtype, source, family, variant and quantization scheme, for lm-eval's ``config``."""
+        return _model_info(self._model, self.quantgate_source)
+
+
+@register_model("quantgate-mlm")
+class PseudoLogLikelihoodLM(LM):
+    """lm-eval model for masked LMs: a text's log-likelihood is its pseudo-log-likelihood, the sum
+    over its tokens of log p(token | all other tokens) with that token masked (Salazar et al. 2020).
+    ``loglikelihood(context, continuation)`` sums over the continuation's tokens with the context
+    visible; ``is_greedy`` says whether every continuation token is the masked argmax.
+
+    Built on an in-memory model (``PseudoLogLikelihoodLM(model, tokenizer)``) or by lm-eval from
+    ``--model_args pretrained=NAME[,scheme=S][,variant=V][,dtype=D]`` (loaded as ``quantgate eval``
+    loads it). ``batch_size``: masked copies per forward pass; ``max_length`` (tokens, default the
+    model's positions) bounds each scored window, [CLS] and [SEP] included."""
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        batch_size: int | str | None = 16,
+        max_length: int | None = None,
+        *,
+        pretrained: str | nn.Module | None = None,
+        scheme: str | None = None,
+        variant: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        options.pop("trust_remote_code", None)
+        options.pop("max_batch_size", None)  # lm-eval passes it to every model; one batch size here
+        if options:
+            raise ValueError(
+                f"--model quantgate-mlm takes pretrained, scheme, variant, dtype, batch_size and max_length; "
+                f"not {', '.join(sorted(options))}"
+            )
+        if model is not None and pretrained is not None:
+            raise ValueError("give the model or pretrained=NAME, not both")
+        if model is None:
+            model = _load(pretrained, scheme, variant, dtype, device, "--model quantgate-mlm")
+            if family_of(model).objective != "mlm":
+                raise ValueError(f"{pretrained} is a causal LM: use --model quantgate")
+        elif any(_optional(v) for v in (scheme, variant, dtype)):
+            raise ValueError("scheme, variant and dtype apply to a model loaded by name (pretrained=NAME)")
+        tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
+        if tokenizer.mask_token_id is None or tokenizer.cls_token_id is None:
+            raise ValueError("pseudo-log-likelihood needs a tokenizer with [MASK], [CLS] and [SEP] (a BERT one)")
+        self.model, self.tok = model, tokenizer
+        self.batch_size = int(str(batch_size)) if str(batch_size).isdigit() else 16
+        self.max_length = max_length or _context_length(model)
+        self._device = next(model.parameters()).device
+        self.quantgate_source = _source(pretrained, model)
+
+    def _pll(self, context_ids: list[int], target_ids: list[int]) -> tuple[float, bool]:
+        """Sum of log p(target token | rest) over the target tokens, masking one at a time."""
+        body = self.max_length - 2
+        context_ids = context_ids[-max(body - len(target_ids), 0) :] if body > len(target_ids) else []
+        target_ids = target_ids[-body:]
+        ids = torch.tensor([self.tok.cls_token_id, *context_ids, *target_ids, self.tok.sep_token_id])
+        positions = torch.arange(1 + len(context_ids), 1 + len(context_ids) + len(target_ids))
+        total, greedy = 0.0, True
+        for chunk in positions.split(self.batch_size):
+            batch = ids.repeat(len(chunk), 1)
+            batch[torch.arange(len(chunk)), chunk] = self.tok.mask_token_id
+            logits = self.model(input_ids=batch.to(self._device)).logits.float()
+            logp = logits[torch.arange(len(chunk)), chunk].log_softmax(-1)
+            truth = ids[chunk].to(self._device)
+            total += float(logp.gather(1, truth[:, None]).sum())
+            greedy &= bool((logp.argmax(-1) == truth).all())
+        return total, greedy
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False).input_ids
+
+    @torch.no_grad()
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        """Per request (context, continuation): the continuation's summed PLL (nats) and is_greedy."""
+        return [self._pll(self._encode(r.args[0]), self._encode(r.args[1])) for r in requests]
+
+    @torch.no_grad()
+    def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+        """Per request (text,): the text's summed PLL (nats) over disjoint windows of max_length - 2 tokens."""
+        out = []
+        for r in requests:
+            ids, body, total = self._encode(r.args[0]), self.max_length - 2, 0.0
+            for start in range(0, len(ids), body):  # disjoint windows, each scored in full
+                total += self._pll([], ids[start : start + body])[0]
+            out.append(total)
+        return out
+
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        """Masked LMs do not generate: refused."""
+        raise NotImplementedError("masked LMs do not generate text: use loglikelihood or multiple-choice tasks")
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Parameters, dtype, source, family, variant and quantization scheme, for lm-eval's ``config``."""
+        return _model_info(self.model, self.quantgate_source)
+
+
+_HELP = ("-h", "--help")
+
+
+def with_task_folder(argv: Sequence[str]) -> list[str]:
+    """``argv`` for lm-eval's command line with ``--include_path`` quantgate's task folder appended when
+    it names none (and it asks for more than help); otherwise unchanged."""
+    args = list(argv)
+    given = any(a == "--include_path" or a.startswith("--include_path=") or a.startswith("--incl") for a in args)
+    if given or len(args) < 2 or any(a in _HELP for a in args):
+        return args
+    return [*args, "--include_path", str(TASK_DIR)]
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run lm-eval's own command line (``lm_eval.__main__.cli_evaluate``) on ``argv`` with quantgate's
+    models registered (this module's import) and its task folder on the include path
+    (:func:`with_task_folder`); returns lm-eval's exit status (0, or 2 for a usage error)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *with_task_folder(argv)]
+    try:
+        cli_evaluate()
+    except SystemExit as e:  # argparse's --help (0) and usage errors (2)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        return int(e.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
