@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
+from .files import refuse_same, staged_dir
 from .models import io as model_io
 from .models.sources import resolve
 from .variants import VariantLike
@@ -23,6 +25,21 @@ from .variants import VariantLike
 __all__ = ["save", "load", "dedupe", "QUANTIZED_MANIFEST"]
 
 QUANTIZED_MANIFEST = "quantization.json"  # its presence marks a quantized checkpoint
+# the files a checkpoint folder consists of (float or quantized, any layout): a save replaces them all
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    QUANTIZED_MANIFEST,
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template.jinja",
+)
 
 
 def save(
@@ -33,14 +50,30 @@ def save(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Save a float or quantized model (and its tokenizer) to directory ``path``; ``dtype``: the storage dtype
-    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.checkpoint.save_quantized`)."""
-    if (getattr(model.config, "quantgate", None) or {}).get("quantization"):
-        from .quant.checkpoint import save_quantized  # import cycle: quant.checkpoint imports this module
+    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.checkpoint.save_quantized`).
 
-        return save_quantized(model, path, tokenizer, dtype=dtype)
-    if dtype is not None:
+    The checkpoint is written beside ``path`` and then moved in, replacing every checkpoint file there
+    (:data:`CHECKPOINT_FILES`; other files stay), so a float model saved where a quantized one was leaves
+    no manifest or quantized weights behind. A save that fails (a full disk) leaves ``path`` as it was and
+    says so in one line. A quantized model is not saved over the float checkpoint it was quantized from."""
+    quantization = (getattr(model.config, "quantgate", None) or {}).get("quantization")
+    if dtype is not None and not quantization:
         raise ValueError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
-    return model_io.save(model, path, tokenizer)
+    source = (quantization or {}).get("source_model")
+    if source and Path(str(source)).is_dir():
+        refuse_same(path, source, "the float checkpoint this model was quantized from")
+    try:
+        with staged_dir(path, CHECKPOINT_FILES) as staged:
+            if quantization:
+                from .quant.checkpoint import save_quantized  # import cycle: quant.checkpoint imports this module
+
+                save_quantized(model, staged, tokenizer, dtype=dtype)
+            else:
+                model_io.save(model, staged, tokenizer)
+    except (OSError, SafetensorError) as e:  # a full or read-only disk
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        raise ValueError(f"cannot save the model to {path}: {reason}; {path} is left as it was") from None
+    return Path(path)
 
 
 def load(

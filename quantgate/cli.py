@@ -15,13 +15,25 @@ from .checkpoint import load, save
 from .data import batches
 from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
-from .evaluate import _require_lm_eval, check_limit, check_lm_eval_options, evaluate, load_for_eval
+from .evaluate import (
+    NonFiniteOutputs,
+    _require_lm_eval,
+    check_limit,
+    check_lm_eval_options,
+    evaluate,
+    load_for_eval,
+)
+from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
+from .models.presets import preset_config
+from .models.sources import resolve
 from .observe import observe
+from .options import check_range
 from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
 from .runlock import RunDirectoryBusy, run_lock
 from .study import DEFAULT_STUDY, plan, run_study
 from .study.report import compare, write_study_report
+from .study.schema import SECTION_RULES
 from .train import TrainConfig, TrainingDiverged, train
 from .variants import AttentionVariant
 
@@ -87,7 +99,35 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output(out: str | None, *inputs: str | None, what: str = "--out") -> None:
+    """Check the output directory ``out`` (when given) before the work: writable, and not the folder of one
+    of the ``inputs`` (model directories; links and .. resolved), whose files the output would overwrite."""
+    if out is None:
+        return
+    for source in inputs:
+        if source and Path(source).exists():
+            refuse_same(out, resolve(source).resolve(), "the directory of the model it reads")
+    writable_dir(out, what, create=False)  # a command refused later leaves no folder behind
+
+
+def _option(dest: str) -> str:
+    """The command line's name of a setting: batch_size -> --batch-size."""
+    return "--" + dest.replace("_", "-")
+
+
+def _check_options(args: argparse.Namespace, section: str, options: dict[str, str]) -> None:
+    """Each option in the range a study file's ``section`` allows the same setting (``options``: the option's
+    argparse dest -> the section's key): one definition of what the two doors accept."""
+    for dest, key in options.items():
+        check_range(_option(dest), getattr(args, dest), SECTION_RULES[section][key][1])
+
+
 def cmd_observe(args: argparse.Namespace) -> int:
+    keys = {"seq_len": "seq_len", "batch_size": "batch_size", "max_batches": "batches", "sink_tokens": "sink_tokens"}
+    _check_options(args, "observe", keys)
+    if args.sink_tokens >= args.seq_len:
+        raise ValueError(f"--sink-tokens ({args.sink_tokens}) must be fewer than --seq-len ({args.seq_len})")
+    _output(args.out)
     model = _load_or_build(args.model, args.variant)
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
     report = observe(model, data, sink_tokens=args.sink_tokens)
@@ -104,13 +144,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return 0
     if not args.model or not args.scheme:
         raise ValueError("quantize needs a model and --scheme (quantgate quantize --list shows the schemes)")
+    _check_options(args, "calibration", {"calib": "batches", "seq_len": "seq_len", "batch_size": "batch_size"})
     scheme = get_scheme(args.scheme)
+    _output(args.out, args.model)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant)
     tok = tokenizer(model)
     held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
     needs = scheme.needs_calibration or (args.out and scheme.export_calibration)
     calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if needs else None
-    q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib else {}))
+    q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib is not None else {}))
     report = quant_error(model, q, held_out, max_batches=2)
     print(
         f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
@@ -120,18 +162,15 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
     if args.out:
         save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
-        fmt = json.loads((Path(args.out) / "quantization.json").read_text())["format"]
-        why = json.loads((Path(args.out) / "config.json").read_text()).get("quantgate", {}).get("load_with")
+        fmt = read_json(Path(args.out) / "quantization.json").get("format")
+        why = (read_json(Path(args.out) / "config.json").get("quantgate") or {}).get("load_with")
         print(f"wrote {args.out} ({fmt} format: " + (why or "transformers, lm-eval and vLLM load it") + ")")
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    check_limit(args.limit)  # before the model loads and calibrates
-    check_lm_eval_options(args.num_fewshot, args.bootstrap_iters, args.output_path, args.log_samples)
-    model = load_for_eval(args.model, args.variant, args.scheme)  # what `--model quantgate` loads, too
-    model_args = {"pretrained": args.model, "scheme": args.scheme, "variant": args.variant}
-    result = evaluate(
+def _evaluate(args: argparse.Namespace, model, model_args: dict) -> dict:
+    """``quantgate eval``'s call of :func:`evaluate` with its options."""
+    return evaluate(
         model,
         tokenizer(model),
         [t.strip() for t in args.tasks.split(",") if t.strip()],
@@ -143,6 +182,25 @@ def cmd_eval(args: argparse.Namespace) -> int:
         log_samples=args.log_samples,
         model_args={k: v for k, v in model_args.items() if v is not None},
     )
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    check_limit(args.limit)  # before the model loads and calibrates
+    _check_options(args, "eval", {"batch_size": "batch_size"})
+    check_lm_eval_options(args.num_fewshot, args.bootstrap_iters, args.output_path, args.log_samples)
+    _output(args.out)
+    if args.output_path:  # a directory, or a results file name ending in .json
+        lm_out = Path(args.output_path)
+        _output(str(lm_out.parent if lm_out.suffix == ".json" else lm_out), what="--output-path")
+    model = load_for_eval(args.model, args.variant, args.scheme)  # what `--model quantgate` loads, too
+    model_args = {"pretrained": args.model, "scheme": args.scheme, "variant": args.variant}
+    try:
+        result = _evaluate(args, model, model_args)
+    except NonFiniteOutputs as e:  # keep the tasks that finished before the one that failed
+        if args.out and e.partial.get("results"):
+            write_text_atomic(Path(args.out) / "eval.partial.json", json.dumps(e.partial, indent=1))
+            raise ValueError(f"{e} (the tasks finished before it: {Path(args.out) / 'eval.partial.json'})") from None
+        raise
     for task, metrics in result["results"].items():
         shown = [
             f"{k} {v:.4g}" + (f" ± {metrics[k + '_stderr']:.2g}" if k + "_stderr" in metrics else "")
@@ -152,8 +210,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{task}: " + ", ".join(shown))
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps(result, indent=1))
+        write_text_atomic(out / "eval.json", json.dumps(result, indent=1))
         print(f"wrote {out / 'eval.json'}")
     for path in _lm_eval_files(result.get("lm_eval_output")):
         print(f"wrote {path}")
@@ -185,13 +242,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = _config_overrides(args.config)
     if overrides and not args.preset:
         raise ValueError("--config changes a preset's shape; it does not apply to --model checkpoints")
-    model = (
-        build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
-    )
-    if args.objective and args.objective != _objective(model):
-        raise ValueError(
-            f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} does not fit it"
-        )
     fields = {
         k: getattr(args, k)
         for k in (
@@ -208,14 +258,31 @@ def cmd_train(args: argparse.Namespace) -> int:
             "seed",
             "out",
             "resume",
+            "overwrite",
             "stop_after",
             "schedule",
             "log_with",
         )
         if getattr(args, k) is not None
     }
-    train(model, tokenizer(model), config=TrainConfig(**fields))
-    if args.out:
+    config = TrainConfig(**fields).check(_option)  # the ranges a study's train: has, before the model builds
+    if args.preset:
+        preset_config(args.preset, overrides)  # the check a study's config: has, before anything is written
+    _output(args.out)  # before the model builds and trains
+    model = (
+        build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
+    )
+    if args.objective and args.objective != _objective(model):
+        raise ValueError(
+            f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} does not fit it"
+        )
+    train(model, tokenizer(model), config=config)
+    if args.out and config.stop_after is not None and config.stop_after < config.steps:
+        print(
+            f"stopped at step {config.stop_after}: wrote {args.out}/checkpoints/step-{config.stop_after} and "
+            f"log.jsonl; continue with --resume"
+        )
+    elif args.out:
         print(f"wrote {args.out}/model, log.jsonl, training.png")
     return 0
 
@@ -262,6 +329,14 @@ def cmd_build_tokenizers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_or_text(text: str) -> int | str:
+    """An option that takes a number or a word ('auto'): the number as an int, so that its range is checked."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
 
@@ -305,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--scheme", help="quantize with this scheme first (calibration on the train split)")
     ev.add_argument("--variant", help="attention variant to swap in first")
     ev.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
-    ev.add_argument("--batch-size", default="auto")
+    ev.add_argument("--batch-size", default="auto", type=_int_or_text, help="'auto' or a number >= 1")
     ev.add_argument("--out", help="write eval.json here (quantgate compare reads it)")
     ev.add_argument(
         "--num-fewshot", type=int, help="few-shot examples per lm-eval task (lm-eval's --num_fewshot; default: 0)"
@@ -378,6 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log to TensorBoard (out/tensorboard/, through accelerate's trackers; pip install tensorboard)",
     )
     tr.add_argument("--resume", action="store_true", default=None, help="continue from the last checkpoint in --out")
+    tr.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="remove an earlier run's files from --out first (without it or --resume, a run there is refused)",
+    )
     tr.set_defaults(func=cmd_train)
     st = sub.add_parser("study", help="run a study YAML: train/load -> observe -> quantize -> evaluate -> report")
     st.add_argument("study", nargs="?", help="study file (default: the quickstart study shipped with quantgate)")
@@ -417,6 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a read-only or forbidden path: one line naming the file
+        line = os_error_line(e)
+        if line is None or args.debug:
+            raise
+        print(f"quantgate {args.command}: error: {line}", file=sys.stderr)
         return 2
 
 

@@ -54,8 +54,10 @@ from .data.synthetic import BackcopyBatches
 from .models import PACKAGED, PRESETS, build
 from .models.families import config_of, family_of
 from .models.modes import eval_mode
+from .models.sources import check_vocabulary as _check_vocabulary  # lm_eval_models imports it from here too
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
+from .options import AT_LEAST_1, check_range
 from .provenance import versions
 from .quant import _fingerprint, get_scheme, quantization_of, quantize
 from .stats import METRICS, aggregate
@@ -73,6 +75,7 @@ __all__ = [
     "mlm_perplexity",
     "mlm_documents",
     "backcopy_metrics",
+    "NonFiniteOutputs",
 ]
 
 log = logging.getLogger("quantgate")
@@ -146,6 +149,15 @@ def check_lm_eval_options(
             raise ValueError(f"output path {path} is a directory named *.json: lm-eval would take it for a file name")
 
 
+class NonFiniteOutputs(ValueError):
+    """The model's log-likelihood of a task's document is NaN or inf (its outputs are). ``partial``: what
+    :func:`evaluate` returns, over the tasks finished before it with finite outputs."""
+
+    def __init__(self, message: str, partial: dict):
+        super().__init__(message)
+        self.partial = partial
+
+
 def load_for_eval(
     source: str,
     variant: str | None = None,
@@ -166,6 +178,15 @@ def load_for_eval(
         model = load(source, variant, dtype=dtype)
     if device is not None:
         model = model.to(device)
+    record = quantization_of(model) if scheme is not None else None
+    if record is not None:
+        source_model = record.get("source_model")
+        raise ValueError(
+            f"{source} is already quantized ({record['scheme']}); scheme (--scheme) quantizes a float model: "
+            f"evaluate {source} as it is, without a scheme, or give its float source"
+            + (f" ({source_model})" if source_model else "")
+            + " with the scheme"
+        )
     if scheme is not None:
         family = family_of(model)
         family.check_seq_len(config_of(model), CALIB_SEQ_LEN)
@@ -205,6 +226,8 @@ def evaluate(
     model, the lm-eval model that loads the same thing; without it the file records the model as
     lm-eval records any pre-built one (its name, no arguments)."""
     limit = check_limit(limit)
+    if batch_size != "auto":  # lm-eval takes "auto" or a count
+        check_range("batch_size", batch_size, AT_LEAST_1)
     check_lm_eval_options(num_fewshot, bootstrap_iters, output_path, log_samples)
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -219,6 +242,54 @@ def evaluate(
     results: dict[str, dict] = {}
     documents: dict[str, dict] = {}
     written: dict[str, Any] | None = None
+
+    def result() -> dict:  # what is returned, and what a NonFiniteOutputs error keeps
+        quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
+        return {
+            "results": results,
+            "documents": documents,
+            **({"lm_eval_output": written} if written is not None else {}),
+            "settings": {
+                "tasks": tasks,
+                "limit": limit,
+                "num_fewshot": num_fewshot,
+                "bootstrap_iters": bootstrap_iters,
+                "batch_size": batch_size,
+                "max_length": max_length,
+                "model": getattr(model.config, "_name_or_path", None) or None,
+                "model_sha256": _fingerprint(model),  # identity: quantize() records it as its source_sha256
+                "family": family.name,
+                "variant": str(variant_of(model)),
+                "quantization": quant["scheme"] if quant else None,
+                "quantization_origin": quant.get("origin") if quant else None,
+                "source_sha256": quant.get("source_sha256") if quant else None,  # the float model it came from
+                "quantization_record": quant,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            },
+            "versions": {
+                **versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
+                "python": platform.python_version(),
+            },
+        }
+
+    def refuse_non_finite(scored: dict[str, list[tuple[Any, list[float]]]]) -> None:
+        """Raise NonFiniteOutputs naming the first task and document with a NaN or inf score (``scored``:
+        per task, (document id, its scores)), keeping the other tasks' results."""
+        bad = {task: found for task, docs in scored.items() if (found := _first_non_finite(docs)) is not None}
+        if not bad:
+            return
+        for task in bad:
+            results.pop(task, None)
+            documents.pop(task, None)
+        task, (doc, value) = next(iter(bad.items()))
+        others = f" (and {len(bad) - 1} more task(s): {', '.join(list(bad)[1:])})" if len(bad) > 1 else ""
+        raise NonFiniteOutputs(
+            f"{task}: document {doc} scores a log-likelihood of {value}{others}: the model's outputs are NaN or inf "
+            f"there, so no metric can be computed; find the first non-finite activation (quantgate observe) and "
+            f"fix the model or its quantization",
+            result(),
+        )
+
     if lm_tasks:
         lm_eval = _require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
@@ -237,6 +308,7 @@ def evaluate(
                 bootstrap_iters=bootstrap_iters,
                 evaluation_tracker=tracker,
                 verbosity="ERROR",
+                confirm_run_unsafe_code=False,  # a task's own code never runs (as a checkpoint's never does)
             )
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
         documents.update(
@@ -246,6 +318,7 @@ def evaluate(
                 if samples
             }
         )
+        refuse_non_finite({t: [(x["doc_id"], _floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()})
         if tracker is not None:  # after _documents: lm-eval's sample writer rewrites the samples in place
             objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
             written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
@@ -254,37 +327,14 @@ def evaluate(
                 log.info(f"{', '.join(skipped)}: computed by quantgate, not lm-eval: in quantgate's result only")
     if "quantgate_mlm_ppl" in tasks:
         documents["quantgate_mlm_ppl"] = mlm_documents(model, tokenizer, limit=limit)
+        refuse_non_finite({"quantgate_mlm_ppl": _scored(documents["quantgate_mlm_ppl"])})
         results["quantgate_mlm_ppl"] = {"perplexity": aggregate(documents["quantgate_mlm_ppl"], "perplexity")}
     if "quantgate_backcopy" in tasks:
         documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
+        refuse_non_finite({"quantgate_backcopy": _scored(documents["quantgate_backcopy"])})
         results["quantgate_backcopy"] = _backcopy_results(documents["quantgate_backcopy"])
-    quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
-    return {
-        "results": results,
-        "documents": documents,
-        **({"lm_eval_output": written} if written is not None else {}),
-        "settings": {
-            "tasks": tasks,
-            "limit": limit,
-            "num_fewshot": num_fewshot,
-            "bootstrap_iters": bootstrap_iters,
-            "batch_size": batch_size,
-            "max_length": max_length,
-            "model": getattr(model.config, "_name_or_path", None) or None,
-            "model_sha256": _fingerprint(model),  # identity: quantize() records it as its source_sha256
-            "family": family.name,
-            "variant": str(variant_of(model)),
-            "quantization": quant["scheme"] if quant else None,
-            "quantization_origin": quant.get("origin") if quant else None,
-            "source_sha256": quant.get("source_sha256") if quant else None,  # the float model it came from
-            "quantization_record": quant,
-            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        },
-        "versions": {
-            **versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
-            "python": platform.python_version(),
-        },
-    }
+
+    return result()
 
 
 def _require_lm_eval():
@@ -294,15 +344,6 @@ def _require_lm_eval():
     except ImportError as e:
         raise ModuleNotFoundError(f"evaluation needs lm-eval (pip install lm-eval==0.4.13): {e}") from None
     return lm_eval
-
-
-def _check_vocabulary(model, tokenizer) -> None:
-    vocab = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > vocab:
-        raise ValueError(
-            f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab}: they do not "
-            f"belong together; use qg.tokenizer(model)"
-        )
 
 
 def _check_tasks(tasks: list[str], objective: str) -> None:
@@ -460,6 +501,23 @@ def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
         docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
     return docs
+
+
+def _floats(value: Any) -> list[float]:
+    """The numbers in a logged sample's responses (nested lists and tuples; strings and flags skipped)."""
+    if isinstance(value, (list, tuple)):
+        return [f for v in value for f in _floats(v)]
+    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def _first_non_finite(scored: list[tuple[Any, list[float]]]) -> tuple[Any, float] | None:
+    """(document id, score) of the first NaN or inf score in ``scored``: (document id, its scores)."""
+    return next(((doc, v) for doc, values in scored for v in values if not math.isfinite(v)), None)
+
+
+def _scored(docs: dict) -> list[tuple[Any, list[float]]]:
+    """(document id, [its log-likelihood]) of a computed task's documents."""
+    return [(i, [ll]) for i, ll in zip(docs["ids"], docs["loglikelihood"], strict=True)]
 
 
 def _number(v) -> int | float:

@@ -1,18 +1,262 @@
-"""Files written whole or not at all: a reader (or a run killed mid-write) never leaves half a file."""
+"""The file layer: what quantgate reads and writes, one way.
+
+* Written whole or not at all: a reader (or a run killed mid-write) never sees half a file
+  (:func:`write_text_atomic`), a folder of files is replaced as one (:func:`staged_dir`), and an output
+  directory is checked before the work that fills it (:func:`writable_dir`, :func:`folder_name`,
+  :func:`refuse_same`); a write that fails on a full or read-only disk is one line (:func:`os_error_line`).
+* Read with the file named: :func:`read_json` bounds the size, checks the top-level type and names the file
+  in every error.
+* Keyed by content: :func:`content_sha256` hashes a file or folder, remembering each file's hash under its
+  size, times and inode so an unchanged file is not read twice.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fnmatch
+import hashlib
+import json
 import os
+import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["write_text_atomic"]
+__all__ = [
+    "write_text_atomic",
+    "read_json",
+    "json_kind",
+    "JSON_LIMIT",
+    "content_sha256",
+    "writable_dir",
+    "is_folder_name",
+    "folder_name",
+    "refuse_same",
+    "staged_dir",
+    "os_error_line",
+]
+
+JSON_LIMIT = 1 << 30  # bytes: the most read_json reads by default (a study's metrics.json is a few MB)
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file beside it and one rename; parents are created."""
+    """Write ``text`` to ``path`` through a temporary file beside it and one rename; parents are created.
+    A failed write (a full disk) removes its temporary file and leaves ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename == str(tmp):
+            e.filename = str(path)  # the file the user asked for, not its temporary name
+        raise
     return path
+
+
+# --- reading ----------------------------------------------------------------------------------------
+
+
+def json_kind(value: object) -> str:
+    """JSON's name for the type of ``value``: object, array, string, number, boolean or null."""
+    kinds = ((dict, "object"), (list, "array"), (str, "string"), (bool, "boolean"), ((int, float), "number"))
+    return next((name for typ, name in kinds if isinstance(value, typ)), "null")
+
+
+def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: int = JSON_LIMIT, fix: str = "") -> Any:
+    """The JSON value in file ``path`` (UTF-8, at most ``limit`` bytes), which must be of type ``kind``
+    (``dict``: an object; ``list``: an array; ``object``: any value). Anything else, a missing, unreadable,
+    truncated or oversized file included, is a one-line ValueError ``cannot read <path>: <why>``, followed
+    by ``fix`` (what to do about it) where given."""
+    path = Path(path)
+
+    def fail(why: str) -> ValueError:
+        return ValueError(f"cannot read {path}: {why}" + (f"; {fix}" if fix else ""))
+
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(limit + 1)
+    except OSError as e:
+        raise fail(e.strerror or str(e)) from None
+    if len(raw) > limit:
+        raise fail(f"it holds more than {limit:,} bytes, the most read here")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise fail(f"it is not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise fail(str(e)) from None  # "Expecting ',' delimiter: line 1 column 5 (char 4)": where it breaks
+    except RecursionError:
+        raise fail("its JSON is nested too deeply") from None
+    if not isinstance(data, kind):
+        wanted = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
+        raise fail(f"it holds a JSON {json_kind(data)}, not {'an' if wanted[0] in 'aeiou' else 'a'} {wanted}")
+    return data
+
+
+# --- content keys -----------------------------------------------------------------------------------
+
+_CHUNK = 8 << 20
+
+
+def content_sha256(path: str | Path, *, patterns: Iterable[str] = ("*",), memo: str | Path | None = None) -> str:
+    """sha256 of the content of file ``path`` (its bytes' sha256), or of folder ``path``: of the relative
+    names and contents of the files in it and below whose names match one of ``patterns`` (hidden files and
+    folders aside). With ``memo`` (a JSON file), each file's hash is remembered there under its path, size,
+    modification and change times and inode, so a file left as it is is not read again, while a file
+    rewritten, replaced or copied over (which changes at least its change time) always is."""
+    path = Path(path)
+    patterns = tuple(patterns)
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            and any(fnmatch.fnmatch(p.name, pat) for pat in patterns)
+        )
+    known = _read_memo(memo)
+    changed = False
+    digests = []
+    for f in files:
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        entry = known.get(str(f.resolve()))
+        if isinstance(entry, list) and entry[:4] == stamp and len(entry) == 5:
+            digest = entry[4]
+        else:
+            digest = _file_sha256(f)
+            known[str(f.resolve())], changed = [*stamp, digest], True
+        digests.append((f.relative_to(path).as_posix() if f != path else "", digest))
+    if memo is not None and changed:
+        with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+            kept = {k: v for k, v in known.items() if Path(k).is_file()}
+            write_text_atomic(memo, json.dumps(kept, indent=0, sort_keys=True))
+    if path.is_file():
+        return digests[0][1]
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
+
+
+def _read_memo(memo: str | Path | None) -> dict[str, Any]:
+    if memo is None or not Path(memo).is_file():
+        return {}
+    try:
+        return read_json(memo)
+    except ValueError:  # a corrupt memo: every file is hashed again
+        return {}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+
+def writable_dir(directory: str | Path, what: str = "--out", create: bool = True) -> Path:
+    """``directory``, checked writable (a file is made and removed there) before the work that fills it, and
+    created where missing (``create=False``: left missing, its nearest existing parent checked instead, so a
+    command refused later leaves nothing behind); a one-line ValueError naming it (``what``: the option that
+    gave it) otherwise."""
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"{what} {directory} is a file, not a directory; choose a directory")
+    try:
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        existing = next(d for d in (directory, *directory.absolute().parents) if d.exists())
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        _probe(existing)
+    except OSError as e:
+        raise ValueError(
+            f"{what} {directory}: cannot write there ({e.strerror or e}); choose a writable directory"
+        ) from None
+    return directory
+
+
+def _probe(directory: Path) -> None:
+    """Make and remove a file in ``directory`` (OSError where that cannot be done)."""
+    probe = directory / f".quantgate-write-test.{os.getpid()}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def is_folder_name(name: str) -> bool:
+    """Whether ``name`` names a folder inside its parent: not empty, ``.`` or ``..``, no path separator."""
+    return name not in ("", ".", "..") and not {"/", "\\", "\0"} & set(name)
+
+
+def folder_name(name: str, what: str) -> str:
+    """``name`` where :func:`is_folder_name`; else a one-line ValueError (``what``: where the name comes from)."""
+    if not is_folder_name(name):
+        raise ValueError(
+            f"{what} {name!r} must name a folder inside its parent: not empty, '.' or '..', without / or \\"
+        )
+    return name
+
+
+def refuse_same(out: str | Path, source: str | Path, what: str) -> None:
+    """A one-line ValueError where the output folder ``out`` is the folder ``source`` (``what``: what that
+    folder holds), links and ``..`` resolved: writing there would overwrite it."""
+    if Path(out).resolve() == Path(source).resolve():
+        spelt = f" ({source})" if str(source) != str(out) else ""
+        raise ValueError(f"{out} is {what}{spelt}: writing there would overwrite it; write to another directory")
+
+
+@contextlib.contextmanager
+def staged_dir(path: str | Path, replaces: Iterable[str]) -> Iterator[Path]:
+    """A fresh folder beside ``path`` to write a set of files into (a checkpoint). When the body returns,
+    the files of ``path`` whose names match ``replaces`` (glob patterns: what such a set consists of) and
+    that the new set lacks are removed and the new files moved in, so ``path`` holds one set, never a new
+    one mixed with the remains of an old one; other files there are kept. When the body raises (a full
+    disk), the fresh folder is removed and ``path`` is left as it was."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a directory; choose a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.staged")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        path.mkdir(parents=True, exist_ok=True)
+        new = {p.name for p in tmp.iterdir()}
+        patterns = tuple(replaces)
+        for old in path.iterdir():
+            stale = old.name not in new and any(fnmatch.fnmatch(old.name, pat) for pat in patterns)
+            if stale and (old.is_file() or old.is_symlink()):
+                old.unlink()
+        for item in tmp.iterdir():
+            target = path / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(item, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NOT_ALLOWED = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def os_error_line(e: OSError) -> str | None:
+    """One line for an OSError the machine's state causes (a full disk or quota, a read-only or forbidden
+    path), naming the file; None for any other (a bug, shown with its traceback)."""
+    if e.errno in _NO_SPACE:
+        fix = "free some space (the files written before this one are kept) or choose another --out"
+    elif e.errno in _NOT_ALLOWED:
+        fix = "check its permissions or choose another --out"
+    else:
+        return None
+    return f"{e.filename or 'a file'}: {e.strerror or e}; {fix}"

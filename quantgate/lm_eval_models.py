@@ -211,6 +211,7 @@ class QuantgateLM(HFLM):
                 max_length=max_length or _context_length(model),
                 backend="causal",
                 add_bos_token=add_bos_token,
+                trust_remote_code=False,  # popped from options above: quantgate runs no checkpoint's code
                 **options,
             )
         self.quantgate_source = source

@@ -54,6 +54,7 @@ from .files import write_text_atomic
 from .models.families import Family, config_of, family_of, is_norm
 from .models.modes import eval_mode
 from .models.swap import VariantAttention, apply_variant, attention_modules, variant_of
+from .options import AT_LEAST_1, check_range
 from .stats import fmt
 
 __all__ = ["observe", "ObserveReport", "TensorStats"]
@@ -560,6 +561,7 @@ def observe(
     device = next(model.parameters()).device
     losses, tokens, sequences, seq_len, n_batches = [], 0, 0, 0, 0
     total = len(batches) if isinstance(batches, Sized) else None
+    check_range("max_batches", max_batches, AT_LEAST_1)  # None: every batch
     if max_batches is not None:
         total = max_batches if total is None else min(total, max_batches)
     with eval_mode(model), _Observer(model, sink_tokens) as obs:

@@ -18,15 +18,19 @@ Output directory (one writer at a time: the run holds ``.quantgate.lock``, see :
         optimizer.safetensors     AdamW moments and step counts, keyed "<parameter index>.<name>"
         rng-<rank>.safetensors    each process's torch CPU/CUDA generator states; python's and numpy's
                                   as JSON in its metadata
-        trainer.json              format, model identity, config, process count, progress, optimizer
-                                  param groups, LR scheduler, data position, fp16 grad scaler
+        trainer.json              format, model identity and config, run config, process count, progress,
+                                  optimizer param groups, LR scheduler, data position, fp16 grad scaler;
+                                  every field is checked before a resume uses it (:data:`TRAINER_FIELDS`)
     model/                    the final model (``qg.save``), and training.png
     last-good-model/          after a divergence: the last finite weights (see :func:`train`)
 
 A folder is written as ``.<name>.tmp`` beside its place, fsynced, and renamed into place once complete,
 so an interrupted write never leaves a partial ``step-N`` or ``model``; the next run removes the
 leftover with a warning. ``--resume`` continues from the newest complete checkpoint (skipping, with a
-warning, folders that are not one) and refuses changed settings (:data:`FREE_ON_RESUME`).
+warning, folders that are not one) and refuses changed settings (:data:`FREE_ON_RESUME`), a changed model
+config (an activation, a norm's eps: shapes that agree do not make the same model) and optimizer or schedule
+state that the config does not make. A run that does not resume refuses a directory holding another run's
+files (its model/ and log would describe one run, the checkpoints another) unless ``overwrite`` removes them.
 """
 
 from __future__ import annotations
@@ -61,13 +65,15 @@ from .checkpoint import dedupe, save
 from .data import batches as text_batches
 from .data.batches import Resumable
 from .data.synthetic import is_backcopy
-from .files import write_text_atomic
+from .files import json_kind, read_json, write_text_atomic
 from .models.families import config_of, family_of, is_norm
 from .models.io import load_state, read_safetensors
 from .models.modes import eval_mode
 from .models.swap import apply_variant, gate_parameters, variant_of
 from .observe import observe
+from .options import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, check_range, in_range
 from .plots import plot_training
+from .quant import quantization_of
 from .runlock import run_lock
 
 __all__ = ["TrainConfig", "train", "can_resume", "TrainingDiverged", "FAMILY_DEFAULTS", "make_data"]
@@ -123,9 +129,23 @@ class TrainConfig:
     log_with: str | None = None  # also log to this accelerate tracker: "tensorboard" (into out/tensorboard/)
     out: str | None = None
     resume: bool = False
+    overwrite: bool = False  # remove an earlier run's files from out first (else a run there is refused)
     extra: dict = field(default_factory=dict)  # free-form, recorded in trainer.json
 
+    def check(self, name: Callable[[str], str] = str) -> TrainConfig:
+        """This config, where every setting is in its range (:data:`TRAIN_RANGES`, which a study file's
+        ``train:`` is checked against too); else a one-line ValueError naming the first that is not, as
+        ``name`` spells it for the caller's user (``--steps`` on the command line)."""
+        for key, valid in TRAIN_RANGES.items():
+            check_range(name(key), getattr(self, key), valid)
+        if self.resume and self.overwrite:
+            raise ValueError(
+                f"{name('resume')} continues the run in {name('out')} and {name('overwrite')} removes it: give one"
+            )
+        return self
+
     def resolved(self, family: str) -> TrainConfig:
+        self.check()
         d = FAMILY_DEFAULTS.get(family, FAMILY_DEFAULTS["opt"])
         c = TrainConfig(**asdict(self))
         c.lr = self.lr if self.lr is not None else d["lr"]
@@ -136,6 +156,32 @@ class TrainConfig:
         if c.schedule not in ("cosine", "linear", "constant"):
             raise ValueError(f"unknown schedule {c.schedule!r}; valid: cosine, linear, constant")
         return c
+
+
+# The values each TrainConfig setting accepts, the one definition that TrainConfig.check (the Python API and
+# the command line) and a study file's schema (quantgate.study.schema) check against; None passes (a default).
+TRAIN_RANGES: dict[str, Range] = {
+    "steps": AT_LEAST_1,
+    "stop_after": AT_LEAST_1,
+    "batch_size": AT_LEAST_1,
+    "seq_len": AT_LEAST_1,
+    "grad_accum": AT_LEAST_1,
+    "eval_batches": AT_LEAST_1,
+    "log_every": AT_LEAST_1,
+    "eval_every": AT_LEAST_0,
+    "observe_every": AT_LEAST_0,
+    "checkpoint_every": AT_LEAST_0,
+    "seed": AT_LEAST_0,
+    "lr": ABOVE_0,
+    "gate_lr": ABOVE_0,
+    "max_grad_norm": ABOVE_0,
+    "warmup": AT_LEAST_0,
+    "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "weight_decay": AT_LEAST_0,
+    "gate_weight_decay": AT_LEAST_0,
+    "norm_weight_decay": AT_LEAST_0,
+    "betas": (lambda b: len(b) == 2 and all(0 <= x < 1 for x in b), "each in [0, 1)"),
+}
 
 
 # Settings a resumed run may change: when this invocation stops, what it evaluates, observes and logs,
@@ -155,6 +201,7 @@ FREE_ON_RESUME = frozenset(
         "log_with",
         "out",
         "resume",
+        "overwrite",
         "extra",
     }
 )
@@ -292,6 +339,7 @@ def train(
     (no per-step copy is kept: a model that was never finite, or an update that overflowed with a finite
     gradient, leaves none, and the message says so). Then :class:`TrainingDiverged` is raised."""
     c = (config or TrainConfig()).resolved(family_of(model).name)
+    _check_float(model)
     model_config = config_of(model)
     family_of(model).check_seq_len(model_config, c.seq_len)
     if variant_of(model) is None:
@@ -314,6 +362,19 @@ def train(
         finally:  # the tracker's events so far are flushed, also when the run stops on an error
             if c.log_with is not None:
                 acc.end_training()
+
+
+def _check_float(model: nn.Module) -> None:
+    """Refuse a quantized model: its weights are rounded to a grid (or stored as integers) and its record
+    names a calibration that training would make untrue."""
+    record = quantization_of(model)
+    if record is not None:
+        source = record.get("source_model")
+        raise ValueError(
+            f"this model is quantized ({record['scheme']}); training would update rounded weights and keep a "
+            f"quantization record that no longer describes them: train the float model"
+            f"{f' it was made from ({source})' if source else ''} and quantize the result"
+        )
 
 
 TRACKERS = {"tensorboard": is_tensorboard_available}  # the accelerate trackers a run can log to
@@ -344,6 +405,8 @@ def _train(
     data = data if data is not None else make_data(c, tokenizer, family.objective, world)
     if out is not None and (c.checkpoint_every or c.stop_after or c.resume):
         _check_checkpointable(acc, data)
+    if out is not None and not c.resume:
+        _check_fresh(acc, out, c.overwrite, getattr(config_of(model), "_name_or_path", ""))
     if out is not None and acc.is_main_process:
         _remove_leftovers(out)
     identity = _identity(model)
@@ -432,6 +495,46 @@ def _train(
     return raw
 
 
+RUN_FILES = (LOG_FILE, "model", "last-good-model", "training.png", "tensorboard")  # beside checkpoints/
+
+
+def _check_fresh(acc: Accelerator, out: Path, overwrite: bool, source: str) -> None:
+    """A run that does not resume starts where no other run's files are: its model/ and log would describe
+    it while the checkpoints there (which a later resume continues) describe the other. ``overwrite``
+    removes them first, unless the model trained was loaded from among them (``source``, e.g. the
+    last-good-model of a diverged run); without it they are refused, naming them."""
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if can_resume(out):
+        found.append("checkpoints")
+    if not found:
+        return
+    if not overwrite:
+        raise ValueError(
+            f"{out} holds another training run ({', '.join(found)}): continue it with resume=True (--resume), "
+            f"start afresh with overwrite=True (--overwrite, which removes them), or give another out (--out)"
+        )
+    inside = [
+        name
+        for name in [*found, "checkpoints"]
+        if source and Path(source).resolve().is_relative_to((out / name).resolve())
+    ]
+    if inside:
+        raise ValueError(
+            f"overwrite would remove {out / inside[0]}, which holds the model being trained ({source}): "
+            f"train into another out (--out)"
+        )
+    acc.wait_for_everyone()  # every process has looked before the main one removes
+    if acc.is_main_process:
+        log.warning("removing the earlier run in %s (overwrite): %s", out, ", ".join(found))
+        for name in [*found, "checkpoints"]:
+            path = out / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    acc.wait_for_everyone()
+
+
 def _shard(batch: dict, rank: int, world: int, device) -> dict:
     """This process's rows of a global micro-batch, on its device."""
     n = batch["input_ids"].shape[0]
@@ -511,6 +614,7 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
             "identity": identity,
             "config": asdict(c),
             "world_size": acc.num_processes,
+            "model_config": _model_settings(run.model),
             "progress": {"step": run.step, "tokens": run.tokens},
             "optimizer": {"param_groups": opt["param_groups"]},
             "scheduler": run.scheduler.state_dict(),
@@ -548,8 +652,100 @@ def _resume(run: _Run, out: Path | None, identity: dict, c: TrainConfig) -> None
             f"or the updates, so the run would match neither config; resume with the saved values, "
             f"or train into a new --out"
         )
+    _check_model_settings(run.model, path, saved)
+    step = saved["progress"]["step"]
+    if c.stop_after is not None and c.stop_after <= step:
+        raise ValueError(
+            f"stop_after {c.stop_after}: {path} is at step {step} already; give a later stop_after "
+            f"(--stop-after) or none (to the end, step {c.steps})"
+        )
+    _check_optimizer(run, path, saved, c)
     _load_checkpoint(run, path, saved)
     log.info("resumed from %s", path)
+
+
+UNRECORDED = frozenset(
+    {"transformers_version", "_name_or_path", "output_attentions", "output_hidden_states", "return_dict", "use_cache"}
+)  # model config fields that do not change what the model computes (trainer.json leaves them out)
+
+
+def _model_settings(model: nn.Module) -> dict:
+    """The model's config as trainer.json records it (as JSON reads it back), less :data:`UNRECORDED`."""
+    config = config_of(model).to_dict()
+    return json.loads(json.dumps({k: v for k, v in config.items() if k not in UNRECORDED}, default=str))
+
+
+def _check_model_settings(model: nn.Module, path: Path, saved: dict) -> None:
+    """Refuse to resume a checkpoint with a model whose config differs from the one it was trained with, even
+    where the tensor shapes agree (an activation, a norm's eps): one run would mix two architectures."""
+    if "model_config" not in saved:
+        log.warning("%s records no model config (an older quantgate wrote it): resuming without checking it", path)
+        return
+    was, now = saved["model_config"], _model_settings(model)
+    changed = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    if changed:
+        raise ValueError(
+            f"cannot resume {path}: the model's config changed: {', '.join(changed)}. Its weights were trained "
+            f"with the saved values: resume with the same model and --config, or train into a new --out"
+        )
+
+
+def _check_optimizer(run: _Run, path: Path, saved: dict, c: TrainConfig) -> None:
+    """The optimizer's and the schedule's saved hyperparameters are the ones this config makes (the learning
+    rate: the schedule's at the saved step), so that a resumed run continues the run its config describes."""
+    file = path / TRAINER_FILE
+    step = saved["progress"]["step"]
+    fresh = json.loads(json.dumps(run.optimizer.state_dict()["param_groups"]))
+    groups = saved["optimizer"]["param_groups"]
+    if len(groups) != len(fresh):
+        raise ValueError(
+            f"{file}: optimizer.param_groups holds {len(groups)} groups, but this model and config make "
+            f"{len(fresh)}; resume the run it belongs to, or train into a new --out"
+        )
+    factor = _schedule(c)(step)
+    for i, (got, want) in enumerate(zip(groups, fresh, strict=True)):
+        for key in sorted(set(got) | set(want)):
+            value = got.get(key)
+            if key == "lr":
+                expected = want["initial_lr"] * factor
+                same = _close(value, expected)
+            else:
+                expected, same = want.get(key), value == want.get(key)
+            if not same:
+                raise ValueError(
+                    f"{file}: optimizer.param_groups[{i}].{key} is {_short(value)}, but the run's config makes it "
+                    f"{_short(expected)} at step {step}; the file was edited or belongs to another run: resume "
+                    f"an unedited checkpoint, or train into a new --out"
+                )
+    lrs = [g["initial_lr"] * factor for g in fresh]
+    expected_sched = {**run.scheduler.state_dict(), "last_epoch": step, "_step_count": step + 1}
+    for key in sorted(set(saved["scheduler"]) | set(expected_sched)):
+        value, want = saved["scheduler"].get(key), expected_sched.get(key)
+        if key == "_last_lr":
+            same = isinstance(value, list) and len(value) == len(lrs) and all(map(_close, value, lrs))
+            want = lrs
+        else:
+            same = value == json.loads(json.dumps(want))
+        if not same:
+            raise ValueError(
+                f"{file}: scheduler.{key} is {_short(value)}, but the run's config makes it {_short(want)} at "
+                f"step {step}; the file was edited or belongs to another run: resume an unedited checkpoint, or "
+                f"train into a new --out"
+            )
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _close(a: object, b: float) -> bool:
+    return _number(a) and math.isclose(cast(float, a), b, rel_tol=1e-9)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a value read from a file can be of any size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def can_resume(out: str | Path) -> bool:
@@ -568,45 +764,110 @@ def _newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
         if out
         else []
     )
+    skipped = []
     for _, path in sorted(found, reverse=True):
         try:
             return path, _read_trainer(path)
         except ValueError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
+            skipped.append(f"{path.name}: {e}")
     raise FileNotFoundError(
         f"nothing to resume: no complete checkpoint under {out}/checkpoints (train with "
-        f"checkpoint_every > 0 first, or drop --resume)"
+        f"checkpoint_every > 0 first, or drop --resume)" + (f"; skipped {'; '.join(skipped)}" if skipped else "")
     )
 
 
+TRAINER_LIMIT = 64 << 20  # bytes: the most of a trainer.json read (a run's is a few kB)
+_MISSING = object()
+
+# trainer.json's fields: (JSON type, range or None); each is checked before a resume uses it
+TRAINER_FIELDS: dict[str, tuple[type | tuple[type, ...], Range | None]] = {
+    "identity": (dict, None),
+    "identity.family": (str, None),
+    "identity.variant": (str, None),
+    "identity.parameters": (int, AT_LEAST_0),
+    "identity.shapes_sha": (str, None),
+    "config": (dict, None),
+    "world_size": (int, AT_LEAST_1),
+    "progress": (dict, None),
+    "progress.step": (int, AT_LEAST_0),
+    "progress.tokens": (int, AT_LEAST_0),
+    "optimizer": (dict, None),
+    "optimizer.param_groups": (list, (lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
+    "scheduler": (dict, None),
+    "data": (dict, None),
+    "scaler": ((dict, type(None)), None),
+}
+
+
 def _read_trainer(path: Path) -> dict:
-    """trainer.json of checkpoint ``path``; ValueError saying why ``path`` is not a complete checkpoint."""
-    try:
-        saved = json.loads((path / TRAINER_FILE).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"it has no {TRAINER_FILE} (its write was interrupted)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"unreadable {TRAINER_FILE} ({e})") from None
-    if not isinstance(saved, dict) or saved.get("format") != CHECKPOINT_FORMAT:
+    """trainer.json of checkpoint ``path``, every field a resume reads checked (:data:`TRAINER_FIELDS`);
+    ValueError saying why ``path`` is not a complete checkpoint, naming the file and field."""
+    file = path / TRAINER_FILE
+    if not file.is_file():
+        raise ValueError(f"it has no {TRAINER_FILE} (its write was interrupted)")
+    saved = read_json(file, limit=TRAINER_LIMIT)
+    if saved.get("format") != CHECKPOINT_FORMAT:
         raise ValueError("it is in an older format (accelerate's pickled state), which quantgate does not load")
-    ranks = [f"rng-{r}.safetensors" for r in range(saved["world_size"])]
-    missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE, *ranks) if not (path / f).is_file()]
+    for name, (kind, valid) in TRAINER_FIELDS.items():
+        value: object = saved
+        for part in name.split("."):
+            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
+        if value is _MISSING:
+            raise ValueError(f"{file} lacks {name}")
+        exact = not isinstance(value, bool) or kind is bool
+        if not (exact and isinstance(value, kind) and in_range(value, valid)):
+            wants = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ValueError(
+                f"{file}: {name} must be a JSON {wants}{f', {valid[1]}' if valid else ''}; got {_short(value)}"
+            )
+    if "model_config" in saved and not isinstance(saved["model_config"], dict):
+        raise ValueError(f"{file}: model_config must be a JSON object; got {_short(saved['model_config'])}")
+    missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (path / f).is_file()]
     if missing:
         raise ValueError(f"it lacks {', '.join(missing)}")
+    world = saved["world_size"]
+    ranks = {p.name for p in path.glob("rng-*.safetensors")}
+    if world > len(ranks) or not all(f"rng-{r}.safetensors" in ranks for r in range(world)):
+        raise ValueError(
+            f"{file}: world_size is {world}, but the checkpoint holds the RNG states of "
+            f"{sum(f'rng-{r}.safetensors' in ranks for r in range(min(world, len(ranks))))} processes "
+            f"(rng-<rank>.safetensors, one per process)"
+        )
     return saved
 
 
+OPTIMIZER_STATES = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})  # AdamW's, per parameter
+
+
 def _load_checkpoint(run: _Run, path: Path, saved: dict) -> None:
-    """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only."""
+    """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only, each value checked first."""
     load_state(run.model, read_safetensors(path / MODEL_FILE), path / MODEL_FILE)
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]
     state: dict[int, dict] = {}
-    for key, t in read_safetensors(path / OPTIMIZER_FILE).items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = t
+    file = path / OPTIMIZER_FILE
+    for key, t in read_safetensors(file).items():
+        index, _, name = key.partition(".")
+        i = int(index) if index.isdigit() else -1
+        if not 0 <= i < len(params) or name not in OPTIMIZER_STATES:
+            raise ValueError(
+                f"{file}: tensor {key!r} is not '<parameter index>.<AdamW state>' of this model's optimizer"
+            )
+        want = (1,) if name == "step" else tuple(params[i].shape)
+        if ((t.numel(),) if name == "step" else tuple(t.shape)) != want:
+            raise ValueError(f"{file}: tensor {key!r} has shape {list(t.shape)}; its parameter needs {list(want)}")
+        state.setdefault(i, {})[name] = t
     run.optimizer.load_state_dict({"state": state, "param_groups": saved["optimizer"]["param_groups"]})
     run.scheduler.load_state_dict(saved["scheduler"])
+    if isinstance(run.data, Resumable):
+        for key in ("epoch", "batch"):
+            value = saved["data"].get(key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{path / TRAINER_FILE}: data.{key} must be an integer >= 0; got {_short(value)}")
     cast(_Checkpointable, run.data).load_state_dict(saved["data"])  # checked by _check_checkpointable
     if run.acc.scaler is not None:
+        if saved["scaler"] is None:
+            raise ValueError(f"{path / TRAINER_FILE}: scaler is null, but this run scales its fp16 loss")
         run.acc.scaler.load_state_dict(saved["scaler"])
     run.step, run.tokens = saved["progress"]["step"], saved["progress"]["tokens"]
     _load_rng(path / f"rng-{run.acc.process_index}.safetensors")
@@ -626,6 +887,16 @@ def _save_rng(file: Path) -> None:
 
 
 def _load_rng(file: Path) -> None:
+    """Restore this process's generators from ``file``; ValueError naming it where its states do not load."""
+    try:
+        _set_rng(file)
+    except (KeyError, ValueError, TypeError, RuntimeError, OverflowError) as e:  # an edited or foreign file
+        raise ValueError(
+            f"{file}: not the RNG states this trainer saves ({type(e).__name__}: {_short(str(e))})"
+        ) from None
+
+
+def _set_rng(file: Path) -> None:
     with safe_open(str(file), framework="pt") as fh:
         meta = fh.metadata()
         torch.set_rng_state(fh.get_tensor("torch"))
@@ -759,6 +1030,8 @@ def _hyperparameters(c: TrainConfig) -> dict[str, bool | int | float | str]:
 def _step_of(line: str, unreadable: int) -> int:
     """The step of a log record (0 for the config record); ``unreadable`` for a line cut off mid-write."""
     try:
-        return json.loads(line).get("step", 0)
+        record = json.loads(line)
     except json.JSONDecodeError:
         return unreadable
+    step = record.get("step", 0) if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else unreadable

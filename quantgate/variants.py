@@ -69,6 +69,11 @@ class Range:
         return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
 
 
+# the bound on a softmax logit or stretch a variant takes: beyond it float16 (largest 65504) overflows in the
+# softmax or the clipped stretch, and a logit of 1e4 already takes all of a row's mass (or none of it)
+_LOGIT_MAX = 1e4
+
+
 def _ranged(default, valid: Range):
     """A dataclass field whose valid values are ``valid`` (checked by :func:`_check_ranges`)."""
     return field(default=default, metadata={"valid": valid})
@@ -145,6 +150,7 @@ def logit(p: float) -> float:
 
 
 _ALIASES = {"d_int": "low_rank"}  # HyGA's name for the gate rank
+_SLOTS = {"clipped": "clip"}  # the AttentionVariant field of a component, where it is not the component's name
 
 
 @dataclass(frozen=True)
@@ -203,9 +209,9 @@ class GateSpec:
 class ClipSpec:
     """Clipped softmax (Bondarenko et al.): ``clip((zeta - gamma) * p + gamma, 0, 1)``."""
 
-    gamma: float | None = _ranged(-0.025, Range(hi=0.0))  # stretches below 0, so small probabilities reach 0
-    zeta: float = _ranged(1.0, Range(lo=1.0))  # stretches above 1, so large probabilities reach 1
-    alpha: float | None = _ranged(None, Range(lo=0.0))  # gamma = -alpha / T
+    gamma: float | None = _ranged(-0.025, Range(-_LOGIT_MAX, 0.0))  # stretches below 0: small probabilities reach 0
+    zeta: float = _ranged(1.0, Range(1.0, _LOGIT_MAX))  # stretches above 1, so large probabilities reach 1
+    alpha: float | None = _ranged(None, Range(0.0, _LOGIT_MAX))  # gamma = -alpha / T
 
     def __post_init__(self):
         if (self.gamma is None) == (self.alpha is None):
@@ -232,7 +238,7 @@ class ClipSpec:
 class SinkSpec:
     """Learnable attention sink: one logit per head, initialised to ``init``."""
 
-    init: float = _ranged(0.0, Range())
+    init: float = _ranged(0.0, Range(-_LOGIT_MAX, _LOGIT_MAX))
 
     def __post_init__(self):
         _check_ranges(self, "sink")
@@ -269,10 +275,14 @@ class AttentionVariant:
                 if params or len(str(text).split("+")) > 1:
                     raise ValueError("'vanilla' takes no parameters and combines with nothing")
                 continue
-            slot = "gate" if name in GATE_KINDS else name
+            slot = "gate" if name in GATE_KINDS else _SLOTS.get(name, name)
             if slot in parts:
-                raise ValueError(f"variant {text!r} names more than one {slot}")
+                what = "more than one gate" if slot == "gate" else f"{name} twice"
+                raise ValueError(f"variant {text!r} names {what}; give each component once")
             if name in GATE_KINDS:
+                both = [k for k, alias in _ALIASES.items() if k in params and alias in params]
+                if both:
+                    raise ValueError(f"{name}: {both[0]} is another name for {_ALIASES[both[0]]}; give one of them")
                 params = {_ALIASES.get(k, k): v for k, v in params.items()}
                 pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
                 low_rank = params.pop("low_rank", None)

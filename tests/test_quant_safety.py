@@ -228,7 +228,7 @@ def test_variant_ranges_hold_for_the_python_api():
 
 
 @pytest.mark.parametrize("text", ["w8a8-int8-static:estimator=percentile,percentile=100",
-                                  "w8a8-int8-static:momentum=0", "llm-int8:threshold=0", "w8-int8:group_size=1",
+                                  "w8a8-int8-static:momentum=0", "llm-int8:threshold=0", "w4-int4-group:group_size=1",
                                   "torchao-int8-static:calib=1"])
 def test_valid_scheme_edges_parse(text):
     assert get_scheme(str(get_scheme(text))) == get_scheme(text)

@@ -67,12 +67,12 @@ BAD = {
     "positions-override": ("name: x\nmodels:\n  - preset: tiny-opt\n    config: {max_position_embeddings: 64}\n", 3,
                            "observe seq_len: seq_len 128 is longer than this opt model's 64 positions"),
     "config-unknown-key": (TINY + "    config: {num_hidden_layer: 4}\n", 5,
-                           "unknown config key 'num_hidden_layer' for LlamaConfig; valid: "),
+                           "'num_hidden_layer' is not a LlamaConfig field (training settings"),
     "config-type": (TINY + "    config:\n      num_hidden_layers: four\n", 6,
-                    "config: Validation error for field 'num_hidden_layers'"),
+                    "config: tiny-llama: num_hidden_layers expects int (default 2), got 'four'"),
     "load-missing": ("name: x\nmodels:\n  - load: ./no-such-model\n", 3, "cannot load './no-such-model'"),
     "name-separator": ("name: x\nmodels:\n  - name: a/b\n    preset: tiny-llama\n", 3,
-                       "name must be str, without / or \\ (it names a folder); got 'a/b'"),
+                       "name must be str, without / or \\, not '.' or '..' (it names a folder); got 'a/b'"),
 }
 
 

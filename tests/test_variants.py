@@ -53,7 +53,7 @@ def test_defaults_and_bias_init():
     ("hyga:fusion=max", "fusion must be one of"),
     ("g1-headwise:pi_init=1.5", "pi_init must lie in"),
     ("g1-ns-sigmoid:pi_init=0.3", "pi_init must lie in (0.5, 1)"),
-    ("clipped:gamma=0.1", "gamma must be <= 0"),
+    ("clipped:gamma=0.1", "gamma must be in [-10000, 0]"),
     ("clipped:gamma=-0.1,alpha=2", "exactly one of gamma"),
     ("g1-headwise+g2-value", "more than one gate"),
     ("vanilla+sink", "combines with nothing"),

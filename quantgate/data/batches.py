@@ -17,6 +17,7 @@ Token streams are cached in memory and on disk (``$QUANTGATE_CACHE``, default ~/
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +27,16 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .corpus import corpus
+from ..files import content_sha256
+from .corpus import _hf_spec, corpus
 from .synthetic import BackcopyBatches, Resumable, is_backcopy, task_options
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
-__all__ = ["Batches", "BatchOptions", "Resumable", "batches", "token_stream", "cache_dir"]
+__all__ = ["Batches", "BatchOptions", "Resumable", "batches", "token_stream", "source_sha256", "cache_dir"]
+
+log = logging.getLogger("quantgate")
 
 
 def cache_dir() -> Path:
@@ -42,15 +46,34 @@ def cache_dir() -> Path:
 _STREAMS: dict[str, np.ndarray] = {}
 
 
+def source_sha256(source: str) -> str | None:
+    """sha256 of the local files behind text source ``source`` (an ``hf:`` source naming a folder or file of
+    data files: :func:`~quantgate.files.content_sha256`, remembered in the cache so an unchanged file is read
+    once); None for the bundled corpus, hub datasets (named by their id) and the synthetic tasks."""
+    if not source.startswith("hf:"):
+        return None
+    try:
+        specs, _ = _hf_spec(source)
+    except ValueError:  # not a source: corpus() says why
+        return None
+    local = [Path(path) for path, _, _ in specs if Path(path).exists()]
+    memo = cache_dir() / "content-sha256.json"
+    return "+".join(content_sha256(p, memo=memo) for p in local) or None
+
+
 def token_stream(tokenizer: PreTrainedTokenizerBase, split: str, separator: int) -> np.ndarray:
-    """All documents of ``split`` tokenized and joined, ``separator`` after each, as int32."""
-    key = hashlib.sha256(f"{tokenizer.backend_tokenizer.to_str()}|{split}|{separator}".encode()).hexdigest()[:24]
+    """All documents of ``split`` tokenized and joined, ``separator`` after each, as int32. Cached by the
+    tokenizer, the source's name and, for local data files, their content (:func:`source_sha256`); a cache
+    file that cannot be read back is made again, with a warning."""
+    content = source_sha256(split) or ""
+    key = hashlib.sha256(
+        f"{tokenizer.backend_tokenizer.to_str()}|{split}|{separator}{'|' + content if content else ''}".encode()
+    ).hexdigest()[:24]
     if key in _STREAMS:
         return _STREAMS[key]
     path = cache_dir() / "tokens" / f"{key}.npy"
-    if path.is_file():
-        stream = np.load(path)
-    else:
+    stream = _cached_stream(path) if path.is_file() else None
+    if stream is None:
         texts = [doc.text for doc in corpus(split)]
         if not texts:
             raise ValueError(f"text source {split!r} has no documents")
@@ -62,6 +85,20 @@ def token_stream(tokenizer: PreTrainedTokenizerBase, split: str, separator: int)
         os.replace(tmp, path)
     _STREAMS[key] = stream
     return stream
+
+
+def _cached_stream(path: Path) -> np.ndarray | None:
+    """The token stream cached in ``path``; None (with a warning) where the file is corrupt or truncated."""
+    try:
+        stream = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        stream, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = f"it holds {stream.dtype} of shape {stream.shape}, not a 1-D int32 stream"
+    if stream is not None and stream.dtype == np.int32 and stream.ndim == 1:
+        return stream
+    log.warning("token cache %s is corrupt (%s); tokenizing again", path, " ".join(why.split()))
+    return None
 
 
 def _prepends_bos(tokenizer: PreTrainedTokenizerBase) -> bool:

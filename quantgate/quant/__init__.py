@@ -79,6 +79,7 @@ def quantize(
     if scheme.needs_calibration and calibration is None:
         raise ValueError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
     _check_finite(model)
+    simulate.check_keep(model, scheme)  # before the model is copied or changed
     fingerprint = _fingerprint(model)
     target = model if inplace else copy.deepcopy(model)
     if variant_of(target) is None:
@@ -130,6 +131,11 @@ def _already_quantized(record: dict, dequantize: bool) -> str:
         return (
             f"this model is already quantized ({scheme}); quantize() takes a float model: quantize its float "
             f"source{f' ({source})' if source else ''} with the new scheme instead"
+            + (
+                " (quantgate's own schemes round the weights in place: they cannot be dequantized)"
+                if dequantize
+                else ""
+            )
         )
     where = "its config.json's quantization_config" if "quantization_config" in record else "its tensors"
     text = (

@@ -119,8 +119,26 @@ def apply_bnb(
         if not skeleton:
             new.load_state_dict(linear.state_dict())
         new = new.to(linear.weight.device)  # moving the weight to its device quantizes it to int8
+        new.register_forward_pre_hook(_rows_in)
+        new.register_forward_hook(_rows_out)
         replace_module(model, name, new)
     return model.eval()  # on CPU bitsandbytes quantizes activations only in eval mode
+
+
+# bitsandbytes' int8 matmul takes 2-D or 3-D inputs (its row statistics broadcast wrongly over more dims);
+# MLA's kv_b_proj gets (B, 1, N, C): such inputs pass as rows and come back in their shape
+_LEADING = "qg_leading_shape"
+
+
+def _rows_in(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    setattr(module, _LEADING, x.shape[:-1] if x.dim() > 3 else None)
+    return (x.reshape(-1, x.shape[-1]), *args[1:]) if x.dim() > 3 else None
+
+
+def _rows_out(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    leading = getattr(module, _LEADING, None)
+    return out.reshape(*leading, out.shape[-1]) if leading is not None else None
 
 
 def torchao_input_ndims(model: nn.Module) -> dict[str, int]:

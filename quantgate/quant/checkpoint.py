@@ -56,7 +56,16 @@ ECOSYSTEM_WEIGHTS = (
     "model.safetensors"  # compressed-tensors', torchao's or bitsandbytes' layout, as transformers names it
 )
 _PACKAGES = ("torch", "transformers", "torchao", "bitsandbytes", "safetensors", "quantgate")
-_FIELDS = {"scheme": str, "variant": str, "family": str, "aliases": dict, "input_ndims": dict, "weights_sha256": str}
+_FIELDS = {
+    "scheme": str,
+    "variant": str,
+    "family": str,
+    "aliases": dict,
+    "input_ndims": dict,
+    "weights_sha256": str,
+    "content_sha256": str,
+}
+_UNHASHED = ("versions", "content_sha256")  # the libraries that saved it (provenance), and the hash itself
 _RESAVE = "save the quantized model again (qg.save, or quantgate quantize)"
 
 
@@ -122,6 +131,7 @@ def save_quantized(
         "weights_sha256": _sha256(weights),
         "versions": {**versions(_PACKAGES), "python": platform.python_version()},
     }
+    manifest["content_sha256"] = _content_sha256(json.loads(json.dumps(manifest)), path)  # as it is read back
     (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if tokenizer is None:
         try:
@@ -153,6 +163,19 @@ def load_quantized(
             f"{weights} does not match the sha256 recorded in {path / MANIFEST} (field "
             f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
             f"save; {_RESAVE}"
+        )
+    missing = {alias: original for alias, original in manifest["aliases"].items() if original not in state}
+    if missing:
+        alias, original = next(iter(missing.items()))
+        raise ValueError(
+            f"{path / MANIFEST}: field 'aliases' maps {alias} to tensor {original}, which {weights} does not hold; "
+            f"{_RESAVE}"
+        )
+    if _content_sha256(manifest, path) != manifest["content_sha256"]:
+        raise ValueError(
+            f"{path / MANIFEST} or {path / 'config.json'} was edited after saving: they no longer match the sha256 "
+            f"of their content recorded in field 'content_sha256' (the scheme, quantizer state and config decide "
+            f"the loaded model's numbers, so it would not be the saved model); {_RESAVE}"
         )
     meta = config.quantgate
     config = copy.deepcopy(config)
@@ -218,6 +241,15 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
                 f"({value!r}): one of them was edited or comes from another save; {_RESAVE}"
             )
     return manifest
+
+
+def _content_sha256(manifest: dict[str, Any], path: Path) -> str:
+    """sha256 over what decides a loaded model's numbers beside its weights: the manifest (scheme, variant,
+    family, quantizer state such as activation ranges and input ranks, the weights file's sha256; the library
+    versions aside) and the config.json of ``path``."""
+    fields = {k: v for k, v in manifest.items() if k not in _UNHASHED}
+    config = json.loads((path / "config.json").read_text())
+    return hashlib.sha256(json.dumps([fields, config], sort_keys=True).encode()).hexdigest()
 
 
 def _sha256(file: Path) -> str:

@@ -139,8 +139,9 @@ def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
             f"whose block divides it"
         )
     xf = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
-    t = _nvfp4(xf) if fmt == "nvfp4" else MXTensor.to_mx(xf, elem, block)
-    return t.dequantize(torch.float32).to(x.dtype)
+    rows = xf.reshape(-1, x.shape[-1])  # blocks lie along the last dim: torchao's NVFP4 takes 2-D or 3-D tensors
+    t = _nvfp4(rows) if fmt == "nvfp4" else MXTensor.to_mx(rows, elem, block)
+    return t.dequantize(torch.float32).reshape(x.shape).to(x.dtype)
 
 
 def _nvfp4(x: torch.Tensor):
@@ -317,6 +318,8 @@ class RangeObserver:
         if self.estimator == "running-minmax":
             return self.run_lo, self.run_hi
         values, counts = self._signed_bins()
+        if not float(counts.sum()):  # every value seen was 0: the histograms are empty, min-max is [0, 0]
+            return self.lo, self.hi
         if self.estimator == "percentile":
             cdf = counts.cumsum(0) / counts.sum()
             p = self.percentile / 100

@@ -14,6 +14,11 @@ FFN blocks that hold massive activations, found on the calibration batches, stay
 The ``kv_*`` options of the KV schemes quantize the key-value cache as it is written (``kv_bits``,
 ``kv_granularity``, ``kv_group``; ``sink=K`` keeps its first K tokens in full precision).
 
+An option the scheme would not read as its other options set it up (``estimator=`` of dynamic
+activations, ``smooth=`` without quantized activations, ``group_size=`` without groups: each class's
+:meth:`Scheme.unread`) is refused, as is a key given twice; ``keep`` patterns that match no module of
+the model are refused when it is quantized.
+
 A scheme is a config object, as in torchao: :class:`SimulatedScheme`, :class:`TorchaoScheme` (and
 :class:`TorchaoStaticScheme`, which calibrates) and :class:`BnbScheme`, each declaring the options
 it reads. Each config class has one registered :class:`Handler` (``@handles(SchemeClass)``, in the
@@ -101,6 +106,20 @@ class Scheme:
     def __post_init__(self):
         for key, value in _options(self).items():
             OPTIONS[key].check(self.name, key, value)
+        self.check_combination()
+        named = SCHEMES.get(self.name)  # None while SCHEMES is built, and for a row of its own
+        if named is not None:
+            base = _options(named)
+            refuse_unread(self, [k for k, v in _options(self).items() if base.get(k) != v])
+
+    def check_combination(self) -> None:
+        """Raise ValueError where option values do not go together (after each is checked alone)."""
+
+    def unread(self) -> dict[str, str]:
+        """The options of this scheme's class that this scheme, as its other options set it up, never reads,
+        each with why and what to do instead. One given in a scheme string, or changed from the named
+        scheme's value, is refused (:func:`refuse_unread`): it would change nothing."""
+        return {}
 
     @property
     def needs_calibration(self) -> bool:
@@ -157,8 +176,7 @@ class SimulatedScheme(Scheme):
         "rotate",
     )
 
-    def __post_init__(self):
-        super().__post_init__()
+    def check_combination(self) -> None:
         a, kv = self.act, self.kv
         if a is not None and a.dynamic and a.granularity == "channel":
             raise ValueError(f"{self.name}: dynamic activations are per tensor or per token, not per channel")
@@ -179,18 +197,52 @@ class SimulatedScheme(Scheme):
                 f"{self.name}: the KV cache takes integer or FP8 formats, dynamic, per token, group or "
                 f"channel; got {kv.format}, {kv.granularity}, dynamic={kv.dynamic}"
             )
-        if self.sink and kv is None:
-            raise ValueError(
-                f"{self.name}: sink={self.sink} keeps KV-cache tokens in full precision, but this scheme "
-                f"leaves the cache in float; use a kv scheme such as kv4-int4:sink={self.sink}"
-            )
         if self.smooth is not None and self.rotate != "none":
             raise ValueError(f"{self.name}: smooth= folds its scales into the norms that rotate= removes; pick one")
-        if self.smooth is not None and a is None:
-            raise ValueError(
-                f"{self.name}: smooth= migrates activation outliers into the weights; this scheme "
-                f"leaves the activations in float, so there is nothing to smooth"
+
+    def unread(self) -> dict[str, str]:
+        w, a, kv = self.weight, self.act, self.kv
+        why: dict[str, str] = {}
+        if w is not None and w.format in BLOCK:
+            fixed = f"the weights are {w.format}, whose blocks of {BLOCK[w.format][1]} set their scales"
+            why |= dict.fromkeys(("w_granularity", "w_estimator", "w_symmetric", "group_size"), fixed)
+        elif w is not None:
+            if w.granularity != "group":
+                why["group_size"] = (
+                    f"it sizes weight groups, and w_granularity is {w.granularity} (w_granularity=group groups them)"
+                )
+            if w.format not in INT_BITS:
+                why["w_symmetric"] = f"{w.format} scales are symmetric"
+        if a is not None and a.format in BLOCK:
+            fixed = f"the activations are {a.format}, each block's scale taken from the block at run time"
+            why |= dict.fromkeys(
+                ("a_granularity", "a_symmetric", "dynamic", "estimator", "momentum", "percentile"), fixed
             )
+        elif a is not None:
+            if a.dynamic:
+                dynamic = (
+                    "it calibrates static activation ranges, and this scheme's come from each batch (dynamic=false)"
+                )
+                why |= dict.fromkeys(("estimator", "momentum", "percentile"), dynamic)
+            else:
+                for key, estimator in (("momentum", "running-minmax"), ("percentile", "percentile")):
+                    if a.estimator != estimator:
+                        why[key] = f"estimator={estimator} reads it, and the estimator is {a.estimator}"
+            if a.format not in INT_BITS:
+                why["a_symmetric"] = f"{a.format} scales are symmetric"
+        if kv is not None and kv.granularity == "token":
+            why["kv_group"] = "it sizes kv_granularity=group or channel ranges, and these are per token"
+        if kv is None:
+            why["sink"] = (
+                f"it keeps the first KV-cache tokens in full precision, and this scheme leaves the cache in "
+                f"float (to quantize it, use a kv scheme such as kv4-int4:sink={self.sink})"
+            )
+        if w is None and a is None:  # the KV cache alone: no module is quantized, so none is kept
+            cache = "this scheme quantizes the KV cache alone, at every attention"
+            why |= {"acts": f"{cache}, not at placed sites", "keep": cache, "gates": cache}
+        if a is None:
+            why["smooth"] = _NOTHING_TO_SMOOTH
+        return why
 
     @property
     def needs_calibration(self) -> bool:
@@ -210,7 +262,12 @@ class TorchaoScheme(Scheme):
     config: str = ""
     smooth: float | None = None  # SmoothQuant's migration strength alpha
     calib: int = 16  # calibration batches, where the scheme needs them
+    weight_only: bool = False  # the config leaves the activations in float
     options: ClassVar[tuple[str, ...]] = ("keep", "gates", "smooth", "calib")
+
+    def unread(self) -> dict[str, str]:
+        others = "torchao-int8-dynamic and torchao-int8-static quantize them"
+        return {"smooth": f"{_NOTHING_TO_SMOOTH} ({others})"} if self.weight_only else {}
 
     @property
     def needs_calibration(self) -> bool:
@@ -369,6 +426,10 @@ def _allowed(s: Scheme) -> set[str]:
     return {k for k in type(s).options if (where := OPTIONS[k].where) is None or getattr(s, where)}
 
 
+_NOTHING_TO_SMOOTH = (
+    "it migrates activation outliers into the weights, and this scheme leaves the activations in float, so "
+    "there is nothing to smooth"
+)
 _I8_STATIC_ACT = TensorQuant("int8", "tensor", symmetric=False, estimator="running-minmax")
 
 
@@ -379,8 +440,9 @@ def _block_scaled(name: str, description: str) -> SimulatedScheme:
     return SimulatedScheme(name, description, weight=TensorQuant(fmt), act=TensorQuant(fmt, dynamic=True))
 
 
-SCHEMES: dict[str, Scheme] = {
-    s.name: s
+SCHEMES: dict[str, Scheme] = {}  # filled below: a scheme compares itself with its named row, once there is one
+SCHEMES.update(
+    (s.name, s)
     for s in (
         SimulatedScheme(
             "w8a8-int8-static",
@@ -487,14 +549,21 @@ SCHEMES: dict[str, Scheme] = {
             "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)",
             config="Int8DynamicActivationInt8WeightConfig",
         ),
-        TorchaoScheme("torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig"),
+        TorchaoScheme(
+            "torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig", weight_only=True
+        ),
         TorchaoStaticScheme(
             "torchao-int8-static",
             "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales "
             "calibrated here, per-channel weights",
             config="Int8StaticActivationInt8WeightConfig",
         ),
-        TorchaoScheme("torchao-fp8-weight-only", "torchao Float8WeightOnlyConfig", config="Float8WeightOnlyConfig"),
+        TorchaoScheme(
+            "torchao-fp8-weight-only",
+            "torchao Float8WeightOnlyConfig",
+            config="Float8WeightOnlyConfig",
+            weight_only=True,
+        ),
         TorchaoScheme(
             "torchao-fp8-dynamic",
             "torchao Float8DynamicActivationFloat8WeightConfig",
@@ -508,12 +577,13 @@ SCHEMES: dict[str, Scheme] = {
             "threshold (6.0) kept in 16-bit",
         ),
     )
-}
+)
 
 
 def get_scheme(text: str | Scheme) -> Scheme:
-    """Parse ``name[:key=value,...]``; unknown names or options, and values outside an option's valid
-    range (``OPTIONS``), raise ValueError naming the option."""
+    """Parse ``name[:key=value,...]``; unknown names or options, a key given twice, values outside an
+    option's valid range (``OPTIONS``) and options the scheme would not read (:meth:`Scheme.unread`) raise
+    ValueError naming the option."""
     if isinstance(text, Scheme):
         return text
     name, _, arg = str(text).strip().partition(":")
@@ -522,16 +592,28 @@ def get_scheme(text: str | Scheme) -> Scheme:
     scheme = SCHEMES[name]
     changes: dict[str | None, dict[str, Any]] = {None: {}, "weight": {}, "act": {}, "kv": {}}
     allowed = _allowed(scheme)
-    for key, value in key_values(
-        name, arg, lambda k: OPTIONS[k].type if k in allowed else None, valid=", ".join(sorted(allowed))
-    ):
+    given = list(
+        key_values(name, arg, lambda k: OPTIONS[k].type if k in allowed else None, valid=", ".join(sorted(allowed)))
+    )
+    for key, value in given:
         opt = OPTIONS[key]
         if isinstance(opt, BitsOption):
             assert isinstance(value, int)  # a BitsOption's type is int
             _check_bits(scheme, key, value)
         changes[opt.where][opt.field] = opt.write(value)
     parts = {w: dataclasses.replace(getattr(scheme, w), **c) for w, c in changes.items() if w is not None and c}
-    return dataclasses.replace(scheme, **parts, **changes[None])  # all at once: the Scheme checks the result
+    parsed = dataclasses.replace(scheme, **parts, **changes[None])  # all at once: the Scheme checks the result
+    refuse_unread(parsed, [key for key, _ in given])  # those set to the value they had, too
+    return parsed
+
+
+def refuse_unread(scheme: Scheme, keys: list[str]) -> None:
+    """Raise ValueError naming the first of ``keys`` that ``scheme`` does not read (:meth:`Scheme.unread`)."""
+    unread = scheme.unread()
+    for key in keys:
+        if key in unread:
+            value = printed(_options(scheme).get(key))
+            raise ValueError(f"{scheme.name}: {key}={value} does nothing here: {unread[key]}; leave it out")
 
 
 def _check_bits(scheme: Scheme, key: str, value: int) -> None:

@@ -86,6 +86,7 @@ reference does. Softmax quantization runs on gated_sdpa's eager backend.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 from collections.abc import Callable
 from typing import cast
@@ -107,6 +108,7 @@ __all__ = [
     "apply_simulated",
     "act_quantizers",
     "check_ranges",
+    "check_keep",
     "kept_modules",
     "quantizable_linears",
     "WEIGHT_QPARAMS",
@@ -223,6 +225,8 @@ class KVQuant(nn.Module):
         g = self.spec.group_size
         if self.spec.granularity == "channel" and self.role == "k":
             n = body.shape[2] // g * g
+            if n == 0:  # fewer tokens than one block: all of them are the residual, in full precision
+                return t
             blocks = body[:, :, :n].unflatten(2, (-1, g)).transpose(-1, -2)  # (B, H, blocks, D, g)
             q = torch.cat([self.quant(blocks).transpose(-1, -2).flatten(2, 3), body[:, :, n:]], dim=2)
         elif self.spec.granularity == "group":
@@ -254,6 +258,19 @@ def kept_modules(model: nn.Module, scheme: Scheme) -> set[str]:
         roots |= {names[id(attn.gate)] for attn in attention_modules(model) if hasattr(attn, "gate")}
     roots |= {n for n in names.values() if any(fnmatch.fnmatch(n, p) for p in scheme.keep)}
     return {n for n in names.values() if n in roots or any(n.startswith(r + ".") for r in roots if r)}
+
+
+def check_keep(model: nn.Module, scheme: Scheme) -> None:
+    """Raise ValueError for a ``keep`` pattern that matches no module of ``model`` (a typo would keep
+    nothing, silently), naming the closest module names."""
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in scheme.keep:
+        if pattern != "auto" and not any(fnmatch.fnmatch(n, pattern) for n in names):
+            near = difflib.get_close_matches(pattern.rstrip("*?."), names, n=3) or names[:3]
+            raise ValueError(
+                f"{scheme.name}: keep pattern {pattern!r} matches no module of this model (names such as "
+                f"{', '.join(near)}); fix the pattern (fnmatch, e.g. {near[0]}*)"
+            )
 
 
 def quantizable_linears(model: nn.Module, scheme: Scheme) -> list[tuple[str, nn.Linear]]:

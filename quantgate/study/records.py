@@ -8,11 +8,11 @@ their own (an evaluation's ``{task: {metric: value}}``, observe's per-layer rows
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..files import json_kind, read_json
 from .grid import cell_dir
 
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
@@ -139,9 +139,39 @@ class StudyRecord:
         return self.study.get("report") or {}
 
 
+# what metrics.json must hold for the report to read it: field -> type, at the top and in each cell
+_METRICS_FIELDS = {"study": dict, "cells": list, "schemes": list, "machine": dict, "wall_seconds": dict}
+_CELL_FIELDS = {"id": str, "model": str, "variant": str}
+
+
 def read_metrics(run_dir: str | Path) -> StudyRecord:
-    """The :class:`StudyRecord` of a study run directory (its metrics.json)."""
+    """The :class:`StudyRecord` of a study run directory (its metrics.json); a one-line ValueError naming
+    the file where it is truncated, not a study's record or lacks a field the report reads."""
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
-    return StudyRecord.from_json(json.loads(path.read_text()), Path(run_dir))
+    rerun = f"run the study again into {run_dir} (its cached steps are reused)"
+    data = read_json(path, fix=rerun)
+    problem = _not_metrics(data)
+    if problem is None:
+        try:
+            return StudyRecord.from_json(data, Path(run_dir))
+        except (TypeError, ValueError, AttributeError) as e:  # a field the records lack, or of another kind
+            problem = str(e)
+    raise ValueError(f"cannot read {path}: not a study's metrics.json ({problem}); {rerun}")
+
+
+def _not_metrics(data: dict[str, Any]) -> str | None:
+    """What keeps ``data`` from being a study's metrics.json (a missing or mistyped field); None if nothing."""
+    wrong = [k for k, t in _METRICS_FIELDS.items() if not isinstance(data.get(k), t)]
+    if wrong:
+        return f"field {wrong[0]!r} is missing or not a JSON {json_kind(_METRICS_FIELDS[wrong[0]]())}"
+    if not isinstance(data["study"].get("name"), str):
+        return "field 'study.name' is missing or not a JSON string"
+    for i, cell in enumerate(data["cells"]):
+        if not isinstance(cell, dict):
+            return f"cell {i} is a JSON {json_kind(cell)}, not an object"
+        wrong = [k for k, t in _CELL_FIELDS.items() if not isinstance(cell.get(k), t)]
+        if wrong:
+            return f"cell {i}'s field {wrong[0]!r} is missing or not a JSON string"
+    return None

@@ -4,11 +4,13 @@ quantized, with the change each scheme causes and its 95% interval (:mod:`quantg
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..files import json_kind, read_json, writable_dir, write_text_atomic
 from ..plots import bar_panels
 from ..stats import NOISE_LEGEND, change, fmt, format_delta, seed_delta, table_head
 from .fixes import which_fix
@@ -89,32 +91,34 @@ def collect_evals(paths: Iterable[str | Path]) -> list[dict]:
 
 
 def _run_files(folder: Path) -> list[Path]:
-    """The eval.json files under ``folder`` and the lm-eval results files that none of them wrote."""
+    """The eval.json files under ``folder`` and the lm-eval results files that none of them wrote. A
+    ``results_*.json`` that cannot be read is passed over (another tool's file, perhaps), unless nothing
+    else is found: then its error, naming it, is raised."""
     evals = sorted(folder.rglob("eval.json"))
     written = set()
     for f in evals:
         out = _read_json(f).get("lm_eval_output") or {}
-        if isinstance(out, dict) and out.get("results"):
+        if isinstance(out, dict) and isinstance(out.get("results"), str):
             written.add(str(Path(out["results"]).resolve()))
-    lm = [f for f in sorted(folder.rglob("results_*.json")) if _is_lm_eval(f)]  # lm_eval --output_path DIR
-    return evals + [f for f in lm if str(f.resolve()) not in written]
+    lm, unreadable = [], []
+    for f in sorted(folder.rglob("results_*.json")):  # lm_eval --output_path DIR
+        try:
+            if _lm_eval_shaped(_read_json(f)):
+                lm.append(f)
+        except ValueError as e:
+            unreadable.append(e)
+    found = evals + [f for f in lm if str(f.resolve()) not in written]
+    if not found and unreadable:
+        raise unreadable[0]
+    return found
 
 
 def _read_json(file: Path) -> dict:
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {file}: {e}") from None
-    return data if isinstance(data, dict) else {}
+    """The JSON object in ``file``; a one-line ValueError naming it otherwise (:func:`quantgate.files.read_json`)."""
+    return read_json(file, fix=REWRITE)
 
 
-def _is_lm_eval(file: Path) -> bool:
-    """Whether ``file`` is lm-eval's results JSON (results, configs / versions; no quantgate settings)."""
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and _lm_eval_shaped(data)
+REWRITE = "write it again (quantgate eval ... --out, lm_eval --output_path) or leave it out of the runs compared"
 
 
 def _lm_eval_shaped(data: dict) -> bool:
@@ -125,13 +129,32 @@ def _lm_eval_shaped(data: dict) -> bool:
 def _file_record(f: Path) -> dict:
     data = _read_json(f)
     if "settings" in data and "results" in data:
+        _check_fields(data, f, ("settings", "results", "documents"), "quantgate's eval.json")
         return _eval_record(data, f)
     if _lm_eval_shaped(data):
+        _check_fields(data, f, ("config", "results"), "lm-eval's results JSON")
         return _lm_eval_record(data, f)
     raise ValueError(
         f"{f} is neither quantgate's eval.json (settings, results) nor lm-eval's results JSON (results, "
         f"configs, versions)"
     )
+
+
+def _check_fields(data: dict, f: Path, fields: tuple[str, ...], kind: str) -> None:
+    """A one-line ValueError naming ``f`` where one of ``fields`` (present and not null) is not a JSON object,
+    or an entry of its results or documents (per task) is not one; what the records below read."""
+    wrong = [k for k in fields if data.get(k) is not None and not isinstance(data[k], dict)]
+    for k in ("results", "documents"):
+        if not wrong and isinstance(data.get(k), dict):
+            wrong = [f"{k}.{task}" for task, v in data[k].items() if not isinstance(v, dict)][:1]
+    if wrong:
+        value = data
+        for part in wrong[0].split(".", 1):
+            value = value[part]
+        raise ValueError(
+            f"cannot read {f}: its field {wrong[0]!r} is a JSON {json_kind(value)}, not an object, as {kind} "
+            f"holds; {REWRITE}"
+        )
 
 
 def _eval_record(data: dict, f: Path) -> dict:
@@ -205,7 +228,7 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
     if folder is not None and folder.is_dir():
         sidecar = folder / SIDECAR
         if sidecar.is_file():
-            source = _read_json(sidecar).get("source_sha256")
+            source = read_json(sidecar, fix=f"restore the {sidecar.name} saved with the model").get("source_sha256")
     if args.get("scheme"):
         return str(args["scheme"]), source
     truthy = {k for k, v in args.items() if str(v).lower() in ("true", "1")}
@@ -216,7 +239,7 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
     if truthy & {"autogptq", "gptqmodel"}:
         return "gptq", source
     if folder is not None and (folder / "config.json").is_file():
-        cfg = _read_json(folder / "config.json")
+        cfg = read_json(folder / "config.json", fix="restore the config.json saved with the model")
         own = (cfg.get("quantgate") or {}).get("quantization") or {}
         if own.get("scheme"):
             return str(own["scheme"]), source or own.get("source_sha256")
@@ -249,10 +272,26 @@ def _lm_eval_documents(f: Path, results: dict) -> dict:
         samples = f.with_name(f"samples_{task}_{date}.jsonl")
         if not samples.is_file():
             continue
-        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
-        if rows and all("doc_id" in r and "filter" in r for r in rows):
+        rows = _read_jsonl(samples)
+        if rows and all(isinstance(r, dict) and "doc_id" in r and "filter" in r for r in rows):
             docs[task] = _documents(rows, {}, None)
     return docs
+
+
+def _read_jsonl(file: Path) -> list:
+    """The JSON value of each line of ``file`` (JSON Lines); a one-line ValueError naming the file and line."""
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"cannot read {file}: line {number} is not valid JSON (truncated?): {e}") from None
+    return rows
 
 
 def _flat(results: dict | None) -> dict:
@@ -332,6 +371,8 @@ def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline
     run for every other; else a study cell's float run, or the float run whose weights' sha256 is the
     quantized run's recorded source (:func:`_references`). With ``out``, also compare.md, compare.csv (the
     change and its interval bounds as numbers) and compare.png there."""
+    if out is not None:
+        writable_dir(out)  # before reading the runs
     records = collect_evals(paths)
     base = None
     if baseline is not None:
@@ -396,8 +437,7 @@ def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline
         table += "\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes)) + "\n"
     if out is not None:
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare.md").write_text(table)
+        write_text_atomic(out / "compare.md", table)
         _write_csv(rows, metrics, out / "compare.csv")
         _plot(rows, metrics, out / "compare.png")
     return table
@@ -408,16 +448,17 @@ def _write_csv(rows: list[dict], metrics: list[str], path: Path) -> None:
     (empty for a point change); a metric's stderr where the run reported one."""
     run = ["model", "variant", "seed", "scheme", "reference"]
     columns = run + [c for m in metrics for c in (m, f"{m} stderr", f"{m} delta", f"{m} delta low", f"{m} delta high")]
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=columns)
-        writer.writeheader()
-        for row in rows:
-            flat = {c: row.get(c) for c in (*run, *metrics, *(f"{m} stderr" for m in metrics))}
-            for m in metrics:
-                d = row.get(f"{m} delta")
-                if d is not None:
-                    flat |= {f"{m} delta": d.value, f"{m} delta low": d.low, f"{m} delta high": d.high}
-            writer.writerow(flat)
+    fh = io.StringIO(newline="")
+    writer = csv.DictWriter(fh, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        flat = {c: row.get(c) for c in (*run, *metrics, *(f"{m} stderr" for m in metrics))}
+        for m in metrics:
+            d = row.get(f"{m} delta")
+            if d is not None:
+                flat |= {f"{m} delta": d.value, f"{m} delta low": d.low, f"{m} delta high": d.high}
+        writer.writerow(flat)
+    write_text_atomic(path, fh.getvalue())
 
 
 def _plot(rows, metrics, path: Path) -> None:
@@ -973,6 +1014,6 @@ def write_study_report(run_dir: str | Path) -> Path:
     """report.md and plots of a study run directory, from its metrics.json alone."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)
-    (run_dir / "report.md").write_text(study_markdown(metrics))
+    write_text_atomic(run_dir / "report.md", study_markdown(metrics))
     study_plots(metrics, run_dir)
     return run_dir / "report.md"

@@ -9,24 +9,24 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 from accelerate.utils import PrecisionType
-from huggingface_hub.errors import StrictDataclassError
 
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, _hf_spec
 from ..data.synthetic import is_backcopy, task_options
 from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
+from ..files import is_folder_name
 from ..models.families import family_of, get_family
 from ..models.io import read_config
-from ..models.presets import PRESETS
+from ..models.presets import PRESETS, preset_config
 from ..models.sources import PACKAGED, resolve
 from ..models.swap import check_expressible
+from ..options import AT_LEAST_0, AT_LEAST_1, Range
 from ..quant.schemes import OPTIONS, get_scheme
-from ..train import TrainConfig
+from ..train import TRAIN_RANGES, TrainConfig
 from ..variants import AttentionVariant
 from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, expand_scheme
 
@@ -62,36 +62,13 @@ MODEL_KEYS = {
     "calibration",
     "seeds",
 }
-TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "extra", "stop_after"}
+TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "overwrite", "extra", "stop_after"}
 
-# Each value a study sets: (type, (test, what it wants) or None); None values take the defaults
-Test = tuple[Callable[[Any], bool], str]  # (test, what it wants)
+# Each value a study sets: (type, its range or None); None values take the defaults. The ranges are the ones
+# the command line checks its options against (quantgate.options): one definition for both doors
+Test = Range  # (test, what it wants)
 Rules = dict[str, tuple[Any, Test | None]]  # key: (type hint, test or None)
-AT_LEAST_1 = (lambda x: x >= 1, ">= 1")
-AT_LEAST_0 = (lambda x: x >= 0, ">= 0")
-ABOVE_0 = (lambda x: x > 0, "> 0")
-FOLDER_NAME = (lambda s: not {"/", "\\"} & set(s), "without / or \\ (it names a folder)")
-TRAIN_RANGES = {
-    "steps": AT_LEAST_1,
-    "batch_size": AT_LEAST_1,
-    "seq_len": AT_LEAST_1,
-    "grad_accum": AT_LEAST_1,
-    "eval_batches": AT_LEAST_1,
-    "log_every": AT_LEAST_1,
-    "eval_every": AT_LEAST_0,
-    "observe_every": AT_LEAST_0,
-    "checkpoint_every": AT_LEAST_0,
-    "seed": AT_LEAST_0,
-    "lr": ABOVE_0,
-    "gate_lr": ABOVE_0,
-    "max_grad_norm": ABOVE_0,
-    "warmup": AT_LEAST_0,
-    "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
-    "weight_decay": AT_LEAST_0,
-    "gate_weight_decay": AT_LEAST_0,
-    "norm_weight_decay": AT_LEAST_0,
-    "betas": (lambda b: all(0 <= x < 1 for x in b), "each in [0, 1)"),
-}
+FOLDER_NAME = (is_folder_name, "without / or \\, not '.' or '..' (it names a folder)")
 TRAIN_RULES: Rules = {
     k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS
 }
@@ -432,24 +409,12 @@ def _model_config(m: dict, where: tuple, fail):
     checkpoint's. (None, None) where reading it would take long (a packaged GGUF model, converted on first
     load) or needs the network (a hub id): the run checks those when it loads them."""
     if "preset" in m:
-        preset, overrides = PRESETS[m["preset"]], m.get("config") or {}
-        family = get_family(preset.family)
-        cls = family.config_class()
-        try:
-            config = cls(**{**preset.config, **overrides})
-        except (StrictDataclassError, ValueError, TypeError) as e:
-            named = re.search(r"field '(\w+)'", str(e))
-            key = named.group(1) if named and named.group(1) in overrides else None
-            fail((*where, "config", key) if key else (*where, "config"), f"config: {' '.join(str(e).split())}")
-        known = vars(cls())
-        for key in overrides:  # transformers keeps an unknown key as a plain attribute; known ones it uses
-            if key in vars(config) and key not in known:
-                fail(
-                    (*where, "config", key),
-                    f"unknown config key {key!r} for {cls.__name__}; valid: "
-                    f"{', '.join(sorted(k for k in known if not k.startswith('_')))}",
-                )
-        return config, family
+        overrides = m.get("config") or {}
+        try:  # the check qg.build and `train --config` make
+            return preset_config(m["preset"], overrides), get_family(PRESETS[m["preset"]].family)
+        except ValueError as e:
+            key = next((k for k in overrides if re.search(rf"\b{re.escape(str(k))}\b", str(e))), None)
+            fail((*where, "config", key) if key else (*where, "config"), f"config: {e}")
     load = m["load"]
     if (load in PACKAGED and PACKAGED[load].gguf_file) or (re.fullmatch(HUB_ID, load) and not Path(load).exists()):
         return None, None

@@ -4,7 +4,11 @@ For each cell a run trains (or loads) -> observes -> evaluates in float -> for e
 measures SQNR, evaluates. Every step writes one JSON file atomically under ``<out>/cells/<cell>/`` with a
 key: the hash of everything the step depends on (its settings and the keys of the steps before it).
 Re-running skips steps whose file carries the current key, so an interrupted study continues where it
-stopped and changing one setting re-runs only what depends on it. Training checkpoints as it goes and
+stopped and changing one setting re-runs only what depends on it. Files are keyed by content, not by name:
+a ``load:`` checkpoint's key holds the sha256 of its files and a local ``hf:`` data source's the sha256 of
+its data files (:func:`quantgate.files.content_sha256`, remembered by size, times and inode, so a resume
+does not read the weights again), so replacing either re-runs what depends on it. A step file that cannot
+be read back (truncated, edited) is computed again, with a warning. Training checkpoints as it goes and
 resumes too. One run writes a run directory at a time (it holds the directory's lock,
 :mod:`quantgate.runlock`).
 """
@@ -24,11 +28,13 @@ import yaml
 
 from ..checkpoint import load
 from ..data import batches
+from ..data.batches import cache_dir, source_sha256
 from ..evaluate import evaluate
-from ..files import write_text_atomic
+from ..files import content_sha256, folder_name, read_json, writable_dir, write_text_atomic
 from ..models import build
 from ..models.cost import gate_cost
 from ..models.families import family_of
+from ..models.sources import PACKAGED, _package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
 from ..provenance import machine, versions
@@ -55,12 +61,49 @@ def _write_json(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
-def _done(path: Path, key: str) -> dict | None:
-    if path.is_file():
-        data = json.loads(path.read_text())
-        if data.get("key") == key:
-            return data
-    return None
+def _done(path: Path, key: str, needs: tuple[str, ...] = ()) -> dict | None:
+    """The step's cached result where ``path`` holds one with ``key`` (and the fields ``needs``); None where
+    there is none to use: no file, another key, or a file that cannot be read back (then with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+    except ValueError as e:
+        log.warning("  %s; computing that step again", e)
+        return None
+    if data.get("key") not in (key, None):  # another key: a setting it depends on changed
+        return None
+    missing = [k for k in ("key", *needs) if k not in data]
+    if missing:
+        log.warning("  cannot read %s: it lacks %s; computing that step again", path, ", ".join(missing))
+        return None
+    return data
+
+
+CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+
+
+def _content_keys(m: ModelSpec) -> list[str]:
+    """What the model's key holds beside its settings: the sha256 of a ``load:`` checkpoint's files (a local
+    folder or a packaged model's; a hub id is named by its id) and of the local data files it trains on.
+    Empty where there are none, so keys stay those of runs made before content was keyed."""
+    memo = cache_dir() / "content-sha256.json"
+    keys = []
+    load_from = m.source.get("load")
+    if load_from is not None:
+        if load_from in PACKAGED:
+            folder: Path | None = _package_dir(load_from)
+        else:
+            folder = resolve(load_from) if Path(load_from).exists() else None
+        if folder is not None:
+            keys.append(content_sha256(folder, patterns=CHECKPOINT_FILES, memo=memo))
+    data = source_sha256(str((m.train or {}).get("data", "")))
+    return keys + ([data] if data else [])
+
+
+def _data_keys(*sources: str) -> list[str]:
+    """The sha256 of the local data files behind ``sources`` (empty for others: their keys are unchanged)."""
+    return [k for k in map(source_sha256, sources) if k]
 
 
 def plan(path: str | Path) -> str:
@@ -92,9 +135,11 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, s
     ``smoke``: the shrunk study (:func:`shrink`), to check a study file end to end in seconds."""
     study = load_study(path)
     study = shrink(study) if smoke else study
-    out = Path(out) if out else Path("results") / study.name
+    if out is None:  # results/<name>: "..", say, would be the current directory
+        folder_name(study.name, f"{path}: study name")
+    out = writable_dir(Path(out) if out else Path("results") / study.name)  # before any work
     with run_lock(out):  # one writer per run directory: a second run on it stops here, naming the first
-        (out / "config.yaml").write_text(yaml.safe_dump(study.raw, sort_keys=False))
+        write_text_atomic(out / "config.yaml", yaml.safe_dump(study.raw, sort_keys=False))
         cells = study.cells()
         started = time.perf_counter()
         records = []
@@ -120,7 +165,7 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, s
 
 def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     m, seed = cell.model, cell.seed
-    model_key = _key("model", m.source, cell.variant, m.train, seed)
+    model_key = _key("model", m.source, cell.variant, m.train, seed, *_content_keys(m))
     state = {"model": None, "tokenizer": None}
     seconds = 0.0
 
@@ -133,10 +178,10 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         model()
         return state["tokenizer"]
 
-    def step(name: str, key: str, compute):
+    def step(name: str, key: str, compute, needs: tuple[str, ...] = ()):
         nonlocal seconds
         path = cdir / f"{name}.json"
-        done = _done(path, key)
+        done = _done(path, key, needs)
         if done is not None:
             seconds += done.get("seconds", 0.0)
             return done
@@ -150,17 +195,26 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
 
     trained = step("model", model_key, lambda: _train_summary(model, cdir))
     ob_cfg = m.observe
-    observed = step("observe", _key(model_key, ob_cfg.as_dict()), lambda: _observe(model(), tokenizer(), ob_cfg, cdir))
+    observed = step(
+        "observe",
+        _key(model_key, ob_cfg.as_dict(), *_data_keys(ob_cfg.data)),
+        lambda: _observe(model(), tokenizer(), ob_cfg, cdir),
+        needs=("observe",),
+    )
     ev_cfg = _eval_settings(m)
     float_eval = step(
-        "eval-float", _key(model_key, ev_cfg.as_dict(), EVAL_FORMAT), lambda: _evaluate(model(), tokenizer(), ev_cfg)
+        "eval-float",
+        _key(model_key, ev_cfg.as_dict(), EVAL_FORMAT),
+        lambda: _evaluate(model(), tokenizer(), ev_cfg),
+        needs=("results", "documents"),
     )
-    cost = step("cost", model_key, lambda: gate_cost(model()))
+    cost = step("cost", model_key, lambda: gate_cost(model()), needs=("gate_params", "gate_flops_per_token"))
     schemes = {}
+    data = _data_keys(m.calibration.data, m.observe.data)
     for entry in m.schemes:
         scheme = entry["scheme"]
         cfg = dataclasses.replace(ev_cfg, tasks=entry["tasks"] or ev_cfg.tasks)
-        key = _key(model_key, scheme, m.calibration.as_dict(), cfg.as_dict(), m.observe.as_dict(), EVAL_FORMAT)
+        key = _key(model_key, scheme, m.calibration.as_dict(), cfg.as_dict(), m.observe.as_dict(), EVAL_FORMAT, *data)
         schemes[scheme] = step(
             f"scheme-{slug(scheme)}", key, lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, c, m, seed)
         )
@@ -198,9 +252,8 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
         (train_dir / "study-key").write_text(model_key)
         resume = can_resume(train_dir)
         steps = int(m.train.get("steps", TrainConfig.steps))
-        cfg = TrainConfig(
-            **{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, "out": str(train_dir), "resume": resume}
-        )
+        run = {"out": str(train_dir), "resume": resume, "overwrite": not resume}  # no checkpoint: start afresh
+        cfg = TrainConfig(**{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, **run})
         model = train(model, tok, config=cfg)
     return model, tok
 
