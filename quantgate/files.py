@@ -27,6 +27,7 @@ __all__ = [
     "write_text_atomic",
     "read_json",
     "json_kind",
+    "file_sha256",
     "JSON_LIMIT",
     "content_sha256",
     "writable_dir",
@@ -130,7 +131,7 @@ def content_sha256(path: str | Path, *, patterns: Iterable[str] = ("*",), memo: 
         if isinstance(entry, list) and entry[:4] == stamp and len(entry) == 5:
             digest = entry[4]
         else:
-            digest = _file_sha256(f)
+            digest = file_sha256(f)
             known[str(f.resolve())], changed = [*stamp, digest], True
         digests.append((f.relative_to(path).as_posix() if f != path else "", digest))
     if memo is not None and changed:
@@ -151,7 +152,8 @@ def _read_memo(memo: str | Path | None) -> dict[str, Any]:
         return {}
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of the bytes of the file at ``path`` (hex), read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):

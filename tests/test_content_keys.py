@@ -75,8 +75,8 @@ def test_replacing_a_load_checkpoint_reruns_its_steps(study, tmp_path, monkeypat
     f, run, ckpt, _ = study
     before, ppl0 = _steps(run), _ppl(run)
     hashed = []
-    real = getattr(files, "_file_sha256", None)
-    monkeypatch.setattr(files, "_file_sha256", lambda p: hashed.append(p) or real(p), raising=False)
+    real = getattr(files, "file_sha256", None)
+    monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(p) or real(p), raising=False)
     run_study(f, run)  # nothing changed: every step reused, no weights read again to key them
     assert _steps(run) == before and hashed == []
     shutil.rmtree(ckpt)
@@ -130,8 +130,8 @@ def test_content_sha256_reads_a_file_again_only_when_it_changes(tmp_path, monkey
     (folder / "a.safetensors").write_bytes(b"x" * 100)
     (folder / ".lock").write_text("ignored")
     hashed = []
-    real = files._file_sha256
-    monkeypatch.setattr(files, "_file_sha256", lambda p: hashed.append(p.name) or real(p))
+    real = files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(p.name) or real(p))
     first = files.content_sha256(folder, memo=memo)
     assert files.content_sha256(folder, memo=memo) == first and hashed == ["a.safetensors"]
     (folder / "a.safetensors").write_bytes(b"y" * 100)  # same size, rewritten in place

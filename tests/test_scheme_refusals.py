@@ -303,14 +303,20 @@ def test_evaluate_refuses_non_finite_outputs_naming_task_and_document(task):
     assert task not in err.value.partial["results"]
 
 
-def test_what_was_scored_before_the_non_finite_task_is_kept(monkeypatch):
-    evaluate = importlib.import_module("quantgate.evaluate")  # qg.evaluate is the function
-
+def _nan_after_the_first_task(monkeypatch, evaluate):
+    """tiny-llama, finite for the lm-eval task, NaN from quantgate_backcopy (a computed task run after it)."""
     model = qg.build("tiny-llama", seed=0).eval()
-    poisoned = []  # finite for the lm-eval task, NaN for the computed task that follows it
+    poisoned = []
     model.model.norm.register_forward_hook(lambda m, args, out: out * float("nan") if poisoned else out)
     backcopy = evaluate._backcopy_documents
     monkeypatch.setattr(evaluate, "_backcopy_documents", lambda *a, **k: poisoned.append(1) or backcopy(*a, **k))
+    return model
+
+
+def test_what_was_scored_before_the_non_finite_task_is_kept(monkeypatch):
+    evaluate = importlib.import_module("quantgate.evaluate")  # qg.evaluate is the function
+
+    model = _nan_after_the_first_task(monkeypatch, evaluate)
     with pytest.raises(evaluate.NonFiniteOutputs) as err:
         qg.evaluate(model, tasks=["quantgate_nextsent", "quantgate_backcopy"], limit=2, batch_size=2)
     assert str(err.value).startswith("quantgate_backcopy: document 0")
@@ -334,12 +340,7 @@ def test_cli_eval_keeps_the_tasks_finished_before_a_non_finite_one(monkeypatch, 
     """quantgate eval --out: the tasks scored before the NaN one are written to eval.partial.json and named."""
     import quantgate.cli as cli
 
-    evaluate = importlib.import_module("quantgate.evaluate")
-    model = qg.build("tiny-llama", seed=0).eval()
-    poisoned = []
-    model.model.norm.register_forward_hook(lambda m, args, out: out * float("nan") if poisoned else out)
-    backcopy = evaluate._backcopy_documents
-    monkeypatch.setattr(evaluate, "_backcopy_documents", lambda *a, **k: poisoned.append(1) or backcopy(*a, **k))
+    model = _nan_after_the_first_task(monkeypatch, importlib.import_module("quantgate.evaluate"))
     monkeypatch.setattr(cli, "load_for_eval", lambda *a, **k: model)
     argv = ["eval", "tiny-llama", "--tasks", "quantgate_nextsent,quantgate_backcopy", "--limit", "2"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2

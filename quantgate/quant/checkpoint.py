@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 from ..checkpoint import QUANTIZED_MANIFEST, dedupe
+from ..files import file_sha256
 from ..models import io as model_io
 from ..models.families import config_of, family_of
 from ..models.sources import tokenizer as get_tokenizer
@@ -128,7 +129,7 @@ def save_quantized(
         **({"act_ranges": ranges} if ranges else {}),
         "weights_file": weights.name,
         **({"stored_dtype": str(dtype).removeprefix("torch.")} if dtype is not None else {}),
-        "weights_sha256": _sha256(weights),
+        "weights_sha256": file_sha256(weights),
         "versions": {**versions(_PACKAGES), "python": platform.python_version()},
     }
     manifest["content_sha256"] = _content_sha256(json.loads(json.dumps(manifest)), path)  # as it is read back
@@ -158,7 +159,7 @@ def load_quantized(
         raise ValueError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
     weights = path / manifest.get("weights_file", WEIGHTS)
     state = _read(weights)
-    if _sha256(weights) != manifest["weights_sha256"]:
+    if file_sha256(weights) != manifest["weights_sha256"]:
         raise ValueError(
             f"{weights} does not match the sha256 recorded in {path / MANIFEST} (field "
             f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
@@ -250,14 +251,6 @@ def _content_sha256(manifest: dict[str, Any], path: Path) -> str:
     fields = {k: v for k, v in manifest.items() if k not in _UNHASHED}
     config = json.loads((path / "config.json").read_text())
     return hashlib.sha256(json.dumps([fields, config], sort_keys=True).encode()).hexdigest()
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _read(file: Path) -> dict[str, torch.Tensor]:
