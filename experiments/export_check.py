@@ -128,8 +128,8 @@ def main() -> None:
     for scheme in tqdm(SCHEMES + REFUSED, desc="schemes"):
         calib = qg.data.batches(tok, "train", seq_len=128, batch_size=8)
         t0 = time.perf_counter()
-        takes_calib = "calib" in type(get_scheme(scheme)).options
-        q = qg.quantize(model, scheme, calibration=calib, **({"calib": 2} if takes_calib else {}))
+        calibrates = get_scheme(scheme).needs_calibration or get_scheme(scheme).export_calibration
+        q = qg.quantize(model, scheme, calibration=calib, **({"calib": 2} if calibrates else {}))
         path = work / scheme
         dtype = getattr(torch, args.save_dtype)
         fmt = export_format(q, get_scheme(scheme))[0]

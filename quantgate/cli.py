@@ -146,11 +146,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ValueError("quantize needs a model and --scheme (quantgate quantize --list shows the schemes)")
     _check_options(args, "calibration", {"calib": "batches", "seq_len": "seq_len", "batch_size": "batch_size"})
     scheme = get_scheme(args.scheme)
+    needs = scheme.needs_calibration or bool(args.out and scheme.export_calibration)
+    if args.calib is not None and not needs:
+        unless = " unless it is saved (--out)" if scheme.export_calibration else ""
+        raise ValueError(f"--calib {args.calib} does nothing here: {scheme} calibrates nothing{unless}; leave it out")
     _output(args.out, args.model)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant)
     tok = tokenizer(model)
     held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
-    needs = scheme.needs_calibration or (args.out and scheme.export_calibration)
     calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if needs else None
     q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib is not None else {}))
     report = quant_error(model, q, held_out, max_batches=2)

@@ -460,17 +460,22 @@ def _context_length(model: nn.Module) -> int:
 
 def _wrap(model, tokenizer, objective: str, batch_size, max_length):
     """The lm-eval model for ``model``: the classes lm-eval's ``--model quantgate`` / ``quantgate-mlm``
-    construct (quantgate.lm_eval_models), so both routes score with the same settings."""
+    construct (quantgate.lm_eval_models), so both routes score with the same settings; non-finite scores
+    are left to :func:`evaluate`, which names the task and keeps the others."""
     from . import lm_eval_models  # imports lm-eval: optional, imported at first use
 
+    lm: lm_eval_models.QuantgateLM | lm_eval_models.PseudoLogLikelihoodLM
     if objective == "mlm":
-        return lm_eval_models.PseudoLogLikelihoodLM(model, tokenizer, batch_size=batch_size, max_length=max_length)
-    try:
-        return lm_eval_models.QuantgateLM(
-            pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
-        )
-    except (AssertionError, TypeError) as e:
-        raise ValueError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
+        lm = lm_eval_models.PseudoLogLikelihoodLM(model, tokenizer, batch_size=batch_size, max_length=max_length)
+    else:
+        try:
+            lm = lm_eval_models.QuantgateLM(
+                pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
+            )
+        except (AssertionError, TypeError) as e:
+            raise ValueError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
+    lm.refuse_non_finite = False
+    return lm
 
 
 def _clean(metrics: dict) -> dict:
@@ -486,7 +491,8 @@ def _clean(metrics: dict) -> dict:
 def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
     """Per-document values of one lm-eval task from its logged samples (one filter: the first): the
     per-document value of each metric quantgate.stats aggregates, split where lm-eval logs a pair
-    (word_perplexity: (loglikelihood, words)), and for rolling log-likelihood tasks the token count."""
+    (word_perplexity: (loglikelihood, words)), each document's work where the task records it, and for
+    rolling log-likelihood tasks the token count."""
     rows = [s for s in samples if s["filter"] == samples[0]["filter"]]
     docs = {"ids": [s["doc_id"] for s in rows]}
     for name, metric in METRICS.items():
@@ -498,6 +504,8 @@ def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
             docs[metric.value], docs[metric.weight] = [_number(v[0]) for v in values], [_number(v[1]) for v in values]
         else:
             docs[metric.value] = [_number(v) for v in values]
+    if all(isinstance(s.get("doc"), dict) and "work" in s["doc"] for s in rows):  # the bundled corpus's
+        docs["works"] = [s["doc"]["work"] for s in rows]  # independent units are works, not chapters of one
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
         docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
     return docs

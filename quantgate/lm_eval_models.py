@@ -20,13 +20,14 @@ and :func:`main` (``quantgate lm-eval ARGS``) runs lm-eval's own command line
 (``lm_eval.__main__.cli_evaluate``) in a process that has imported this module, with ARGS unchanged
 but for ``--include_path`` set to quantgate's task folder when ARGS name none. ``--model_args`` splits
 on commas, so a scheme or variant with options of its own goes in lm-eval's JSON form:
-``--model_args '{"pretrained": "DIR", "scheme": "w8a8-int8-static:calib=4,act_bits=6"}'``.
+``--model_args '{"pretrained": "DIR", "scheme": "w8a8-int8-static:calib=4,a_bits=6"}'``.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -39,7 +40,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import PreTrainedTokenizerBase
 
-from .evaluate import TASK_DIR, _check_vocabulary, _context_length, load_for_eval
+from .evaluate import TASK_DIR, NonFiniteOutputs, _check_vocabulary, _context_length, load_for_eval
 from .models.families import family_of
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
@@ -170,7 +171,10 @@ class QuantgateLM(HFLM):
     ``dtype``) or over an in-memory causal LM (``pretrained=model``). As in ``quantgate eval``: quantgate's
     tokenizer for the model, ``add_bos_token=False`` (lm-eval puts its prefix token, BOS, before each
     rolling window itself; a tokenizer adding BOS again would score a spurious token), ``max_length`` the
-    model's positions (at most 4096), ``batch_size`` auto = 8 on a CPU."""
+    model's positions (at most 4096), ``batch_size`` auto = 8 on a CPU. A NaN or inf score is refused
+    (:func:`_finite`)."""
+
+    refuse_non_finite = True
 
     def __init__(
         self,
@@ -216,9 +220,39 @@ class QuantgateLM(HFLM):
             )
         self.quantgate_source = source
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """HFLM's, refusing NaN or inf (:func:`_finite`)."""
+        return _finite(self, "loglikelihood", requests, super().loglikelihood(requests, disable_tqdm))
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """HFLM's, refusing NaN or inf (:func:`_finite`)."""
+        scores = super().loglikelihood_rolling(requests, disable_tqdm)
+        return _finite(self, "loglikelihood_rolling", requests, scores)
+
     def get_model_info(self) -> dict[str, Any]:
         """Parameters, dtype, source, family, variant and quantization scheme, for lm-eval's ``config``."""
         return _model_info(self._model, self.quantgate_source)
+
+
+def _finite(lm: QuantgateLM | PseudoLogLikelihoodLM, kind: str, requests: list[Any], scores: list) -> list:
+    """``scores`` (one per request: a float, or a (float, is_greedy) pair), unless one is NaN or inf: then
+    :class:`NonFiniteOutputs` naming the request, before lm-eval aggregates or writes anything (lm-eval
+    would write a NaN metric and exit 0). Not where ``lm.refuse_non_finite`` is False: :func:`quantgate.evaluate`
+    checks lm-eval's samples itself, naming the task and keeping the tasks that scored."""
+    if not lm.refuse_non_finite:
+        return scores
+    for i, score in enumerate(scores):
+        value = score[0] if isinstance(score, tuple) else score
+        if not math.isfinite(value):
+            doc = getattr(requests[i], "doc_id", i)
+            text = " ".join(str(a) for a in requests[i].args)[:40]
+            raise NonFiniteOutputs(
+                f"{kind} request {i + 1} of {len(requests)} (document {doc}: {text!r}) scored {value}: the "
+                f"model's outputs are NaN or inf, so no metric of this run means anything; nothing was written. "
+                f"Check the weights (quantgate info) and the scheme (quantgate quantize prints its error)",
+                partial={},
+            )
+    return scores
 
 
 @register_model("quantgate-mlm")
@@ -231,7 +265,10 @@ class PseudoLogLikelihoodLM(LM):
     Built on an in-memory model (``PseudoLogLikelihoodLM(model, tokenizer)``) or by lm-eval from
     ``--model_args pretrained=NAME[,scheme=S][,variant=V][,dtype=D]`` (loaded as ``quantgate eval``
     loads it). ``batch_size``: masked copies per forward pass; ``max_length`` (tokens, default the
-    model's positions) bounds each scored window, [CLS] and [SEP] included."""
+    model's positions) bounds each scored window, [CLS] and [SEP] included. A NaN or inf score is refused
+    (:func:`_finite`)."""
+
+    refuse_non_finite = True
 
     def __init__(
         self,
@@ -296,7 +333,8 @@ class PseudoLogLikelihoodLM(LM):
     @torch.no_grad()
     def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
         """Per request (context, continuation): the continuation's summed PLL (nats) and is_greedy."""
-        return [self._pll(self._encode(r.args[0]), self._encode(r.args[1])) for r in requests]
+        scores = [self._pll(self._encode(r.args[0]), self._encode(r.args[1])) for r in requests]
+        return _finite(self, "loglikelihood", requests, scores)
 
     @torch.no_grad()
     def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
@@ -307,7 +345,7 @@ class PseudoLogLikelihoodLM(LM):
             for start in range(0, len(ids), body):  # disjoint windows, each scored in full
                 total += self._pll([], ids[start : start + body])[0]
             out.append(total)
-        return out
+        return _finite(self, "loglikelihood_rolling", requests, out)
 
     def generate_until(self, requests: list[Any]) -> list[str]:
         """Masked LMs do not generate: refused."""

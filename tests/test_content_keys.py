@@ -88,6 +88,22 @@ def test_replacing_a_load_checkpoint_reruns_its_steps(study, tmp_path, monkeypat
     assert _ppl(run) == _ppl(fresh) != ppl0
 
 
+def test_a_hub_repository_pushed_to_since_reruns_its_steps(study, tmp_path, monkeypatch):
+    """A hub id is keyed by its snapshot's content (the snapshot a fetch gives now), not by the id."""
+    f, _, ckpt, _ = study
+    sources = importlib.import_module("quantgate.models.sources")
+    monkeypatch.setattr(sources, "_hub_snapshot", lambda repo_id: ckpt)  # the hub, as a folder
+    hub = tmp_path / "hub.yaml"
+    hub.write_text(f.read_text().replace(f"load: {ckpt}", "load: someone/tiny"))
+    run = run_study(hub, tmp_path / "hub-run")
+    before = _steps(run)
+    shutil.rmtree(ckpt)
+    qg.save(qg.build("tiny-llama", seed=1), ckpt)  # a new commit: other weights under the same id
+    run_study(hub, run)
+    after = _steps(run)
+    assert all(after[name] != before[name] for name in before)
+
+
 def test_rewriting_a_local_data_file_reruns_what_reads_it(study):
     f, run, _, data = study
     before = _steps(run)

@@ -114,7 +114,7 @@ def test_output_path_is_lm_evals_file_with_quantgate_numbers(llama_dir, tmp_path
     theirs, ours = raw["results"]["quantgate_ppl"], result["results"]["quantgate_ppl"]
     assert theirs["word_perplexity,none"] == ours["word_perplexity"]
     assert theirs["bits_per_byte,none"] == ours["bits_per_byte"]
-    assert raw["n-samples"]["quantgate_ppl"]["effective"] == 2 and raw["versions"]["quantgate_ppl"] == 1.0
+    assert raw["n-samples"]["quantgate_ppl"]["effective"] == 2 and raw["versions"]["quantgate_ppl"] == 2.0
     assert raw["config"]["model"] == "quantgate" and raw["config"]["model_args"] == {"pretrained": str(llama_dir)}
     assert raw["config"]["quantgate_family"] == "llama" and raw["config"]["bootstrap_iters"] == 0
     assert "quantgate_backcopy" in result["results"] and result["lm_eval_output"]["results"] == str(path)

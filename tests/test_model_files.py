@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import quantgate as qg
@@ -27,6 +28,10 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("saved")
     qg.save(qg.build("tiny-llama", "g1-elementwise"), root / "gated")
     qg.save(qg.build("tiny-llama"), root / "vanilla")
+    config = transformers.LlamaConfig(
+        vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "plain")  # as transformers writes it
     return root
 
 
@@ -133,6 +138,13 @@ CORRUPT = {
         "info",
         "model.safetensors holds 6 tensors of other shapes than the model built from config.json "
         "(model.layers.0.mlp.down_proj.weight is [64, 128], the model's [64, 96]",
+    ),
+    "plain-layers-raised": (  # transformers would add a block of random weights
+        "plain",
+        _edit_config(num_hidden_layers=3),
+        "info",
+        "model.safetensors lacks 9 tensors it needs (model.layers.2.input_layernorm.weight, "
+        "model.layers.2.mlp.down_proj.weight, model.layers.2.mlp.gate_proj.weight, ...): config.json",
     ),
     "tokenizer-config-is-a-list": (
         "vanilla",

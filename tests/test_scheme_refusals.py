@@ -73,6 +73,12 @@ SCHEME, VARIANT = get_scheme, AttentionVariant.parse
         (SCHEME, "kv8-int8:keep=model.layers.0*", "does nothing here: this scheme quantizes the KV cache alone"),
         (SCHEME, "kv8-int8:acts=bondarenko", "acts=bondarenko does nothing here"),
         (SCHEME, "w8-int8:sink=0", "sink=0 does nothing here"),
+        # calibration batches for a scheme that calibrates nothing; keep=auto where nothing finds the FFNs
+        (SCHEME, "w8a8-int8-dynamic:calib=4", "calib=4 does nothing here: it counts calibration batches"),
+        (SCHEME, "kv4-int4:calib=2", "calib=2 does nothing here"),
+        (SCHEME, "torchao-int8-weight-only:calib=3", "calib=3 does nothing here"),
+        (SCHEME, "torchao-int8-dynamic:keep=auto", "keep=auto finds the FFNs with massive activations"),
+        (SCHEME, "llm-int8:keep=auto", "only quantgate's simulated schemes run; name the modules"),
         # ... also when it restates the value the scheme has anyway
         (SCHEME, "w8a8-int8-dynamic:estimator=minmax", "estimator=minmax does nothing here"),
         # a key given twice: which value was meant cannot be known
@@ -110,6 +116,10 @@ def test_a_string_is_refused_naming_the_option(parse, text, fragment):
         "w8a8-int8-dynamic:smooth=0.8",
         "w8a8-int8-static:a_symmetric=true",
         "w8-int8:keep=lm_head",
+        "w8a8-int8-dynamic:smooth=0.5,calib=4",
+        "w8a8-int8-dynamic:keep=auto,calib=3",
+        "w4a4-nvfp4:calib=2",  # an export's static activation scales
+        "torchao-int8-static:calib=2",
     ],
 )
 def test_options_a_scheme_reads_still_parse_and_print_back(text):
@@ -139,6 +149,14 @@ def test_refusals_are_one_line_cli_errors(capsys):
     assert main(["info", "tiny-llama", "--variant", "sink:init=1e40"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "Traceback" not in err and "does nothing here" in err and "init must be in" in err
+
+
+def test_cli_calib_for_a_scheme_that_calibrates_nothing_is_refused_before_loading(capsys):
+    assert main(["quantize", "no-such-model", "--scheme", "w8a8-int8-dynamic", "--calib", "4"]) == 2
+    assert main(["quantize", "no-such-model", "--scheme", "w4a4-nvfp4", "--calib", "2"]) == 2  # no --out
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith("--calib 4 does nothing here: w8a8-int8-dynamic calibrates nothing; leave it out")
+    assert err[1].endswith("w4a4-nvfp4 calibrates nothing unless it is saved (--out); leave it out")
 
 
 # --- 2. a keep pattern that matches nothing ------------------------------------------------------
@@ -348,3 +366,30 @@ def test_cli_eval_keeps_the_tasks_finished_before_a_non_finite_one(monkeypatch, 
     assert error.startswith("quantgate eval: error: quantgate_backcopy: document 0") and "eval.partial.json" in error
     partial = json.loads((tmp_path / "run" / "eval.partial.json").read_text())
     assert set(partial["results"]) == {"quantgate_nextsent"} and not (tmp_path / "run" / "eval.json").exists()
+
+
+@pytest.mark.parametrize("task", ["quantgate_ppl", "quantgate_nextsent"])
+def test_lm_evals_own_cli_refuses_a_nan_model_and_writes_nothing(task, monkeypatch, capsys, tmp_path):
+    """`quantgate lm-eval` (lm-eval's command line): lm-eval itself writes NaN metrics and exits 0."""
+    lm_eval_models = importlib.import_module("quantgate.lm_eval_models")
+
+    monkeypatch.setattr(lm_eval_models, "_load", lambda *a, **k: _nan_model())
+    argv = ["lm-eval", "run", "--model", "quantgate", "--model_args", "pretrained=tiny-llama", "--tasks", task,
+            "--limit", "2", "--output_path", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    kind = "loglikelihood_rolling" if task == "quantgate_ppl" else "loglikelihood"
+    assert f"quantgate lm-eval: error: {kind} request 1 of " in err and "scored nan" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_pll_model_refuses_a_nan_score_too():
+    from quantgate.evaluate import NonFiniteOutputs
+    from quantgate.lm_eval_models import PseudoLogLikelihoodLM
+
+    model = qg.build("tiny-bert", seed=0).eval()
+    model.get_output_embeddings().register_forward_hook(lambda m, args, out: out * float("nan"))
+    lm = PseudoLogLikelihoodLM(model, qg.tokenizer(model))
+    request = type("Request", (), {"args": ("The cat sat on the mat.",), "doc_id": 7})()
+    with pytest.raises(NonFiniteOutputs, match=r"loglikelihood_rolling request 1 of 1 \(document 7: 'The cat"):
+        lm.loglikelihood_rolling([request])

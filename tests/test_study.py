@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantgate.study import CellRecord, StudyRecord
 from quantgate.study.measures import peak_activation
@@ -284,3 +285,32 @@ def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     assert f"| {format_delta(expected)} | 200 (0.25x) | 0.50 (0) |" in row
     assert "| m | g1-elementwise | 0 | - | 800 (1.00x) |" in "\n".join(lines)
     assert _against_baseline(records, [], {}, None) == []
+
+
+def test_a_study_fine_tunes_a_loaded_checkpoint_with_a_gate_added(tmp_path):
+    """load: + train: fine-tunes the checkpoint; a variant swapped in starts from Bondarenko's fine-tuning
+    init (finetune=true), and both copies see the same data, steps and seed."""
+    import quantgate as qg
+
+    qg.save(qg.build("tiny-llama", seed=3), tmp_path / "base")
+    study = tmp_path / "ft.yaml"
+    study.write_text(
+        "name: ft\nseed: 0\nmodels:\n  - name: base\n"
+        f"    load: {tmp_path / 'base'}\n"
+        '    variants: [vanilla, "g1-headwise:finetune=true"]\n'
+        "    train: {steps: 2, batch_size: 2, seq_len: 16, lr: 0.001, eval_batches: 1}\n"
+        "schemes: [w8-int8]\ncalibration: {batches: 1, seq_len: 16, batch_size: 2}\n"
+        "observe: {batches: 1, seq_len: 16, batch_size: 2}\neval: {tasks: [quantgate_ppl], limit: 1}\n"
+    )
+    from quantgate.study.steps import plan
+
+    assert f"fine-tune {tmp_path / 'base'} on train: 2 steps x 2 x 16 = 64 tokens" in plan(study)
+    run = run_study(study, tmp_path / "run")
+    cells = {c["variant"]: c for c in json.loads((run / "metrics.json").read_text())["cells"]}
+    assert set(cells) == {"vanilla", "g1-headwise:finetune=true"}
+    for variant, cell in cells.items():
+        assert cell["trained"]["trained"] and cell["trained"]["steps"] == 2 and cell["trained"]["tokens"] == 64
+        model = qg.load(run / "cells" / f"base--{variant.replace(':', '_').replace('=', '_')}" / "train" / "model")
+        assert str(qg.variant_of(model)) == variant
+    base, tuned = qg.load(tmp_path / "base"), qg.load(next((run / "cells").glob("base--vanilla")) / "train" / "model")
+    assert not torch.equal(base.model.layers[0].self_attn.q_proj.weight, tuned.model.layers[0].self_attn.q_proj.weight)

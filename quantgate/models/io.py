@@ -353,7 +353,9 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str], decided_b
 
 def _from_pretrained(family: Family, path: Path, config: PreTrainedConfig, strict: bool) -> nn.Module:
     """transformers' from_pretrained; ``strict`` (checkpoints written by :func:`save`): the weights must fit
-    the model exactly. Other checkpoints may carry heads the model does not use (transformers warns). Tensors
+    the model exactly. Other checkpoints may carry heads the model does not use (transformers warns), but
+    never lack a tensor the model needs (transformers would initialise it at random: a config.json whose
+    ``num_hidden_layers`` was raised by hand loads with random extra blocks). Tensors
     of another shape than config.json gives them are refused first, naming them (transformers' own refusal
     names none and prints a table). Not for another tool's quantized weights, whose packed tensors have other
     shapes by design."""
@@ -372,13 +374,12 @@ def _from_pretrained(family: Family, path: Path, config: PreTrainedConfig, stric
         raise ValueError(
             f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"
         ) from None
-    if strict:
-        files = _weight_files(path)
-        _check_fit(
-            files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",
-            set(info["missing_keys"]),
-            set(info["unexpected_keys"]),
-        )
+    files = _weight_files(path)
+    _check_fit(
+        files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",
+        set(info["missing_keys"]),
+        set(info["unexpected_keys"]) if strict else set(),
+    )
     return model
 
 

@@ -114,6 +114,11 @@ class Scheme:
 
     def check_combination(self) -> None:
         """Raise ValueError where option values do not go together (after each is checked alone)."""
+        if "auto" in self.keep:  # SimulatedScheme overrides this: it resolves keep=auto
+            raise ValueError(
+                f"{self.name}: keep=auto finds the FFNs with massive activations on calibration batches, which "
+                f"only quantgate's simulated schemes run; name the modules instead (keep=PATTERN)"
+            )
 
     def unread(self) -> dict[str, str]:
         """The options of this scheme's class that this scheme, as its other options set it up, never reads,
@@ -242,6 +247,8 @@ class SimulatedScheme(Scheme):
             why |= {"acts": f"{cache}, not at placed sites", "keep": cache, "gates": cache}
         if a is None:
             why["smooth"] = _NOTHING_TO_SMOOTH
+        if not (self.needs_calibration or self.export_calibration):
+            why["calib"] = _NOTHING_TO_CALIBRATE
         return why
 
     @property
@@ -267,7 +274,8 @@ class TorchaoScheme(Scheme):
 
     def unread(self) -> dict[str, str]:
         others = "torchao-int8-dynamic and torchao-int8-static quantize them"
-        return {"smooth": f"{_NOTHING_TO_SMOOTH} ({others})"} if self.weight_only else {}
+        why = {"smooth": f"{_NOTHING_TO_SMOOTH} ({others})"} if self.weight_only else {}
+        return why if self.needs_calibration else why | {"calib": _NOTHING_TO_CALIBRATE}
 
     @property
     def needs_calibration(self) -> bool:
@@ -426,6 +434,10 @@ def _allowed(s: Scheme) -> set[str]:
     return {k for k in type(s).options if (where := OPTIONS[k].where) is None or getattr(s, where)}
 
 
+_NOTHING_TO_CALIBRATE = (
+    "it counts calibration batches, and this scheme calibrates nothing (its activations are dynamic or float, "
+    "and neither smooth= nor keep=auto is set)"
+)
 _NOTHING_TO_SMOOTH = (
     "it migrates activation outliers into the weights, and this scheme leaves the activations in float, so "
     "there is nothing to smooth"

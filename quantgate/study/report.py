@@ -559,6 +559,9 @@ def study_markdown(metrics: StudyRecord) -> str:
         "",
     ]
     settings = metrics.report
+    criterion = (settings.get("criterion") or "").strip()
+    if criterion:  # declared in the study file before its runs (its git history shows when)
+        lines += ["## Success criterion (from the study file, declared before the runs)", "", criterion, ""]
     fixes = settings.get("fixes")
     if fixes:
         lines += which_fix(cells, schemes, changes, fixes, settings.get("pairs") or [])

@@ -109,6 +109,7 @@ SECTION_RULES: dict[str, Rules] = {
     },  # lm-eval's window (tokens); default: see _eval_settings
     "report": {
         "notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
+        "criterion": (str, None),  # the experiment's success criterion, committed before its runs
         "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
         "baseline": (str, None),  # a variant the report sets every other variant of a model against
         "fixes": (dict, None),
@@ -181,8 +182,6 @@ def load_study(path: str | Path) -> Study:
             fail(where, "each model needs exactly one of 'preset' (built from config) or 'load' (a checkpoint)")
         if "preset" in m and m["preset"] not in PRESETS:
             fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
-        if "train" in m and "preset" not in m:
-            fail((*where, "train"), "'train' needs a 'preset' (fine-tuning a loaded model: use quantgate train)")
         config, family = _model_config(m, where, fail)
         objective = family.objective if family else None
 
@@ -193,7 +192,7 @@ def load_study(path: str | Path) -> Study:
             _check_values(train, TRAIN_RULES, at, fail)
             _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), fail)
             try:
-                TrainConfig(**train).resolved(family.name)
+                TrainConfig(**train).resolved(family.name if family else "")  # unknown yet: the defaults
             except ValueError as e:  # the trainer's own check of the schedule
                 fail((*at, "schedule"), str(e))
             for key in ("data", "eval_data"):

@@ -50,7 +50,9 @@ from .schema import DEFAULT_STUDY, load_study
 __all__ = ["run_study", "plan"]
 
 log = logging.getLogger("quantgate")
-EVAL_FORMAT = "per-document values"  # in the evaluation steps' keys: older cached evaluations lack them, so rerun
+# in the evaluation steps' keys: cached evaluations of an older format rerun (per-document values; then
+# quantgate_ppl 2.0, whose documents come in turn from each work)
+EVAL_FORMAT = "per-document values, quantgate_ppl 2.0"
 
 
 def _key(*parts) -> str:
@@ -85,18 +87,15 @@ CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.model", "*.
 
 def _content_keys(m: ModelSpec) -> list[str]:
     """What the model's key holds beside its settings: the sha256 of a ``load:`` checkpoint's files (a local
-    folder or a packaged model's; a hub id is named by its id) and of the local data files it trains on.
-    Empty where there are none, so keys stay those of runs made before content was keyed."""
+    folder, a packaged model's, or a hub id's snapshot, fetched here: a repository pushed to since is another
+    model) and of the local data files it trains on. Empty where there are none, so keys stay those of runs
+    made before content was keyed."""
     memo = cache_dir() / "content-sha256.json"
     keys = []
     load_from = m.source.get("load")
     if load_from is not None:
-        if load_from in PACKAGED:
-            folder: Path | None = _package_dir(load_from)
-        else:
-            folder = resolve(load_from) if Path(load_from).exists() else None
-        if folder is not None:
-            keys.append(content_sha256(folder, patterns=CHECKPOINT_FILES, memo=memo))
+        folder = _package_dir(load_from) if load_from in PACKAGED else resolve(load_from)
+        keys.append(content_sha256(folder, patterns=CHECKPOINT_FILES, memo=memo))
     data = source_sha256(str((m.train or {}).get("data", "")))
     return keys + ([data] if data else [])
 
@@ -116,14 +115,13 @@ def plan(path: str | Path) -> str:
     for cell in study.cells():
         m = cell.model
         preset = " ".join(str(x) for x in (m.source.get("preset"), m.source.get("config")) if x)
-        if "load" in m.source:
-            what = f"load {m.source['load']}"
-        elif m.train is None:
-            what = f"build {preset} untrained"
+        if m.train is None:
+            what = f"load {m.source['load']}" if "load" in m.source else f"build {preset} untrained"
         else:
             c = TrainConfig(**m.train)
+            verb = f"fine-tune {m.source['load']}" if "load" in m.source else f"train {preset}"
             what = (
-                f"train {preset} on {c.data}: {c.steps} steps x {c.batch_size * c.grad_accum} x {c.seq_len} = "
+                f"{verb} on {c.data}: {c.steps} steps x {c.batch_size * c.grad_accum} x {c.seq_len} = "
                 f"{c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens"
             )
         lines.append(f"  {cell.id} (seed {cell.seed}): {what}; eval {', '.join(m.eval.tasks)}")
@@ -235,15 +233,17 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
 
 
 def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str):
-    """Build, train or load the cell's model (training resumes from its checkpoints)."""
-    if "load" in m.source:
-        model = load(m.source["load"], cell.variant if cell.variant != "vanilla" else None)
-        return model, get_tokenizer(model)
+    """Build or load the cell's model, then train it if the study says so (a loaded one is fine-tuned; a
+    variant swapped into a loaded checkpoint starts with gates initialised with the cell's seed); training
+    resumes from its checkpoints."""
     train_dir = cdir / "train"
     if m.train is not None and (train_dir / "model" / "config.json").is_file() and _same_key(train_dir, model_key):
         model = load(train_dir / "model")
         return model, get_tokenizer(model)
-    model = build(m.source["preset"], cell.variant, seed=seed, **m.source["config"])
+    if "load" in m.source:
+        model = load(m.source["load"], cell.variant if cell.variant != "vanilla" else None, seed=seed)
+    else:
+        model = build(m.source["preset"], cell.variant, seed=seed, **m.source["config"])
     tok = get_tokenizer(model)
     if m.train is not None:
         if not _same_key(train_dir, model_key):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -15,7 +16,12 @@ DATA = Path(__file__).with_name("data")
 
 
 def ppl_documents(**kwargs: object) -> datasets.DatasetDict:
-    rows = [{"id": d.id, "text": d.text} for d in corpus("test")]
+    """The test split's documents, taken in turn from each work (the first document of every work, then
+    the second of each, ...): a ``limit`` of n documents spans min(n, 9) works, never n chapters of one."""
+    by_work: dict[str, list[dict[str, str]]] = {}
+    for d in corpus("test"):
+        by_work.setdefault(d.work, []).append({"id": d.id, "work": d.work, "text": d.text})
+    rows = [doc for docs in itertools.zip_longest(*by_work.values()) for doc in docs if doc is not None]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 

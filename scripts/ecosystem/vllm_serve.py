@@ -6,8 +6,8 @@
    that torch and text models need none of them);
 2. the checkpoint folders: SmolLM2-135M float saved by ``quantgate.save``, the llm-compressor W8A8
    folder of llmcompressor_roundtrip.py when present, and quantgate's own exports made by
-   ``quantgate quantize smollm2-135m --scheme S --calib 2 --out D`` (S = w8a8-int8-dynamic,
-   w8a8-int8-static, w8a8-fp8-e4m3); an export that is not a compressed-tensors folder (config.json
+   ``quantgate quantize smollm2-135m --scheme S [--calib 2] --out D`` (S = w8a8-int8-dynamic,
+   w8a8-int8-static, w8a8-fp8-e4m3; --calib where S calibrates); an export that is not a compressed-tensors folder (config.json
    without quantization_config.quant_method == "compressed-tensors") is skipped, saying so;
 3. a fixed set of documents of quantgate's bundled test split, each cut to <= --max-tokens tokens with
    SmolLM2's tokenizer (BOS first, as quantgate's eval scores a window);
@@ -199,8 +199,12 @@ def default_checkpoints(args: argparse.Namespace, rec: Recorder) -> list[dict]:
             if d.exists():
                 log(f"{d} exists but is not a compressed-tensors folder (or --remake-exports): making it again")
                 shutil.rmtree(d)
+            from quantgate.quant import get_scheme  # this interpreter is quantgate's (run_main)
+
+            s = get_scheme(scheme)
+            calib = ["--calib", str(args.calib)] if s.needs_calibration or s.export_calibration else []
             cmd = run_main(
-                ["quantize", "smollm2-135m", "--scheme", scheme, "--calib", str(args.calib), "--out", str(d)],
+                ["quantize", "smollm2-135m", "--scheme", scheme, *calib, "--out", str(d)],
                 recorder=rec,
                 note=f"export {scheme}",
                 check=False,
@@ -436,8 +440,9 @@ def write_report(data: dict, out: Path) -> None:
     made = [r for r in data["checkpoints"] if r.get("export")]
     lines += [
         "",
-        "quantgate's exports are made, where missing, by `quantgate quantize smollm2-135m --scheme S --calib "
-        f"2 --out {data['work']}/smollm2-qg-S` (S = {', '.join(EXPORTS)}); a folder made by an earlier run is "
+        "quantgate's exports are made, where missing, by `quantgate quantize smollm2-135m --scheme S [--calib "
+        f"2] --out {data['work']}/smollm2-qg-S` (S = {', '.join(EXPORTS)}; `--calib 2` where S calibrates); a "
+        "folder made by an earlier run is "
         "reused while it is a compressed-tensors folder (`--remake-exports` makes them again).",
     ]
     if made:
