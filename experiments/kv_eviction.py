@@ -7,7 +7,7 @@ A rolling KV cache of w recent tokens is an attention mask: query i sees keys i-
 0..3 when the sink tokens are kept (Xiao et al. 2024). Positions stay the original ones (RoPE sees
 true distances; StreamingLLM re-indexes positions inside the cache instead). Perplexity is over the
 second half of each sequence, where every window has evicted tokens; every change of perplexity carries
-a 95% interval from a paired bootstrap over the sequences. Models: SmolLM2-135M (ungated,
+a 95% paired interval over the sequences (BCa from 20, a jackknife t-interval below). Models: SmolLM2-135M (ungated,
 real) on held-out text, and the tiny ungated / gated models of the cpu_recipe study (seed 0) on
 held-out backcopy sequences.
 """

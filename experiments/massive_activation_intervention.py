@@ -2,6 +2,8 @@
 
     python experiments/massive_activation_intervention.py          # results/massive_activation_intervention/
     python experiments/massive_activation_intervention.py --smoke  # seconds: a random tiny model (CI)
+    python experiments/massive_activation_intervention.py --model DIR --out OUT  # another checkpoint (e.g.
+        # a copy the retrofit study fine-tuned: results/retrofit/cells/*/train/model)
 
 observe finds the massive activations (|x| > 100 and > 1000 x the median of the residual stream,
 Sun et al.'s criterion) on validation text: their channels, token positions and the layer where they
@@ -9,7 +11,8 @@ first appear. At the output of that layer, a forward hook replaces those channel
 where they are massive by zero, or by their mean over the validation sequences; a control zeroes
 as many randomly chosen ordinary channels at the same positions. Perplexity is measured on
 held-out test sequences, together with the first-token attention of every layer; each setting's change
-of perplexity from the original carries a 95% interval from a paired bootstrap over the test sequences.
+of perplexity from the original carries a 95% paired interval over the test sequences (BCa from 20, a
+jackknife t-interval below).
 """
 
 from __future__ import annotations
@@ -72,11 +75,12 @@ def run(model, block, ids, hook: Intervention | None) -> dict:
 
 
 def main() -> None:
-    args = ex.script_args(__doc__, "results/massive_activation_intervention")
+    args = ex.script_args(__doc__, "results/massive_activation_intervention",
+                          **{"--model": ("smollm2-135m", "checkpoint to intervene on (default: SmolLM2-135M)")})
     t0 = time.perf_counter()
     out = Path(args.out)
-    model = qg.build("tiny-llama") if args.smoke else qg.load("smollm2-135m")
-    name = "tiny-llama (random)" if args.smoke else "smollm2-135m"
+    model = qg.build("tiny-llama") if args.smoke else qg.load(args.model)
+    name = "tiny-llama (random)" if args.smoke else args.model
     tok = qg.tokenizer(model)
     seq_len, n_eval = (32, 2) if args.smoke else (256, 16)
     found = find_massive(model, tok, seq_len, 4 if args.smoke else 8)
@@ -109,14 +113,16 @@ def main() -> None:
     delta = {label: ex.ppl_change(results["original"]["nll"], r["nll"], seq_len - 1)
              for label, r in results.items() if label != "original"}
     lines = ex.header(f"Massive-activation intervention on {name}",
-                      f"python experiments/massive_activation_intervention.py{' --smoke' if args.smoke else ''}",
+                      "python experiments/massive_activation_intervention.py"
+                      + (" --smoke" if args.smoke else "")
+                      + (f" --model {args.model} --out {args.out}" if args.model != "smollm2-135m" else ""),
                       seconds, "Sun et al. (2024): massive activations act as fixed biases. Setting them to zero "
                                "should break the model; setting them to their mean should not.")
     lines += [f"Massive activations first appear at the output of block {found['layer']} (channels "
               f"{found['channels']}, token positions {found['positions']}, largest |x| {found['max_abs']:.4g}); "
               f"blocks with massive activations: {found.get('layers_with_massive', [])}. Perplexity on "
               f"{n_eval} held-out test sequences of {seq_len} tokens; change: relative to the original, with a 95% "
-              "interval from a paired bootstrap over the sequences (~: the interval includes 0); first-token "
+              "paired interval (" + delta["zero"].method + "; ~: the interval includes 0); first-token "
               "attention averaged over layers, heads and queries 1..L-1.", "",
               "| setting at that block | perplexity | change | mean first-token attention |", "|---|---|---|---|"]
     for label, r in results.items():

@@ -73,7 +73,7 @@ def ppl_change(
     base_nll: torch.Tensor | Sequence[float], new_nll: torch.Tensor | Sequence[float], tokens_per_sequence: int
 ) -> Delta:
     """The relative change of perplexity ppl_new / ppl_base - 1 between two settings evaluated on the same
-    sequences, with a 95% paired bootstrap interval over the sequences (:func:`quantgate.stats.paired_delta`).
+    sequences, with a 95% paired interval over the sequences (:func:`quantgate.stats.paired_delta`).
 
     ``base_nll``, ``new_nll``: per-sequence summed NLL in nats (as :func:`nll` returns), shape (B,), tensors or
     lists, sequence i the same in both; ``tokens_per_sequence``: tokens each sum covers (L - start)."""

@@ -7,8 +7,12 @@ metric is computed from them, as lm-eval aggregates it (a ratio of sums over doc
 
 * :func:`paired_delta` compares a float and a quantized evaluation of the same documents: the relative
   change of a perplexity (``ppl_q / ppl_f - 1``) or the difference of an accuracy or bits per byte,
-  with a 95% interval from a paired bootstrap over documents (``scipy.stats.bootstrap``, BCa; the
-  aggregate is recomputed on every resample);
+  with a 95% interval over documents (:func:`interval_method`): from a paired bootstrap
+  (``scipy.stats.bootstrap``, BCa; the aggregate recomputed on every resample) where there are at least
+  :data:`MIN_BOOTSTRAP_UNITS` documents, else a jackknife t-interval (n - 1 degrees of freedom; for a
+  perplexity on the log ratio), since BCa's intervals are too narrow at a handful of documents;
+* :func:`paired_difference` compares two models' changes on the same documents (a gated and an ungated
+  twin under one scheme): the difference of the changes, with the same rule for its interval;
 * :func:`seed_delta` summarises the deltas of several training seeds: their mean (geometric for a perplexity
   ratio) and a t-interval;
 * :func:`format_delta` prints one as ``+12.3% [+9.8, +14.9]``, with ``~`` where the interval holds 0.
@@ -27,6 +31,9 @@ __all__ = [
     "Delta",
     "aggregate",
     "paired_delta",
+    "paired_difference",
+    "interval_method",
+    "MIN_BOOTSTRAP_UNITS",
     "seed_delta",
     "change",
     "format_delta",
@@ -38,6 +45,7 @@ __all__ = [
 
 CONFIDENCE = 0.95
 RESAMPLES = 1000
+MIN_BOOTSTRAP_UNITS = 20  # independent documents below which BCa under-covers: a jackknife t-interval instead
 NOISE_LEGEND = (
     "~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
     "values recorded, or a single document)"
@@ -76,7 +84,7 @@ class Delta:
     value: float
     low: float | None
     high: float | None
-    kind: str  # as Metric.kind, or "difference" (a metric stats does not aggregate)
+    kind: str  # as Metric.kind; "points" (a difference of two changes, in points); "difference" (other)
     n: int  # documents, or seeds
     method: str
 
@@ -137,45 +145,113 @@ def paired_delta(
     confidence: float = CONFIDENCE,
 ) -> Delta:
     """The change of ``metric`` from the float to the quantized evaluation of the same documents
-    (relative for a perplexity, a difference otherwise) with a paired bootstrap interval over documents."""
-    if list(float_docs["ids"]) != list(quant_docs["ids"]):
-        raise ValueError(
-            f"the float and quantized evaluations cover different documents ({len(float_docs['ids'])} "
-            f"vs {len(quant_docs['ids'])} ids, first difference at "
-            f"{_first_difference(float_docs['ids'], quant_docs['ids'])}): evaluate both on the same "
-            f"tasks with the same limit"
-        )
+    (relative for a perplexity, a difference otherwise) with a paired interval over documents
+    (:func:`interval_method`)."""
+    _same_documents(float_docs, quant_docs, "the float and quantized evaluations")
     m = _metric(metric)
     data = (*_columns(float_docs, m), *_columns(quant_docs, m))
-    value = float(_change(m.kind, *data))
-    n = len(data[0])
-    if n < 2:
-        return Delta(value, None, None, m.kind, n, f"no interval: {n} document")
-    import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
 
     def statistic(*columns, axis=-1):
         return _change(m.kind, *columns, axis=axis)
+
+    return _interval(data, statistic, m.kind, m.kind == "perplexity", resamples, seed, confidence)
+
+
+def paired_difference(
+    base: tuple[dict, dict],
+    other: tuple[dict, dict],
+    metric: str,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+    confidence: float = CONFIDENCE,
+) -> Delta:
+    """How much more ``other`` changes than ``base``: (its change of ``metric``) - (``base``'s), each pair
+    (float documents, quantized documents) evaluated on the same documents as the other pair, with a paired
+    interval over those documents (:func:`interval_method`). For a perplexity the changes are relative, so
+    the difference is in percentage points (``kind`` "points"); for an accuracy in points as well. Negative:
+    ``other`` (say the gated twin) loses less."""
+    for docs in (base[1], *other):
+        _same_documents(base[0], docs, "the four evaluations of a paired difference")
+    m = _metric(metric)
+    data = tuple(col for docs in (*base, *other) for col in _columns(docs, m))
+
+    def statistic(*c, axis=-1):
+        return _change(m.kind, *c[4:], axis=axis) - _change(m.kind, *c[:4], axis=axis)
+
+    kind = "points" if m.kind in ("perplexity", "accuracy") else m.kind
+    return _interval(data, statistic, kind, False, resamples, seed, confidence)
+
+
+def interval_method(n: int) -> str:
+    """The interval a change over ``n`` independent documents gets: none below 2, a jackknife t-interval
+    below :data:`MIN_BOOTSTRAP_UNITS`, a BCa paired bootstrap from there on."""
+    return "none" if n < 2 else "jackknife-t" if n < MIN_BOOTSTRAP_UNITS else "BCa"
+
+
+def _interval(
+    data: tuple, statistic, kind: str, log_ratio: bool, resamples: int, seed: int, confidence: float
+) -> Delta:
+    """``statistic`` of the document columns ``data`` with its interval (:func:`interval_method`);
+    ``log_ratio``: the statistic is a relative change, whose jackknife interval is taken on log(1 + x)."""
+    value = float(statistic(*data))
+    n = len(data[0])
+    method = interval_method(n)
+    if method == "none":
+        return Delta(value, None, None, kind, n, f"no interval: {n} document")
+    if method == "jackknife-t":
+        low, high = _jackknife_t(data, statistic, log_ratio, confidence)
+        on = ", on the log ratio" if log_ratio else ""
+        return Delta(
+            value,
+            low,
+            high,
+            kind,
+            n,
+            f"jackknife t-interval over {n} documents ({n - 1} df{on}; fewer than {MIN_BOOTSTRAP_UNITS} for BCa)",
+        )
+    import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
 
     common = {"paired": True, "vectorized": True, "confidence_level": confidence, "batch": min(resamples, 250)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # BCa on a distribution without spread: handled below
         res = scipy.stats.bootstrap(data, statistic, n_resamples=resamples, rng=seed, **common)
-        method = "BCa"
+        how = "BCa"
         if not np.isfinite([res.confidence_interval.low, res.confidence_interval.high]).all():
             # BCa is undefined where every resample (or jackknife) gives the same value: percentile instead
             res = scipy.stats.bootstrap(
                 data, statistic, n_resamples=0, bootstrap_result=res, method="percentile", **common
             )
-            method = "percentile"
+            how = "percentile"
     low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
     return Delta(
-        value,
-        low,
-        high,
-        m.kind,
-        n,
-        f"paired bootstrap over {n} documents ({resamples:,} resamples, {method}, seed {seed})",
+        value, low, high, kind, n, f"paired bootstrap over {n} documents ({resamples:,} resamples, {how}, seed {seed})"
     )
+
+
+def _jackknife_t(data: tuple, statistic, log_ratio: bool, confidence: float) -> tuple[float, float]:
+    """The statistic's t-interval (n - 1 degrees of freedom) with the jackknife's standard error: the
+    statistic recomputed without each document in turn (on log(1 + x) where ``log_ratio``)."""
+    import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
+
+    n = len(data[0])
+    keep = ~np.eye(n, dtype=bool)  # row i: every document but i
+    loo = np.asarray(statistic(*(np.asarray(c)[None, :].repeat(n, 0)[keep].reshape(n, n - 1) for c in data)))
+    whole = float(statistic(*data))
+    link, back = (np.log1p, np.expm1) if log_ratio else (lambda x: x, lambda x: x)
+    centre, loo = link(whole), link(loo)
+    se = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
+    half = float(scipy.stats.t.ppf((1 + confidence) / 2, n - 1)) * se
+    return float(back(centre - half)), float(back(centre + half))
+
+
+def _same_documents(reference: dict, docs: dict, what: str) -> None:
+    if list(reference["ids"]) != list(docs["ids"]):
+        raise ValueError(
+            f"{what} cover different documents ({len(reference['ids'])} vs {len(docs['ids'])} ids, first "
+            f"difference at {_first_difference(reference['ids'], docs['ids'])}): evaluate them on the same "
+            f"tasks with the same limit"
+        )
 
 
 def _first_difference(a, b) -> str:
@@ -237,14 +313,14 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
         return "-"
     if d.kind == "perplexity" and max(d.value, d.high or 0) >= 9:
         return format_ratio(d, noise)
-    scale = 100 if d.kind in ("perplexity", "accuracy") else 1
+    scale = 100 if d.kind in ("perplexity", "accuracy", "points") else 1
     values = [v * scale for v in (d.value, d.low, d.high) if v is not None]
-    if d.kind not in ("perplexity", "accuracy"):
+    if d.kind not in ("perplexity", "accuracy", "points"):
         fmt = "{:+.3g}".format
     else:
         decimals = 2 if max(abs(v) for v in values) < 1 else 1
         fmt = f"{{:+.{decimals}f}}".format
-    unit = {"perplexity": "%", "accuracy": " pp"}.get(d.kind, "")
+    unit = {"perplexity": "%", "accuracy": " pp", "points": " pp"}.get(d.kind, "")
     interval = "[n/a]" if d.low is None or d.high is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
     return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")
 

@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, is_tensorboard_available, set_seed
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
@@ -492,7 +492,9 @@ def _train(
     if out is not None and acc.is_main_process and run.step == c.steps:
         _save_model(raw, out / "model", tokenizer)
         plot_training(out / LOG_FILE, out / "training.png")
-    return raw
+    # without accelerate's mixed-precision wrapper: what the caller observes, quantizes or evaluates next
+    # runs in the model's own dtype, not silently in bf16 autocast
+    return acc.unwrap_model(model, keep_fp32_wrapper=False)
 
 
 RUN_FILES = (LOG_FILE, "model", "last-good-model", "training.png", "tensorboard")  # beside checkpoints/
@@ -592,7 +594,22 @@ def _check_checkpointable(acc: Accelerator, data: Iterable[Batch]) -> None:
 def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     """Write checkpoint ``path`` (layout: the module docstring) into a temporary folder, then rename it.
     Under DDP the weights and optimizer state are the same on every process: the main process writes
-    them; each process writes its RNG states."""
+    them; each process writes its RNG states. A full or read-only disk is a one-line ValueError; the
+    checkpoints written before stay, and the run continues from the newest with resume."""
+    try:
+        _write_checkpoint(run, path, identity, c)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(_temporary(path), ignore_errors=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+        kept = sorted(p.name for p in path.parent.glob("step-*") if p.is_dir())
+        raise ValueError(
+            f"cannot write the checkpoint {path}: {reason}; "
+            + (f"the earlier ones are kept ({', '.join(kept)}): " if kept else "")
+            + "free space (or choose a writable --out) and continue with --resume"
+        ) from None
+
+
+def _write_checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     acc = run.acc
     tmp = _temporary(path)
     if acc.is_main_process:

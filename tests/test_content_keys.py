@@ -10,6 +10,7 @@ lm-eval's results and samples) is a one-line error naming the file.
 import importlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -114,12 +115,18 @@ def test_rewriting_a_local_data_file_reruns_what_reads_it(study):
     assert changed == {"observe.json", "scheme-w8-int8.json"}  # observe and the SQNR read it; eval does not
 
 
-def test_token_cache_follows_a_rewritten_hf_data_file(tmp_path, cache):
+@pytest.mark.parametrize("same_mtime", [False, True], ids=["rewritten", "rewritten-keeping-its-time"])
+def test_token_cache_follows_a_rewritten_hf_data_file(tmp_path, cache, same_mtime):
+    """datasets' own cache is keyed by path and modification time: a file rewritten with its old time was read
+    as the old text, and those tokens cached under the new content's key."""
     tok = bundled_tokenizer("bpe-8192")
     data = tmp_path / "data"
     _write_data(data, "hello world")
+    stamp = (data / "train.jsonl").stat().st_mtime_ns
     first = token_stream(tok, f"hf:{data}:train", 0).copy()
     _write_data(data, "completely different words")
+    if same_mtime:
+        os.utime(data / "train.jsonl", ns=(stamp, stamp))
     second = token_stream(tok, f"hf:{data}:train", 0)
     texts = [json.loads(line)["text"].strip() for line in (data / "train.jsonl").read_text().splitlines()]
     expected = [t for ids in tok(texts, add_special_tokens=False)["input_ids"] for t in (*ids, 0)]

@@ -249,11 +249,15 @@ def test_sink_leak_toy_reproduces_the_seed():
 
 
 def test_ppl_change_is_the_paired_perplexity_ratio():
-    """Two sequences of 10 tokens: perplexity exp(80 / 20) -> exp(83 / 20); each resample holds sequence 0, 1 or
-    both, so the interval lies within the single sequences' changes exp(6 / 10) - 1 and exp(-3 / 10) - 1."""
+    """Two sequences of 10 tokens: perplexity exp(80 / 20) -> exp(83 / 20). Two documents are fewer than a
+    bootstrap needs: the jackknife t-interval on the log ratio, by hand: without sequence 0 the log ratio is
+    -3 / 10, without sequence 1 it is 6 / 10, so the standard error is sqrt(1/2 * 2 * 0.45^2) = 0.45, and
+    t(0.975, 1 df) = 12.706."""
     d = ex.ppl_change(torch.tensor([30.0, 50.0]), [36.0, 47.0], 10)
     assert d.value == pytest.approx(math.exp((36 + 47 - 30 - 50) / 20) - 1, rel=1e-12) and d.n == 2
-    assert math.exp(-0.3) - 1 - 1e-12 <= d.low <= d.value <= d.high <= math.exp(0.6) - 1 + 1e-12
+    half = 12.706204736174707 * 0.45
+    assert (d.low, d.high) == pytest.approx((math.expm1(0.15 - half), math.expm1(0.15 + half)), rel=1e-9)
+    assert "jackknife t-interval over 2 documents (1 df" in d.method
     same = ex.ppl_change([30.0, 50.0, 41.0], [30.0, 50.0, 41.0], 10)
     assert (same.value, same.low, same.high) == (0, 0, 0)
     assert ex.format_ratio(same) == "1.000x [1.000, 1.000] ~"

@@ -146,6 +146,31 @@ CORRUPT = {
         "model.safetensors lacks 9 tensors it needs (model.layers.2.input_layernorm.weight, "
         "model.layers.2.mlp.down_proj.weight, model.layers.2.mlp.gate_proj.weight, ...): config.json",
     ),
+    # values out of range in a saved config.json (--config and study files were checked; loading was not)
+    "config-hidden-act": (
+        "vanilla",
+        _edit_config(hidden_act="nonsense"),
+        "info",
+        "{dir}/config.json: hidden_act must be one of ",
+    ),
+    "config-negative-eps": (
+        "vanilla",
+        _edit_config(rms_norm_eps=-1.0),  # a float: transformers loads it, and the loss is NaN
+        "info",
+        "{dir}/config.json: rms_norm_eps must be > 0; got -1.0; restore the config.json saved with the model",
+    ),
+    "config-heads": (
+        "vanilla",
+        _edit_config(num_attention_heads=3),
+        "info",
+        "{dir}/config.json: num_attention_heads 3 is not a multiple of num_key_value_heads",
+    ),
+    "config-initializer-range": (
+        "vanilla",
+        _edit_config(initializer_range=1e30),
+        "info",
+        "{dir}/config.json: initializer_range must be in (0, 1]",
+    ),
     "tokenizer-config-is-a-list": (
         "vanilla",
         _write("tokenizer_config.json", "[]"),

@@ -194,3 +194,29 @@ def test_a_study_name_must_stay_inside_results(name, tmp_path, monkeypatch, caps
     assert "s.yaml" in err and f"'{name}'" in err
     assert all((tmp_path / mine).read_text() == "the user's own file" for mine in ("config.yaml", "report.md"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "report.md", "results", "s.yaml"]
+
+
+def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones(tmp_path, monkeypatch, capsys):
+    """A full disk at a checkpoint (not the final model save) was a SafetensorError traceback."""
+    import quantgate.train as train_module
+    from safetensors import SafetensorError
+
+    real, written = train_module.save_file, []
+
+    def fills_up(tensors, filename, *args, **kwargs):
+        if "step-2" in filename:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        written.append(filename)
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "save_file", fills_up)
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny-llama", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
+            "--checkpoint-every", "1", "--out", str(out)]
+    assert main(argv) == 2
+    err = _error(capsys, "train")
+    assert f"cannot write the checkpoint {out / 'checkpoints' / 'step-2'}: Error while serializing" in err
+    assert "the earlier ones are kept (step-1)" in err and "continue with --resume" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]  # no half-written step-2
+    monkeypatch.setattr(train_module, "save_file", real)
+    assert main([*argv, "--resume"]) == 0 and (out / "model" / "config.json").is_file()

@@ -216,3 +216,19 @@ def test_every_loading_call_passes_trust_remote_code_false():
     # the check is not vacuous: the loaders quantgate has are found
     assert names.count("from_pretrained") >= 4 and "load_dataset" in names and "simple_evaluate" in names
     assert "HFLM.__init__" in names
+
+
+def test_a_data_folder_with_a_dataset_script_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """datasets refuses a folder holding a loading script with a RuntimeError traceback; the script never runs."""
+    data = tmp_path / "scr"
+    data.mkdir()
+    marker = tmp_path / "ran"
+    (data / "scr.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (data / "train.jsonl").write_text('{"text": "some words"}\n')
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    argv = ["observe", "tiny-llama", "--data", f"hf:{data}:train", "--max-batches", "1", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{data} holds a dataset script (scr.py), code that quantgate never runs" in err
+    assert "Traceback" not in err and not marker.exists()

@@ -213,3 +213,26 @@ def test_log_with_needs_a_run_directory_and_a_known_tracker():
         train(model, qg.tokenizer(model), config=TrainConfig(steps=1, log_with="tensorboard", **FAST))
     with pytest.raises(ValueError, match="unknown log_with 'wandb'; valid: tensorboard"):
         train(model, qg.tokenizer(model), config=TrainConfig(steps=1, log_with="wandb", out="x", **FAST))
+
+
+def test_a_mixed_precision_run_returns_the_model_without_its_autocast_wrapper():
+    """train() under bf16 returned the model still wrapped in accelerate's autocast: whatever observed,
+    quantized or evaluated it next ran in bf16 without a word."""
+    import torch
+    import quantgate as qg
+    from quantgate.train import TrainConfig, train
+
+    from accelerate.state import AcceleratorState
+
+    model = qg.build("tiny-llama", seed=0)
+    cfg = TrainConfig(steps=1, batch_size=2, seq_len=16, mixed_precision="bf16", eval_data=None)
+    AcceleratorState._reset_state(True)  # accelerate keeps one precision per process: other tests set none
+    try:
+        trained = train(model, qg.tokenizer(model), config=cfg)
+    finally:
+        AcceleratorState._reset_state(True)
+    seen = []  # the dtype inside the forward pass (the wrapper casts the logits back to float32)
+    trained.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    with torch.no_grad():
+        assert trained(torch.randint(5, 100, (1, 8))).logits.dtype == torch.float32
+    assert seen == [torch.float32]

@@ -131,7 +131,10 @@ def _hf_documents(source: str) -> Iterator[Document]:
         level = quiet.level  # datasets' own log of them (a traceback) is noise
         quiet.setLevel(logging.CRITICAL)
         try:
-            ds = datasets.load_dataset(path, config, split=split, trust_remote_code=False)
+            # a local folder is read afresh: datasets' own cache is keyed by path and modification time, so a
+            # file rewritten with its old time would give the old text (quantgate's caches key its content)
+            fresh = {"download_mode": "force_redownload", "verification_mode": "no_checks"} if local else {}
+            ds = datasets.load_dataset(path, config, split=split, trust_remote_code=False, **fresh)
         except (ConnectionError, OSError) as e:
             if local:
                 raise ValueError(f"text source {source!r}: cannot read {path}: {type(e).__name__}: {e}") from None
@@ -142,6 +145,14 @@ def _hf_documents(source: str) -> Iterator[Document]:
             ) from None
         except datasets.exceptions.DatasetGenerationError as e:  # a data file datasets cannot parse
             raise ValueError(f"text source {source!r}: {_unreadable(Path(path), e)}") from None
+        except RuntimeError:  # a folder holding a dataset script: datasets refuses it, and so does quantgate
+            scripts = sorted(p.name for p in Path(path).glob("*.py")) if local else []
+            if not scripts:
+                raise
+            raise ValueError(
+                f"text source {source!r}: {path} holds a dataset script ({', '.join(scripts)}), code that "
+                f"quantgate never runs; give a folder of data files (jsonl, json, csv, parquet or txt)"
+            ) from None
         finally:
             quiet.setLevel(level)
         if ds.column_names is not None and column not in ds.column_names:

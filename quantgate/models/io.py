@@ -24,7 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, config_of, family_of, get_family
-from .presets import get_preset, preset_config
+from .presets import check_config_values, get_preset, preset_config
 from .sources import (
     QUANTGATE_MODEL_TYPE,
     RESTORE_CONFIG,
@@ -213,6 +213,7 @@ def read_config(path: Path) -> PreTrainedConfig:
     meta = dict(quantgate_record(data, file))
     refuse_remote_code(path)  # before transformers reads the folder, also where the caller did not resolve() it
     try:
+        check_config_values(str(file), data, heads=True)  # before transformers' own KeyError or NaN loss
         if data.get("model_type") == QUANTGATE_MODEL_TYPE:
             base = meta.pop("model_type", None)
             meta.pop("load_with", None)
@@ -223,8 +224,10 @@ def read_config(path: Path) -> PreTrainedConfig:
                 )
             return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot read {file}: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if str(e).startswith(f"{file}: "):  # a value out of its range: already one line naming the field
+            raise ValueError(f"{e}; {RESTORE_CONFIG}") from None
+        raise ValueError(f"cannot read {file}: {' '.join(str(e).split())}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -160,7 +160,7 @@ def preset_config(name: str, overrides: Mapping[str, object] | None = None) -> P
         expected = defaults[key]
         if expected is not None and not _same_type(value, expected):
             raise ValueError(f"{name}: {key} expects {type(expected).__name__} (default {expected!r}), got {value!r}")
-        check_range(f"{name}: {key}", value, next((r for pat, r in CONFIG_RANGES if re.fullmatch(pat, key)), None))
+    check_config_values(name, overrides or {})
     _check_heads(name, {**preset.config, **(overrides or {})}, {**defaults, **preset.config, **(overrides or {})})
     try:
         return cls(**{**preset.config, **(overrides or {})})
@@ -182,6 +182,18 @@ CONFIG_RANGES: list[tuple[str, Range]] = [
     (r"\w*dropout\w*", (lambda x: 0 <= x < 1, "a probability in [0, 1)")),
     (r"hidden_act|activation_function", (lambda x: x in ACT2FN, f"one of {', '.join(sorted(ACT2FN))}")),
 ]
+
+
+def check_config_values(name: str, values: Mapping[str, object], *, heads: bool = False) -> None:
+    """Raise a one-line ValueError (``{name}: {field} must be ...``) for a config field of ``values`` outside
+    its range (:data:`CONFIG_RANGES`; any other float must be finite; None and non-scalar values pass);
+    ``heads``: also the head split (:func:`_check_heads`, for a whole config such as a checkpoint's config.json)."""
+    for key, value in values.items():
+        valid = next((r for pat, r in CONFIG_RANGES if re.fullmatch(pat, key)), None)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):  # floats: finite, at least
+            check_range(f"{name}: {key}", value, valid)
+    if heads:
+        _check_heads(name, values, values)
 
 
 def _check_heads(name: str, given: Mapping[str, object], config: Mapping[str, object]) -> None:

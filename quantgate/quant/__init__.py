@@ -58,10 +58,11 @@ def quantize(
 ) -> nn.Module:
     """Quantize ``model`` with ``scheme`` (a name from ``SCHEMES``, optionally ``name:key=value,...``);
     ``options`` are the same keys as keyword arguments. Static schemes read ``scheme.calib`` batches
-    from ``calibration`` (an iterable of model-input dicts). Returns a quantized copy, or the model
-    itself when ``inplace``; the source model is never modified otherwise. NaN or inf in the weights or
-    the calibration activations is refused (ValueError naming the tensor), and so is a model that is
-    already quantized (:func:`quantization_of`), unless ``dequantize`` and it is a compressed-tensors or
+    from ``calibration`` (an iterable of model-input dicts); the record's ``calibration`` says how many ran
+    (``batches``, of ``requested``: fewer where the iterable ran out, which is logged). Returns a quantized
+    copy, or the model itself when ``inplace``; the source model is never modified otherwise. NaN or inf in
+    the weights or the calibration activations is refused (ValueError naming the tensor), and so is a model
+    that is already quantized (:func:`quantization_of`), unless ``dequantize`` and it is a compressed-tensors or
     bitsandbytes one: then its weights are first decompressed to float by that library (a copy, unless
     ``inplace``) and the new record names the quantization it had (``dequantized_from``)."""
     scheme = _with_options(get_scheme(scheme), options)
@@ -163,7 +164,9 @@ def _cuda_fp8() -> bool:
 
 @torch.no_grad()
 def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] | None, n: int) -> dict[str, int]:
-    """Run up to ``n`` batches through ``model`` (eval mode); checks the batches fit the model."""
+    """Run up to ``n`` batches through ``model`` (eval mode); checks the batches fit the model. Returns what
+    ran, for the quantization record: ``batches`` (those consumed: fewer than ``requested`` = ``n`` where the
+    calibration set holds fewer, which is logged) and ``tokens``."""
     vocab = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).num_embeddings
     device = next(model.parameters()).device
     count = tokens = 0
@@ -183,7 +186,17 @@ def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] |
             tokens += ids.numel()
     if count == 0:
         raise ValueError("the calibration set is empty: give at least one batch")
-    return {"batches": count, "tokens": tokens}
+    if count < n:
+        log.warning(
+            "calibration: %d batch%s ran of the %d asked for (calib=%d): the calibration set holds no more; "
+            "the quantization record says %d",
+            count,
+            "" if count == 1 else "es",
+            n,
+            n,
+            count,
+        )
+    return {"batches": count, "requested": n, "tokens": tokens}
 
 
 def _check_finite(model: nn.Module) -> None:

@@ -91,7 +91,8 @@ def _not_compressed_tensors(model: nn.Module, s: SimulatedScheme) -> str:
         )
     if s.kv is not None:
         return (
-            "its KV cache is quantized with dynamic per-token ranges, which compressed-tensors' kv_cache_scheme is not"
+            f"its KV cache is quantized with dynamic per-{s.kv.granularity} ranges, which compressed-tensors' "
+            f"kv_cache_scheme (static per-tensor scales) is not"
         )
     if s.rotate != "none":
         return f"rotate={s.rotate} adds Hadamard rotations that transformers' model classes do not hold"

@@ -48,7 +48,9 @@ __all__ = [
     "quantize_weight",
     "quantize_weight_qparams",
     "qparams",
+    "percentile_range",
     "RangeObserver",
+    "ESTIMATORS",
 ]
 
 FP8 = {"fp8-e4m3": (torch.float8_e4m3fn, 448.0), "fp8-e5m2": (torch.float8_e5m2, 57344.0)}
@@ -201,8 +203,10 @@ def quantize_weight(
     group_size: int = 128,
     estimator: str = "minmax",
 ) -> torch.Tensor:
-    """Fake-quantized copy of weight ``w`` (out, in); ``estimator="mse"`` searches the clipping range
-    (20 ratios in [0.5, 1] of min-max) that minimises the squared error, per group. Block-scaled formats
+    """Fake-quantized copy of weight ``w`` (out, in). ``estimator="minmax"``: each group's (channel's,
+    tensor's) range is its [min, max]; ``"mse"``: a grid search over clipping ratios, the range (r min, r max)
+    for the 20 ratios r of ``torch.linspace(0.5, 1, 20)`` (on a symmetric grid: r max|w|) whose round trip
+    has the least sum of squared errors over the group (the smallest r on a tie). Block-scaled formats
     take their own blocks along the input dim, whatever ``granularity`` says."""
     return quantize_weight_qparams(w, fmt, granularity, symmetric, group_size, estimator)[0]
 
@@ -246,13 +250,39 @@ def quantize_weight_qparams(
 
 
 LOG_LO, LOG_HI, BINS = -12.0, 8.0, 4000  # |x| histograms: 0.005 decade per bin
+ESTIMATORS = ("minmax", "running-minmax", "percentile", "mse", "running-percentile")  # static activation ranges
+
+
+@torch.no_grad()
+def percentile_range(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (100 - p)-th and p-th percentiles of all the values of ``x``, exactly: the q-quantile of n sorted
+    values v is ``v[f] + (h - f) (v[f + 1] - v[f])``, h = q (n - 1), f = floor(h) (linear interpolation
+    between order statistics, numpy.percentile's and torch.quantile's default, which the reference's
+    ``np.percentile`` takes). Read off the two tails with topk, so any size works (torch.quantile takes at
+    most 2^24 values) and p = 99.999 sorts a few values, not all of them."""
+    flat = x.detach().reshape(-1).float()
+    return -_upper_quantile(-flat, p / 100), _upper_quantile(flat, p / 100)
+
+
+def _upper_quantile(v: torch.Tensor, q: float) -> torch.Tensor:
+    """The q-quantile (q >= 0.5) of the values of 1-d ``v`` (:func:`percentile_range`)."""
+    n = v.numel()
+    h = q * (n - 1)
+    f = min(math.floor(h), n - 1)
+    top = torch.topk(v, n - f).values  # descending: top[i] is the (n - 1 - i)-th smallest value
+    below, above = top[n - 1 - f], top[max(n - 2 - f, 0)]
+    return below + (h - f) * (above - below)
 
 
 class RangeObserver:
     """Streams calibration tensors into the statistics every range estimator needs, in O(1) memory.
 
     * ``minmax``: the global min and max;
-    * ``running-minmax``: exponential moving average of per-batch min/max (momentum m: r = m r + (1-m) x);
+    * ``running-minmax``: exponential moving average of per-batch min/max (momentum m: r = m r + (1-m) x,
+      the first batch's value to start);
+    * ``running-percentile``: the same average of each batch's exact (100-p)-th and p-th percentiles
+      (:func:`percentile_range`) in place of its min and max: the reference's ``RunningMinMaxEstimator``
+      with ``percentile`` (Bondarenko et al.'s OPT command, ``--percentile 99.999``);
     * ``percentile``: the p-th and (100-p)-th percentiles, read off signed log-magnitude histograms
       (0.005-decade bins, so within ~1.2 % of the exact value);
     * ``mse``: the clipping range whose expected squared error (clipping + uniform rounding noise
@@ -269,8 +299,8 @@ class RangeObserver:
         per_channel: bool = False,
         name: str = "activations",
     ):
-        if estimator not in ("minmax", "running-minmax", "percentile", "mse"):
-            raise ValueError(f"unknown range estimator {estimator!r}; valid: minmax, running-minmax, percentile, mse")
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown range estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         if per_channel and estimator not in ("minmax", "running-minmax"):
             raise ValueError("per-channel activation ranges support the minmax and running-minmax estimators")
         self.estimator, self.momentum, self.percentile, self.per_channel = estimator, momentum, percentile, per_channel
@@ -294,13 +324,14 @@ class RangeObserver:
                 f"covers (the float model overflows or holds NaN on these batches); check the model and "
                 f"its dtype in float (e.g. quantgate observe) or calibrate on other batches"
             )
+        run_lo, run_hi = percentile_range(x, self.percentile) if self.estimator == "running-percentile" else (lo, hi)
         if self.lo is None:
-            self.lo, self.hi, self.run_lo, self.run_hi = lo, hi, lo, hi
+            self.lo, self.hi, self.run_lo, self.run_hi = lo, hi, run_lo, run_hi
         else:
             assert self.hi is not None and self.run_lo is not None and self.run_hi is not None
             m = self.momentum
             self.lo, self.hi = torch.minimum(self.lo, lo), torch.maximum(self.hi, hi)
-            self.run_lo, self.run_hi = m * self.run_lo + (1 - m) * lo, m * self.run_hi + (1 - m) * hi
+            self.run_lo, self.run_hi = m * self.run_lo + (1 - m) * run_lo, m * self.run_hi + (1 - m) * run_hi
         if self.estimator in ("percentile", "mse"):
             flat = x.reshape(-1)
             for values, hist in ((flat[flat > 0], self.pos), (-flat[flat < 0], self.neg)):
@@ -315,7 +346,7 @@ class RangeObserver:
         assert self.hi is not None and self.run_lo is not None and self.run_hi is not None
         if self.estimator == "minmax":
             return self.lo, self.hi
-        if self.estimator == "running-minmax":
+        if self.estimator in ("running-minmax", "running-percentile"):
             return self.run_lo, self.run_hi
         values, counts = self._signed_bins()
         if not float(counts.sum()):  # every value seen was 0: the histograms are empty, min-max is [0, 0]

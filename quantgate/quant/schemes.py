@@ -2,6 +2,10 @@
 
 ``w8a8-int8-static:w_granularity=channel,estimator=percentile,percentile=99.99,acts=bondarenko,a_bits=6``
 starts from the named scheme and changes what the options say; ``str(scheme)`` prints it back.
+Bondarenko et al.'s OPT protocol (their validate_clm.py and README command) is
+``w8a8-int8-bondarenko:w_estimator=mse,estimator=running-percentile,percentile=99.999``; ``calib_skip=1``
+leaves each sequence's first position (BOS, in quantgate's batches; the reference packs text with none)
+out of the static activation ranges.
 ``acts`` names the placement of the activation quantizers (:mod:`quantgate.quant.simulate`);
 ``a_bits`` / ``w_bits`` / ``kv_bits`` set the width of an integer format (2..8), not of a float or
 block-scaled format (FP8 E4M3 / E5M2, FP4, MXFP8, MXFP4, NVFP4 are formats of their own: the scheme
@@ -38,7 +42,7 @@ import torch.nn as nn
 
 from ..options import key_values, printed
 from ..variants import Range
-from .quantizers import BLOCK, FORMATS, INT_BITS
+from .quantizers import BLOCK, ESTIMATORS, FORMATS, INT_BITS
 
 if TYPE_CHECKING:
     from torchao.core.config import AOBaseConfig
@@ -70,9 +74,12 @@ class TensorQuant:
     dim); activations tensor/token/channel; the KV cache token (one range per token and head), group
     (group_size channels of a token) or channel (keys per channel over blocks of group_size tokens,
     values per token, as KIVI). dynamic: activation ranges from each batch instead of calibration.
-    estimator: weights minmax/mse; static activations minmax, running-minmax (momentum), percentile
-    (percentile), mse. The other fields' valid values depend on the role (weight, activation or KV
-    cache): the :class:`Scheme` holding it checks them (``OPTIONS``).
+    estimator: weights minmax/mse (:func:`~.quantizers.quantize_weight`); static activations minmax,
+    running-minmax (momentum), percentile (percentile), mse, running-percentile (momentum and percentile)
+    (:class:`~.quantizers.RangeObserver`). calib_skip: static activation ranges leave out the first
+    calib_skip positions of each sequence (the BOS switch; :class:`~.simulate.ActQuant`). The other fields'
+    valid values depend on the role (weight, activation or KV cache): the :class:`Scheme` holding it checks
+    them (``OPTIONS``).
     """
 
     format: str
@@ -83,6 +90,7 @@ class TensorQuant:
     group_size: int = 128
     momentum: float = 0.9
     percentile: float = 99.999
+    calib_skip: int = 0  # static activation ranges: positions left out at the start of each sequence
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -167,6 +175,7 @@ class SimulatedScheme(Scheme):
         "estimator",
         "momentum",
         "percentile",
+        "calib_skip",
         "a_bits",
         "w_bits",
         "acts",
@@ -221,18 +230,21 @@ class SimulatedScheme(Scheme):
         if a is not None and a.format in BLOCK:
             fixed = f"the activations are {a.format}, each block's scale taken from the block at run time"
             why |= dict.fromkeys(
-                ("a_granularity", "a_symmetric", "dynamic", "estimator", "momentum", "percentile"), fixed
+                ("a_granularity", "a_symmetric", "dynamic", "estimator", "momentum", "percentile", "calib_skip"), fixed
             )
         elif a is not None:
             if a.dynamic:
                 dynamic = (
                     "it calibrates static activation ranges, and this scheme's come from each batch (dynamic=false)"
                 )
-                why |= dict.fromkeys(("estimator", "momentum", "percentile"), dynamic)
+                why |= dict.fromkeys(("estimator", "momentum", "percentile", "calib_skip"), dynamic)
             else:
                 for key, estimator in (("momentum", "running-minmax"), ("percentile", "percentile")):
-                    if a.estimator != estimator:
-                        why[key] = f"estimator={estimator} reads it, and the estimator is {a.estimator}"
+                    if a.estimator not in (estimator, "running-percentile"):
+                        why[key] = (
+                            f"estimator={estimator} reads it, and the estimator is {a.estimator} "
+                            f"(estimator=running-percentile reads it too)"
+                        )
             if a.format not in INT_BITS:
                 why["a_symmetric"] = f"{a.format} scales are symmetric"
         if kv is not None and kv.granularity == "token":
@@ -398,9 +410,10 @@ OPTIONS = {
     "a_granularity": Option("act", "granularity", str, ("tensor", "token", "channel")),
     "a_symmetric": Option("act", "symmetric", bool),
     "dynamic": Option("act", "dynamic", bool),
-    "estimator": Option("act", "estimator", str, ("minmax", "running-minmax", "percentile", "mse")),
+    "estimator": Option("act", "estimator", str, ESTIMATORS),
     "momentum": Option("act", "momentum", float, Range(0.0, 1.0, hi_open=True)),  # r = m r + (1 - m) x
     "percentile": Option("act", "percentile", float, Range(50.0, 100.0, lo_open=True)),  # clips (100 - p)% each side
+    "calib_skip": Option("act", "calib_skip", int, Range(lo=0)),  # first positions of each sequence, not calibrated
     "a_bits": BitsOption("act", "format", int, Range(2, 8)),
     "w_bits": BitsOption("weight", "format", int, Range(2, 8)),
     # "everything" was a placement that missed the mid-block residual sums: it now means bondarenko
@@ -459,9 +472,10 @@ SCHEMES.update(
         SimulatedScheme(
             "w8a8-int8-static",
             "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
-            "running min-max over 16 calibration batches) at the input of every nn.Linear but the LM head and the "
-            "attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm outputs and the "
-            "attention's q/k/v and softmax stay in float",
+            "running min-max, momentum 0.9, over the first calib batches of the calibration set: calib=16 unless "
+            "set, and the quantization record counts the batches used) at the input of every nn.Linear but the LM "
+            "head and the attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm "
+            "outputs and the attention's q/k/v and softmax stay in float",
             weight=TensorQuant("int8"),
             act=_I8_STATIC_ACT,
         ),
@@ -469,9 +483,12 @@ SCHEMES.update(
             "w8a8-int8-bondarenko",
             "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
             "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
-            "tensor, running min-max, momentum 0.9, 16 calibration batches) at every site of acts=bondarenko: "
+            "tensor, running min-max, momentum 0.9, over the first calib batches of the calibration set: calib=16 "
+            "unless set, and the quantization record counts the batches used) at every site of acts=bondarenko: "
             "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
-            "FFN activation and output; the LM head and the attention gates stay in full precision",
+            "FFN activation and output; the LM head and the attention gates stay in full precision. These are the "
+            "BERT ranges; the OPT ones are w_estimator=mse,estimator=running-percentile (percentile 99.999), with "
+            "calib_skip=1 to keep the BOS position, which the reference's text blocks lack, out of the ranges",
             weight=TensorQuant("int8"),
             act=_I8_STATIC_ACT,
             acts="bondarenko",

@@ -29,7 +29,7 @@ Weights: all Linear, Embedding and LayerNorm weights, per tensor, symmetric (-2^
 min-max (BERT) or MSE grid search (OPT's validate_clm.py). Activations: per tensor, asymmetric
 (0..2^b - 1), running min-max with momentum 0.9; 16 calibration batches (quant_configs.py, BERT's
 README command; OPT's README command uses 4 batches of one 512-token sequence and per-batch 99.999
-percentiles in the running min-max).
+percentiles in the running min-max). OPT's text is packed into blocks with no BOS at position 0.
 
 Placements (``acts``):
 
@@ -73,7 +73,13 @@ Placements (``acts``):
   reference: BERT's word + type partial sum has no hook point in transformers (only the full sum is
   quantized), the context is quantized after the gate in OPT as in BERT, and RoPE models quantize
   q and k after RoPE, where they enter the matmul. ``w8a8-int8-bondarenko`` takes min-max weight
-  ranges (BERT's protocol); ``w_estimator=mse`` is OPT's.
+  ranges and running min-max activation ranges (BERT's protocol); OPT's are ``w_estimator=mse`` (a grid of
+  clipping ratios, :func:`~.quantizers.quantize_weight`; the reference's grid is 100 thresholds
+  i (max|w| + 0.5) / 100, not reproduced) and ``estimator=running-percentile`` (``percentile=99.999``:
+  the running average of each batch's exact percentiles, :class:`~.quantizers.RangeObserver`).
+  quantgate's batches start every row with BOS, which the reference's blocks lack and which, at per-tensor
+  ranges, can set a range alone: ``calib_skip=K`` leaves the first K positions of each sequence out of
+  every static activation range (:class:`ActQuant`; the evaluation still reads them).
 
 A scheme's ``kv`` quantizes the KV cache (:class:`KVQuant`) at every attention's k and v, after RoPE,
 where gated_sdpa reads them, behind any q/k/v quantizer of the placement.
@@ -85,10 +91,11 @@ reference does. Softmax quantization runs on gated_sdpa's eager backend.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -129,15 +136,25 @@ class ActQuant(nn.Module):
     saturation (``overflow`` of ``values``) and, when ``track`` is on, the signal and noise energy
     behind its SQNR. ``name`` says which tensor it quantizes (``model.layers.0.mlp.up_proj input``);
     ``enabled`` off passes tensors through unchanged (one site at a time: :func:`~.error.site_sensitivity`).
+
+    A static spec's ``calib_skip = K`` leaves the first K positions of each sequence out of calibration:
+    the observer sees ``x.narrow(axis, K, N - K)`` along the tensor's sequence axis. ``seq_dim`` names that
+    axis (2 for attention's (B, H, N, .) q/k/v, scores and probs: the query rows are dropped, every key
+    column kept); None finds it from ``tokens``, the (B, N) of the batch being calibrated on (set by
+    :func:`apply_simulated`): the first axis after the batch's of length N in a tensor (B, ..., N, ...) of 3
+    or more dims, or the rows of a (B * N, ...) one that flattens the tokens (OPT's FFN). Where neither
+    fits, the tensor is refused (ValueError naming the site); a sequence of K positions or fewer gives
+    nothing to observe.
     """
 
     lo: torch.Tensor  # buffers, registered in __init__
     hi: torch.Tensor
     amax: torch.Tensor
 
-    def __init__(self, spec: TensorQuant, name: str):
+    def __init__(self, spec: TensorQuant, name: str, seq_dim: int | None = None):
         super().__init__()
-        self.spec, self.name = spec, name
+        self.spec, self.name, self.seq_dim = spec, name, seq_dim
+        self.tokens: tuple[int, int] | None = None  # (B, N) of the calibration batch running (calib_skip)
         self.register_buffer("lo", torch.zeros(()))
         self.register_buffer("hi", torch.zeros(()))
         # NVFP4: the largest |x| seen, for the static per-tensor scale of a compressed-tensors export
@@ -162,7 +179,9 @@ class ActQuant(nn.Module):
             return x
         if self.calibrating:
             assert self.observer is not None  # a calibrating quantizer has its observer
-            self.observer.update(x)
+            calibrated = self._calibrated_positions(x)
+            if calibrated is not None:
+                self.observer.update(calibrated)
             return x
         if self.spec.format == "nvfp4":
             self.amax = torch.maximum(self.amax, x.detach().abs().amax().float())
@@ -180,10 +199,39 @@ class ActQuant(nn.Module):
             self.noise += float((xd - y.detach().double()).square().sum())
         return y
 
+    def _calibrated_positions(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What calibration observes of ``x``: all of it, or, with ``calib_skip = K``, its positions from K on
+        along the sequence axis (None where none is left)."""
+        k = self.spec.calib_skip
+        if not k:
+            return x
+        axis = self.seq_dim
+        if axis is None and self.tokens is not None:
+            b, n = self.tokens
+            if x.dim() >= 3 and x.shape[0] == b:
+                axis = next((d for d in range(1, x.dim()) if x.shape[d] == n), None)
+            if axis is None and x.shape[0] == b * n:  # the tokens flattened into rows
+                x, axis = x.unflatten(0, (b, n)), 1
+        if axis is None or axis >= x.dim():
+            known = f"the batch is {self.tokens[0]} x {self.tokens[1]} tokens" if self.tokens else "no batch ran"
+            raise ValueError(
+                f"{self.name}: calib_skip={k} leaves the first positions of each sequence out of calibration, and "
+                f"this site's {tuple(x.shape)} tensor has no sequence axis that quantgate can find ({known}); keep "
+                f"the module in full precision (keep=...) or leave calib_skip out"
+            )
+        n = x.shape[axis]
+        return x.narrow(axis, k, n - k) if n > k else None
+
     def freeze(self) -> None:
         """End calibration: fix the static range from what was observed."""
         if self.calibrating:
             assert self.observer is not None  # a calibrating quantizer has its observer
+            if self.observer.batches == 0 and self.spec.calib_skip:
+                raise ValueError(
+                    f"{self.name}: calib_skip={self.spec.calib_skip} left nothing to calibrate on: every calibration "
+                    f"sequence it saw has {self.spec.calib_skip} positions or fewer; calibrate on longer sequences "
+                    f"or lower calib_skip"
+                )
             lo, hi = self.observer.range(self.spec.format, self.spec.symmetric)
             self.lo, self.hi = lo.to(self.lo.device).float(), hi.to(self.hi.device).float()
             self.calibrating, self.observer = False, None
@@ -198,6 +246,8 @@ class ActQuant(nn.Module):
     def extra_repr(self) -> str:
         s = self.spec
         kind = f"dynamic per {s.granularity}" if s.dynamic else f"static per {s.granularity}, {s.estimator}"
+        if not s.dynamic and s.calib_skip:
+            kind += f", calibrated from position {s.calib_skip}"
         return f"{s.format}, {'symmetric' if s.symmetric else 'asymmetric'}, {kind}"
 
 
@@ -353,12 +403,37 @@ def apply_simulated(
         for q in quantizers:
             q.calibrating, q.observer = False, None
     elif any(q.calibrating for q in quantizers):
-        _needed(calibrate, scheme)(model)
+        with _token_shapes(model, [q for q in quantizers if q.calibrating and q.spec.calib_skip]):
+            _needed(calibrate, scheme)(model)
         for q in quantizers:
             q.freeze()
     elif calibrate is not None and scheme.export_calibration:
         calibrate(model)  # NVFP4 activations: their maxima, the static global scales of an export (quant.export)
     return model
+
+
+@contextlib.contextmanager
+def _token_shapes(model: nn.Module, quantizers: list[ActQuant]) -> Iterator[None]:
+    """While calibrating, tell ``quantizers`` (those with ``calib_skip``) the (B, N) of each batch that
+    enters ``model`` (its ``input_ids``, or ``inputs_embeds``), so they find the sequence axis."""
+    if not quantizers:
+        yield
+        return
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = kwargs.get("inputs_embeds") if ids is None else ids
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            for q in quantizers:
+                q.tokens = (ids.shape[0], ids.shape[1])
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for q in quantizers:
+            q.tokens = None
 
 
 def _needed(calibrate: Calibrate | None, scheme: SimulatedScheme) -> Calibrate:
@@ -437,7 +512,7 @@ def _place_bondarenko(model: nn.Module, scheme: SimulatedScheme, act: TensorQuan
     per_tensor = dataclasses.replace(act, granularity="tensor")  # (B, H, N, .) tensors: one range each
     for attn in attention_modules(model):
         attn.qg_fake_quant = nn.ModuleDict(
-            {k: ActQuant(per_tensor, f"{names[id(attn)]} {k}") for k in ("q", "k", "v", "scores", "probs")}
+            {k: ActQuant(per_tensor, f"{names[id(attn)]} {k}", seq_dim=2) for k in ("q", "k", "v", "scores", "probs")}
         )
         if scheme.gates and hasattr(attn, "gate"):  # each gate Linear's input and output (the sigmoid input)
             gate = cast(nn.Module, attn.gate)

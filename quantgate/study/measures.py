@@ -5,7 +5,7 @@ bit sweep. The report, the "Which fix?" section, the experiments and the headlin
 from __future__ import annotations
 
 from ..quant.schemes import act_bits
-from ..stats import Delta, change
+from ..stats import Delta, change, paired_difference
 from .records import CellRecord, Results
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "ppl_change",
     "scheme_change",
     "float_change",
+    "change_gap",
+    "gap_reading",
     "peak_activation",
     "max_layer_sink",
     "bit_sweeps",
@@ -84,6 +86,32 @@ def float_change(base: CellRecord, cell: CellRecord) -> Delta | None:
         return None
     docs = [c.float_documents.get(key[0]) for c in (base, cell)]
     return change(key[1], metric_of(base.float_results, key), metric_of(cell.float_results, key), *docs)
+
+
+def change_gap(base: CellRecord, cell: CellRecord, scheme: str) -> Delta | None:
+    """How much more ``scheme`` changes ``cell``'s headline perplexity than ``base``'s (a gated twin against
+    its ungated one, both read on the same documents): the paired difference of the two changes, in
+    percentage points (:func:`quantgate.stats.paired_difference`); None where either lacks the scheme or
+    per-document values, or they read different documents."""
+    key = ppl_key(base)
+    if key is None or scheme not in base.schemes or scheme not in cell.schemes:
+        return None
+    docs = [d for c in (base, cell) for d in (c.float_documents.get(key[0]), c.scheme(scheme).documents.get(key[0]))]
+    found = [d for d in docs if d]
+    if len(found) < 4 or len({tuple(d["ids"]) for d in found}) > 1:
+        return None
+    return paired_difference((found[0], found[1]), (found[2], found[3]), key[1])
+
+
+def gap_reading(gap: Delta | None, who: str = "the gated model") -> str:
+    """A paired difference of changes in words: who loses less, or within noise."""
+    if gap is None or gap.low is None or gap.high is None:
+        return "no paired interval (no per-document values on the same documents)"
+    if gap.high < 0:
+        return f"{who} loses less"
+    if gap.low > 0:
+        return f"{who} loses more"
+    return "no difference within noise"
 
 
 def peak_activation(cell: CellRecord) -> tuple[float | None, float | None]:

@@ -12,14 +12,16 @@ from pathlib import Path
 
 from ..files import json_kind, read_json, writable_dir, write_text_atomic
 from ..plots import bar_panels
-from ..stats import NOISE_LEGEND, change, fmt, format_delta, seed_delta, table_head
+from ..stats import MIN_BOOTSTRAP_UNITS, NOISE_LEGEND, change, fmt, format_delta, seed_delta, table_head
 from .fixes import which_fix
 from .measures import (
     ACCURACY,
     BUDGET,
     bit_sweeps,
     budget,
+    change_gap,
     float_change,
+    gap_reading,
     max_layer_sink,
     metric_of,
     peak_activation,
@@ -50,8 +52,9 @@ HEADLINE = (
 MIN_CORRELATION_N = 5  # correlations across fewer cells are not printed
 DELTA_LEGEND = (
     "Change (delta): quantized / float - 1 for perplexities, quantized - float for accuracies "
-    "(percentage points) and bits per byte, with its 95% interval from a paired bootstrap over the "
-    "evaluated documents (1,000 resamples, BCa). " + NOISE_LEGEND + "."
+    "(percentage points) and bits per byte, with its 95% interval over the evaluated documents: a paired "
+    f"bootstrap (1,000 resamples, BCa) from {MIN_BOOTSTRAP_UNITS} documents on, a jackknife t-interval (n - 1 "
+    "degrees of freedom, on the log ratio for a perplexity) below. " + NOISE_LEGEND + "."
 )
 PAIRING_LEGEND = (
     "Reference: the run each change is measured against and how it was found: the float run of the same "
@@ -622,7 +625,9 @@ def study_markdown(metrics: StudyRecord) -> str:
             "",
             "## Accuracy (bundled tasks)",
             "",
-            "Change in percentage points, with its 95% paired-bootstrap interval over the items; " + NOISE_LEGEND + ".",
+            "Change in percentage points, with its 95% paired interval over the items (as above); "
+            + NOISE_LEGEND
+            + ".",
             "",
             *table_head(head),
         ]
@@ -824,7 +829,7 @@ def _against_baseline(cells: list[CellRecord], schemes: list[str], changes: dict
         f"## Against {baseline}",
         "",
         f"Float perplexity of each variant relative to `{baseline}` of the same model and seed, with its 95% "
-        "paired-bootstrap interval over the held-out documents both read; gate parameters, and their multiple "
+        "paired interval over the held-out documents both read; gate parameters, and their multiple "
         f"of `{baseline}`'s where it has any; the quantized changes are each model's own (float to quantized). "
         + NOISE_LEGEND
         + ".",
@@ -854,6 +859,35 @@ def _against_baseline(cells: list[CellRecord], schemes: list[str], changes: dict
             )
             + " |"
         )
+    gaps = [(b, c) for c in cells if (b := base.get((c.model, c.seed))) is not None and c is not b]
+    if gaps and schemes:
+        lines += [
+            "",
+            f"Paired against `{baseline}`: each scheme's change of the variant minus that of `{baseline}`, "
+            "both read on the same documents, with its paired 95% interval over them (the decision: "
+            "negative and clear of 0, the variant loses less).",
+            "",
+            *table_head(
+                [
+                    "model",
+                    "variant",
+                    "seed",
+                    "scheme",
+                    f"{baseline} change",
+                    "variant change",
+                    "paired difference",
+                    "reading",
+                ]
+            ),
+        ]
+        for b, c in gaps:
+            for s in schemes:
+                gap = change_gap(b, c, s)
+                own = [format_delta(changes.get((x.id, s))) for x in (b, c)]
+                lines.append(
+                    f"| {c.model} | {c.variant} | {c.seed} | {s} | {own[0]} | {own[1]} | {format_delta(gap)} | "
+                    f"{gap_reading(gap, 'the variant')} |"
+                )
     return lines
 
 
@@ -905,7 +939,7 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
         if scheme is None:  # no scheme evaluated on both
             continue
         du, dg = changes[u.id, scheme], changes[g.id, scheme]
-        apart = du.low is not None and dg.high is not None and (du.low > dg.high or dg.low > du.high)
+        gap = change_gap(u, g, scheme)
 
         def about(c):
             (sink, layer), (_, ratio) = max_layer_sink(c), peak_activation(c)
@@ -913,8 +947,8 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
 
         text = (
             f"- **{ungated}** (ungated; {about(u)}) changes by {format_delta(du)} under `{scheme}`, its gated "
-            f"twin **{gated}** ({about(g)}) by {format_delta(dg)}: the intervals "
-            + ("are apart." if apart else "overlap, no difference at this width.")
+            f"twin **{gated}** ({about(g)}) by {format_delta(dg)}; paired over the same documents, the gated "
+            f"twin's change minus the ungated one's is {format_delta(gap)}: {gap_reading(gap, 'the gated twin')}."
         )
         for base, points in bit_sweeps(schemes).items():
             budgets = [budget([(b, changes.get((c.id, s))) for b, s in points]) for c in (u, g)]
@@ -923,7 +957,8 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
                 + " vs ".join(f"A{f[0]}" if f else "none" for f in budgets)
                 + "; "
                 + "; ".join(
-                    f"A{b}: {format_delta(changes.get((u.id, s)))} vs {format_delta(changes.get((g.id, s)))}"
+                    f"A{b}: {format_delta(changes.get((u.id, s)))} vs {format_delta(changes.get((g.id, s)))} "
+                    f"(paired difference {format_delta(change_gap(u, g, s))})"
                     for b, s in points[1:]
                 )
                 + "."
