@@ -17,7 +17,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
-from .files import refuse_same, staged_dir
+from .files import refuse_same, staged_dir, write_failure
 from .models import io as model_io
 from .models.sources import resolve
 from .variants import VariantLike
@@ -71,8 +71,7 @@ def save(
             else:
                 model_io.save(model, staged, tokenizer)
     except (OSError, SafetensorError) as e:  # a full or read-only disk
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
-        raise ValueError(f"cannot save the model to {path}: {reason}; {path} is left as it was") from None
+        raise ValueError(f"cannot save the model to {path}: {write_failure(e)}; {path} is left as it was") from None
     return Path(path)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "refuse_same",
     "staged_dir",
     "os_error_line",
+    "write_failure",
 ]
 
 JSON_LIMIT = 1 << 30  # bytes: the most read_json reads by default (a study's metrics.json is a few MB)
@@ -250,6 +251,12 @@ def staged_dir(path: str | Path, replaces: Iterable[str]) -> Iterator[Path]:
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NOT_ALLOWED = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_failure(e: Exception) -> str:
+    """Why a write failed, in one line: an OSError's own reason (``No space left on device``), or the
+    message of another writer's error (safetensors' SafetensorError) with its whitespace folded."""
+    return e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
 
 
 def os_error_line(e: OSError) -> str | None:

@@ -65,7 +65,7 @@ from .checkpoint import dedupe, save
 from .data import batches as text_batches
 from .data.batches import Resumable
 from .data.synthetic import is_backcopy
-from .files import json_kind, read_json, write_text_atomic
+from .files import json_kind, read_json, write_failure, write_text_atomic
 from .models.families import config_of, family_of, is_norm
 from .models.io import load_state, read_safetensors
 from .models.modes import eval_mode
@@ -600,10 +600,9 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
         _write_checkpoint(run, path, identity, c)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(_temporary(path), ignore_errors=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
         kept = sorted(p.name for p in path.parent.glob("step-*") if p.is_dir())
         raise ValueError(
-            f"cannot write the checkpoint {path}: {reason}; "
+            f"cannot write the checkpoint {path}: {write_failure(e)}; "
             + (f"the earlier ones are kept ({', '.join(kept)}): " if kept else "")
             + "free space (or choose a writable --out) and continue with --resume"
         ) from None

@@ -212,8 +212,11 @@ def read_config(path: Path) -> PreTrainedConfig:
     data = read_json_object(file)
     meta = dict(quantgate_record(data, file))
     refuse_remote_code(path)  # before transformers reads the folder, also where the caller did not resolve() it
+    try:  # before transformers' own KeyError, or a NaN loss from a negative eps
+        check_config_values(str(file), data, heads=True)
+    except ValueError as e:  # one line naming the file and field
+        raise ValueError(f"{e}; {RESTORE_CONFIG}") from None
     try:
-        check_config_values(str(file), data, heads=True)  # before transformers' own KeyError or NaN loss
         if data.get("model_type") == QUANTGATE_MODEL_TYPE:
             base = meta.pop("model_type", None)
             meta.pop("load_with", None)
@@ -225,8 +228,6 @@ def read_config(path: Path) -> PreTrainedConfig:
             return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        if str(e).startswith(f"{file}: "):  # a value out of its range: already one line naming the field
-            raise ValueError(f"{e}; {RESTORE_CONFIG}") from None
         raise ValueError(f"cannot read {file}: {' '.join(str(e).split())}") from None
 
 
