@@ -4,13 +4,16 @@
     python experiments/massive_activation_intervention.py --smoke  # seconds: a random tiny model (CI)
     python experiments/massive_activation_intervention.py --model DIR --out OUT  # another checkpoint (e.g.
         # a copy the retrofit study fine-tuned: results/retrofit/cells/*/train/model)
+    python experiments/massive_activation_intervention.py --model DIR --block 11 --out OUT  # at a fixed block
 
 observe finds the massive activations (|x| > 100 and > 1000 x the median of the residual stream,
 Sun et al.'s criterion) on validation text: their channels, token positions and the layer where they
-first appear. At the output of that layer, a forward hook replaces those channels at the positions
+first appear (or at ``--block``, to compare models at one place: the channels and positions are then those
+massive at that block's output). At the output of that layer, a forward hook replaces those channels at the positions
 where they are massive by zero, or by their mean over the validation sequences; a control zeroes
 as many randomly chosen ordinary channels at the same positions. Perplexity is measured on
-held-out test sequences, together with the first-token attention of every layer; each setting's change
+the first 256 tokens of 24 held-out test documents (one row per document, taken in turn from each work),
+together with the first-token attention of every layer; each setting's change
 of perplexity from the original carries a 95% paired interval over the test sequences (BCa from 20, a
 jackknife t-interval below).
 """
@@ -30,14 +33,16 @@ from quantgate.observe import observe
 from quantgate.stats import format_delta
 
 
-def find_massive(model, tok, seq_len: int, n: int) -> dict:
-    """Layer of first appearance, channels and positions of the massive activations (from observe)."""
+def find_massive(model, tok, seq_len: int, n: int, block: int | None = None) -> dict:
+    """Layer of first appearance (or ``block``), channels and positions of the massive activations there (from
+    observe)."""
     data = qg.data.batches(tok, "validation", seq_len, 2, "clm", max_batches=max(1, n // 2))
     report = observe(model, data, progress=False)
     layers = [i for i, L in enumerate(report.layers) if L["massive"]]
-    if not layers:
-        return {"layer": None, "channels": [], "positions": [], "max_abs": report.summary["max_activation"]}
-    first = layers[0]
+    first = layers[0] if layers and block is None else block
+    if first is None or not report.layers[first]["massive"]:
+        return {"layer": first, "channels": [], "positions": [], "max_abs": report.summary["max_activation"],
+                "layers_with_massive": layers}
     entries = report.layers[first]["massive"]
     return {"layer": first, "channels": sorted({e["channel"] for e in entries}),
             "positions": sorted({p for e in entries for p, _ in e["positions"]}),
@@ -76,21 +81,26 @@ def run(model, block, ids, hook: Intervention | None) -> dict:
 
 def main() -> None:
     args = ex.script_args(__doc__, "results/massive_activation_intervention",
-                          **{"--model": ("smollm2-135m", "checkpoint to intervene on (default: SmolLM2-135M)")})
+                          **{"--model": ("smollm2-135m", "checkpoint to intervene on (default: SmolLM2-135M)"),
+                             "--block": (None, "intervene at this block's output (default: where they first appear)")})
+    block = None if args.block is None else int(args.block)
     t0 = time.perf_counter()
     out = Path(args.out)
     model = qg.build("tiny-llama") if args.smoke else qg.load(args.model)
     name = "tiny-llama (random)" if args.smoke else args.model
     tok = qg.tokenizer(model)
-    seq_len, n_eval = (32, 2) if args.smoke else (256, 16)
-    found = find_massive(model, tok, seq_len, 4 if args.smoke else 8)
-    if found["layer"] is None:  # the random smoke model has none: intervene on its largest channel
-        found.update(layer=0, channels=[0], positions=[0])
-    block = family_of(model).attention_blocks(model)[found["layer"]]
-    ids = ex.sequences(tok, "test", seq_len, n_eval)
+    seq_len, n_eval = (32, 2) if args.smoke else (256, 24)
+    found = find_massive(model, tok, seq_len, 4 if args.smoke else 8, block)
+    if not found["channels"]:
+        if not args.smoke:
+            raise SystemExit(f"{name} has no massive activations at block {found['layer']} (blocks with some: "
+                             f"{found['layers_with_massive']}): pick one of those with --block")
+        found.update(layer=0, channels=[0], positions=[0])  # the random smoke model has none: its channel 0
+    hooked = family_of(model).attention_blocks(model)[found["layer"]]
+    ids, works = ex.document_starts(tok, n_eval, seq_len)
     calib = ex.sequences(tok, "validation", seq_len, n_eval)
     probe = Intervention(found["positions"], found["channels"], None)  # capture the values to average
-    run(model, block, calib, probe)
+    run(model, hooked, calib, probe)
     mean = torch.cat(probe.captured).float().mean(0)  # (positions, channels)
     g = torch.Generator().manual_seed(0)
     width = model.config.hidden_size
@@ -103,11 +113,12 @@ def main() -> None:
             hook = Intervention(found["positions"], value[1], 0.0)
         else:
             hook = Intervention(found["positions"], found["channels"], value) if value is not None else None
-        results[label] = run(model, block, ids, hook)
+        results[label] = run(model, hooked, ids, hook)
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps({"model": name, "massive": found, "mean_value": mean.tolist(),
                                                   "results": results, "seq_len": seq_len, "sequences": n_eval,
+                                                  "works": works,
                                                   "tokens_per_sequence": seq_len - 1}, indent=1))
     plot(results, out / "intervention.png")
     delta = {label: ex.ppl_change(results["original"]["nll"], r["nll"], seq_len - 1)
@@ -115,13 +126,17 @@ def main() -> None:
     lines = ex.header(f"Massive-activation intervention on {name}",
                       "python experiments/massive_activation_intervention.py"
                       + (" --smoke" if args.smoke else "")
-                      + (f" --model {args.model} --out {args.out}" if args.model != "smollm2-135m" else ""),
+                      + (f" --model {args.model}" if args.model != "smollm2-135m" else "")
+                      + (f" --block {block}" if block is not None else "")
+                      + (f" --out {args.out}" if args.out != "results/massive_activation_intervention" else ""),
                       seconds, "Sun et al. (2024): massive activations act as fixed biases. Setting them to zero "
                                "should break the model; setting them to their mean should not.")
-    lines += [f"Massive activations first appear at the output of block {found['layer']} (channels "
+    where = "Massive activations first appear at" if block is None else "Intervening at"
+    lines += [f"{where} the output of block {found['layer']} (channels "
               f"{found['channels']}, token positions {found['positions']}, largest |x| {found['max_abs']:.4g}); "
               f"blocks with massive activations: {found.get('layers_with_massive', [])}. Perplexity on "
-              f"{n_eval} held-out test sequences of {seq_len} tokens; change: relative to the original, with a 95% "
+              f"the first {seq_len} tokens of {n_eval} held-out test documents from {len(set(works))} works; "
+              "change: relative to the original, with a 95% "
               "paired interval (" + delta["zero"].method + "; ~: the interval includes 0); first-token "
               "attention averaged over layers, heads and queries 1..L-1.", "",
               "| setting at that block | perplexity | change | mean first-token attention |", "|---|---|---|---|"]

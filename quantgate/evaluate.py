@@ -584,15 +584,16 @@ def backcopy_metrics(
 
 
 def _backcopy_results(docs: dict) -> dict:
-    return {"perplexity": aggregate(docs, "perplexity"), "copy_acc": aggregate(docs, "copy_acc")}
+    return {m: aggregate(docs, m) for m in ("perplexity", "perplexity_after_first", "copy_acc")}
 
 
 @torch.no_grad()
 def _backcopy_documents(
     model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16, limit: int | float | None = None
 ) -> dict:
-    """Per held-out sequence: summed log-likelihood and count of its predicted tokens, greedy hits on
-    and count of its copied tokens."""
+    """Per held-out sequence: summed log-likelihood and count of its predicted tokens, the same without the
+    first prediction (the token after BOS: on backcopy a uniformly random one, whose prediction must come out
+    flat), greedy hits on and count of its copied tokens."""
     task = (getattr(model.config, "quantgate", None) or {}).get("task", "backcopy")  # recorded by train
     data = batches(
         tokenizer,
@@ -604,7 +605,8 @@ def _backcopy_documents(
     )
     assert isinstance(data, BackcopyBatches)  # train records only backcopy tasks, and backcopy is the default
     device = next(model.parameters()).device
-    docs: dict[str, list[float]] = {"ids": [], "loglikelihood": [], "tokens": [], "copied": [], "copies": []}
+    columns = ("ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies")
+    docs: dict[str, list[float]] = {c: [] for c in columns}
     with eval_mode(model):
         for batch in data:
             ids = batch["input_ids"].to(device)
@@ -614,6 +616,8 @@ def _backcopy_documents(
             copy = data.copy_positions(ids)[:, 1:]
             docs["loglikelihood"] += (-nll.sum(1)).tolist()
             docs["tokens"] += [target.shape[1]] * len(target)
+            docs["loglikelihood_after_first"] += (-nll[:, 1:].sum(1)).tolist()
+            docs["tokens_after_first"] += [target.shape[1] - 1] * len(target)
             docs["copied"] += ((logits.argmax(-1) == target) & copy).sum(1).tolist()
             docs["copies"] += copy.sum(1).tolist()
     docs["ids"] = list(range(len(docs["tokens"])))

@@ -22,6 +22,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .checkpoint import load
 from .data import batches
+from .data.batches import prepends_bos
+from .data.corpus import corpus, in_turn
 from .models.families import config_of
 from .models.swap import VariantAttention, attention_modules, variant_of
 from .provenance import machine, versions
@@ -30,6 +32,7 @@ from .study import read_metrics
 
 __all__ = [
     "sequences",
+    "document_starts",
     "nll",
     "perplexity",
     "ppl_change",
@@ -53,6 +56,25 @@ def sequences(tokenizer: PreTrainedTokenizerBase, source: str, seq_len: int, n: 
         if len(rows) == n:
             break
     return torch.cat(rows)
+
+
+def document_starts(
+    tokenizer: PreTrainedTokenizerBase, n: int, length: int, source: str = "test"
+) -> tuple[torch.Tensor, list[str]]:
+    """(n, length) token ids, one row per document: the first ``length`` tokens (BOS first where the tokenizer
+    prepends one) of each of the first ``n`` documents of ``source`` that hold that many, taken in turn from
+    each work (quantgate_ppl's order); and each row's work. The rows are independent units for a paired
+    interval, as consecutive windows of one packed stream (:func:`sequences`) are not."""
+    head = [tokenizer.bos_token_id] if prepends_bos(tokenizer) else []
+    rows, works = [], []
+    for doc in in_turn(corpus(source)):
+        ids = head + tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            rows.append(ids[:length])
+            works.append(doc.work)
+            if len(rows) == n:
+                return torch.tensor(rows), works
+    raise ValueError(f"{source} holds {len(rows)} documents of at least {length} tokens, fewer than the {n} asked")
 
 
 @torch.no_grad()

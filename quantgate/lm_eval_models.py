@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .evaluate import TASK_DIR, NonFiniteOutputs, _check_vocabulary, _context_length, load_for_eval
 from .models.families import family_of
+from .models.io import DTYPES
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .quant import quantization_of
@@ -79,9 +80,9 @@ def _dtype(value: object) -> torch.dtype | None:
     name = str(value).removeprefix("torch.")
     if name in ("", "auto", "None", "none"):
         return None
-    if name not in ("float32", "float16", "bfloat16"):
-        raise ValueError(f"dtype {value!r}: quantgate models load as float32, bfloat16 or float16 (or auto)")
-    return getattr(torch, name)
+    if name not in DTYPES:
+        raise ValueError(f"dtype {value!r}: quantgate models load as {', '.join(DTYPES)} (or auto)")
+    return DTYPES[name]
 
 
 def _load(pretrained: object, scheme: object, variant: object, dtype: object, device: object, kind: str) -> nn.Module:

@@ -46,6 +46,7 @@ __all__ = [
 CONFIDENCE = 0.95
 RESAMPLES = 1000
 MIN_BOOTSTRAP_UNITS = 20  # independent documents below which BCa under-covers: a jackknife t-interval instead
+RATIO_SCALE = 10  # a perplexity that grew this many times or more is printed, and differenced, as a ratio
 NOISE_LEGEND = (
     "~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
     "values recorded, or a single document)"
@@ -71,6 +72,8 @@ METRICS = {
     # tokens: computed tasks (masked, backcopy); lm-eval's loglikelihood tasks (cloze) record none, and
     # their perplexity is per document, exp(-mean loglikelihood)
     "perplexity": Metric("loglikelihood", "tokens", "perplexity", optional_weight=True),
+    # backcopy without its first prediction (the uniformly random token after BOS)
+    "perplexity_after_first": Metric("loglikelihood_after_first", "tokens_after_first", "perplexity"),
     "acc": Metric("acc", None, "accuracy"),
     "acc_norm": Metric("acc_norm", None, "accuracy"),
     "copy_acc": Metric("copied", "copies", "accuracy"),
@@ -84,7 +87,9 @@ class Delta:
     value: float
     low: float | None
     high: float | None
-    kind: str  # as Metric.kind; "points" (a difference of two changes, in points); "difference" (other)
+    # as Metric.kind; "points" (a difference of two changes, in points); "ratio" (a ratio of two perplexity ratios,
+    # minus 1); "difference" (other)
+    kind: str
     n: int  # documents, or seeds
     method: str
 
@@ -127,12 +132,16 @@ def aggregate(docs: dict, metric: str) -> float:
     return float(_transform(m.kind, value.sum() / weight.sum()))
 
 
+def _log_ratio(vf, wf, vq, wq, axis=-1):
+    """log(ppl_q / ppl_f) of a perplexity's columns (vectorised along ``axis`` for the bootstrap)."""
+    return vf.sum(axis) / wf.sum(axis) - vq.sum(axis) / wq.sum(axis)
+
+
 def _change(kind: str, vf, wf, vq, wq, axis=-1):
     """The change from float to quantized of the aggregate (vectorised along ``axis`` for the bootstrap)."""
-    sf, sq = vf.sum(axis) / wf.sum(axis), vq.sum(axis) / wq.sum(axis)
     if kind == "perplexity":
-        return np.expm1(sf - sq)  # exp(-sq) / exp(-sf) - 1
-    return _transform(kind, sq) - _transform(kind, sf)
+        return np.expm1(_log_ratio(vf, wf, vq, wq, axis))  # exp(-sq) / exp(-sf) - 1
+    return _transform(kind, vq.sum(axis) / wq.sum(axis)) - _transform(kind, vf.sum(axis) / wf.sum(axis))
 
 
 def paired_delta(
@@ -169,12 +178,21 @@ def paired_difference(
     """How much more ``other`` changes than ``base``: (its change of ``metric``) - (``base``'s), each pair
     (float documents, quantized documents) evaluated on the same documents as the other pair, with a paired
     interval over those documents (:func:`interval_method`). For a perplexity the changes are relative, so
-    the difference is in percentage points (``kind`` "points"); for an accuracy in points as well. Negative:
-    ``other`` (say the gated twin) loses less."""
+    the difference is in percentage points (``kind`` "points"); for an accuracy in points as well. Where
+    either perplexity grew :data:`RATIO_SCALE`-fold or more, a difference of points means little (5.03e+07x
+    against 1.04e+06x is "-4.9e9 pp"): the difference is then the ratio of the two perplexity ratios, minus 1
+    (``kind`` "ratio", printed ``0.021x [...]``; its jackknife interval on the log). Negative: ``other`` (say
+    the gated twin) loses less."""
     for docs in (base[1], *other):
         _same_documents(base[0], docs, "the four evaluations of a paired difference")
     m = _metric(metric)
     data = tuple(col for docs in (*base, *other) for col in _columns(docs, m))
+    if m.kind == "perplexity" and max(_log_ratio(*data[:4]), _log_ratio(*data[4:])) >= math.log(RATIO_SCALE):
+
+        def ratio(*c, axis=-1):
+            return np.expm1(_log_ratio(*c[4:], axis=axis) - _log_ratio(*c[:4], axis=axis))
+
+        return _interval(data, ratio, "ratio", True, resamples, seed, confidence)
 
     def statistic(*c, axis=-1):
         return _change(m.kind, *c[4:], axis=axis) - _change(m.kind, *c[:4], axis=axis)
@@ -311,7 +329,7 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
     a change whose interval includes 0."""
     if d is None:
         return "-"
-    if d.kind == "perplexity" and max(d.value, d.high or 0) >= 9:
+    if d.kind == "ratio" or (d.kind == "perplexity" and max(d.value, d.high or 0) >= RATIO_SCALE - 1):
         return format_ratio(d, noise)
     scale = 100 if d.kind in ("perplexity", "accuracy", "points") else 1
     values = [v * scale for v in (d.value, d.low, d.high) if v is not None]

@@ -44,3 +44,21 @@ def test_interval_width_prints_a_row_per_document_prefix():
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "[n/a]" in rows[0] and "[n/a]" not in rows[1]
+
+
+def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_path, capsys):
+    """The bf16 benchmark on a random tiny model: its paired differences are those of the two runs' documents."""
+    import bf16_eval
+
+    from quantgate.stats import format_delta, paired_difference
+    from quantgate.study import read_metrics
+
+    bf16_eval.main(["--model", "tiny-llama", "--docs", "2", "--window", "32", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    cells = {c.model: c for c in read_metrics(tmp_path / "run").cells}
+    assert set(cells) == {"float32", "bfloat16"}
+    docs = lambda c, s: (c.float_documents["quantgate_ppl"], c.scheme(s).documents["quantgate_ppl"])  # noqa: E731
+    for scheme in cells["float32"].schemes:
+        gap = paired_difference(docs(cells["float32"], scheme), docs(cells["bfloat16"], scheme), "word_perplexity")
+        assert f"| `{scheme}` |" in text and f" | {format_delta(gap)} | " in text
+    assert "Criterion (declared in the script before its run)" in text

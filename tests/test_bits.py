@@ -88,3 +88,29 @@ def test_without_torchao_the_written_out_formulas_give_the_same_numbers(monkeypa
         y_hand, overflow_hand = fake_quant(x, lo, hi, fmt, symmetric)
         assert torch.equal(y_hand, y) and overflow_hand == overflow
     assert fmt not in FP8 or overflow > 0
+
+
+@pytest.mark.parametrize("bits", [8, 6, 4, 2])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_int_equals_pytorchs_fused_fake_quantize(bits, symmetric, dtype):
+    """fake_int is written out for speed: it must give PyTorch's fused kernels' numbers exactly, per tensor, per
+    channel and per token, on values that include exact ties (k + 1/2 steps) and values past the range."""
+    from quantgate.quant.quantizers import fake_int
+
+    qmin, qmax = (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
+    for x, lo, hi, _ in _cases():
+        scale, zero = int_qparams(lo * 0.7, hi * 0.7, bits, symmetric)  # 0.7: some values saturate
+        ties = (torch.randint(-40, 40, x.shape, generator=torch.Generator().manual_seed(1)) + 0.5) * scale
+        for v, saturates in ((x.to(dtype), True), (ties.to(dtype), False)):
+            z = torch.round(zero).to(torch.int32)
+            if scale.numel() == 1:
+                fused = torch.fake_quantize_per_tensor_affine(v.float(), scale.reshape(()), z.reshape(()), qmin, qmax)
+            else:
+                axis = 0 if scale.shape[-1] == 1 else 1
+                fused = torch.fake_quantize_per_channel_affine(v.float(), scale.reshape(-1), z.reshape(-1), axis,
+                                                               qmin, qmax)
+            ours = fake_int(v, scale, zero, bits, symmetric)
+            assert ours.dtype == dtype and torch.equal(ours, fused.to(dtype))
+            top = (qmax - torch.round(zero)) * scale  # the grid's largest value
+            assert (ours <= top.to(dtype)).all() and (not saturates or (v.float() > top).any())

@@ -180,3 +180,26 @@ def test_bundled_tokenizers_rebuild(tmp_path):
     new = set(json.loads(wordpiece.read_text())["model"]["vocab"])
     old = set(json.loads((TOKENIZER_DIR / wordpiece.name).read_text())["model"]["vocab"])
     assert len(new & old) >= 0.995 * len(old)
+
+
+def test_document_starts_take_one_row_per_document_in_turn_from_each_work():
+    """Definition: the first n test documents (each work's first, then each work's second, ...) holding at
+    least ``length`` tokens, their first ``length`` tokens each; a document too short is passed over."""
+    from quantgate import experiment as ex
+    from quantgate.data.corpus import corpus
+
+    model = qg.build("tiny-llama")
+    tok = qg.tokenizer(model)
+    ids, works = ex.document_starts(tok, 12, 400)
+    docs = list(corpus("test"))
+    order, seen = [], {}
+    for d in docs:  # in turn from each work, by hand
+        seen.setdefault(d.work, []).append(d)
+    for i in range(max(len(v) for v in seen.values())):
+        order += [v[i] for v in seen.values() if i < len(v)]
+    expected = [d for d in order if len(tok(d.text, add_special_tokens=False)["input_ids"]) + 1 >= 400][:12]
+    assert works == [d.work for d in expected] and len(set(works)) >= 3
+    for row, d in zip(ids.tolist(), expected):
+        assert row == ([tok.bos_token_id] + tok(d.text, add_special_tokens=False)["input_ids"])[:400]
+    with pytest.raises(ValueError, match="fewer than the 10000 asked"):
+        ex.document_starts(tok, 10000, 400)

@@ -72,8 +72,21 @@ def test_computed_tasks_keep_per_sequence_values():
     llama = qg.build("tiny-llama", seed=0).eval()
     out = evaluate(llama, None, ["quantgate_backcopy"], limit=1)
     docs = out["documents"]["quantgate_backcopy"]
-    assert set(docs) == {"ids", "loglikelihood", "tokens", "copied", "copies"} and len(docs["ids"]) == 16
+    assert set(docs) == {"ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first",
+                         "copied", "copies"} and len(docs["ids"]) == 16
     assert out["results"]["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
+    # without the first prediction, by hand: each sequence's own loss over targets 2..L-1
+    from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED
+
+    ids = next(iter(qg.data.batches(qg.tokenizer(llama), "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))
+    ids = ids["input_ids"]
+    with torch.no_grad():
+        logits = llama(input_ids=ids).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits[:, 1:-1].transpose(1, 2), ids[:, 2:], reduction="none").sum(1)
+    assert docs["loglikelihood_after_first"] == pytest.approx((-nll).tolist(), rel=1e-5)
+    assert docs["tokens_after_first"] == [126] * 16
+    assert out["results"]["quantgate_backcopy"]["perplexity_after_first"] == pytest.approx(
+        math.exp(float(nll.sum()) / (126 * 16)), rel=1e-6)
     assert backcopy_metrics(llama, qg.tokenizer(llama), limit=1) == pytest.approx(out["results"]["quantgate_backcopy"])
 
 

@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -134,7 +135,8 @@ def _check_massive_activation_intervention(out):
         hidden = model.eval()(ex.sequences(tok, "validation", 32, 2), output_hidden_states=True).hidden_states
     (mean,), = m["mean_value"]  # (positions, channels): block 0's output at token 0, channel 0
     assert mean == pytest.approx(hidden[1][:, 0, 0].mean().item(), abs=1e-6)
-    ids = ex.sequences(tok, "test", 32, 2)
+    ids, works = ex.document_starts(tok, 2, 32)  # one row per document, from two works
+    assert m["works"] == works and len(set(works)) == 2
     assert m["results"]["original"]["ppl"] == pytest.approx(_loss_ppl(model, ids), rel=1e-5)
     assert m["tokens_per_sequence"] == 31
     assert m["results"]["original"]["nll"] == pytest.approx(_sequence_nll(model, ids), rel=1e-5)
@@ -310,3 +312,31 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     with pytest.raises(SystemExit, match="run python experiments/twins_search.py --only d128-2L --seeds 5 first"):
         search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 5)  # never run
     assert len(search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 1)) == 2
+
+
+def test_retrofit_readout_applies_the_declared_condition_by_hand():
+    """The readout's costs are each copy's paired change when zeroed; the further arm's condition (gated cost
+    below a tenth of the ungated one's, massive activations remaining) is read as declared."""
+    readout = _module("retrofit_readout").readout
+    rng = np.random.default_rng(0)
+    original = rng.uniform(700, 900, 24)
+
+    def run(extra_nats_per_token, channels=(507,)):
+        zero = original + 255 * rng.uniform(0.8, 1.2, 24) * extra_nats_per_token
+        return {"massive": {"layer": 2, "max_abs": 1000.0, "channels": list(channels)}, "tokens_per_sequence": 255,
+                "results": {"original": {"nll": original.tolist()}, "zero": {"nll": zero.tolist()}}}
+
+    runs = {"vanilla": run(1.0), "g1-headwise": run(0.05), "vanilla-block11": run(10.0),
+            "g1-headwise-block11": run(0.5, channels=())}
+    result = readout(runs)
+    first, at11 = result.values()
+    for r, (u, g) in ((first, ("vanilla", "g1-headwise")), (at11, ("vanilla-block11", "g1-headwise-block11"))):
+        for who, key in (("ungated", u), ("gated", g)):
+            nll = runs[key]["results"]
+            by_hand = math.expm1((sum(nll["zero"]["nll"]) - sum(nll["original"]["nll"])) / (24 * 255))
+            assert r["cost"][who].value == pytest.approx(by_hand, rel=1e-9)
+    assert first["condition"]  # e^0.05 - 1 = 0.05 < 0.1 x (e^1 - 1) = 0.17, and the channel remains
+    assert first["pair"].kind == "points"
+    assert not at11["condition"] and not at11["massive_remain"]  # no massive channel left: the condition fails
+    assert at11["pair"].kind == "ratio" and at11["pair"].value == pytest.approx(
+        (1 + at11["cost"]["gated"].value) / (1 + at11["cost"]["ungated"].value) - 1, rel=1e-9)

@@ -114,3 +114,25 @@ def test_an_accuracy_difference_is_a_plain_paired_t_interval_below_the_minimum()
     diff = (b - a).astype(float)
     half = scipy.stats.t.ppf(0.975, n - 1) * diff.std(ddof=1) / math.sqrt(n)
     assert (d.value, d.low, d.high) == pytest.approx((diff.mean(), diff.mean() - half, diff.mean() + half))
+
+
+def test_paired_difference_at_ratio_scale_is_a_ratio_of_ratios_by_hand():
+    """Where a perplexity grew 10x or more, the difference of two changes is the ratio of the two perplexity
+    ratios (minus 1), with its jackknife t-interval on the log below the minimum: by hand."""
+    n = 8
+    f_u, q_u, w = _docs(n, seed=2, cost=5.0)  # ~e^5 = 150x
+    shift = w * np.random.default_rng(3).uniform(0.5, 1.5, n)  # about 1 nat per token less: ~e^-1 of that ratio
+    q_g = {**q_u, "loglikelihood": (np.array(q_u["loglikelihood"]) + shift).tolist()}
+    d = paired_difference((f_u, q_u), (f_u, q_g), "perplexity")
+    cols = [np.array(x["loglikelihood"]) for x in (f_u, q_u, q_g)]
+
+    def ratio_of_ratios(idx):
+        return (1 + _ppl_change(cols[0], cols[2], w)(idx)) / (1 + _ppl_change(cols[0], cols[1], w)(idx)) - 1
+
+    assert d.kind == "ratio"
+    assert d.value == pytest.approx(math.expm1(-shift.sum() / w.sum()), rel=1e-9)
+    assert d.value == pytest.approx(ratio_of_ratios(list(range(n))), rel=1e-9)
+    assert (d.low, d.high) == pytest.approx(_jackknife_t(ratio_of_ratios, n, log=True), rel=1e-9)
+    assert d.high < 0 and format_delta(d).startswith(f"{1 + d.value:.2f}x [")
+    small = paired_difference(_docs(n, seed=2, cost=0.1)[:2], _docs(n, seed=2, cost=0.1)[:2], "perplexity")
+    assert small.kind == "points"  # below 10x the difference stays in points

@@ -170,3 +170,28 @@ def test_refuses_twice_and_unsupported_sizes_without_touching_the_model():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     check_rotatable(model, online=False)  # the residual rotation alone fits d_model = 64
     assert_same_function(model, online=False)
+
+
+@pytest.mark.parametrize("n", [128, 1536])  # 1536 = 12 x 2^7: torchao's K = 12 block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_online_transform_is_x_times_the_hadamard_matrix_in_each_dtype(n, dtype):
+    """x -> x M for torchao's normalized Hadamard M, against float64 by definition: float32 through the butterfly,
+    bf16 through the exact +-1 matrix (one rounding of the float32-accumulated product, then 1/sqrt(n))."""
+    from torchao.prototype.spinquant.hadamard_utils import get_hadK, matmul_hadU_slow
+
+    hadK, K = get_hadK(n)
+    m = matmul_hadU_slow(torch.eye(n, dtype=torch.float64), hadK, K)
+    assert torch.allclose(m @ m.T, torch.eye(n, dtype=torch.float64), atol=1e-12)  # orthonormal
+    linear = torch.nn.Linear(n, 4)
+    vars(linear)["qg_hadamard"] = (hadK, K)
+    x = torch.randn(3, 7, n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    (y,) = hadamard_pre_hook(linear, (x,))
+    exact = x.double() @ m
+    assert y.dtype == dtype and y.shape == x.shape
+    # bf16: oneDNN's GEMM rounds its sums to within 2^-8 (measured), then the scaling rounds once more
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert ((y.double() - exact).abs() <= tol * exact.abs() + 1e-6).all()
+    if dtype == torch.bfloat16:  # and it beats the butterfly, which rounds at each of its stages
+        butterfly = matmul_hadU_slow(x.contiguous(), hadK, K)
+        rms = lambda t: (t.double() - exact).square().mean().sqrt()  # noqa: E731
+        assert rms(y) < rms(butterfly)

@@ -204,18 +204,21 @@ def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, s
     m = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = (q @ k.transpose(-1, -2)).float().mul_(scale)  # a fresh tensor: changed in place from here on
     if fake_quant is not None and "scores" in fake_quant:
         scores = fake_quant["scores"](scores)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         scores = scores + attn_mask.float()
     valid = _valid_mask(attn_mask, is_causal, n, m, q.device)
     if valid is not None:
-        scores = scores.masked_fill(~valid, float("-inf"))
+        scores = scores.masked_fill_(~valid, float("-inf"))
     if sinks is not None:
         sink_col = sinks.float().view(1, h, 1, 1).expand(scores.shape[0], h, n, 1)
         scores = torch.cat([scores, sink_col], dim=-1)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows attend to nothing
+    probs = torch.softmax(scores, dim=-1)
+    additive = attn_mask is not None and attn_mask.dtype != torch.bool  # its -inf may mask a whole row
+    if additive or (valid is not None and not bool(valid.any(-1).all())):
+        probs = probs.nan_to_num_(0.0)  # fully masked rows attend to nothing
     if clip is not None:
         probs = _clipped(probs, clip)
     if sinks is not None:

@@ -34,7 +34,16 @@ from .synthetic import BackcopyBatches, Resumable, is_backcopy, task_options
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack is Python 3.11+
 
-__all__ = ["Batches", "BatchOptions", "Resumable", "batches", "token_stream", "source_sha256", "cache_dir"]
+__all__ = [
+    "Batches",
+    "BatchOptions",
+    "Resumable",
+    "batches",
+    "token_stream",
+    "source_sha256",
+    "cache_dir",
+    "prepends_bos",
+]
 
 log = logging.getLogger("quantgate")
 
@@ -101,7 +110,7 @@ def _cached_stream(path: Path) -> np.ndarray | None:
     return None
 
 
-def _prepends_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+def prepends_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     bos = tokenizer.bos_token_id
     return bos is not None and tokenizer("a").input_ids[:1] == [bos]
 
@@ -135,7 +144,7 @@ class Batches(Resumable):
         if objective == "clm":
             if tokenizer.eos_token_id is None:
                 raise ValueError("CLM batches need a tokenizer with an EOS token to separate documents")
-            head = [tokenizer.bos_token_id] if _prepends_bos(tokenizer) else []
+            head = [tokenizer.bos_token_id] if prepends_bos(tokenizer) else []
             tail, sep = [], tokenizer.eos_token_id
         else:
             if None in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id):

@@ -12,18 +12,19 @@ A source is named by a string:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import lzma
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-__all__ = ["Document", "corpus", "BUNDLED_SPLITS", "DATASETS", "OfflineError", "hub_reachable"]
+__all__ = ["Document", "corpus", "in_turn", "BUNDLED_SPLITS", "DATASETS", "OfflineError", "hub_reachable"]
 
 CORPUS_DIR = Path(__file__).with_name("corpus")
 BUNDLED_SPLITS = ("train", "validation", "test")
@@ -60,6 +61,15 @@ def corpus(split: str = "validation") -> Iterator[Document]:
             f"unknown text source {split!r}; bundled: {', '.join(BUNDLED_SPLITS)}; online: "
             f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>"
         )
+
+
+def in_turn(documents: Iterable[Document]) -> list[Document]:
+    """The documents taken in turn from each work (the first of every work, then the second of each, ...),
+    so that the first n span min(n, works) works, never n chapters of one."""
+    by_work: dict[str, list[Document]] = {}
+    for d in documents:
+        by_work.setdefault(d.work, []).append(d)
+    return [d for round_ in itertools.zip_longest(*by_work.values()) for d in round_ if d is not None]
 
 
 @cache

@@ -46,9 +46,12 @@ __all__ = [
     "load_state",
     "QUANTGATE_MODEL_TYPE",
     "mark_quantgate_only",
+    "DTYPES",
 ]
 
 log = logging.getLogger("quantgate")
+# the dtypes a model loads, runs and is evaluated in, by name (the quantizers compute in float32 whatever it is)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build(

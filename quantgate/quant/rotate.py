@@ -22,6 +22,7 @@ stream's input, the head as a reader with the final norm's gain folded in.
 
 from __future__ import annotations
 
+import functools
 import math
 from types import ModuleType
 from typing import cast
@@ -72,9 +73,26 @@ def _had() -> ModuleType:
 
 
 def hadamard_pre_hook(module: nn.Linear, args: tuple) -> tuple:
-    """Forward pre-hook of an online-rotated Linear: its input x -> x M (normalized Hadamard, O(n log n))."""
+    """Forward pre-hook of an online-rotated Linear: its input x -> x M (normalized Hadamard). In float32 by
+    torchao's butterfly (O(n log n)); in bfloat16 / float16, whose butterfly would round at each of its log n
+    stages, as one matmul by the exact +-1 matrix (accumulated in float32, rounded once), then 1 / sqrt(n) in float32:
+    more accurate there, and on CPUs with bf16 matrix units 5x faster (benchmarks/quant_speed.py)."""
     hadK, K = vars(module)["qg_hadamard"]  # set by rotate_
-    return (_had().matmul_hadU(args[0].contiguous(), hadK, K), *args[1:])
+    x = args[0]
+    if x.dtype == torch.float32:
+        return (_had().matmul_hadU(x.contiguous(), hadK, K), *args[1:])
+    n = x.shape[-1]
+    signs = _hadamard_signs(n, x.dtype, x.device)
+    return ((nn.functional.linear(x, signs).float() * (1 / math.sqrt(n))).to(x.dtype), *args[1:])
+
+
+@functools.cache
+def _hadamard_signs(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """sqrt(n) M^T for torchao's normalized Hadamard M of size n: an exact +-1 matrix in ``dtype``, so that
+    ``linear(x, it) / sqrt(n) = x M``."""
+    hadK, K = _hadamard(n, "d_ff, for the online transform")
+    m = _had().matmul_hadU_slow(torch.eye(n, dtype=torch.float64), hadK, K)  # row i: e_i M
+    return (m.T * math.sqrt(n)).round().to(dtype=dtype, device=device).contiguous()
 
 
 def _hadamard(n: int, what: str) -> tuple[torch.Tensor, int]:

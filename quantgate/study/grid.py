@@ -77,10 +77,13 @@ class ModelSpec:
     observe: ObserveSettings
     seeds: list[int]
     calibration: DataSettings  # the study's, updated by the model's own
+    # the dtype the model is observed, quantized and evaluated in ("bfloat16", "float16"); None: float32 (a model
+    # trained here trains as its train settings say, then is cast)
+    dtype: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The resolved model entry, as config.yaml and metrics.json record it."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The resolved model entry, as config.yaml and metrics.json record it (no dtype when unset)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "dtype" or self.dtype}
         return d | {k: getattr(self, k).as_dict() for k in ("eval", "observe", "calibration")}
 
 

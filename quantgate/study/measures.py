@@ -5,12 +5,13 @@ bit sweep. The report, the "Which fix?" section, the experiments and the headlin
 from __future__ import annotations
 
 from ..quant.schemes import act_bits
-from ..stats import Delta, change, paired_difference
+from ..stats import METRICS, Delta, change, paired_difference
 from .records import CellRecord, Results
 
 __all__ = [
     "PPL_KEYS",
     "ACCURACY",
+    "AFTER_FIRST",
     "BUDGET",
     "metric_of",
     "ppl_of",
@@ -39,6 +40,9 @@ ACCURACY: tuple[TaskMetric, ...] = (
     ("quantgate_nextsent", "acc"),
     ("quantgate_backcopy", "copy_acc"),
 )
+# backcopy's perplexity without its first prediction (the uniformly random token after BOS, whose prediction
+# the last block's BOS outlier serves)
+AFTER_FIRST: TaskMetric = ("quantgate_backcopy", "perplexity_after_first")
 BUDGET = 0.01  # the perplexity increase a bit budget allows
 
 
@@ -88,17 +92,21 @@ def float_change(base: CellRecord, cell: CellRecord) -> Delta | None:
     return change(key[1], metric_of(base.float_results, key), metric_of(cell.float_results, key), *docs)
 
 
-def change_gap(base: CellRecord, cell: CellRecord, scheme: str) -> Delta | None:
-    """How much more ``scheme`` changes ``cell``'s headline perplexity than ``base``'s (a gated twin against
-    its ungated one, both read on the same documents): the paired difference of the two changes, in
-    percentage points (:func:`quantgate.stats.paired_difference`); None where either lacks the scheme or
-    per-document values, or they read different documents."""
-    key = ppl_key(base)
+def change_gap(base: CellRecord, cell: CellRecord, scheme: str, task_metric: TaskMetric | None = None) -> Delta | None:
+    """How much more ``scheme`` changes ``cell``'s headline perplexity (or ``task_metric``) than ``base``'s (a
+    gated twin against its ungated one, both read on the same documents): the paired difference of the two
+    changes (:func:`quantgate.stats.paired_difference`); None where either lacks the scheme or per-document
+    values, or they read different documents."""
+    key = task_metric or ppl_key(base)
     if key is None or scheme not in base.schemes or scheme not in cell.schemes:
         return None
     docs = [d for c in (base, cell) for d in (c.float_documents.get(key[0]), c.scheme(scheme).documents.get(key[0]))]
     found = [d for d in docs if d]
-    if len(found) < 4 or len({tuple(d["ids"]) for d in found}) > 1:
+    if (
+        len(found) < 4
+        or len({tuple(d["ids"]) for d in found}) > 1
+        or any(METRICS[key[1]].value not in d for d in found)
+    ):
         return None
     return paired_difference((found[0], found[1]), (found[2], found[3]), key[1])
 

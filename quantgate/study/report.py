@@ -16,6 +16,7 @@ from ..stats import MIN_BOOTSTRAP_UNITS, NOISE_LEGEND, change, fmt, format_delta
 from .fixes import which_fix
 from .measures import (
     ACCURACY,
+    AFTER_FIRST,
     BUDGET,
     bit_sweeps,
     budget,
@@ -865,7 +866,7 @@ def _against_baseline(cells: list[CellRecord], schemes: list[str], changes: dict
             "",
             f"Paired against `{baseline}`: each scheme's change of the variant minus that of `{baseline}`, "
             "both read on the same documents, with its paired 95% interval over them (the decision: "
-            "negative and clear of 0, the variant loses less).",
+            f"negative and clear of 0, the variant loses less). {RATIO_NOTE}",
             "",
             *table_head(
                 [
@@ -950,6 +951,12 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
             f"twin **{gated}** ({about(g)}) by {format_delta(dg)}; paired over the same documents, the gated "
             f"twin's change minus the ungated one's is {format_delta(gap)}: {gap_reading(gap, 'the gated twin')}."
         )
+        first_prediction = change_gap(u, g, scheme, AFTER_FIRST)
+        if first_prediction is not None:
+            text += (
+                " Without the first prediction (the random token after BOS) the paired difference is "
+                f"{format_delta(first_prediction)}."
+            )
         for base, points in bit_sweeps(schemes).items():
             budgets = [budget([(b, changes.get((c.id, s))) for b, s in points]) for c in (u, g)]
             text += (
@@ -974,6 +981,8 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
                     + "."
                 )
         lines.append(text)
+    for ungated, gated in pairs:
+        lines += _pair_table(first[ungated], first[gated], schemes, changes)
     paired = {m for p in pairs for m in p}
     for model, c in first.items():
         if model not in paired:
@@ -983,6 +992,36 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
                 f"- **{model}** ({c.variant}; largest residual activation {fmt(peak)}, max / median "
                 f"{fmt(ratio)}): " + "; ".join(moved) + "."
             )
+    return [*lines, ""]
+
+
+RATIO_NOTE = (
+    "Where either perplexity grew 10x or more the difference is the ratio of the two perplexity ratios instead "
+    "(printed 0.02x: the variant's ratio is a fiftieth of the other's; below 1x it loses less)."
+)
+
+
+def _pair_table(u: CellRecord, g: CellRecord, schemes: list[str], changes: dict) -> list[str]:
+    """Every scheme both twins ran, side by side: each one's change, the paired difference of the changes (the
+    decision) and, on backcopy, the same without the first prediction."""
+    both = [s for s in schemes if changes.get((u.id, s)) and changes.get((g.id, s))]
+    after = any(change_gap(u, g, s, AFTER_FIRST) is not None for s in both)
+    head = ["scheme", f"{u.model} change", f"{g.model} change", "paired difference", "reading"]
+    if after:
+        head.insert(4, "paired, without the first prediction")
+    lines = [
+        "",
+        f"Every scheme on **{u.model}** and **{g.model}**, the gated twin's change minus the ungated one's paired "
+        f"over the same documents. {RATIO_NOTE}",
+        "",
+        *table_head(head),
+    ]
+    for s in both:
+        gap = change_gap(u, g, s)
+        row = [f"`{s}`", format_delta(changes[u.id, s]), format_delta(changes[g.id, s]), format_delta(gap)]
+        if after:
+            row.append(format_delta(change_gap(u, g, s, AFTER_FIRST)))
+        lines.append("| " + " | ".join([*row, gap_reading(gap, "the gated twin")]) + " |")
     return [*lines, ""]
 
 

@@ -20,7 +20,7 @@ from ..data.synthetic import is_backcopy, task_options
 from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
 from ..files import is_folder_name
 from ..models.families import family_of, get_family
-from ..models.io import read_config
+from ..models.io import DTYPES, read_config
 from ..models.presets import PRESETS, preset_config
 from ..models.sources import PACKAGED, resolve
 from ..models.swap import check_expressible
@@ -61,6 +61,7 @@ MODEL_KEYS = {
     "observe",
     "calibration",
     "seeds",
+    "dtype",
 }
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "overwrite", "extra", "stop_after"}
 
@@ -91,6 +92,7 @@ MODEL_RULES: Rules = {
     "seeds": (list[int], (lambda s: all(x >= 0 for x in s), "each >= 0")),
     "eval": (dict | None, None),
     "observe": (dict | None, None),
+    "dtype": (str, (lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
 }
 DATA_RULES: Rules = {
     "data": (str, None),
@@ -253,7 +255,18 @@ def load_study(path: str | Path) -> Study:
         seeds = list(m.get("seeds") or [seed])
         settings = EvalSettings(**ev), ObserveSettings(**ob), DataSettings(**cal)
         models.append(
-            ModelSpec(name, source, train, list(variants), list(schemes), settings[0], settings[1], seeds, settings[2])
+            ModelSpec(
+                name,
+                source,
+                train,
+                list(variants),
+                list(schemes),
+                settings[0],
+                settings[1],
+                seeds,
+                settings[2],
+                m.get("dtype") if m.get("dtype") != "float32" else None,
+            )
         )
     calibration = DataSettings(**sections["calibration"])
     study = Study(data.get("name") or path.stem, data.get("description", ""), models, calibration, sections["report"])

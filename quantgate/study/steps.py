@@ -34,6 +34,7 @@ from ..files import content_sha256, folder_name, read_json, writable_dir, write_
 from ..models import build
 from ..models.cost import gate_cost
 from ..models.families import family_of
+from ..models.io import DTYPES
 from ..models.sources import PACKAGED, _package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
@@ -51,8 +52,8 @@ __all__ = ["run_study", "plan"]
 
 log = logging.getLogger("quantgate")
 # in the evaluation steps' keys: cached evaluations of an older format rerun (per-document values; then
-# quantgate_ppl 2.0, whose documents come in turn from each work)
-EVAL_FORMAT = "per-document values, quantgate_ppl 2.0"
+# quantgate_ppl 2.0, whose documents come in turn from each work; then backcopy's first prediction apart)
+EVAL_FORMAT = "per-document values, quantgate_ppl 2.0, backcopy after the first prediction"
 
 
 def _key(*parts) -> str:
@@ -163,7 +164,8 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, s
 
 def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     m, seed = cell.model, cell.seed
-    model_key = _key("model", m.source, cell.variant, m.train, seed, *_content_keys(m))
+    dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
+    model_key = _key("model", m.source, cell.variant, m.train, seed, *_content_keys(m), *dtype)
     state = {"model": None, "tokenizer": None}
     seconds = 0.0
 
@@ -237,13 +239,15 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
     variant swapped into a loaded checkpoint starts with gates initialised with the cell's seed); training
     resumes from its checkpoints."""
     train_dir = cdir / "train"
+    dtype = DTYPES[m.dtype] if m.dtype else None
     if m.train is not None and (train_dir / "model" / "config.json").is_file() and _same_key(train_dir, model_key):
-        model = load(train_dir / "model")
+        model = load(train_dir / "model", dtype=dtype)
         return model, get_tokenizer(model)
+    untrained = dtype if m.train is None else None  # a model trained here trains in float32, then is cast
     if "load" in m.source:
-        model = load(m.source["load"], cell.variant if cell.variant != "vanilla" else None, seed=seed)
+        model = load(m.source["load"], cell.variant if cell.variant != "vanilla" else None, seed=seed, dtype=untrained)
     else:
-        model = build(m.source["preset"], cell.variant, seed=seed, **m.source["config"])
+        model = build(m.source["preset"], cell.variant, seed=seed, dtype=untrained, **m.source["config"])
     tok = get_tokenizer(model)
     if m.train is not None:
         if not _same_key(train_dir, model_key):
@@ -255,6 +259,8 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
         run = {"out": str(train_dir), "resume": resume, "overwrite": not resume}  # no checkpoint: start afresh
         cfg = TrainConfig(**{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, **run})
         model = train(model, tok, config=cfg)
+        if dtype is not None:
+            model = model.to(dtype)
     return model, tok
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import datasets
 
-from quantgate.data import corpus
+from quantgate.data.corpus import corpus, in_turn
 
 DATA = Path(__file__).with_name("data")
 
@@ -18,10 +17,7 @@ DATA = Path(__file__).with_name("data")
 def ppl_documents(**kwargs: object) -> datasets.DatasetDict:
     """The test split's documents, taken in turn from each work (the first document of every work, then
     the second of each, ...): a ``limit`` of n documents spans min(n, 9) works, never n chapters of one."""
-    by_work: dict[str, list[dict[str, str]]] = {}
-    for d in corpus("test"):
-        by_work.setdefault(d.work, []).append({"id": d.id, "work": d.work, "text": d.text})
-    rows = [doc for docs in itertools.zip_longest(*by_work.values()) for doc in docs if doc is not None]
+    rows = [{"id": d.id, "work": d.work, "text": d.text} for d in in_turn(corpus("test"))]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
