@@ -44,6 +44,7 @@ def test_interval_width_prints_a_row_per_document_prefix():
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "[n/a]" in rows[0] and "[n/a]" not in rows[1]
+    assert rows[1].startswith("| 2 | 2 |") and "| jackknife-t |" in rows[1]  # two works; the rule below 20
 
 
 def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_path, capsys):
@@ -62,3 +63,22 @@ def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_pa
         gap = paired_difference(docs(cells["float32"], scheme), docs(cells["bfloat16"], scheme), "word_perplexity")
         assert f"| `{scheme}` |" in text and f" | {format_delta(gap)} | " in text
     assert "Criterion (declared in the script before its run)" in text
+
+
+def test_main_job_benchmark_times_a_fresh_run_only(tmp_path):
+    import main_job
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.json").write_text("{}")
+    with pytest.raises(SystemExit, match="is not empty: the main job is timed from a fresh run directory"):
+        main_job.main(["--out", str(tmp_path / "old")])
+
+
+@pytest.mark.slow
+def test_main_job_benchmark_prints_the_budget_share(tmp_path, capsys):
+    import main_job
+
+    main_job.main(["--study", str(BENCH.parent / "experiments" / "smoke.yaml"), "--out", str(tmp_path / "run"),
+                   "--fresh-cache"])
+    out = capsys.readouterr().out
+    assert "x the 10-minute budget (empty quantgate cache" in out and "  tiny/vanilla: " in out

@@ -3,12 +3,16 @@ on, a jackknife t-interval (n - 1 df, on the log ratio for a perplexity) below; 
 models' changes on the same documents. Each checked against a hand computation."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
 
 from quantgate.stats import MIN_BOOTSTRAP_UNITS, format_delta, interval_method, paired_delta, paired_difference
+from quantgate.study import read_metrics
+from quantgate.study.measures import ppl_change
+from quantgate.study.report import study_markdown
 
 
 def _docs(n: int, seed: int, cost: float = 0.1):
@@ -136,3 +140,32 @@ def test_paired_difference_at_ratio_scale_is_a_ratio_of_ratios_by_hand():
     assert d.high < 0 and format_delta(d).startswith(f"{1 + d.value:.2f}x [")
     small = paired_difference(_docs(n, seed=2, cost=0.1)[:2], _docs(n, seed=2, cost=0.1)[:2], "perplexity")
     assert small.kind == "points"  # below 10x the difference stays in points
+
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED_RUNS = sorted(p.parent for p in (ROOT / "results").rglob("config.yaml") if (p.parent / "metrics.json").is_file())
+
+
+def test_the_main_jobs_smollm2_numbers_rest_on_24_documents_from_3_works_with_bca():
+    """The committed main job (results/quickstart): every SmolLM2 evaluation reads the same >= 24 whole test
+    documents from >= 3 works, so its changes take BCa intervals; the twins' 8 x 16 backcopy sequences too."""
+    metrics = read_metrics(ROOT / "results" / "quickstart")
+    smol = next(c for c in metrics.cells if c.model == "smollm2-135m")
+    docs = smol.float_documents["quantgate_ppl"]
+    assert len(docs["ids"]) >= 24 and len(set(docs["works"])) >= 3
+    for scheme, record in smol.schemes.items():
+        assert record.documents["quantgate_ppl"]["ids"] == docs["ids"], scheme
+        assert ppl_change(smol, scheme).method.startswith(f"paired bootstrap over {len(docs['ids'])} documents")
+
+
+@pytest.mark.parametrize("run", COMMITTED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "results")))
+def test_committed_study_reports_are_what_the_interval_rule_makes_of_their_metrics(run):
+    """Every committed study report is the current code's rendering of its metrics.json: its intervals follow the
+    one rule (BCa only from MIN_BOOTSTRAP_UNITS documents on) and its verdicts come from paired differences."""
+    metrics = read_metrics(run)
+    assert study_markdown(metrics) == (run / "report.md").read_text(), f"quantgate report {run.relative_to(ROOT)}"
+    for cell in metrics.cells:
+        for scheme in cell.schemes:
+            d = ppl_change(cell, scheme)
+            if d is not None and d.low is not None:
+                assert d.method.startswith("paired bootstrap") == (d.n >= MIN_BOOTSTRAP_UNITS), d.method

@@ -53,10 +53,12 @@ def test_main_job_is_the_default_study_and_it_validates():
 
 
 def test_numbers_quoted_from_committed_results_are_in_them():
-    """A README paragraph that cites results/<study>/report.md quotes only numbers that file holds."""
-    paragraphs = [p for p in README.split("\n\n") if re.search(r"results/\w+/report\.md", p)]
+    """A README paragraph that cites a committed report (results/<study>/report.md, the retrofit readout) quotes
+    only numbers that the results pages it cites hold."""
+    cited = r"(results/\w+/(?:report|readout)\.md)"
+    paragraphs = [p for p in README.split("\n\n") if re.search(cited, p)]
     assert paragraphs
     for paragraph in paragraphs:
-        report = (ROOT / re.search(r"(results/\w+/report\.md)", paragraph).group(1)).read_text()
+        report = "\n".join((ROOT / f).read_text() for f in re.findall(r"results/[\w/.-]+?\.md", paragraph))
         quoted = re.findall(r"\d+\.\d+(?:e[+-]\d+)?", paragraph)
         assert quoted and all(n in report for n in quoted), [n for n in quoted if n not in report]

@@ -569,7 +569,8 @@ def study_markdown(metrics: StudyRecord) -> str:
     fixes = settings.get("fixes")
     if fixes:
         lines += which_fix(cells, schemes, changes, fixes, settings.get("pairs") or [])
-    lines += _answer(cells, schemes, changes, settings.get("pairs") or [])
+    own = {m["name"]: [e["scheme"] for e in m.get("schemes") or []] for m in st.get("models") or []}
+    lines += _answer(cells, schemes, changes, settings.get("pairs") or [], own)
     lines += ["## What the numbers show", "", *_sentences(cells, schemes, changes), ""]
     # Bondarenko-style table
     head = [
@@ -925,9 +926,12 @@ def _side_by_side(cells: list[CellRecord], schemes: list[str], changes: dict) ->
     return lines
 
 
-def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: list[list[str]]) -> list[str]:
-    """The study's answer first: per [ungated, gated] pair of models (``report: pairs``), the first scheme's
-    change with its interval and the activation-bit budgets; then each other model's changes."""
+def _answer(
+    cells: list[CellRecord], schemes: list[str], changes: dict, pairs: list[list[str]], own: dict[str, list[str]]
+) -> list[str]:
+    """The study's answer first: per [ungated, gated] pair of models (``report: pairs``), the first scheme the
+    pair ran (in the ungated model's own order, ``own``: {model: its schemes}) with its paired difference, the
+    activation-bit budgets and a table of every scheme paired; then each other model's changes."""
     if not pairs:
         return []
     first: dict[str, CellRecord] = {}
@@ -936,7 +940,9 @@ def _answer(cells: list[CellRecord], schemes: list[str], changes: dict, pairs: l
     lines = ["## The answer", ""]
     for ungated, gated in pairs:
         u, g = first[ungated], first[gated]
-        scheme = next((s for s in schemes if changes.get((u.id, s)) and changes.get((g.id, s))), None)
+        scheme = next(
+            (s for s in own.get(ungated) or schemes if changes.get((u.id, s)) and changes.get((g.id, s))), None
+        )
         if scheme is None:  # no scheme evaluated on both
             continue
         du, dg = changes[u.id, scheme], changes[g.id, scheme]
