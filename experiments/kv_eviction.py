@@ -1,6 +1,6 @@
 """StreamingLLM-style KV eviction: perplexity with a rolling window, with and without the first 4 tokens.
 
-    python experiments/kv_eviction.py            # results/kv_eviction/ (needs results/cpu_recipe: its study)
+    python experiments/kv_eviction.py            # results/kv_eviction/
     python experiments/kv_eviction.py --smoke    # seconds: random tiny models (CI)
 
 A rolling KV cache of w recent tokens is an attention mask: query i sees keys i-w+1 .. i, plus keys
@@ -8,8 +8,9 @@ A rolling KV cache of w recent tokens is an attention mask: query i sees keys i-
 true distances; StreamingLLM re-indexes positions inside the cache instead). Perplexity is over the
 second half of each sequence, where every window has evicted tokens; every change of perplexity carries
 a 95% paired interval over the sequences (BCa from 20, a jackknife t-interval below). Models: SmolLM2-135M (ungated,
-real) on held-out text, and the tiny ungated / gated models of the cpu_recipe study (seed 0) on
-held-out backcopy sequences.
+real) on the first 1024 tokens of 24 held-out test documents (one row per document, taken in turn from each work),
+and the packaged twins (twin-vanilla and its G1-gated twin-g1: cpu_recipe's 2-layer d=64 recipe, seed 0; see their
+model cards) on held-out backcopy sequences.
 """
 
 from __future__ import annotations
@@ -47,21 +48,23 @@ def changes(r: dict) -> dict:
 
 
 def main() -> None:
-    args = ex.script_args(__doc__, "results/kv_eviction", **ex.PAIR)
+    args = ex.script_args(__doc__, "results/kv_eviction")
     t0 = time.perf_counter()
     out = Path(args.out)
     if args.smoke:
         tiny = {v: qg.build("tiny-llama", v) for v in ("vanilla", "g1-elementwise")}
         runs = {f"tiny-llama {v} (random)": (m, "backcopy", 32, 2, [4, 8]) for v, m in tiny.items()}
     else:
-        runs = {"smollm2-135m": (qg.load("smollm2-135m"), "test", 1024, 4, [16, 32, 64, 128, 256, 512])}
-        runs |= {f"cpu_recipe {v}": (m, "backcopy", 128, 16, [4, 8, 16, 32, 64])
-                 for v, m in ex.trained_models(args.pair).items()}
+        runs = {"smollm2-135m": (qg.load("smollm2-135m"), "test", 1024, 24, [16, 32, 64, 128, 256, 512])}
+        runs |= {name: (qg.load(name), "backcopy", 128, 16, [4, 8, 16, 32, 64]) for name in ("twin-vanilla", "twin-g1")}
     results = {}
     for name, (model, source, length, n, windows) in runs.items():
-        ids = ex.sequences(qg.tokenizer(model), source, length, n, seed=1_000_003)
+        if source == "backcopy":  # independent sequences of the task's generator
+            ids, works = ex.sequences(qg.tokenizer(model), source, length, n, seed=1_000_003), None
+        else:  # one row per document: text windows of one packed stream are no independent units
+            ids, works = ex.document_starts(qg.tokenizer(model), n, length, source)
         nll, tokens = sweep(model, ids, windows), length - length // 2
-        results[name] = {"data": source, "length": length, "sequences": n, "windows": windows,
+        results[name] = {"data": source, "length": length, "sequences": n, "works": works, "windows": windows,
                          "ppl": {k: ex.perplexity(torch.tensor(v), n * tokens) for k, v in nll.items()},
                          "nll": nll, "tokens_per_sequence": tokens,
                          "first_token_attention": ex.first_token_attention(model, ids)[:, :, 1:].mean((1, 2)).tolist()}
@@ -76,14 +79,17 @@ def main() -> None:
                       "need them less?")
     lines += ["Perplexity over the second half of each sequence; 'w / 0' evicts everything older than w tokens, "
               f"'w / {SINKS}' keeps the first {SINKS} tokens too. Evicting the sinks costs: ppl(w / 0) / "
-              f"ppl(w / {SINKS}); vs full: the change from full attention. Each with a 95% interval from a paired "
-              "bootstrap over the sequences (~: the interval includes no change). First-token attention: mean over "
-              "layers, heads and queries of the full-attention model. Trained models: seed 0 of the cpu_recipe study "
-              "(its report gives tokens trained).", ""]
+              f"ppl(w / {SINKS}); vs full: the change from full attention. Each with a 95% paired interval over the "
+              "sequences (BCa from 20, a jackknife t-interval below; ~: the interval includes no change). "
+              "First-token attention: mean over layers, heads and queries of the full-attention model. Trained "
+              "models: the packaged twins (their model cards give the training).", ""]
     for name, r in results.items():
         sink = sum(r["first_token_attention"]) / len(r["first_token_attention"])
         d = changes(r)
-        lines += [f"### {name} ({r['sequences']} x {r['length']} tokens of {r['data']}; full attention ppl "
+        rows = (f"the first {r['length']} tokens of {r['sequences']} documents of {r['data']} from "
+                f"{len(set(r['works']))} works" if r.get("works") else f"{r['sequences']} x {r['length']} tokens of "
+                f"{r['data']}")
+        lines += [f"### {name} ({rows}; full attention ppl "
                   f"{r['ppl']['full']:.3g}; first-token attention {sink:.3f}; max over layers "
                   f"{max(r['first_token_attention']):.3f})", "",
                   f"| window w | ppl, w / 0 | ppl, w / {SINKS} | evicting the sinks costs | w / 0 vs full | "

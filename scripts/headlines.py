@@ -231,7 +231,7 @@ def sink_leak_toy() -> str:
 
 def kv_eviction() -> str:
     m = _metrics("kv_eviction")
-    smol, plain, gated = m["smollm2-135m"], m["cpu_recipe vanilla"], m["cpu_recipe g1-elementwise"]
+    smol, plain, gated = m["smollm2-135m"], m["twin-vanilla"], m["twin-g1"]
 
     def cost(r, w) -> Delta:
         """ppl(w/0) / ppl(w/4) - 1, paired over the sequences."""

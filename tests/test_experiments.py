@@ -281,7 +281,8 @@ def test_window_mask_is_a_rolling_cache_with_sinks():
 
 def test_twins_search_criterion_part_by_part(monkeypatch):
     """The declared criterion on hand-made pairs: sink >= 0.5 and max/median >= 150 ungated, neither gated,
-    and W8A8 at least 5x the gated change with the intervals apart, in every seed."""
+    and W8A8 at least 5x the gated change with the two apart (the paired difference of the changes wholly below
+    0), in every seed."""
     search = _module("twins_search")
     widths = [(8, "w8a8-int8-bondarenko"), (6, "w8a8-int8-bondarenko:a_bits=6")]
 
@@ -293,10 +294,15 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
         return CellRecord(id=f"m/{variant}-seed{seed}", model="m", variant=variant, seed=seed,
                           observe={"layers": layers, "summary": {"max_activation": ratio}})
 
+    gaps = {}  # {(seed, scheme): paired difference, gated minus ungated}
     monkeypatch.setattr(search, "ppl_change", lambda c, s: changes[c.id][s])
+    monkeypatch.setattr(search, "change_gap", lambda u, g, s: gaps[u.seed, s])
     d = lambda v, lo, hi: Delta(v, lo, hi, "perplexity", 100, "")  # noqa: E731
     u8, g8 = d(0.10, 0.08, 0.12), d(0.01, 0.00, 0.02)  # 10x, apart
-    u6, g6 = d(0.30, 0.20, 0.40), d(0.10, 0.05, 0.25)  # 3x and overlapping
+    u6, g6 = d(0.30, 0.20, 0.40), d(0.10, 0.05, 0.25)  # 3x
+    for seed in range(3):
+        gaps[seed, widths[0][1]] = Delta(-0.09, -0.11, -0.07, "points", 100, "")  # wholly below 0
+        gaps[seed, widths[1][1]] = Delta(-0.20, -0.35, 0.05, "points", 100, "")  # spans 0
     cells = [c for s in range(3) for c in (cell(s, "vanilla", 0.9, 400, {widths[0][1]: u8, widths[1][1]: u6}),
                                            cell(s, "g1-elementwise", 0.05, 20, {widths[0][1]: g8, widths[1][1]: g6}))]
     v = search.verdict(cells, widths)
@@ -304,9 +310,9 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     assert v["met"] and v["widest apart"] == 8
     changes[cells[1].id][widths[0][1]] = d(0.03, 0.02, 0.04)  # seed 0's gated twin: only 3.3x below
     cells[2].layers[0]["max_median_ratio"] = 149  # seed 1's ungated ratio just under 150
-    changes[cells[4].id] = {widths[0][1]: d(0.10, 0.08, 0.12), widths[1][1]: d(0.5, 0.3, 0.6)}
+    gaps[2, widths[0][1]] = Delta(-0.09, -0.2, 0.01, "points", 100, "")  # seed 2: 10x, but within noise, paired
     v = search.verdict(cells, widths)
-    assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 2}
+    assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 1}
     assert not v["met"] and v["widest apart"] is None
     assert not search.verdict(cells[:4], widths)["met"]  # two seeds never meet it
     with pytest.raises(SystemExit, match="run python experiments/twins_search.py --only d128-2L --seeds 5 first"):

@@ -74,9 +74,9 @@ def _had() -> ModuleType:
 
 def hadamard_pre_hook(module: nn.Linear, args: tuple) -> tuple:
     """Forward pre-hook of an online-rotated Linear: its input x -> x M (normalized Hadamard). In float32 by
-    torchao's butterfly (O(n log n)); in bfloat16 / float16, whose butterfly would round at each of its log n
-    stages, as one matmul by the exact +-1 matrix (accumulated in float32, rounded once), then 1 / sqrt(n) in float32:
-    more accurate there, and on CPUs with bf16 matrix units 5x faster (benchmarks/quant_speed.py)."""
+    torchao's butterfly (O(n log n)); in bfloat16 / float16, whose butterfly rounds at each of its log n stages,
+    as one matmul by the exact +-1 matrix, then 1 / sqrt(n) in float32: closer to x M there (tests/test_rotate.py)
+    and, on this CPU's bf16 matrix units, 5x faster (1.4 ms against 6.9 ms for 512 x 1536 values)."""
     hadK, K = vars(module)["qg_hadamard"]  # set by rotate_
     x = args[0]
     if x.dtype == torch.float32:
