@@ -25,13 +25,16 @@ from .evaluate import (
 )
 from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
+from .models.io import DTYPES
 from .models.presets import preset_config
 from .models.sources import resolve
 from .observe import observe
 from .options import check_range
+from .parallel import is_first, joined, relaunch
 from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
 from .runlock import RunDirectoryBusy, run_lock
 from .study import DEFAULT_STUDY, plan, run_study
+from .study.executors import EXECUTORS
 from .study.report import compare, write_study_report
 from .study.schema import SECTION_RULES
 from .train import TrainConfig, TrainingDiverged, train
@@ -40,11 +43,13 @@ from .variants import AttentionVariant
 __all__ = ["main"]
 
 
-def _load_or_build(source: str, variant: str | None):
-    """Packaged checkpoints and directories load; other preset names build a fresh model."""
+def _load_or_build(source: str, variant: str | None, dtype: str | None = None):
+    """Packaged checkpoints and directories load; other preset names build a fresh model; in ``dtype`` (a name of
+    DTYPES) where given."""
+    torch_dtype = DTYPES[dtype] if dtype else None
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
-        return build(source, variant)
-    return load(source, variant)
+        return build(source, variant, dtype=torch_dtype)
+    return load(source, variant, dtype=torch_dtype)
 
 
 def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwargs):
@@ -128,7 +133,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     if args.sink_tokens >= args.seq_len:
         raise ValueError(f"--sink-tokens ({args.sink_tokens}) must be fewer than --seq-len ({args.seq_len})")
     _output(args.out)
-    model = _load_or_build(args.model, args.variant)
+    model = _load_or_build(args.model, args.variant, args.dtype)
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
     report = observe(model, data, sink_tokens=args.sink_tokens)
     out = report.save(args.out)
@@ -151,7 +156,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         unless = " unless it is saved (--out)" if scheme.export_calibration else ""
         raise ValueError(f"--calib {args.calib} does nothing here: {scheme} calibrates nothing{unless}; leave it out")
     _output(args.out, args.model)  # before the model loads and calibrates
-    model = _load_or_build(args.model, args.variant)
+    model = _load_or_build(args.model, args.variant, args.dtype)
     tok = tokenizer(model)
     held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
     calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if needs else None
@@ -195,15 +200,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.output_path:  # a directory, or a results file name ending in .json
         lm_out = Path(args.output_path)
         _output(str(lm_out.parent if lm_out.suffix == ".json" else lm_out), what="--output-path")
-    model = load_for_eval(args.model, args.variant, args.scheme)  # what `--model quantgate` loads, too
-    model_args = {"pretrained": args.model, "scheme": args.scheme, "variant": args.variant}
+    if args.processes < 1:
+        raise ValueError(f"--processes must be a whole number >= 1, got {args.processes}")
+    state = joined()  # one of N processes a launcher started (quantgate eval --processes N, torchrun, accelerate)
+    if state is None and args.processes > 1:
+        return relaunch(args.argv, args.processes)  # each of them runs this command, and joins here
+    try:
+        return _eval(args, state)
+    finally:
+        if state is not None:
+            state.end_training()  # leaves the process group
+
+
+def _eval(args: argparse.Namespace, state) -> int:
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    device = state.device if state is not None and state.device.type == "cuda" else None  # a GPU per rank
+    model = load_for_eval(args.model, args.variant, args.scheme, dtype=dtype, device=device)  # as --model quantgate
+    model_args = {"pretrained": args.model, "scheme": args.scheme, "variant": args.variant, "dtype": args.dtype}
     try:
         result = _evaluate(args, model, model_args)
     except NonFiniteOutputs as e:  # keep the tasks that finished before the one that failed
-        if args.out and e.partial.get("results"):
+        if args.out and e.partial.get("results") and is_first():
             write_text_atomic(Path(args.out) / "eval.partial.json", json.dumps(e.partial, indent=1))
             raise ValueError(f"{e} (the tasks finished before it: {Path(args.out) / 'eval.partial.json'})") from None
         raise
+    if not is_first():  # every rank holds rank 0's result; rank 0 reports and writes it
+        return 0
     for task, metrics in result["results"].items():
         shown = [
             f"{k} {v:.4g}" + (f" ± {metrics[k + '_stderr']:.2g}" if k + "_stderr" in metrics else "")
@@ -313,7 +335,9 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan(args.study or DEFAULT_STUDY))
         return 0
-    out = run_study(args.study or DEFAULT_STUDY, args.out, smoke=args.smoke)
+    out = run_study(
+        args.study or DEFAULT_STUDY, args.out, smoke=args.smoke, executor=args.executor, address=args.address
+    )
     print(f"wrote {out}/report.md, metrics.json and plots")
     return 0
 
@@ -359,6 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     obs.add_argument("--seq-len", type=int, default=128)
     obs.add_argument("--batch-size", type=int, default=8)
     obs.add_argument("--max-batches", type=int, default=8)
+    obs.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
+    )
     obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink (>= 1)")
     obs.set_defaults(func=cmd_observe)
     qz = sub.add_parser("quantize", help="post-training INT8/FP8 quantization (simulated or torchao/bitsandbytes)")
@@ -366,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--scheme", help="scheme name, optionally name:key=value,... (see --list)")
     qz.add_argument("--list", action="store_true", help="list the schemes")
     qz.add_argument("--variant", help="attention variant to swap in first")
+    qz.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
+    )
     qz.add_argument("--calib", type=int, help="calibration batches (default: the scheme's, 16)")
     qz.add_argument("--calib-data", default="train", help="calibration text source (default: train)")
     qz.add_argument("--seq-len", type=int, default=128)
@@ -382,6 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", default="quantgate_ppl", help="comma-separated tasks (default: quantgate_ppl)")
     ev.add_argument("--scheme", help="quantize with this scheme first (calibration on the train split)")
     ev.add_argument("--variant", help="attention variant to swap in first")
+    ev.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
+    )
     ev.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
     ev.add_argument("--batch-size", default="auto", type=_int_or_text, help="'auto' or a number >= 1")
     ev.add_argument("--out", help="write eval.json here (quantgate compare reads it)")
@@ -400,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--log-samples", action="store_true", help="with --output-path: lm-eval's per-sample jsonl files too"
+    )
+    ev.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="data-parallel: N processes (one per GPU; gloo on the CPU), lm-eval's requests split between them",
     )
     ev.set_defaults(func=cmd_eval)
     lme = sub.add_parser(
@@ -472,6 +517,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run a shrunk copy (first variant, 4 steps, one batch per step) to check the file in seconds",
     )
+    st.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        help="where the cells run: serial (this process, the default) or ray (a Ray task per cell; the study "
+        "file's executor: otherwise)",
+    )
+    st.add_argument(
+        "--address", help="the Ray cluster for --executor ray (default: RAY_ADDRESS, else a Ray started here)"
+    )
     st.set_defaults(func=cmd_study)
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
     rp.add_argument("run", help="a study run directory")
@@ -485,6 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what --processes starts again in each process
     logging.basicConfig(format="%(message)s")
     logging.getLogger("quantgate").setLevel(logging.INFO)
     try:

@@ -15,6 +15,9 @@
   accuracy of the copied tokens (the one place the task needs attention) on held-out sequences of
   the same task; computed here.
 Standard lm-eval tasks (wikitext, lambada_openai, hellaswag, ...) pass straight through online.
+Started as N processes (``quantgate eval --processes N``, torchrun, ``accelerate launch``), lm-eval splits
+each task's requests between them in its own data-parallel way (:mod:`quantgate.parallel`) and every rank
+returns rank 0's result.
 
 Besides each task's metrics, the result keeps each document's values (``result["documents"][task]``,
 columns as :mod:`quantgate.stats` reads them): the summed log-likelihood with the document's words,
@@ -47,6 +50,7 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
+from . import parallel
 from .checkpoint import load
 from .data import batches
 from .data.corpus import OfflineError, hub_reachable
@@ -294,6 +298,9 @@ def evaluate(
         lm_eval = _require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
+        state = parallel.joined()  # launched as one of N processes: lm-eval splits the requests between them
+        if state is not None:
+            parallel.share_work(lm, state)
         tracker = _tracker(output_path)
         with eval_mode(model):
             manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
@@ -310,6 +317,7 @@ def evaluate(
                 verbosity="ERROR",
                 confirm_run_unsafe_code=False,  # a task's own code never runs (as a checkpoint's never does)
             )
+        out = parallel.from_first(out)  # rank 0 holds every rank's samples; the others get None from lm-eval
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
         documents.update(
             {
@@ -319,7 +327,9 @@ def evaluate(
             }
         )
         refuse_non_finite({t: [(x["doc_id"], _floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()})
-        if tracker is not None:  # after _documents: lm-eval's sample writer rewrites the samples in place
+        if (
+            tracker is not None and parallel.is_first()
+        ):  # after _documents: lm-eval's sample writer rewrites the samples in place
             objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
             written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
             skipped = [t for t in tasks if t in COMPUTED_TASKS]
@@ -493,7 +503,7 @@ def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
     per-document value of each metric quantgate.stats aggregates, split where lm-eval logs a pair
     (word_perplexity: (loglikelihood, words)), each document's work where the task records it, and for
     rolling log-likelihood tasks the token count."""
-    rows = [s for s in samples if s["filter"] == samples[0]["filter"]]
+    rows = sorted((s for s in samples if s["filter"] == samples[0]["filter"]), key=lambda s: s["doc_id"])
     docs = {"ids": [s["doc_id"] for s in rows]}
     for name, metric in METRICS.items():
         if name not in rows[0]:

@@ -310,6 +310,9 @@ class PseudoLogLikelihoodLM(LM):
         self._device = next(model.parameters()).device
         self.quantgate_source = _source(pretrained, model)
 
+    # a rank of a data-parallel run (quantgate.parallel.share_work) gathers and waits as HFLM does
+    all_gather, gather_object, barrier = HFLM.all_gather, HFLM.gather_object, HFLM.barrier
+
     def _pll(self, context_ids: list[int], target_ids: list[int]) -> tuple[float, bool]:
         """Sum of log p(target token | rest) over the target tokens, masking one at a time."""
         body = self.max_length - 2

@@ -1,5 +1,6 @@
 """quantgate without its heavy optional dependencies (a GPU image with torch, triton and transformers only):
-models, gated_sdpa and the simulated schemes work; lm-eval and torchao features name what to install."""
+models, gated_sdpa, the simulated schemes and serial studies work; lm-eval, torchao and Ray features name what
+to install."""
 
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import sys
-    for name in ("lm_eval", "torchao", "bitsandbytes"):
+    for name in ("lm_eval", "torchao", "bitsandbytes", "ray"):
         sys.modules[name] = None  # any import of these now fails, as where they are not installed
 
     import pytest
@@ -35,11 +36,15 @@ SCRIPT = textwrap.dedent("""
     with pytest.raises(ModuleNotFoundError, match=r"needs lm-eval \\(pip install lm-eval==0.4.13"):
         qg.evaluate(m, tasks=["quantgate_ppl"], limit=1)
     assert "perplexity" in qg.evaluate(m, tasks=["quantgate_backcopy"], limit=1)["results"]["quantgate_backcopy"]
+    from quantgate.study.executors import run_cells
+    assert run_cells([], None, None, "serial") == []  # serial studies need no Ray
+    with pytest.raises(ModuleNotFoundError, match=r"the ray executor needs Ray \(pip install 'ray>=2.60,<3'"):
+        run_cells([], None, None, "ray")
     print("ok")
 """)
 
 
-def test_quantgate_works_without_lm_eval_torchao_and_bitsandbytes():
+def test_quantgate_works_without_lm_eval_torchao_bitsandbytes_and_ray():
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")

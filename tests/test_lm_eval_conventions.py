@@ -212,7 +212,7 @@ def test_lm_eval_models_are_registered_and_load_like_quantgate_eval():
         (QuantgateLM, "pretrained=tiny-llama,peft=x", "loads through quantgate.load; peft do not apply"),
         (QuantgateLM, "pretrained=tiny-llama,scheme=w9-int9", "w9-int9"),
         (QuantgateLM, "scheme=w8-int8", "needs pretrained=NAME"),
-        (PseudoLogLikelihoodLM, "pretrained=tiny-bert,dtype=int8", "float32, bfloat16 or float16"),
+        (PseudoLogLikelihoodLM, "pretrained=tiny-bert,dtype=int8", "float32, bfloat16, float16"),
     ):
         with pytest.raises(ValueError, match=fragment):
             cls.create_from_arg_string(args)

@@ -88,3 +88,25 @@ def test_a_study_dtype_is_checked_recorded_and_keyed(tmp_path):
     assert cell(run, "eval-float")["key"] != cell(plain, "eval-float")["key"]
     assert json.loads((run / "metrics.json").read_text())["study"]["models"][0]["dtype"] == "bfloat16"
     assert "dtype" not in json.loads((plain / "metrics.json").read_text())["study"]["models"][0]
+
+
+def test_the_command_line_loads_observes_quantizes_and_evaluates_in_a_dtype(tmp_path, capsys):
+    """--dtype on eval, observe and quantize: the evaluation records it and scores as float32 does, within bf16's
+    own error; a bad name is refused by argparse with the choices."""
+    from quantgate.cli import main
+
+    for dtype in ("float32", "bfloat16"):
+        assert main(["eval", "tiny-llama", "--tasks", "quantgate_backcopy", "--limit", "1", "--dtype", dtype,
+                     "--scheme", "w8a8-int8-dynamic", "--out", str(tmp_path / dtype)]) == 0
+    runs = {d: json.loads((tmp_path / d / "eval.json").read_text()) for d in ("float32", "bfloat16")}
+    assert runs["bfloat16"]["settings"]["dtype"] == "bfloat16" and runs["float32"]["settings"]["dtype"] == "float32"
+    ppl = {d: r["results"]["quantgate_backcopy"]["perplexity"] for d, r in runs.items()}
+    assert ppl["bfloat16"] == pytest.approx(ppl["float32"], rel=0.02)
+    assert main(["observe", "tiny-llama", "--dtype", "bfloat16", "--max-batches", "1", "--seq-len", "32",
+                 "--batch-size", "2", "--out", str(tmp_path / "obs")]) == 0
+    assert main(["quantize", "tiny-llama", "--dtype", "bfloat16", "--scheme", "w8a8-int8-static", "--calib", "1",
+                 "--seq-len", "32", "--batch-size", "2"]) == 0
+    assert "logits SQNR" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["eval", "tiny-llama", "--dtype", "bf16"])
+    assert "invalid choice: 'bf16' (choose from 'float32', 'bfloat16', 'float16')" in capsys.readouterr().err

@@ -218,7 +218,8 @@ def _eager(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, s
     probs = torch.softmax(scores, dim=-1)
     additive = attn_mask is not None and attn_mask.dtype != torch.bool  # its -inf may mask a whole row
     if additive or (valid is not None and not bool(valid.any(-1).all())):
-        probs = probs.nan_to_num_(0.0)  # fully masked rows attend to nothing
+        # fully masked rows attend to nothing; in place only when autograd does not keep softmax's output
+        probs = probs.nan_to_num(0.0) if probs.requires_grad else probs.nan_to_num_(0.0)
     if clip is not None:
         probs = _clipped(probs, clip)
     if sinks is not None:

@@ -80,10 +80,14 @@ class ModelSpec:
     # the dtype the model is observed, quantized and evaluated in ("bfloat16", "float16"); None: float32 (a model
     # trained here trains as its train settings say, then is cast)
     dtype: str | None = None
+    # what one of its cells asks of a Ray worker ({"cpus": n, "gpus": n}); None: DEFAULT_RESOURCES. The serial
+    # executor ignores it; it changes no number, so no step key holds it
+    resources: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The resolved model entry, as config.yaml and metrics.json record it (no dtype when unset)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "dtype" or self.dtype}
+        """The resolved model entry, as config.yaml and metrics.json record it (dtype and resources when set)."""
+        unset = {f for f in ("dtype", "resources") if getattr(self, f) is None}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in unset}
         return d | {k: getattr(self, k).as_dict() for k in ("eval", "observe", "calibration")}
 
 
@@ -95,6 +99,7 @@ class Study:
     calibration: DataSettings
     report: dict
     raw: dict = field(default_factory=dict)  # the resolved study, written to config.yaml
+    executor: str = "serial"  # where its cells run (quantgate.study.executors); not in raw: it changes no number
 
     def cells(self) -> list[Cell]:
         """The grid: every model x variant x seed, in the study's order."""

@@ -28,6 +28,7 @@ from ..options import AT_LEAST_0, AT_LEAST_1, Range
 from ..quant.schemes import OPTIONS, get_scheme
 from ..train import TRAIN_RANGES, TrainConfig
 from ..variants import AttentionVariant
+from .executors import DEFAULT_RESOURCES, EXECUTORS, check_resources
 from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, expand_scheme
 
 __all__ = ["load_study", "StudyError", "DEFAULT_STUDY"]
@@ -48,7 +49,7 @@ SECTION_KEYS: dict[str, dict[str, Any]] = {
     "eval": {"tasks": ["quantgate_ppl"], "limit": None, "batch_size": "auto"},
     "report": {"notes": ""},
 }
-TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", *SECTION_KEYS}
+TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", "executor", *SECTION_KEYS}
 MODEL_KEYS = {
     "name",
     "preset",
@@ -62,6 +63,7 @@ MODEL_KEYS = {
     "calibration",
     "seeds",
     "dtype",
+    "resources",
 }
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "overwrite", "extra", "stop_after"}
 
@@ -80,6 +82,7 @@ TOP_RULES: Rules = {
     "variants": (list[str], None),
     "schemes": (list, None),
     "models": (list, None),
+    "executor": (str, (lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
 }
 MODEL_RULES: Rules = {
     "name": (str, FOLDER_NAME),
@@ -93,6 +96,7 @@ MODEL_RULES: Rules = {
     "eval": (dict | None, None),
     "observe": (dict | None, None),
     "dtype": (str, (lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
+    "resources": (dict, (check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
 }
 DATA_RULES: Rules = {
     "data": (str, None),
@@ -266,10 +270,18 @@ def load_study(path: str | Path) -> Study:
                 seeds,
                 settings[2],
                 m.get("dtype") if m.get("dtype") != "float32" else None,
+                m.get("resources"),
             )
         )
     calibration = DataSettings(**sections["calibration"])
-    study = Study(data.get("name") or path.stem, data.get("description", ""), models, calibration, sections["report"])
+    study = Study(
+        data.get("name") or path.stem,
+        data.get("description", ""),
+        models,
+        calibration,
+        sections["report"],
+        executor=data.get("executor", "serial"),
+    )
     _check_folders(study, lines, fail)
     names = [m.name for m in models]
     for i, pair in enumerate(sections["report"].get("pairs") or []):

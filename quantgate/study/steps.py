@@ -43,7 +43,8 @@ from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
 from ..quant.schemes import get_scheme
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
-from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, cell_dir, shrink, slug
+from .executors import run_cells
+from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, shrink, slug
 from .records import CellRecord, SchemeRecord, StudyRecord
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
@@ -129,9 +130,17 @@ def plan(path: str | Path) -> str:
     return "\n".join(lines)
 
 
-def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, smoke: bool = False) -> Path:
+def run_study(
+    path: str | Path = DEFAULT_STUDY,
+    out: str | Path | None = None,
+    smoke: bool = False,
+    executor: str | None = None,
+    address: str | None = None,
+) -> Path:
     """Run (or continue) a study; returns the run directory with metrics.json and report.md.
-    ``smoke``: the shrunk study (:func:`shrink`), to check a study file end to end in seconds."""
+    ``smoke``: the shrunk study (:func:`shrink`), to check a study file end to end in seconds. ``executor``
+    (default: the study file's ``executor:``, else serial) and ``address`` (a Ray cluster): where the cells run
+    (:mod:`.executors`)."""
     study = load_study(path)
     study = shrink(study) if smoke else study
     if out is None:  # results/<name>: "..", say, would be the current directory
@@ -139,12 +148,8 @@ def run_study(path: str | Path = DEFAULT_STUDY, out: str | Path | None = None, s
     out = writable_dir(Path(out) if out else Path("results") / study.name)  # before any work
     with run_lock(out):  # one writer per run directory: a second run on it stops here, naming the first
         write_text_atomic(out / "config.yaml", yaml.safe_dump(study.raw, sort_keys=False))
-        cells = study.cells()
         started = time.perf_counter()
-        records = []
-        for n, cell in enumerate(cells, 1):
-            log.info("[%d/%d] %s", n, len(cells), cell.id)
-            records.append(_run_cell(cell, cell_dir(out, cell.model.name, cell.id)))
+        records = run_cells(study.cells(), out, _run_cell, executor or study.executor, address)
         order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
         metrics = StudyRecord(
             study=study.raw,
