@@ -1,7 +1,8 @@
 """One command for a GPU machine: versions, the attention tests, the Triton kernel against the eager
-reference, a few training steps on both backends, and the gated-SDPA benchmark table.
+reference, a few training steps on both backends, the gated-SDPA benchmark table, a device_map-sharded
+evaluation and a 2-cell study on Ray with one GPU per cell.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py                 # CUDA: fp32, bf16, fp16; under 8 minutes
+    PYTHONPATH=. python benchmarks/gpu_check.py                 # CUDA: fp32, bf16, fp16; under 9 minutes
     PYTHONPATH=. python benchmarks/gpu_check.py --dry-run       # CPU, Triton interpreter, fp32, tiny shapes (CI)
 
 Each section runs on its own: a failure is printed with its traceback and the next section runs; a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -31,8 +33,9 @@ if DRY:
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGET_S = 450  # all sections together stay under 8 minutes
-LIMITS_S = {"versions": 30, "tests": 120, "kernel": 150, "training": 90, "benchmark": 240}
+BUDGET_S = 540  # all sections together stay under 9 minutes
+LIMITS_S = {"versions": 30, "tests": 120, "kernel": 150, "training": 90, "benchmark": 240, "sharded": 60,
+            "ray_study": 120}
 TESTS = ["tests/test_sdpa.py", "tests/test_triton.py"]  # gated_sdpa's backends (the fused kernel on the interpreter)
 # name: (B, Hq, Hkv, causal, gate, learned sinks, padded keys)
 CASES = {"mha-causal-elementwise": (1, 2, 2, True, "elementwise", False, False),
@@ -158,6 +161,56 @@ def benchmark(args, rec):
     return not problems
 
 
+def sharded(args, rec):
+    """A checkpoint loaded with a device_map split (GPU and CPU; CPU and disk in the dry run) against it whole."""
+    import tempfile
+
+    import quantgate as qg
+    from quantgate.models.io import Placement
+
+    with tempfile.TemporaryDirectory() as tmp:
+        qg.save(qg.build("tiny-llama", seed=0), f"{tmp}/ckpt")
+        first = "cpu" if args.dry_run else 0
+        split = {"model.embed_tokens": first, "model.rotary_emb": first, "model.layers.0": first,
+                 "model.layers.1": "disk" if args.dry_run else "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+        whole = qg.load(f"{tmp}/ckpt").to(args.device)
+        placed = qg.load(f"{tmp}/ckpt", placement=Placement(split, offload_folder=f"{tmp}/offload"))
+        ids = torch.randint(5, 8000, (2, 32), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            diff = _abs_max(whole(ids.to(args.device)).logits.cpu() - placed(ids.to(args.device)).logits.cpu())
+            loss = [m(ids.to(args.device), labels=ids.to(args.device)).loss.item() for m in (whole, placed)]
+    print(f"  split {sorted(set(map(str, split.values())))}: max |logit difference| {diff:.2e}; "
+          f"perplexity {math.exp(loss[0]):.6f} whole, {math.exp(loss[1]):.6f} placed")
+    rec["sharded"] = {"max_logit_diff": diff, "perplexity": [math.exp(x) for x in loss]}
+    return diff <= 1e-4 and math.isclose(loss[0], loss[1], rel_tol=1e-5)
+
+
+def ray_study(args, rec):
+    """A 2-cell study on Ray, one GPU per cell, against the same study run serially."""
+    if args.dry_run:
+        raise Skip("the dry run leaves Ray to tests/test_ray_executor.py (a local Ray on the CPU)")
+    import tempfile
+
+    import ray  # noqa: F401  (an ImportError skips the section)
+
+    from quantgate.study import read_metrics, run_study
+
+    data = "{data: backcopy, batches: 1, seq_len: 64, batch_size: 2}"  # backcopy: scored without lm-eval
+    study = (
+        "name: gpu-ray\nseed: 0\nmodels:\n  - name: tiny\n    preset: tiny-llama\n    variants: [vanilla, g1-headwise]\n"
+        "    resources: {gpus: 1, cpus: 1}\n    train: {data: backcopy, steps: 50, batch_size: 4, seq_len: 64, "
+        f"eval_every: 0, observe_every: 0}}\nschemes: [w8a8-int8-dynamic]\ncalibration: {data}\nobserve: {data}\n"
+        "eval: {tasks: [quantgate_backcopy], limit: {quantgate_backcopy: 4}}\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(f"{tmp}/s.yaml").write_text(study)
+        runs = {ex: read_metrics(run_study(f"{tmp}/s.yaml", Path(tmp) / ex, executor=ex)) for ex in ("serial", "ray")}
+    ppl = {ex: [c.float_results["quantgate_backcopy"]["perplexity"] for c in r.cells] for ex, r in runs.items()}
+    print(f"  perplexity per cell: serial {ppl['serial']}, ray {ppl['ray']}")
+    rec["ray_study"] = ppl
+    return all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(ppl["serial"], ppl["ray"]))
+
+
 def _abs_max(t: torch.Tensor) -> float:
     return t.abs().max().item()
 
@@ -185,7 +238,7 @@ def main() -> int:
     args.slug = "cpu-dry-run" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower())
     signal.signal(signal.SIGALRM, _timeout)
     rec, status, deadline = {}, {}, time.monotonic() + BUDGET_S
-    for section in (versions, tests, kernel, training, benchmark):
+    for section in (versions, tests, kernel, training, benchmark, sharded, ray_study):
         name, t0 = section.__name__, time.monotonic()
         print(f"\n== {name}: {section.__doc__.splitlines()[0]}", flush=True)
         signal.alarm(max(1, int(min(LIMITS_S[name], deadline - t0))))

@@ -82,14 +82,21 @@ def load(
     dtype: torch.dtype | None = None,
     backend: str = "auto",
     seed: int = 0,
+    placement: model_io.Placement | None = None,
 ) -> nn.Module:
-    """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources)."""
+    """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources); ``placement``
+    shards a float one over devices, CPU and disk as it loads (:class:`~quantgate.models.io.Placement`)."""
     path = resolve(source)
     if (path / QUANTIZED_MANIFEST).is_file():
+        if placement is not None:
+            raise ValueError(
+                f"{path} is a quantized checkpoint, which loads whole: load it without --device-map, or load its "
+                f"float source with --device-map and quantize that"
+            )
         from .quant.checkpoint import load_quantized  # import cycle: quant.checkpoint imports this module
 
         return load_quantized(path, variant, dtype=dtype, backend=backend)
-    return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed)
+    return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed, placement=placement)
 
 
 def dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

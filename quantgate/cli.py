@@ -25,7 +25,7 @@ from .evaluate import (
 )
 from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
-from .models.io import DTYPES
+from .models.io import DEVICE_MAPS, DTYPES, Placement
 from .models.presets import preset_config
 from .models.sources import resolve
 from .observe import observe
@@ -43,13 +43,53 @@ from .variants import AttentionVariant
 __all__ = ["main"]
 
 
-def _load_or_build(source: str, variant: str | None, dtype: str | None = None):
+def _placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and accelerate's big-model placement (--device-map, --max-memory, --offload-folder)."""
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
+    )
+    parser.add_argument(
+        "--device-map",
+        help="shard the model as it loads: auto, balanced, sequential, or JSON {module: device|cpu|disk}",
+    )
+    parser.add_argument(
+        "--max-memory", help="with --device-map: the memory each device may hold, e.g. 0=70GiB,cpu=200GiB"
+    )
+    parser.add_argument("--offload-folder", help="with --device-map: where weights placed on disk go")
+
+
+def _placement(args: argparse.Namespace) -> Placement | None:
+    """The placement --device-map, --max-memory and --offload-folder ask for (None: the model loads whole)."""
+    device_map: str | dict | None = args.device_map
+    if args.device_map is not None and args.device_map.lstrip().startswith("{"):
+        try:
+            device_map = json.loads(args.device_map)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--device-map {args.device_map!r} is not valid JSON: {e}") from None
+    elif args.device_map is not None and args.device_map not in DEVICE_MAPS:
+        raise ValueError(f"--device-map {args.device_map!r}: one of {', '.join(DEVICE_MAPS)}, or a JSON object")
+    max_memory = None
+    if args.max_memory:
+        pairs = [item.partition("=") for item in args.max_memory.split(",")]
+        if any(not k.strip() or not v.strip() for k, _, v in pairs):
+            raise ValueError(f"--max-memory {args.max_memory!r}: give DEVICE=SIZE pairs, e.g. 0=70GiB,cpu=200GiB")
+        max_memory = {int(k) if k.strip().isdigit() else k.strip(): v.strip() for k, _, v in pairs}
+    if device_map is None and max_memory is None and args.offload_folder is None:
+        return None
+    return Placement(device_map, max_memory, args.offload_folder)
+
+
+def _load_or_build(source: str, variant: str | None, dtype: str | None = None, placement: Placement | None = None):
     """Packaged checkpoints and directories load; other preset names build a fresh model; in ``dtype`` (a name of
-    DTYPES) where given."""
+    DTYPES) where given, placed by ``placement`` where given."""
     torch_dtype = DTYPES[dtype] if dtype else None
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
+        if placement is not None:
+            raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
         return build(source, variant, dtype=torch_dtype)
-    return load(source, variant, dtype=torch_dtype)
+    return load(source, variant, dtype=torch_dtype, placement=placement)
 
 
 def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwargs):
@@ -133,7 +173,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     if args.sink_tokens >= args.seq_len:
         raise ValueError(f"--sink-tokens ({args.sink_tokens}) must be fewer than --seq-len ({args.seq_len})")
     _output(args.out)
-    model = _load_or_build(args.model, args.variant, args.dtype)
+    model = _load_or_build(args.model, args.variant, args.dtype, _placement(args))
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
     report = observe(model, data, sink_tokens=args.sink_tokens)
     out = report.save(args.out)
@@ -156,18 +196,22 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         unless = " unless it is saved (--out)" if scheme.export_calibration else ""
         raise ValueError(f"--calib {args.calib} does nothing here: {scheme} calibrates nothing{unless}; leave it out")
     _output(args.out, args.model)  # before the model loads and calibrates
-    model = _load_or_build(args.model, args.variant, args.dtype)
+    model = _load_or_build(args.model, args.variant, args.dtype, _placement(args))
     tok = tokenizer(model)
     held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
     calib = _batches(model, tok, args.calib_data, args.seq_len, args.batch_size) if needs else None
-    q = quantize(model, scheme, calibration=calib, **({"calib": args.calib} if args.calib is not None else {}))
-    report = quant_error(model, q, held_out, max_batches=2)
-    print(
-        f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
-        + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"])
-    )
-    if report["overflow"]:
-        print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
+    calib_option = {"calib": args.calib} if args.calib is not None else {}
+    q = quantize(model, scheme, calibration=calib, inplace=args.inplace, **calib_option)
+    if args.inplace:  # the float model is gone: nothing to measure the error against
+        print(f"{scheme}: quantized in place (no SQNR without the float model: leave out --inplace for it)")
+    else:
+        report = quant_error(model, q, held_out, max_batches=2)
+        print(
+            f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
+            + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"])
+        )
+        if report["overflow"]:
+            print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
     if args.out:
         save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
         fmt = read_json(Path(args.out) / "quantization.json").get("format")
@@ -215,7 +259,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace, state) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     device = state.device if state is not None and state.device.type == "cuda" else None  # a GPU per rank
-    model = load_for_eval(args.model, args.variant, args.scheme, dtype=dtype, device=device)  # as --model quantgate
+    placement = _placement(args)
+    model = load_for_eval(args.model, args.variant, args.scheme, dtype=dtype, device=device, placement=placement)
     model_args = {"pretrained": args.model, "scheme": args.scheme, "variant": args.variant, "dtype": args.dtype}
     try:
         result = _evaluate(args, model, model_args)
@@ -383,11 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     obs.add_argument("--seq-len", type=int, default=128)
     obs.add_argument("--batch-size", type=int, default=8)
     obs.add_argument("--max-batches", type=int, default=8)
-    obs.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
-    )
+    _placement_arguments(obs)
     obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink (>= 1)")
     obs.set_defaults(func=cmd_observe)
     qz = sub.add_parser("quantize", help="post-training INT8/FP8 quantization (simulated or torchao/bitsandbytes)")
@@ -395,12 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--scheme", help="scheme name, optionally name:key=value,... (see --list)")
     qz.add_argument("--list", action="store_true", help="list the schemes")
     qz.add_argument("--variant", help="attention variant to swap in first")
-    qz.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
-    )
+    _placement_arguments(qz)
     qz.add_argument("--calib", type=int, help="calibration batches (default: the scheme's, 16)")
+    qz.add_argument(
+        "--inplace",
+        action="store_true",
+        help="quantize the loaded model itself, no copy (for models a copy would not fit)",
+    )
     qz.add_argument("--calib-data", default="train", help="calibration text source (default: train)")
     qz.add_argument("--seq-len", type=int, default=128)
     qz.add_argument("--batch-size", type=int, default=8)
@@ -416,11 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tasks", default="quantgate_ppl", help="comma-separated tasks (default: quantgate_ppl)")
     ev.add_argument("--scheme", help="quantize with this scheme first (calibration on the train split)")
     ev.add_argument("--variant", help="attention variant to swap in first")
-    ev.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        help="load the model in this dtype (default: float32); the quantizers' arithmetic stays float32",
-    )
+    _placement_arguments(ev)
     ev.add_argument("--limit", type=float, help="documents per task (a fraction when < 1)")
     ev.add_argument("--batch-size", default="auto", type=_int_or_text, help="'auto' or a number >= 1")
     ev.add_argument("--out", help="write eval.json here (quantgate compare reads it)")

@@ -57,6 +57,7 @@ from .data.corpus import OfflineError, hub_reachable
 from .data.synthetic import BackcopyBatches
 from .models import PACKAGED, PRESETS, build
 from .models.families import config_of, family_of
+from .models.io import Placement
 from .models.modes import eval_mode
 from .models.sources import check_vocabulary as _check_vocabulary  # lm_eval_models imports it from here too
 from .models.sources import tokenizer as get_tokenizer
@@ -169,17 +170,21 @@ def load_for_eval(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    placement: Placement | None = None,
 ) -> nn.Module:
     """The model ``quantgate eval SOURCE [--variant V] [--scheme S]`` evaluates, and lm-eval's ``--model
     quantgate`` / ``quantgate-mlm`` load: a packaged checkpoint or directory through :func:`quantgate.load`
     (float or quantized), another preset name built fresh (seed 0); with ``scheme``, quantized after
-    calibrating on the train split (128-token sequences, batches of 8: ``CALIB_*``)."""
+    calibrating on the train split (128-token sequences, batches of 8: ``CALIB_*``), in place (the float model is
+    not needed again); ``placement`` shards a checkpoint as it loads."""
     if scheme is not None:
         get_scheme(scheme)  # an unknown scheme or option fails before the model loads
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
+        if placement is not None:
+            raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
         model = build(source, variant, dtype=dtype)
     else:
-        model = load(source, variant, dtype=dtype)
+        model = load(source, variant, dtype=dtype, placement=placement)
     if device is not None:
         model = model.to(device)
     record = quantization_of(model) if scheme is not None else None
@@ -195,7 +200,7 @@ def load_for_eval(
         family = family_of(model)
         family.check_seq_len(config_of(model), CALIB_SEQ_LEN)
         calib = batches(get_tokenizer(model), CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE, family.objective)
-        model = quantize(model, scheme, calibration=calib)
+        model = quantize(model, scheme, calibration=calib, inplace=True)
     return model
 
 

@@ -19,16 +19,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from lm_eval.api.model import LM
 
 __all__ = ["joined", "share_work", "from_first", "is_first", "relaunch"]
 
 LAUNCHED = "WORLD_SIZE"  # set by torch.distributed.run and accelerate launch in every process they start
 
 
-def joined():
+def joined() -> Accelerator | None:
     """accelerate's Accelerator of this data-parallel run (process group set up), or None in a lone process."""
     if int(os.environ.get(LAUNCHED, "1")) <= 1:
         return None
@@ -43,7 +47,7 @@ def joined():
     return accelerator
 
 
-def share_work(lm, accelerator) -> None:
+def share_work(lm: LM, accelerator: Accelerator) -> None:
     """Make ``lm`` (an lm-eval model) this process's rank of lm-eval's data-parallel run."""
     lm._rank, lm._world_size = accelerator.process_index, accelerator.num_processes
     lm.accelerator = accelerator  # what lm-eval's HFLM gathers and waits through

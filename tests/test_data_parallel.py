@@ -17,7 +17,8 @@ from quantgate.cli import main
     [
         # 5 documents over 2 ranks: lm-eval pads the short rank; batches of 8 group different documents
         ["tiny-llama", "--scheme", "w8a8-int8-static", "--limit", "5"],
-        ["tiny-bert", "--tasks", "quantgate_cloze", "--limit", "3", "--batch-size", "16"],
+        pytest.param(["tiny-bert", "--tasks", "quantgate_cloze", "--limit", "3", "--batch-size", "16"],
+                     marks=pytest.mark.slow),  # twenty seconds: the same split for quantgate-mlm
     ],
     ids=["causal-static", "masked-pll"],
 )

@@ -12,6 +12,7 @@ import copy
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -47,11 +48,44 @@ __all__ = [
     "QUANTGATE_MODEL_TYPE",
     "mark_quantgate_only",
     "DTYPES",
+    "Placement",
+    "DEVICE_MAPS",
+    "offloaded",
 ]
 
 log = logging.getLogger("quantgate")
 # the dtypes a model loads, runs and is evaluated in, by name (the quantizers compute in float32 whatever it is)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named device maps
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a loaded model's weights go, by accelerate's big-model loading (transformers' ``device_map``):
+    ``device_map`` is "auto" (balanced over the GPUs, then the CPU, then disk), "balanced", "sequential" or
+    {module name: device, "cpu" or "disk"}; ``max_memory`` caps each device ({0: "70GiB", "cpu": "200GiB"});
+    ``offload_folder`` holds the weights mapped to "disk", read back module by module as the forward
+    reaches them. The model is then as transformers dispatches it: each block runs where its weights are."""
+
+    device_map: str | dict[str, str | int] | None = None
+    max_memory: dict[str | int, str | int] | None = None
+    offload_folder: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device_map is None and (self.max_memory or self.offload_folder):
+            raise ValueError("max_memory and offload_folder place a model by a device_map: give --device-map auto")
+
+    def kwargs(self) -> dict:
+        """from_pretrained's arguments for this placement."""
+        given = {"device_map": self.device_map, "max_memory": self.max_memory, "offload_folder": self.offload_folder}
+        return {k: v for k, v in given.items() if v is not None}
+
+
+def offloaded(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` that are not in memory (placed on "disk" by a device_map: on meta)."""
+    return [name for name, p in model.named_parameters() if p.device.type == "meta"]
 
 
 def build(
@@ -120,9 +154,11 @@ def load(
     dtype: torch.dtype | None = None,
     backend: str = "auto",
     seed: int = 0,
+    placement: Placement | None = None,
 ) -> nn.Module:
     """Load a model: a directory written by :func:`save` or by transformers, a packaged checkpoint
-    (``smollm2-135m``, ``minilm-l6``) or, online, a Hugging Face hub id.
+    (``smollm2-135m``, ``minilm-l6``) or, online, a Hugging Face hub id; ``placement`` shards it over devices
+    (and CPU or disk) in ``dtype`` as it loads (:class:`Placement`).
 
     ``variant`` swaps a variant into an ungated checkpoint; new gate parameters are initialised
     (with ``seed``) and listed in the log. A checkpoint saved with a gate loads with that gate. The
@@ -146,6 +182,8 @@ def load(
         )
     config = copy.deepcopy(config)
     task = (config.__dict__.pop("quantgate", None) or {}).get("task")  # the data it was trained on, if synthetic
+    if placement is not None and qiu is not None:
+        raise ValueError(f"{path} is in Qiu et al.'s gated layout, which loads whole: load it without --device-map")
     if qiu is not None:
         model = _load_qiu(family, path, config, qiu, seed)
     else:
@@ -155,7 +193,13 @@ def load(
         if gated:  # before the base weights load: an edited variant is refused first
             state, header = read_safetensors_with_metadata(gates)
             _check_saved_variant(path / "config.json", cast(AttentionVariant, saved), gates, header)
-        model = _from_pretrained(family, path, config, strict=saved is not None)
+        model = _from_pretrained(family, path, config, strict=saved is not None, placement=placement, dtype=dtype)
+        if placement is not None and offloaded(model) and not (target is None or target.is_vanilla):
+            raise ValueError(
+                f"{path}: {len(offloaded(model))} weights were placed on disk, and the {target} variant's gates "
+                f"live beside each attention's output projection: give max_memory room for the model on the GPUs "
+                f"and CPU (no disk), or load it without a variant"
+            )
         if gated:
             apply_variant(model, saved, seed=seed)
             load_state(model, state, gates, only=gate_parameters(model), decided_by=_VARIANT_FIELD)
@@ -165,7 +209,7 @@ def load(
     if task is not None:
         config_of(model).quantgate["task"] = task
     model.eval()
-    return model.to(dtype) if dtype is not None else model
+    return model.to(dtype) if dtype is not None and placement is None else model  # placed: loaded in dtype
 
 
 _VARIANT_FIELD = "its field 'quantgate.variant', which decides the gate tensors"
@@ -358,7 +402,14 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str], decided_b
     )
 
 
-def _from_pretrained(family: Family, path: Path, config: PreTrainedConfig, strict: bool) -> nn.Module:
+def _from_pretrained(
+    family: Family,
+    path: Path,
+    config: PreTrainedConfig,
+    strict: bool,
+    placement: Placement | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
     """transformers' from_pretrained; ``strict`` (checkpoints written by :func:`save`): the weights must fit
     the model exactly. Other checkpoints may carry heads the model does not use (transformers warns), but
     never lack a tensor the model needs (transformers would initialise it at random: a config.json whose
@@ -371,9 +422,15 @@ def _from_pretrained(family: Family, path: Path, config: PreTrainedConfig, stric
             skeleton = family.model_class(config)(copy.deepcopy(config)).state_dict()
         for file in _weight_files(path):
             _check_shapes(file, _header_shapes(file), skeleton, "its sizes")
+    placed = {} if placement is None else {**placement.kwargs(), **({"dtype": dtype} if dtype is not None else {})}
     try:
         loaded = family.model_class(config).from_pretrained(
-            path, config=config, use_safetensors=True, output_loading_info=True, trust_remote_code=False
+            path,
+            config=config,
+            use_safetensors=True,
+            output_loading_info=True,
+            trust_remote_code=False,
+            **placed,
         )
         # with output_loading_info, from_pretrained (typed as returning the model) returns (model, info)
         model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..models.families import config_of
+from ..models.io import offloaded
 from ..models.modes import eval_mode
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
@@ -66,6 +67,13 @@ def quantize(
     bitsandbytes one: then its weights are first decompressed to float by that library (a copy, unless
     ``inplace``) and the new record names the quantization it had (``dequantized_from``)."""
     scheme = _with_options(get_scheme(scheme), options)
+    if on_disk := offloaded(model):
+        raise ValueError(
+            f"{len(on_disk)} weights of this model (first {on_disk[0]}) were placed on disk by its device_map: "
+            f"quantization reads and replaces every weight, so they must be in memory. Load it with max_memory "
+            f"room for the model on the GPUs and CPU (no disk), and quantize in place (inplace=True) where a copy "
+            f"would not fit"
+        )
     existing = quantization_of(model)
     dequantized_from = None
     if existing is not None:
@@ -218,9 +226,18 @@ def _fingerprint(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        _hash_tensor(h, t.detach())
+        _hash_tensor(h, _in_offload(model, name) if t.device.type == "meta" else t.detach())
         h.update(str(tuple(t.shape)).encode())
     return h.hexdigest()
+
+
+def _in_offload(model: nn.Module, name: str) -> torch.Tensor:
+    """The weight ``name`` of a model whose device_map placed it on disk, read from accelerate's offload."""
+    path, _, attr = name.rpartition(".")
+    weights = getattr(getattr(model.get_submodule(path), "_hf_hook", None), "weights_map", None)
+    if weights is None:
+        raise ValueError(f"{name} has no values (the meta device) and no offload holds it: the model is incomplete")
+    return weights[attr]
 
 
 def _hash_tensor(h: hashlib._Hash, t: torch.Tensor) -> None:

@@ -1,0 +1,85 @@
+"""Big-model placement (issue 33): a checkpoint loaded with a device_map that puts one block on disk (accelerate's
+offload, read back as the forward reaches it) gives the whole model's logits, observe statistics and per-document
+evaluation; quantization, which must read and replace every weight, refuses disk-placed weights and runs on a placed
+model whose weights are in memory, with the whole model's quantized perplexity."""
+
+import json
+
+import pytest
+import torch
+
+import quantgate as qg
+from quantgate.cli import main
+from quantgate.evaluate import evaluate
+from quantgate.models import build
+from quantgate.models.io import Placement, offloaded
+from quantgate.models.sources import tokenizer
+
+IDS = torch.randint(5, 8000, (2, 24), generator=torch.Generator().manual_seed(3))
+SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+         "model.norm": "cpu", "lm_head": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
+    qg.save(build("tiny-llama", seed=4), path)
+    return path
+
+
+def test_a_block_on_disk_gives_the_whole_models_numbers(checkpoint, tmp_path):
+    whole = qg.load(checkpoint)
+    placed = qg.load(checkpoint, placement=Placement(SPLIT, offload_folder=str(tmp_path / "offload")))
+    assert offloaded(placed) and all(n.startswith("model.layers.1.") for n in offloaded(placed))
+    assert not offloaded(whole)
+    with torch.no_grad():
+        assert torch.equal(placed(IDS).logits, whole(IDS).logits)
+    stats = [qg.observe(m, [{"input_ids": IDS}], progress=False) for m in (whole, placed)]
+    assert stats[1].summary == stats[0].summary and stats[1].layers == stats[0].layers
+    tok = tokenizer(whole)
+    one, two = (evaluate(m, tok, ["quantgate_ppl"], limit=3, batch_size=1) for m in (whole, placed))
+    assert two["documents"] == one["documents"]
+    assert two["settings"]["model_sha256"] == one["settings"]["model_sha256"]  # the disk-placed weights hashed too
+    with pytest.raises(ValueError, match=r"placed on disk by its device_map: .* must be in memory"):
+        qg.quantize(placed, "w8a8-int8-dynamic")
+
+
+def test_a_placed_model_quantizes_in_place_as_the_whole_one_does(checkpoint, tmp_path):
+    """Every module placed explicitly (this machine has one device): quantized in place, the same perplexity."""
+    in_memory = {k: "cpu" for k in SPLIT}
+    results = []
+    for placement in (None, Placement(in_memory)):
+        model = qg.load(checkpoint, placement=placement)
+        calib = [{"input_ids": IDS}]
+        q = qg.quantize(model, "w8a8-int8-static", calibration=calib, inplace=True, calib=1)
+        assert q is model
+        results.append(evaluate(q, tokenizer(q), ["quantgate_ppl"], limit=3, batch_size=1))
+    assert results[1]["documents"] == results[0]["documents"]
+    assert results[1]["results"] == results[0]["results"]
+
+
+def test_the_command_line_places_and_refuses_what_cannot_be_placed(checkpoint, tmp_path, capsys):
+    split = json.dumps(SPLIT)
+    assert main(["eval", str(checkpoint), "--limit", "2", "--batch-size", "1", "--out", str(tmp_path / "whole")]) == 0
+    assert main(["eval", str(checkpoint), "--limit", "2", "--batch-size", "1", "--out", str(tmp_path / "placed"),
+                 "--device-map", split, "--offload-folder", str(tmp_path / "off")]) == 0
+    whole, placed = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("whole", "placed"))
+    assert placed["documents"] == whole["documents"]
+    capsys.readouterr()
+    quantized = tmp_path / "q8"
+    assert main(["quantize", str(checkpoint), "--scheme", "w8a8-int8-dynamic", "--inplace", "--out", str(quantized)]) == 0
+    assert "quantized in place" in capsys.readouterr().out
+    for args, fragment in (
+        (["eval", str(checkpoint), "--max-memory", "cpu=1GiB"], "give --device-map auto"),
+        (["eval", str(checkpoint), "--device-map", "{nope"], "is not valid JSON"),
+        (["eval", str(checkpoint), "--device-map", "everywhere"], "one of auto, balanced"),
+        (["eval", str(checkpoint), "--max-memory", "cpu", "--device-map", "auto"], "give DEVICE=SIZE pairs"),
+        (["eval", str(quantized), "--device-map", "auto"], "is a quantized checkpoint, which loads whole"),
+        (["eval", "tiny-llama", "--device-map", "auto"], "is a preset, built whole"),
+        (["observe", str(checkpoint), "--variant", "g1-headwise", "--device-map", split, "--offload-folder",
+          str(tmp_path / "off2")], "weights were placed on disk, and the g1-headwise variant's gates"),
+        (["quantize", str(checkpoint), "--scheme", "w8a8-int8-dynamic", "--device-map", split, "--offload-folder",
+          str(tmp_path / "off3")], "placed on disk by its device_map"),
+    ):
+        assert main(args) == 2, args
+        assert fragment in capsys.readouterr().err, args
