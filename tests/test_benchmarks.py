@@ -82,3 +82,30 @@ def test_main_job_benchmark_prints_the_budget_share(tmp_path, capsys):
                    "--fresh-cache"])
     out = capsys.readouterr().out
     assert "x the 10-minute budget (empty quantgate cache" in out and "  tiny/vanilla: " in out
+
+
+def test_the_scale_fit_recovers_a_and_b_from_points_made_by_hand():
+    import scale
+
+    a, b, worst = scale.fit([(m, t, 1.5 * m + 2e4 * t) for m in (1e8, 5e8, 2e9) for t in (128, 512)])
+    assert abs(a - 1.5) < 1e-9 and abs(b - 2e4) < 1e-3 and worst < 1e-9
+    noisy = [(m, t, (1.5 * m + 2e4 * t) * (1.1 if m == 1e8 else 1.0)) for m in (1e8, 2e9) for t in (128, 512)]
+    assert abs(scale.fit(noisy)[2] - 0.0) > 0.01  # a point off the plane shows in the worst residual
+
+
+@pytest.mark.slow  # a minute: twelve measurements, each in a fresh process
+def test_scale_dry_run_measures_fits_and_extrapolates(tmp_path):
+    """The scale benchmark's dry run: every step measured in its own process, the fit, the marked extrapolation,
+    and the report rebuilt from the measurements kept in --work."""
+    run = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--dry-run", "--work", str(tmp_path / "w"),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = (tmp_path / "scale-cpu-dry-run.md").read_text()
+    assert "test the code path, not the memory model" in text and "## Extrapolation (not measured)" in text
+    assert "| bfloat16 | quantize w8a8-int8-static inplace |" in text and "| 70B | forward |" in text
+    rows = __import__("json").loads((tmp_path / "scale-dry-run.json").read_text())
+    assert len(rows) == 2 * 2 * 3 and not any(r.get("failed") for r in rows)
+    assert all(r["peak"] > r["model_bytes"] > 0 for r in rows if r["step"] != "load")
+    again = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--dry-run", "--report-only", "--work",
+                            str(tmp_path / "w"), "--out", str(tmp_path / "again")], capture_output=True, text=True)
+    assert again.returncode == 0 and "| 70B | forward |" in (tmp_path / "again" / "scale-cpu-dry-run.md").read_text()
