@@ -9,8 +9,9 @@ process, :func:`joined` sets up accelerate's process group, every rank loads and
 lm-eval's own data-parallel run: lm-eval gives rank r every N-th request of each task, pads the ranks to the
 same count, and gathers the logged samples and metrics on rank 0; :func:`from_first` then hands rank 0's
 outcome to every rank, so every rank returns the same result and rank 0 alone writes files. Per-document
-values equal a one-process run's (at batch size 1 exactly; larger batches group other documents together,
-which changes the last bits of a padded batch's sums). The scores quantgate computes itself
+values equal a one-process run's (exactly in the tests on a CPU, batches of 8 included; where a rank's batch
+groups other documents than one process does, a GPU's kernels may change the last bits of its sums). The
+scores quantgate computes itself
 (``quantgate_mlm_ppl``, ``quantgate_backcopy``) are not split: every rank computes them.
 """
 
