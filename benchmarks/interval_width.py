@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scheme", default="w8a8-int8-dynamic", help="a scheme that needs no calibration")
     ap.add_argument("--docs", type=int, default=24)
     args = ap.parse_args(argv)
-    from quantgate.cli import _load_or_build
+    from quantgate.checkpoint import load_or_build
 
-    model = _load_or_build(args.model, None)
+    model = load_or_build(args.model, None)
     tok = qg.tokenizer(model)
     runs = {name: qg.evaluate(m, tok, ["quantgate_ppl"], limit=args.docs, batch_size=1)["documents"]["quantgate_ppl"]
             for name, m in (("float", model), ("quant", qg.quantize(model, args.scheme)))}

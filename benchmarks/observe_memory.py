@@ -31,7 +31,7 @@ import sys
 import time
 
 
-def _kib(field: str, path: str = "/proc/self/status") -> int:
+def kib(field: str, path: str = "/proc/self/status") -> int:
     """A kB field of /proc/self/status (VmRSS, VmHWM) or /proc/meminfo (MemTotal)."""
     with open(path) as fh:
         for line in fh:
@@ -44,10 +44,10 @@ def measure(mode: str, model_name: str, n: int) -> dict:
     """Peak RSS growth (MiB) of one forward pass at length n, and its seconds (runs in this process)."""
     import torch
 
-    from quantgate.cli import _load_or_build
+    from quantgate.checkpoint import load_or_build
     from quantgate.observe import observe
 
-    model = _load_or_build(model_name, None).eval()
+    model = load_or_build(model_name, None).eval()
     if mode == "eager":
         model.set_attn_implementation("eager")
 
@@ -64,12 +64,12 @@ def measure(mode: str, model_name: str, n: int) -> dict:
 
     ids = torch.randint(5, model.config.vocab_size, (1, n))
     run(ids[:, :16])  # pages the weights in, builds lazy state
-    base = _kib("VmRSS")
+    base = kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset the peak RSS (VmHWM) to the current RSS
     t0 = time.perf_counter()
     run(ids)
-    return {"mib": (_kib("VmHWM") - base) / 1024, "s": time.perf_counter() - t0,
+    return {"mib": (kib("VmHWM") - base) / 1024, "s": time.perf_counter() - t0,
             "model_mib": base / 1024}
 
 
@@ -98,7 +98,7 @@ def main() -> None:
                 rows[n, mode] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{mode} at {n} tokens: {rows[n, mode]}", file=sys.stderr, flush=True)  # progress
     done = [r for r in rows.values() if r]
-    total = _kib("MemTotal", "/proc/meminfo") / 1024
+    total = kib("MemTotal", "/proc/meminfo") / 1024
     print(f"{args.model}, batch 1, {args.modes}; peak RSS growth over the loaded model "
           f"({done[0]['model_mib']:.0f} MiB resident after loading and warm-up) in MiB; machine memory {total:.0f} MiB")
     print("| tokens | " + " | ".join(f"{m} MiB | {m} MiB/1k tok | {m} s" for m in args.modes) + " |")

@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calib", type=int, default=4, help="calibration batches of the static schemes")
     args = ap.parse_args(argv)
-    from quantgate.cli import _load_or_build
+    from quantgate.checkpoint import load_or_build
 
-    model = _load_or_build(args.model, None).eval()
+    model = load_or_build(args.model, None).eval()
     tok = qg.tokenizer(model)
     data = [{k: v for k, v in b.items() if k != "labels"}
             for b in batches(tok, "validation", args.seq_len, args.batch_size, max_batches=args.batches)]

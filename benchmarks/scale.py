@@ -50,7 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from observe_memory import _kib  # a kB field of /proc/self/status
+from observe_memory import kib  # a kB field of /proc/self/status
 
 MODELS = {  # name: (preset, config overrides)
     "smollm2-135m": ("smollm2-135m", {}),
@@ -97,7 +97,7 @@ def measure(step: str, path: str, dtype: str, tokens: int) -> dict:
     def reset() -> int:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # the peak RSS (VmHWM) back to the current RSS
-        return _kib("VmRSS")
+        return kib("VmRSS")
 
     base = reset()
     t0 = time.perf_counter()
@@ -110,7 +110,7 @@ def measure(step: str, path: str, dtype: str, tokens: int) -> dict:
     ids = torch.randint(5, model.config.vocab_size, (1, tokens))
     out = {"params": params, "model_bytes": model_bytes}
     if step == "load":
-        return {**out, "peak": (_kib("VmHWM") - base) * 1024, "s": loaded_s}
+        return {**out, "peak": (kib("VmHWM") - base) * 1024, "s": loaded_s}
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:  # in memory of the process's own, as on an accelerator:
             t.data = t.data.clone()  # a mapped file's pages would stay resident after quantization replaced them
@@ -128,7 +128,7 @@ def measure(step: str, path: str, dtype: str, tokens: int) -> dict:
             _, scheme, how = step.split()
             qg.quantize(model, scheme, calibration=[{"input_ids": ids}], inplace=how == "inplace")
         seconds = time.perf_counter() - t0
-    return {**out, "peak": (_kib("VmHWM") - base) * 1024, "s": seconds}
+    return {**out, "peak": (kib("VmHWM") - base) * 1024, "s": seconds}
 
 
 def run_child(step: str, path: Path, dtype: str, tokens: int, cache: Path) -> dict | None:
@@ -261,7 +261,7 @@ def _machine() -> str:
     import torch
 
     return (f"{platform.platform()}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), "
-            f"{_kib('MemTotal', '/proc/meminfo') / 2**20:.0f} GiB, torch {torch.__version__}")
+            f"{kib('MemTotal', '/proc/meminfo') / 2**20:.0f} GiB, torch {torch.__version__}")
 
 
 def main() -> None:

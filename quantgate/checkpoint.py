@@ -19,10 +19,11 @@ from transformers import PreTrainedTokenizerBase
 
 from .files import refuse_same, staged_dir, write_failure
 from .models import io as model_io
-from .models.sources import resolve
+from .models.presets import PRESETS
+from .models.sources import PACKAGED, resolve
 from .variants import VariantLike
 
-__all__ = ["save", "load", "dedupe", "QUANTIZED_MANIFEST"]
+__all__ = ["save", "load", "load_or_build", "dedupe", "QUANTIZED_MANIFEST"]
 
 QUANTIZED_MANIFEST = "quantization.json"  # its presence marks a quantized checkpoint
 # the files a checkpoint folder consists of (float or quantized, any layout): a save replaces them all
@@ -97,6 +98,22 @@ def load(
 
         return load_quantized(path, variant, dtype=dtype, backend=backend)
     return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed, placement=placement)
+
+
+def load_or_build(
+    source: str,
+    variant: VariantLike = None,
+    *,
+    dtype: torch.dtype | None = None,
+    placement: model_io.Placement | None = None,
+) -> nn.Module:
+    """What quantgate's commands read a model from: a packaged checkpoint or directory loads (:func:`load`), another
+    preset name builds a fresh model (seed 0), which cannot be placed (``placement``)."""
+    if source in PRESETS and source not in PACKAGED and not Path(source).exists():
+        if placement is not None:
+            raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
+        return model_io.build(source, variant, dtype=dtype)
+    return load(source, variant, dtype=dtype, placement=placement)
 
 
 def dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

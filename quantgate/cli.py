@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .checkpoint import load, save
+from .checkpoint import load, load_or_build, save
 from .data import batches
 from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
@@ -82,14 +82,8 @@ def _placement(args: argparse.Namespace) -> Placement | None:
 
 
 def _load_or_build(source: str, variant: str | None, dtype: str | None = None, placement: Placement | None = None):
-    """Packaged checkpoints and directories load; other preset names build a fresh model; in ``dtype`` (a name of
-    DTYPES) where given, placed by ``placement`` where given."""
-    torch_dtype = DTYPES[dtype] if dtype else None
-    if source in PRESETS and source not in PACKAGED and not Path(source).exists():
-        if placement is not None:
-            raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
-        return build(source, variant, dtype=torch_dtype)
-    return load(source, variant, dtype=torch_dtype, placement=placement)
+    """:func:`~quantgate.checkpoint.load_or_build` with ``dtype`` by its name in DTYPES."""
+    return load_or_build(source, variant, dtype=DTYPES[dtype] if dtype else None, placement=placement)
 
 
 def _batches(model, tokenizer, source: str, seq_len: int, batch_size: int, **kwargs):

@@ -51,11 +51,10 @@ import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
 from . import parallel
-from .checkpoint import load
+from .checkpoint import load_or_build
 from .data import batches
 from .data.corpus import OfflineError, hub_reachable
 from .data.synthetic import BackcopyBatches
-from .models import PACKAGED, PRESETS, build
 from .models.families import config_of, family_of
 from .models.io import Placement
 from .models.modes import eval_mode
@@ -179,12 +178,7 @@ def load_for_eval(
     not needed again); ``placement`` shards a checkpoint as it loads."""
     if scheme is not None:
         get_scheme(scheme)  # an unknown scheme or option fails before the model loads
-    if source in PRESETS and source not in PACKAGED and not Path(source).exists():
-        if placement is not None:
-            raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
-        model = build(source, variant, dtype=dtype)
-    else:
-        model = load(source, variant, dtype=dtype, placement=placement)
+    model = load_or_build(source, variant, dtype=dtype, placement=placement)
     if device is not None:
         model = model.to(device)
     record = quantization_of(model) if scheme is not None else None
@@ -332,9 +326,8 @@ def evaluate(
             }
         )
         refuse_non_finite({t: [(x["doc_id"], _floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()})
-        if (
-            tracker is not None and parallel.is_first()
-        ):  # after _documents: lm-eval's sample writer rewrites the samples in place
+        # after _documents (lm-eval's sample writer rewrites the samples in place); rank 0 alone writes
+        if tracker is not None and parallel.is_first():
             objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
             written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
             skipped = [t for t in tasks if t in COMPUTED_TASKS]

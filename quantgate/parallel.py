@@ -41,7 +41,7 @@ def joined() -> Accelerator | None:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # without GPUs: accelerate's multi-CPU (gloo)
     if accelerator.num_processes <= 1:
-        raise RuntimeError(
+        raise ValueError(
             f"{LAUNCHED}={os.environ[LAUNCHED]} names a data-parallel run, and accelerate set up none: start it "
             "with quantgate eval --processes N, torchrun or accelerate launch"
         )

@@ -194,9 +194,10 @@ def load(
             state, header = read_safetensors_with_metadata(gates)
             _check_saved_variant(path / "config.json", cast(AttentionVariant, saved), gates, header)
         model = _from_pretrained(family, path, config, strict=saved is not None, placement=placement, dtype=dtype)
-        if placement is not None and offloaded(model) and not (target is None or target.is_vanilla):
+        on_disk = offloaded(model) if placement is not None else []
+        if on_disk and not (target is None or target.is_vanilla):
             raise ValueError(
-                f"{path}: {len(offloaded(model))} weights were placed on disk, and the {target} variant's gates "
+                f"{path}: {len(on_disk)} weights were placed on disk, and the {target} variant's gates "
                 f"live beside each attention's output projection: give max_memory room for the model on the GPUs "
                 f"and CPU (no disk), or load it without a variant"
             )
