@@ -1,6 +1,6 @@
 """One command for a GPU machine: versions, the attention tests, the Triton kernel against the eager
 reference, a few training steps on both backends, the gated-SDPA benchmark table, a device_map-sharded
-evaluation and a 2-cell study on Ray with one GPU per cell.
+evaluation, a 2-cell study on Ray with one GPU per cell, and FSDP training resumed bit for bit.
 
     PYTHONPATH=. python benchmarks/gpu_check.py                 # CUDA: fp32, bf16, fp16; under 9 minutes
     PYTHONPATH=. python benchmarks/gpu_check.py --dry-run       # CPU, Triton interpreter, fp32, tiny shapes (CI)
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 540  # all sections together stay under 9 minutes
 LIMITS_S = {"versions": 30, "tests": 120, "kernel": 150, "training": 90, "benchmark": 240, "sharded": 60,
-            "ray_study": 120}
+            "ray_study": 120, "fsdp": 90}
 TESTS = ["tests/test_sdpa.py", "tests/test_triton.py"]  # gated_sdpa's backends (the fused kernel on the interpreter)
 # name: (B, Hq, Hkv, causal, gate, learned sinks, padded keys)
 CASES = {"mha-causal-elementwise": (1, 2, 2, True, "elementwise", False, False),
@@ -211,6 +211,29 @@ def ray_study(args, rec):
     return all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(ppl["serial"], ppl["ray"]))
 
 
+def fsdp(args, rec):
+    """FSDP version 2 training under accelerate's FSDP config: 8 steps straight against 4, stop, resume, 4."""
+    if args.dry_run:
+        raise Skip("the dry run leaves FSDP to tests/test_train.py (2 gloo processes on the CPU)")
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    config = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+              "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}  # what accelerate launch --use_fsdp exports
+    diffs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                        str(ROOT / "tests/_fsdp_train.py"), tmp], check=True, env={**os.environ, **config}, cwd=ROOT)
+        for name in ("model/model.safetensors", "checkpoints/step-8/model.safetensors",
+                     "checkpoints/step-8/optimizer.safetensors"):
+            a, b = load_file(f"{tmp}/straight/{name}"), load_file(f"{tmp}/resumed/{name}")
+            diffs[name] = max(_abs_max(a[k].double() - b[k].double()) for k in a) if a.keys() == b.keys() else math.inf
+    print("\n".join(f"  {name}: max |straight - resumed| {d:.1e}" for name, d in diffs.items()))
+    rec["fsdp"] = diffs
+    return all(d == 0 for d in diffs.values())
+
+
 def _abs_max(t: torch.Tensor) -> float:
     return t.abs().max().item()
 
@@ -238,7 +261,7 @@ def main() -> int:
     args.slug = "cpu-dry-run" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower())
     signal.signal(signal.SIGALRM, _timeout)
     rec, status, deadline = {}, {}, time.monotonic() + BUDGET_S
-    for section in (versions, tests, kernel, training, benchmark, sharded, ray_study):
+    for section in (versions, tests, kernel, training, benchmark, sharded, ray_study, fsdp):
         name, t0 = section.__name__, time.monotonic()
         print(f"\n== {name}: {section.__doc__.splitlines()[0]}", flush=True)
         signal.alarm(max(1, int(min(LIMITS_S[name], deadline - t0))))

@@ -49,9 +49,11 @@ def save(
     tokenizer: PreTrainedTokenizerBase | None = None,
     *,
     dtype: torch.dtype | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save a float or quantized model (and its tokenizer) to directory ``path``; ``dtype``: the storage dtype
-    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.checkpoint.save_quantized`).
+    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.checkpoint.save_quantized`);
+    ``weights``: a float model's weights gathered whole, where the model holds only its shard (FSDP).
 
     The checkpoint is written beside ``path`` and then moved in, replacing every checkpoint file there
     (:data:`CHECKPOINT_FILES`; other files stay), so a float model saved where a quantized one was leaves
@@ -60,6 +62,8 @@ def save(
     quantization = (getattr(model.config, "quantgate", None) or {}).get("quantization")
     if dtype is not None and not quantization:
         raise ValueError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
+    if weights is not None and quantization:
+        raise ValueError("weights= applies to float models; a quantized model is saved from its own tensors")
     source = (quantization or {}).get("source_model")
     if source and Path(str(source)).is_dir():
         refuse_same(path, source, "the float checkpoint this model was quantized from")
@@ -70,7 +74,7 @@ def save(
 
                 save_quantized(model, staged, tokenizer, dtype=dtype)
             else:
-                model_io.save(model, staged, tokenizer)
+                model_io.save(model, staged, tokenizer, weights=weights)
     except (OSError, SafetensorError) as e:  # a full or read-only disk
         raise ValueError(f"cannot save the model to {path}: {write_failure(e)}; {path} is left as it was") from None
     return Path(path)

@@ -25,7 +25,7 @@ from .evaluate import (
 )
 from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
-from .models.io import DEVICE_MAPS, DTYPES, Placement
+from .models.io import DTYPES, Placement
 from .models.presets import preset_config
 from .models.sources import resolve
 from .observe import observe
@@ -68,8 +68,6 @@ def _placement(args: argparse.Namespace) -> Placement | None:
             device_map = json.loads(args.device_map)
         except json.JSONDecodeError as e:
             raise ValueError(f"--device-map {args.device_map!r} is not valid JSON: {e}") from None
-    elif args.device_map is not None and args.device_map not in DEVICE_MAPS:
-        raise ValueError(f"--device-map {args.device_map!r}: one of {', '.join(DEVICE_MAPS)}, or a JSON object")
     max_memory = None
     if args.max_memory:
         pairs = [item.partition("=") for item in args.max_memory.split(",")]

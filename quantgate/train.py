@@ -1,9 +1,10 @@
 """Training on HF accelerate: CLM or MLM, from scratch or from a checkpoint, resumable, with outlier,
 sink and gate statistics logged as training goes.
 
-The same code runs on a CPU, one GPU, and many (``accelerate launch``; DDP, or FSDP through an
-accelerate config, without checkpoints). Every data batch is a *global* micro-batch; each process trains
-on its share, so N processes with per-device batch B see exactly what one process with batch N x B sees.
+The same code runs on a CPU, one GPU, and many (``accelerate launch``; DDP, or FSDP version 2 through an
+accelerate config, whose shards are gathered whole for checkpoints and the final model). Every data batch
+is a *global* micro-batch; each process trains on its share, so N processes with per-device batch B see
+exactly what one process with batch N x B sees.
 
 Output directory (one writer at a time: the run holds ``.quantgate.lock``, see :mod:`quantgate.runlock`)::
 
@@ -14,8 +15,8 @@ Output directory (one writer at a time: the run holds ``.quantgate.lock``, see :
                               and the config as hyperparameters. A resumed run appends; TensorBoard shows
                               the steps retrained after the checkpoint twice, log.jsonl keeps them once
     checkpoints/step-N/       everything a resume needs, as safetensors and JSON (never pickle):
-        model.safetensors         the unwrapped weights (tied weights stored once)
-        optimizer.safetensors     AdamW moments and step counts, keyed "<parameter index>.<name>"
+        model.safetensors         the unwrapped weights, whole also under FSDP (tied weights stored once)
+        optimizer.safetensors     AdamW moments and step counts, whole, keyed "<parameter index>.<name>"
         rng-<rank>.safetensors    each process's torch CPU/CUDA generator states; python's and numpy's
                                   as JSON in its metadata
         trainer.json              format, model identity and config, run config, process count, progress,
@@ -58,16 +59,23 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, is_tensorboard_available, set_seed
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .checkpoint import dedupe, save
+from .checkpoint import save
 from .data import batches as text_batches
 from .data.batches import Resumable
 from .data.synthetic import is_backcopy
 from .files import json_kind, read_json, write_failure, write_text_atomic
 from .models.families import config_of, family_of, is_norm
-from .models.io import load_state, read_safetensors
+from .models.io import check_state, read_safetensors
 from .models.modes import eval_mode
 from .models.swap import apply_variant, gate_parameters, variant_of
 from .observe import observe
@@ -319,6 +327,24 @@ class _Run:
     step: int = 0
     tokens: int = 0
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the weights and optimizer state are split across the processes (FSDP)."""
+        return self.acc.distributed_type == DistributedType.FSDP
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer inside accelerate's wrapper."""
+        return cast(torch.optim.Optimizer, getattr(self.optimizer, "optimizer", self.optimizer))
+
+    def parameter_names(self) -> list[str]:
+        """The name of each optimizer parameter, in the optimizer's order (optimizer.safetensors' indices)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+
+WHOLE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered whole onto the main process's CPU
+
 
 def train(
     model: nn.Module,
@@ -430,8 +456,8 @@ def _train(
         logger.write({"event": "config", "config": asdict(c), "identity": identity, "world_size": world})
     model.train()
     it = iter(data)
-    # one process computes the MLM loss at the masked positions only; a DDP wrapper must see the forward call
-    mlm_single = world == 1 and family.objective == "mlm"
+    # one process computes the MLM loss at the masked positions only; a DDP or FSDP wrapper must see the forward call
+    mlm_single = world == 1 and family.objective == "mlm" and not run.sharded
     with tqdm(total=c.steps, initial=run.step, desc="train", disable=not acc.is_main_process) as bar:
         t_last, tok_last = time.perf_counter(), run.tokens
         stop = min(c.steps, c.stop_after or c.steps)
@@ -441,7 +467,7 @@ def _train(
                 batch = _shard(next(it), rank, world, acc.device)
                 with acc.accumulate(model):
                     loss = family.masked_lm_loss(raw, batch) if mlm_single else model(**batch).loss
-                    if not torch.isfinite(loss):
+                    if not _finite_everywhere(acc, loss):
                         _diverged(
                             run,
                             out,
@@ -489,12 +515,36 @@ def _train(
             if out is not None and ((c.checkpoint_every and step % c.checkpoint_every == 0) or step == stop < c.steps):
                 _checkpoint(run, out / "checkpoints" / f"step-{step}", identity, c)
     acc.wait_for_everyone()
-    if out is not None and acc.is_main_process and run.step == c.steps:
-        _save_model(raw, out / "model", tokenizer)
-        plot_training(out / LOG_FILE, out / "training.png")
+    if out is not None and run.step == c.steps:
+        weights = _gathered(run)
+        if acc.is_main_process:
+            _save_model(raw, out / "model", tokenizer, weights)
+            plot_training(out / LOG_FILE, out / "training.png")
     # without accelerate's mixed-precision wrapper: what the caller observes, quantizes or evaluates next
-    # runs in the model's own dtype, not silently in bf16 autocast
+    # runs in the model's own dtype, not silently in bf16 autocast. Under FSDP it is each process's shard
+    # (a forward pass needs every process); the whole weights are in out/model
     return acc.unwrap_model(model, keep_fp32_wrapper=False)
+
+
+def _finite_everywhere(acc: Accelerator, loss: torch.Tensor) -> bool:
+    """Whether every process's ``loss`` is finite, so that all stop together (one alone would leave the others
+    waiting in the backward pass's collectives)."""
+    return bool(torch.isfinite(acc.gather(loss.detach().reshape(1))).all())
+
+
+def _gathered(run: _Run) -> dict[str, torch.Tensor] | None:
+    """Under FSDP, the weights gathered whole onto the main process (every process must call this; the others
+    get an empty dict); None where each process holds them whole already."""
+    return _whole_weights(run) if run.sharded else None
+
+
+def _whole_weights(run: _Run) -> dict[str, torch.Tensor]:
+    """The model's weights, whole, on the main process (empty on the others), tied weights once. Every process
+    must call this: under FSDP it gathers the shards."""
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(run.model, options=WHOLE))  # whole: plain tensors
+    first: dict[int, str] = {}  # each parameter's first name; a later one is a tied weight's alias
+    tied = {n for n, p in run.model.named_parameters(remove_duplicate=False) if first.setdefault(id(p), n) != n}
+    return {k: t for k, t in state.items() if k not in tied} if run.acc.is_main_process else {}
 
 
 RUN_FILES = (LOG_FILE, "model", "last-good-model", "training.png", "tensorboard")  # beside checkpoints/
@@ -577,11 +627,17 @@ def _light_observe(model: nn.Module, data: list[Batch]) -> dict:
 
 def _check_checkpointable(acc: Accelerator, data: Iterable[Batch]) -> None:
     """Before any work: refuse checkpoints this trainer cannot write or resume correctly."""
-    if acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+    if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise ValueError(
             f"checkpoints (checkpoint_every, stop_after, resume) are not supported under "
             f"{acc.distributed_type.value}: its sharded state has no pickle-free format here; use "
-            f"DDP (accelerate's default multi-GPU config), or train without checkpoints"
+            f"DDP or FSDP version 2 (accelerate configs), or train without checkpoints"
+        )
+    if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
+        raise ValueError(
+            "checkpoints (checkpoint_every, stop_after, resume) need FSDP version 2 (fsdp_version: 2 in the "
+            "accelerate config): version 1's flattened parameters do not map to the checkpoint's per-parameter "
+            "optimizer state"
         )
     if not (hasattr(data, "state_dict") and hasattr(data, "load_state_dict")):
         raise ValueError(
@@ -593,9 +649,10 @@ def _check_checkpointable(acc: Accelerator, data: Iterable[Batch]) -> None:
 
 def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     """Write checkpoint ``path`` (layout: the module docstring) into a temporary folder, then rename it.
-    Under DDP the weights and optimizer state are the same on every process: the main process writes
-    them; each process writes its RNG states. A full or read-only disk is a one-line ValueError; the
-    checkpoints written before stay, and the run continues from the newest with resume."""
+    Under DDP the weights and optimizer state are the same on every process, under FSDP they are gathered
+    whole from the shards: the main process writes them; each process writes its RNG states. A full or
+    read-only disk is a one-line ValueError; the checkpoints written before stay, and the run continues from
+    the newest with resume."""
     try:
         _write_checkpoint(run, path, identity, c)
     except (OSError, SafetensorError) as e:
@@ -616,15 +673,20 @@ def _write_checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> 
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     _save_rng(tmp / f"rng-{acc.process_index}.safetensors")
+    weights = _whole_weights(run)  # under FSDP every process takes part in gathering both
+    moments = get_optimizer_state_dict(run.model, run.inner_optimizer, options=WHOLE)
     if acc.is_main_process:
+        save_file({k: t.detach().contiguous() for k, t in weights.items()}, str(tmp / MODEL_FILE))
+        index = {name: i for i, name in enumerate(run.parameter_names())}
         save_file(
-            {k: v.detach().contiguous() for k, v in dedupe(run.model.state_dict())[0].items()}, str(tmp / MODEL_FILE)
-        )
-        opt = run.optimizer.state_dict()
-        save_file(
-            {f"{i}.{name}": t.contiguous() for i, state in opt["state"].items() for name, t in state.items()},
+            {
+                f"{index[p]}.{name}": t.contiguous()
+                for p, state in cast(dict[str, dict[str, torch.Tensor]], moments["state"]).items()
+                for name, t in state.items()
+            },
             str(tmp / OPTIMIZER_FILE),
         )
+        opt = run.optimizer.state_dict()
         trainer = {
             "format": CHECKPOINT_FORMAT,
             "identity": identity,
@@ -857,8 +919,11 @@ OPTIMIZER_STATES = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
 
 def _load_checkpoint(run: _Run, path: Path, saved: dict) -> None:
-    """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only, each value checked first."""
-    load_state(run.model, read_safetensors(path / MODEL_FILE), path / MODEL_FILE)
+    """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only, each value checked first.
+    Every process reads the whole state; under FSDP each keeps its shard of it."""
+    weights = read_safetensors(path / MODEL_FILE)
+    check_state(run.model, weights, path / MODEL_FILE)
+    set_model_state_dict(run.model, dict(weights), options=StateDictOptions(full_state_dict=True, strict=False))
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     state: dict[int, dict] = {}
     file = path / OPTIMIZER_FILE
@@ -873,7 +938,14 @@ def _load_checkpoint(run: _Run, path: Path, saved: dict) -> None:
         if ((t.numel(),) if name == "step" else tuple(t.shape)) != want:
             raise ValueError(f"{file}: tensor {key!r} has shape {list(t.shape)}; its parameter needs {list(want)}")
         state.setdefault(i, {})[name] = t
-    run.optimizer.load_state_dict({"state": state, "param_groups": saved["optimizer"]["param_groups"]})
+    names = run.parameter_names()
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["optimizer"]["param_groups"]]
+    set_optimizer_state_dict(
+        run.model,
+        run.inner_optimizer,
+        {"state": {names[i]: s for i, s in state.items()}, "param_groups": groups},
+        options=StateDictOptions(full_state_dict=True),
+    )
     run.scheduler.load_state_dict(saved["scheduler"])
     if isinstance(run.data, Resumable):
         for key in ("epoch", "batch"):
@@ -929,9 +1001,10 @@ def _diverged(run: _Run, out: Path | None, what: str) -> NoReturn:
     """Stop: ``what`` happened before this step's update, so the model holds the last completed step's
     weights; write them to ``out/last-good-model`` when all are finite (see :func:`train`)."""
     saved = ""
+    weights = _gathered(run) if out is not None else None  # every process stops here together
     if out is not None and run.acc.is_main_process:
-        if all(bool(torch.isfinite(p).all()) for p in run.model.parameters()):
-            _save_model(run.model, out / "last-good-model")
+        if all(bool(torch.isfinite(t).all()) for t in (weights.values() if weights else run.model.parameters())):
+            _save_model(run.model, out / "last-good-model", weights=weights)
             saved = (
                 f"; the last finite weights (after step {run.step}) are in {out}/last-good-model, to "
                 f"continue from with --model"
@@ -941,10 +1014,16 @@ def _diverged(run: _Run, out: Path | None, what: str) -> NoReturn:
     raise TrainingDiverged(f"{what}{saved}. Lower the learning rate or use bf16/fp32")
 
 
-def _save_model(model: nn.Module, path: Path, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+def _save_model(
+    model: nn.Module,
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write ``model`` (with ``weights``, its weights gathered whole, where it holds only a shard) to ``path``."""
     tmp = _temporary(path)
     shutil.rmtree(tmp, ignore_errors=True)
-    save(model, tmp, tokenizer)
+    save(model, tmp, tokenizer, weights=weights)
     _publish(tmp, path)
 
 

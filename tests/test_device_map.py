@@ -83,3 +83,42 @@ def test_the_command_line_places_and_refuses_what_cannot_be_placed(checkpoint, t
     ):
         assert main(args) == 2, args
         assert fragment in capsys.readouterr().err, args
+
+
+def test_a_study_places_its_checkpoint_and_quantizes_fresh_loads_in_place(checkpoint, tmp_path):
+    """A study model with ``placement:`` loads through the device_map; each scheme quantizes a fresh load in place
+    (the float model is loaded again for the next), and every number equals the same study without placement:
+    observe, float and quantized per-document values, quantization error. With a block on disk and no schemes
+    the float numbers equal too; placement is refused where it cannot apply."""
+    from quantgate.study import StudyError, read_metrics, run_study
+
+    def study(name, placement="", schemes="[w8a8-int8-static, w8a8-int8-dynamic]"):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(
+            f"name: {name}\nseed: 0\nmodels:\n  - name: m\n    load: {checkpoint}\n    variants: [vanilla]\n"
+            f"{placement}schemes: {schemes}\ncalibration: {{batches: 2, seq_len: 32, batch_size: 4}}\n"
+            "observe: {batches: 1, seq_len: 32, batch_size: 4}\neval: {tasks: [quantgate_ppl], limit: 2}\n"
+        )
+        return path
+
+    def cell(name, **kw):
+        return read_metrics(run_study(study(name, **kw), tmp_path / name)).cells[0]
+
+    in_memory = json.dumps({k: "cpu" for k in SPLIT})
+    whole, placed = cell("whole"), cell("placed", placement=f"    placement: {{device_map: {in_memory}}}\n")
+    assert placed.observe == whole.observe and placed.float_documents == whole.float_documents
+    for scheme, record in whole.schemes.items():
+        assert placed.schemes[scheme].documents == record.documents, scheme
+        assert placed.schemes[scheme].logits_sqnr_db == record.logits_sqnr_db, scheme
+    on_disk = json.dumps(SPLIT)
+    offload = f"    placement: {{device_map: {on_disk}, offload_folder: {tmp_path / 'offload'}}}\n"
+    disk = cell("disk", placement=offload, schemes="[]")
+    assert disk.observe == whole.observe and disk.float_documents == whole.float_documents
+    for placement, fragment in (
+        ("    placement: {max_memory: {cpu: 1GiB}}\n", "placement needs device_map"),
+        ("    placement: {device_map: everywhere}\n", "device_map 'everywhere': one of auto"),
+        ("    placement: {device_map: auto, spread: 2}\n", "unknown key 'spread'"),
+        ("    placement: {device_map: auto}\n    train: {steps: 1}\n", "give the model 'load:' and no 'train:'"),
+    ):
+        with pytest.raises(StudyError, match=fragment):
+            run_study(study("bad", placement=placement), tmp_path / "bad")

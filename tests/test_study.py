@@ -249,6 +249,7 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
 
     model = qg.build("tiny-llama")
     tok = qg.tokenizer(model)
+    spec = load_study(SMOKE).models[0]
 
     def fail(error):
         def quantize(*args, **kwargs):
@@ -256,10 +257,10 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
         monkeypatch.setattr(steps, "quantize", quantize)  # the name the study step calls
 
     fail(HardwareUnavailable("w8-int8 cannot run here: no such GPU"))
-    assert _quantized(model, tok, "w8-int8", {}, None, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
+    assert _quantized(model, tok, "w8-int8", {}, spec, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
     fail(RuntimeError("shape mismatch"))
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        _quantized(model, tok, "w8-int8", {}, None, 0)
+        _quantized(model, tok, "w8-int8", {}, spec, 0)
 
 
 def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():

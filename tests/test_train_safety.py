@@ -128,8 +128,10 @@ def test_checkpoints_refuse_state_they_cannot_save(tmp_path):
 
     from quantgate.train import _check_checkpointable
 
-    with pytest.raises(ValueError, match="not supported under FSDP.*use DDP"):
-        _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.FSDP), None)
+    with pytest.raises(ValueError, match="not supported under DEEPSPEED.*use DDP or FSDP version 2"):
+        _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), None)
+    with pytest.raises(ValueError, match="need FSDP version 2"):
+        _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False), None)
     model = qg.build("tiny-llama", seed=1)
     batch = next(iter(qg.data.batches(qg.tokenizer(model), "validation", 16, 2)))
     with pytest.raises(ValueError, match="need data that can resume: list has no state_dict"):

@@ -76,6 +76,17 @@ class Placement:
     def __post_init__(self) -> None:
         if self.device_map is None and (self.max_memory or self.offload_folder):
             raise ValueError("max_memory and offload_folder place a model by a device_map: give --device-map auto")
+        if isinstance(self.device_map, str) and self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"device_map {self.device_map!r}: one of {', '.join(DEVICE_MAPS)}, or a JSON object")
+        devices = self.device_map.values() if isinstance(self.device_map, dict) else ()
+        if isinstance(self.device_map, dict) and not (
+            devices and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in devices)
+        ):
+            raise ValueError(
+                f"device_map {self.device_map!r}: map module names to devices (a GPU index, 'cpu' or 'disk')"
+            )
+        if self.max_memory is not None and not isinstance(self.max_memory, dict):
+            raise ValueError(f"max_memory {self.max_memory!r}: map devices to sizes, e.g. {{0: 70GiB, cpu: 200GiB}}")
 
     def kwargs(self) -> dict:
         """from_pretrained's arguments for this placement."""
@@ -118,16 +129,23 @@ VARIANT_WEIGHTS = "quantgate.safetensors"  # the variant's own parameters (gates
 VARIANT_KEY = "quantgate_variant"  # its header's record of the variant they belong to (config.json's quantgate.variant)
 
 
-def save(model: nn.Module, path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+def save(
+    model: nn.Module,
+    path: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> Path:
     """Write ``model`` to directory ``path``: a transformers checkpoint of the base weights whose
     config.json names the variant, quantgate.safetensors with the gate and sink parameters, and the
     tokenizer (``tokenizer``, else the one the model was built or loaded with) so the directory is
-    self-contained."""
+    self-contained. ``weights`` (name -> tensor, whole): the weights to write where ``model`` holds only
+    its shard of them (FSDP); by default its own state dict."""
     if variant_of(model) is None:
         apply_variant(model)  # record the model's own attention so the saved config names it
     path = Path(path)
-    extra = gate_parameters(model)
-    base = {k: v for k, v in model.state_dict().items() if k not in extra}
+    state = weights if weights is not None else model.state_dict()
+    extra = {k: state[k] for k in gate_parameters(model)}
+    base = {k: v for k, v in state.items() if k not in extra}
     cast(PreTrainedModel, model).save_pretrained(path, state_dict=base)
     variant = variant_of(model)
     save_file(
@@ -354,10 +372,23 @@ def load_state(
     *,
     decided_by: str = _DECIDED_BY,
 ) -> None:
-    """Load ``state`` (read from ``where``) into ``model``; every key of ``only`` (default: the whole
-    state dict) must be covered, every tensor of ``state`` used and of the shape the model has. Otherwise a
-    one-line ValueError names the tensors and says config.json (``decided_by``: the fields that built the
-    model's tensors) disagrees with the weights."""
+    """Load ``state`` (read from ``where``) into ``model`` once :func:`check_state` accepts it."""
+    check_state(model, state, where, only, decided_by=decided_by)
+    model.load_state_dict(state, strict=False)
+
+
+def check_state(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    where: Path,
+    only: Mapping[str, object] | None = None,
+    *,
+    decided_by: str = _DECIDED_BY,
+) -> None:
+    """Every key of ``only`` (default: ``model``'s whole state dict) is covered by ``state`` (read from
+    ``where``), every tensor of ``state`` used and of the shape the model has. Otherwise a one-line ValueError
+    names the tensors and says config.json (``decided_by``: the fields that built the model's tensors)
+    disagrees with the weights."""
     own = model.state_dict()
     expected = set(only if only is not None else own)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -365,7 +396,6 @@ def load_state(
     missing = {k for k in expected - set(state) if not (k in params and id(params[k]) in loaded)}
     _check_fit(where, missing, set(state) - set(own), decided_by)
     _check_shapes(where, {k: t.shape for k, t in state.items()}, own, decided_by)
-    model.load_state_dict(state, strict=False)
 
 
 def _check_shapes(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -15,7 +16,7 @@ from ..models.modes import eval_mode
 from ..stats import paired_delta
 from .simulate import act_quantizers
 
-__all__ = ["quant_error", "site_sensitivity", "sqnr_db"]
+__all__ = ["quant_error", "float_outputs", "FloatOutputs", "site_sensitivity", "sqnr_db"]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -25,56 +26,76 @@ def sqnr_db(signal: float, noise: float) -> float:
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
 
 
+@dataclass
+class FloatOutputs:
+    """A float model's outputs on some batches (float32, on the CPU), kept to compare a quantized model against
+    where the float model is gone (quantized in place): per batch, its inputs, each block's output and the
+    logits."""
+
+    inputs: list[dict[str, torch.Tensor]]
+    blocks: list[list[torch.Tensor]]
+    logits: list[torch.Tensor]
+
+
+@torch.no_grad()
+def float_outputs(
+    fp_model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, max_batches: int | None = 4
+) -> FloatOutputs:
+    """Run ``fp_model`` on the first ``max_batches`` of ``batches`` (all with None) and keep its outputs."""
+    inputs = [{k: v for k, v in b.items() if k != "labels"} for b in itertools.islice(batches, max_batches)]
+    if not inputs:
+        raise ValueError("quant_error got no batches")
+    runs = [_outputs(fp_model, x) for x in inputs]
+    return FloatOutputs(inputs, [blocks for blocks, _ in runs], [logits for _, logits in runs])
+
+
+def _outputs(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each block's output and the logits of ``model`` on ``inputs`` (float32, on the CPU)."""
+    blocks: list[torch.Tensor] = []
+    hooks = [
+        block.register_forward_hook(
+            lambda m, a, o: blocks.append((o[0] if isinstance(o, tuple) else o).detach().float().cpu())
+        )
+        for block in family_of(model).blocks(model)
+    ]
+    try:
+        with eval_mode(model):
+            logits = model(**{k: v.to(_device(model)) for k, v in inputs.items()}).logits.float().cpu()
+    finally:
+        for h in hooks:
+            h.remove()
+    return blocks, logits
+
+
 @torch.no_grad()
 def quant_error(
-    fp_model: nn.Module,
+    fp: nn.Module | FloatOutputs,
     q_model: nn.Module,
-    batches: Iterable[Mapping[str, torch.Tensor]],
+    batches: Iterable[Mapping[str, torch.Tensor]] = (),
     *,
     max_batches: int | None = 4,
 ) -> dict:
     """Run both models on the same batches and report the SQNR (dB) of every block's output, of the
     logits and, for simulated schemes, of every activation quantizer (with FP8 saturation counts).
-    ``worst_layers`` lists the three blocks with the lowest SQNR."""
-    family = family_of(fp_model)
-    outputs: dict[str, list] = {"fp": [], "q": []}
-    hooks = []
-    for key, model in (("fp", fp_model), ("q", q_model)):
-        for block in family.blocks(model):
-            hooks.append(
-                block.register_forward_hook(
-                    lambda m, a, o, key=key: outputs[key].append((o[0] if isinstance(o, tuple) else o).detach().float())
-                )
-            )
+    ``worst_layers`` lists the three blocks with the lowest SQNR. ``fp``: the float model, or its outputs
+    kept by :func:`float_outputs` (then on the batches they were computed on; ``batches`` is not read)."""
+    reference = fp if isinstance(fp, FloatOutputs) else float_outputs(fp, batches, max_batches=max_batches)
     quantizers = {n: m for n, m in q_model.named_modules() if m in set(act_quantizers(q_model))}
     for q in quantizers.values():
         q.track, q.signal, q.noise, q.overflow, q.values = True, 0.0, 0.0, 0, 0
-    n_layers = len(family.blocks(fp_model))
+    n_layers = len(reference.blocks[0])
     energy = [[0.0, 0.0] for _ in range(n_layers + 1)]  # blocks, then logits
-    batches_run = 0
-    with eval_mode(fp_model, q_model):
-        try:
-            for i, batch in enumerate(batches):
-                if max_batches is not None and i >= max_batches:
-                    break
-                inputs = {k: v for k, v in batch.items() if k != "labels"}
-                outputs["fp"].clear()
-                outputs["q"].clear()
-                ref = fp_model(**{k: v.to(_device(fp_model)) for k, v in inputs.items()}).logits.float()
-                got = q_model(**{k: v.to(_device(q_model)) for k, v in inputs.items()}).logits.float().to(ref.device)
-                for layer, (a, b) in enumerate(zip(outputs["fp"], outputs["q"], strict=True)):
-                    energy[layer][0] += float(a.double().square().sum())
-                    energy[layer][1] += float((a.double() - b.to(a.device).double()).square().sum())
-                energy[-1][0] += float(ref.double().square().sum())
-                energy[-1][1] += float((ref.double() - got.double()).square().sum())
-                batches_run += 1
-        finally:
-            for h in hooks:
-                h.remove()
-            for q in quantizers.values():
-                q.track = False
-    if batches_run == 0:
-        raise ValueError("quant_error got no batches")
+    try:
+        for inputs, ref_blocks, ref in zip(reference.inputs, reference.blocks, reference.logits, strict=True):
+            blocks, got = _outputs(q_model, inputs)
+            for layer, (a, b) in enumerate(zip(ref_blocks, blocks, strict=True)):
+                energy[layer][0] += float(a.double().square().sum())
+                energy[layer][1] += float((a.double() - b.double()).square().sum())
+            energy[-1][0] += float(ref.double().square().sum())
+            energy[-1][1] += float((ref.double() - got.double()).square().sum())
+    finally:
+        for q in quantizers.values():
+            q.track = False
     layers = [{"layer": i, "sqnr_db": sqnr_db(*energy[i])} for i in range(n_layers)]
     quant = [
         {"name": n, "sqnr_db": sqnr_db(q.signal, q.noise), "overflow": q.overflow, "values": q.values}
@@ -87,7 +108,7 @@ def quant_error(
         "worst_layers": sorted(layers, key=lambda r: r["sqnr_db"])[:3],
         "quantizers": quant,
         "overflow": sum(r["overflow"] for r in quant),
-        "batches": batches_run,
+        "batches": len(reference.inputs),
     }
 
 

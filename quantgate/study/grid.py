@@ -83,10 +83,14 @@ class ModelSpec:
     # what one of its cells asks of a Ray worker ({"cpus": n, "gpus": n}); None: DEFAULT_RESOURCES. The serial
     # executor ignores it; it changes no number, so no step key holds it
     resources: dict[str, float] | None = None
+    # accelerate's big-model loading of a `load:` checkpoint (Placement's fields); each scheme then quantizes a
+    # fresh load in place. Like resources it says where, not what: no step key holds it
+    placement: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """The resolved model entry, as config.yaml and metrics.json record it (dtype and resources when set)."""
-        unset = {f for f in ("dtype", "resources") if getattr(self, f) is None}
+        """The resolved model entry, as config.yaml and metrics.json record it (dtype, resources and placement
+        when set)."""
+        unset = {f for f in ("dtype", "resources", "placement") if getattr(self, f) is None}
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in unset}
         return d | {k: getattr(self, k).as_dict() for k in ("eval", "observe", "calibration")}
 

@@ -20,7 +20,7 @@ from ..data.synthetic import is_backcopy, task_options
 from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
 from ..files import is_folder_name
 from ..models.families import family_of, get_family
-from ..models.io import DTYPES, read_config
+from ..models.io import DTYPES, Placement, read_config
 from ..models.presets import PRESETS, preset_config
 from ..models.sources import PACKAGED, resolve
 from ..models.swap import check_expressible
@@ -64,6 +64,7 @@ MODEL_KEYS = {
     "seeds",
     "dtype",
     "resources",
+    "placement",
 }
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "overwrite", "extra", "stop_after"}
 
@@ -97,6 +98,7 @@ MODEL_RULES: Rules = {
     "observe": (dict | None, None),
     "dtype": (str, (lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
     "resources": (dict, (check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
+    "placement": (dict, None),  # Placement's fields: _check_placement
 }
 DATA_RULES: Rules = {
     "data": (str, None),
@@ -121,6 +123,23 @@ SECTION_RULES: dict[str, Rules] = {
         "fixes": (dict, None),
     },  # {reference: scheme, within: fraction}: the report opens with a ranking
 }
+
+
+def _check_placement(m: dict, at: tuple, fail) -> None:
+    """A model's ``placement:``: accelerate's big-model loading of a checkpoint (:class:`Placement`)."""
+    placement = m["placement"]
+    if "load" not in m or m.get("train") is not None:
+        fail(
+            at,
+            "placement shards a checkpoint as it loads: give the model 'load:' and no 'train:' (train a model "
+            "too big for one device with FSDP: accelerate launch -m quantgate.cli train)",
+        )
+    if "device_map" not in placement:
+        fail(at, "placement needs device_map: auto, balanced, sequential, or {module: GPU index, cpu or disk}")
+    try:
+        Placement(**placement)
+    except ValueError as e:
+        fail(at, str(e))
 
 
 def _compose(text: str, path: str):
@@ -207,6 +226,9 @@ def load_study(path: str | Path) -> Study:
             _check_seq_len(
                 family, config, "train", train.get("seq_len", TrainConfig.seq_len), first((*at, "seq_len"), at), fail
             )
+        if m.get("placement") is not None:
+            check_keys(m["placement"], {f.name for f in dataclasses.fields(Placement)}, (*where, "placement"))
+            _check_placement(m, (*where, "placement"), fail)
         variants = m.get("variants", top_variants)
         for j, v in enumerate(variants):
             at = (*where, "variants", j) if "variants" in m else first(("variants", j), where)
@@ -271,6 +293,7 @@ def load_study(path: str | Path) -> Study:
                 settings[2],
                 m.get("dtype") if m.get("dtype") != "float32" else None,
                 m.get("resources"),
+                m.get("placement"),
             )
         )
     calibration = DataSettings(**sections["calibration"])

@@ -34,12 +34,13 @@ from ..files import content_sha256, folder_name, read_json, writable_dir, write_
 from ..models import build
 from ..models.cost import gate_cost
 from ..models.families import family_of
-from ..models.io import DTYPES
+from ..models.io import DTYPES, Placement
 from ..models.sources import PACKAGED, _package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
 from ..provenance import machine, versions
 from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
+from ..quant.error import float_outputs
 from ..quant.schemes import get_scheme
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
@@ -183,6 +184,13 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         model()
         return state["tokenizer"]
 
+    def to_quantize():
+        """The float model for a scheme: a placed one is quantized in place, so the next use loads it afresh."""
+        taken = model()
+        if m.placement is not None:
+            state["model"] = None
+        return taken
+
     def step(name: str, key: str, compute, needs: tuple[str, ...] = ()):
         nonlocal seconds
         path = cdir / f"{name}.json"
@@ -221,7 +229,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         cfg = dataclasses.replace(ev_cfg, tasks=entry["tasks"] or ev_cfg.tasks)
         key = _key(model_key, scheme, m.calibration.as_dict(), cfg.as_dict(), m.observe.as_dict(), EVAL_FORMAT, *data)
         schemes[scheme] = step(
-            f"scheme-{slug(scheme)}", key, lambda s=scheme, c=cfg: _quantized(model(), tokenizer(), s, c, m, seed)
+            f"scheme-{slug(scheme)}", key, lambda s=scheme, c=cfg: _quantized(to_quantize(), tokenizer(), s, c, m, seed)
         )
     return CellRecord(
         id=cell.id,
@@ -250,7 +258,9 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
         return model, get_tokenizer(model)
     untrained = dtype if m.train is None else None  # a model trained here trains in float32, then is cast
     if "load" in m.source:
-        model = load(m.source["load"], cell.variant if cell.variant != "vanilla" else None, seed=seed, dtype=untrained)
+        variant = cell.variant if cell.variant != "vanilla" else None
+        placement = Placement(**m.placement) if m.placement is not None else None
+        model = load(m.source["load"], variant, seed=seed, dtype=untrained, placement=placement)
     else:
         model = build(m.source["preset"], cell.variant, seed=seed, dtype=untrained, **m.source["config"])
     tok = get_tokenizer(model)
@@ -345,7 +355,12 @@ def _evaluate(model, tok, cfg: EvalSettings) -> dict:
 
 
 def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed: int) -> dict:
+    """``scheme`` applied to ``model`` (in place where the model is placed over devices: a copy might not fit),
+    its error against the float model on one held-out batch, and its evaluation."""
     objective = family_of(model).objective
+    ob = m.observe
+    held_out = batches(tok, ob.data, ob.seq_len, ob.batch_size, objective, max_batches=1)
+    reference = float_outputs(model, held_out, max_batches=1)
     s = get_scheme(scheme)
     calibration, options = None, dict[str, Any]()
     if s.needs_calibration:
@@ -354,13 +369,11 @@ def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed
         options = {"calib": calib.batches}
     start = time.perf_counter()
     try:
-        q = quantize(model, scheme, calibration=calibration, **options)
+        q = quantize(model, scheme, calibration=calibration, inplace=m.placement is not None, **options)
     except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal
         return {"error": str(e)}
     quantize_s = time.perf_counter() - start
-    ob = m.observe
-    held_out = batches(tok, ob.data, ob.seq_len, ob.batch_size, objective, max_batches=1)
-    err = quant_error(model, q, held_out, max_batches=1)
+    err = quant_error(reference, q)
     out = _evaluate(q, tok, ev_cfg)
     return {
         "results": out["results"],
