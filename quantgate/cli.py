@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -236,13 +238,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.output_path:  # a directory, or a results file name ending in .json
         lm_out = Path(args.output_path)
         _output(str(lm_out.parent if lm_out.suffix == ".json" else lm_out), what="--output-path")
+    return _in_processes(args, _eval)
+
+
+def _in_processes(args: argparse.Namespace, run: Callable[[argparse.Namespace, Any], int]) -> int:
+    """``run(args, state)`` in each of ``--processes`` N processes (``state``: accelerate's Accelerator of the
+    run, None in a lone process); started here, or by a launcher (torchrun, accelerate launch) already."""
     if args.processes < 1:
         raise ValueError(f"--processes must be a whole number >= 1, got {args.processes}")
-    state = joined()  # one of N processes a launcher started (quantgate eval --processes N, torchrun, accelerate)
+    state = joined()  # one of N processes a launcher started (--processes N, torchrun, accelerate launch)
     if state is None and args.processes > 1:
         return relaunch(args.argv, args.processes)  # each of them runs this command, and joins here
     try:
-        return _eval(args, state)
+        return run(args, state)
     finally:
         if state is not None:
             state.end_training()  # leaves the process group
@@ -372,10 +380,15 @@ def cmd_study(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(plan(args.study or DEFAULT_STUDY))
         return 0
+    return _in_processes(args, _study)
+
+
+def _study(args: argparse.Namespace, state) -> int:
     out = run_study(
         args.study or DEFAULT_STUDY, args.out, smoke=args.smoke, executor=args.executor, address=args.address
     )
-    print(f"wrote {out}/report.md, metrics.json and plots")
+    if is_first():
+        print(f"wrote {out}/report.md, metrics.json and plots")
     return 0
 
 
@@ -555,6 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument(
         "--address", help="the Ray cluster for --executor ray (default: RAY_ADDRESS, else a Ray started here)"
+    )
+    st.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="data-parallel: N processes (one per GPU; gloo on the CPU) run the cells, each evaluation's "
+        "requests split between them",
     )
     st.set_defaults(func=cmd_study)
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")

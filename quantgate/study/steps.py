@@ -11,10 +11,17 @@ does not read the weights again), so replacing either re-runs what depends on it
 be read back (truncated, edited) is computed again, with a warning. Training checkpoints as it goes and
 resumes too. One run writes a run directory at a time (it holds the directory's lock,
 :mod:`quantgate.runlock`).
+
+Data-parallel (``quantgate study --processes N``, or N processes a launcher started): every process runs every
+cell's steps, each building the same model, observing it and quantizing it with the same calibration, and each
+evaluation's requests are split between them (:mod:`quantgate.parallel`); rank 0 decides which steps are
+cached, holds the lock and writes every file. Training is not split: a study that trains runs in one process.
+A cell's model runs on this process's GPU where there is one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -24,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from ..checkpoint import load
@@ -38,6 +46,7 @@ from ..models.io import DTYPES, Placement
 from ..models.sources import PACKAGED, _package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
+from ..parallel import from_first, is_first, joined
 from ..provenance import machine, versions
 from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
 from ..quant.error import float_outputs
@@ -45,7 +54,7 @@ from ..quant.schemes import get_scheme
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
 from .executors import run_cells
-from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, shrink, slug
+from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, Study, shrink, slug
 from .records import CellRecord, SchemeRecord, StudyRecord
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
@@ -147,10 +156,17 @@ def run_study(
     if out is None:  # results/<name>: "..", say, would be the current directory
         folder_name(study.name, f"{path}: study name")
     out = writable_dir(Path(out) if out else Path("results") / study.name)  # before any work
-    with run_lock(out):  # one writer per run directory: a second run on it stops here, naming the first
-        write_text_atomic(out / "config.yaml", yaml.safe_dump(study.raw, sort_keys=False))
+    executor = executor or study.executor
+    if joined() is not None:
+        _check_data_parallel(study, executor)
+    # one writer per run directory: a second run on it stops here, naming the first
+    with run_lock(out) if is_first() else contextlib.nullcontext():
+        if is_first():
+            write_text_atomic(out / "config.yaml", yaml.safe_dump(study.raw, sort_keys=False))
         started = time.perf_counter()
-        records = run_cells(study.cells(), out, _run_cell, executor or study.executor, address)
+        records = run_cells(study.cells(), out, _run_cell, executor, address)
+        if not is_first():
+            return out
         order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
         metrics = StudyRecord(
             study=study.raw,
@@ -168,6 +184,21 @@ def run_study(
     return out
 
 
+def _check_data_parallel(study: Study, executor: str) -> None:
+    """Refuse what a data-parallel study cannot split: cells on Ray, training."""
+    if executor != "serial":
+        raise ValueError(
+            f"a data-parallel study runs its cells in the processes it was started in; the {executor} executor "
+            f"runs them elsewhere: leave out --processes, or the executor"
+        )
+    trained = [m.name for m in study.models if m.train is not None]
+    if trained:
+        raise ValueError(
+            f"a data-parallel study splits evaluation, not training, and {', '.join(trained)} train(s) here: run "
+            f"the study in one process, or train with accelerate launch -m quantgate.cli train and load: the model"
+        )
+
+
 def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     m, seed = cell.model, cell.seed
     dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
@@ -178,6 +209,8 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     def model():
         if state["model"] is None:
             state["model"], state["tokenizer"] = _materialise(m, cell, cdir, seed, model_key)
+            if m.placement is None and (device := _cell_device()) is not None:  # a placed model is where it is
+                state["model"] = state["model"].to(device)
         return state["model"]
 
     def tokenizer():
@@ -194,7 +227,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     def step(name: str, key: str, compute, needs: tuple[str, ...] = ()):
         nonlocal seconds
         path = cdir / f"{name}.json"
-        done = _done(path, key, needs)
+        done = from_first(_done(path, key, needs))  # in a data-parallel run, rank 0's reading for every rank
         if done is not None:
             seconds += done.get("seconds", 0.0)
             return done
@@ -203,7 +236,8 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         result = {"key": key, **compute()}
         result["seconds"] = round(time.perf_counter() - t0, 2)
         seconds += result["seconds"]
-        _write_json(path, result)
+        if is_first():
+            _write_json(path, result)
         return result
 
     trained = step("model", model_key, lambda: _train_summary(model, cdir))
@@ -279,6 +313,15 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
     return model, tok
 
 
+def _cell_device() -> torch.device | None:
+    """Where a cell's model runs: this process's GPU in a data-parallel run, else the first GPU where there is one
+    (a Ray cell sees the GPUs it asked for); None: the CPU."""
+    if not torch.cuda.is_available():
+        return None
+    state = joined()
+    return state.device if state is not None else torch.device("cuda")
+
+
 def _same_key(train_dir: Path, key: str) -> bool:
     f = train_dir / "study-key"
     return f.is_file() and f.read_text().strip() == key
@@ -311,7 +354,8 @@ def _train_summary(model, cdir: Path) -> dict:
 def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
     data = batches(tok, cfg.data, cfg.seq_len, cfg.batch_size, family_of(model).objective, max_batches=cfg.batches)
     report = observe(model, data, sink_tokens=cfg.sink_tokens)
-    report.save(cdir / "observe")
+    if is_first():
+        report.save(cdir / "observe")
     layers = [
         {
             k: L[k]
