@@ -132,15 +132,15 @@ def aggregate(docs: dict, metric: str) -> float:
     return float(_transform(m.kind, value.sum() / weight.sum()))
 
 
-def _log_ratio(vf, wf, vq, wq, axis=-1):
+def _log_ratio(vf, wf, vq, wq, *, axis=-1):
     """log(ppl_q / ppl_f) of a perplexity's columns (vectorised along ``axis`` for the bootstrap)."""
     return vf.sum(axis) / wf.sum(axis) - vq.sum(axis) / wq.sum(axis)
 
 
-def _change(kind: str, vf, wf, vq, wq, axis=-1):
+def _change(kind: str, vf, wf, vq, wq, *, axis=-1):
     """The change from float to quantized of the aggregate (vectorised along ``axis`` for the bootstrap)."""
     if kind == "perplexity":
-        return np.expm1(_log_ratio(vf, wf, vq, wq, axis))  # exp(-sq) / exp(-sf) - 1
+        return np.expm1(_log_ratio(vf, wf, vq, wq, axis=axis))  # exp(-sq) / exp(-sf) - 1
     return _transform(kind, vq.sum(axis) / wq.sum(axis)) - _transform(kind, vf.sum(axis) / wf.sum(axis))
 
 

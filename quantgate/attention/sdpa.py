@@ -147,6 +147,7 @@ def _triton(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, 
         if explicit:
             _warn_fallback(reason)
         return None
+    assert masks is not None  # no reason to fall back: the masks were recognised
     key_padding, causal = masks
     out, _, mass = kernels.flash_gated_sdpa(
         q, k, v, gate, key_padding=key_padding, is_causal=causal, scale=scale, sinks=sinks, sink_tokens=sink_tokens

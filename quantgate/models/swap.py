@@ -62,7 +62,7 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
         gate = None
     multiplier = gate(module._qg_input) if gate is not None and not gate.needs_output else None
     observer: SinkObserver | None = module.qg_observer  # set while an observer runs: asks for the sink mass
-    out = gated_sdpa(
+    found = gated_sdpa(
         query,
         key,
         value,
@@ -77,9 +77,11 @@ def _attention_forward(module, query, key, value, attention_mask, dropout=0.0, s
         sink_tokens=observer.sink_tokens if observer is not None else 0,
         fake_quant=module.qg_fake_quant,  # simulated quantization of q/k/v and softmax in/out, when set
     )
-    if observer is not None:
-        out, mass = out
+    if observer is not None:  # asked for the sink mass: (output, mass)
+        out, mass = cast(tuple[torch.Tensor, torch.Tensor], found)
         observer.record_sink_mass(module, mass)
+    else:
+        out = cast(torch.Tensor, found)
     if gate is not None and gate.needs_output:
         out = out * gate(module._qg_input, out)
     return out.transpose(1, 2).contiguous(), None

@@ -361,7 +361,7 @@ class RangeObserver:
             lo = values[int(torch.searchsorted(cdf, torch.tensor(1 - p, dtype=torch.float64)))]
             hi = values[min(int(torch.searchsorted(cdf, torch.tensor(p, dtype=torch.float64))), len(values) - 1)]
             return torch.tensor(min(float(lo), 0.0)), torch.tensor(max(float(hi), 0.0))
-        return self._mse_range(values, counts, fmt, symmetric)
+        return self._mse_range(self.lo, self.hi, values, counts, fmt, symmetric)
 
     def _signed_bins(self) -> tuple[torch.Tensor, torch.Tensor]:
         centres = 10 ** (LOG_LO + (torch.arange(BINS, dtype=torch.float64) + 0.5) * (LOG_HI - LOG_LO) / BINS)
@@ -369,8 +369,8 @@ class RangeObserver:
         counts = torch.cat([self.neg.flip(0), self.pos])
         return values, counts
 
-    def _mse_range(self, values, counts, fmt, symmetric):
-        lo0, hi0 = float(self.lo.min()), float(self.hi.max())
+    def _mse_range(self, lo_seen: torch.Tensor, hi_seen: torch.Tensor, values, counts, fmt, symmetric):
+        lo0, hi0 = float(lo_seen.min()), float(hi_seen.max())
         best, best_err = (lo0, hi0), math.inf
         for r in torch.logspace(-3, 0, 120, dtype=torch.float64):
             lo, hi = lo0 * float(r), hi0 * float(r)

@@ -65,6 +65,17 @@ log = logging.getLogger("quantgate")
 # in the evaluation steps' keys: cached evaluations of an older format rerun (per-document values; then
 # quantgate_ppl 2.0, whose documents come in turn from each work; then backcopy's first prediction apart)
 EVAL_FORMAT = "per-document values, quantgate_ppl 2.0, backcopy after the first prediction"
+# The version of the code behind each step's output ("scheme": every scheme-<name> step). Raise a step's number
+# when its code starts computing something else (another field, meaning or selection): its key then changes,
+# so a cached result of the old code is computed again, and the run says which (a file records its format).
+# At 1 a key is what it was before formats existed. tests/test_step_formats.py holds each step's output shape at
+# its number and fails when the shape changes under the same number.
+STEP_FORMATS = {"model": 1, "observe": 1, "eval-float": 1, "cost": 1, "scheme": 1}
+
+
+def step_kind(name: str) -> str:
+    """The STEP_FORMATS entry of step file ``name`` (``scheme-w8a8-int8-static`` -> ``scheme``)."""
+    return "scheme" if name.startswith("scheme-") else name
 
 
 def _key(*parts) -> str:
@@ -85,13 +96,16 @@ def _done(path: Path, key: str, needs: tuple[str, ...] = ()) -> dict | None:
     except ValueError as e:
         log.warning("  %s; computing that step again", e)
         return None
-    if data.get("key") not in (key, None):  # another key: a setting it depends on changed
+    if data.get("key") not in (key, None):  # another key: a setting it depends on, or the step's code, changed
+        was, now = data.get("format", 1), STEP_FORMATS[step_kind(path.stem)]
+        if was != now:
+            log.warning("  %s was computed by other code (step format %s, now %s): computing it again", path, was, now)
         return None
     missing = [k for k in ("key", *needs) if k not in data]
     if missing:
         log.warning("  cannot read %s: it lacks %s; computing that step again", path, ", ".join(missing))
         return None
-    return data
+    return {k: v for k, v in data.items() if k != "format"}
 
 
 CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.jinja")
@@ -203,14 +217,15 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     m, seed = cell.model, cell.seed
     dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
     model_key = _key("model", m.source, cell.variant, m.train, seed, *_content_keys(m), *dtype)
-    state = {"model": None, "tokenizer": None}
+    state: dict[str, Any] = {"model": None, "tokenizer": None}
     seconds = 0.0
 
     def model():
         if state["model"] is None:
-            state["model"], state["tokenizer"] = _materialise(m, cell, cdir, seed, model_key)
+            made, tok = _materialise(m, cell, cdir, seed, model_key)
             if m.placement is None and (device := _cell_device()) is not None:  # a placed model is where it is
-                state["model"] = state["model"].to(device)
+                made = made.to(device)
+            state["model"], state["tokenizer"] = made, tok
         return state["model"]
 
     def tokenizer():
@@ -227,6 +242,8 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     def step(name: str, key: str, compute, needs: tuple[str, ...] = ()):
         nonlocal seconds
         path = cdir / f"{name}.json"
+        version = STEP_FORMATS[step_kind(name)]
+        key = key if version == 1 else _key(key, "format", version)
         done = from_first(_done(path, key, needs))  # in a data-parallel run, rank 0's reading for every rank
         if done is not None:
             seconds += done.get("seconds", 0.0)
@@ -237,7 +254,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         result["seconds"] = round(time.perf_counter() - t0, 2)
         seconds += result["seconds"]
         if is_first():
-            _write_json(path, result)
+            _write_json(path, {**result, "format": version})
         return result
 
     trained = step("model", model_key, lambda: _train_summary(model, cdir))
