@@ -2,8 +2,7 @@
 
 A float model is a transformers checkpoint plus quantgate's variant record and gate weights
 (:mod:`quantgate.models.io`); a quantized one adds a manifest (:mod:`quantgate.quant.checkpoint`), which
-is imported only when a quantized model is saved or loaded. :func:`dedupe` stores tied tensors once,
-for every writer of safetensors here (quantized checkpoints, training checkpoints).
+holds the formats other tools read and write.
 """
 
 from __future__ import annotations
@@ -21,11 +20,12 @@ from .files import refuse_same, staged_dir, write_failure
 from .models import io as model_io
 from .models.presets import PRESETS
 from .models.sources import PACKAGED, resolve
+from .quant.checkpoint import MANIFEST, load_quantized, save_quantized
 from .variants import VariantLike
 
-__all__ = ["save", "load", "load_or_build", "dedupe", "QUANTIZED_MANIFEST"]
+__all__ = ["save", "load", "load_or_build", "QUANTIZED_MANIFEST"]
 
-QUANTIZED_MANIFEST = "quantization.json"  # its presence marks a quantized checkpoint
+QUANTIZED_MANIFEST = MANIFEST  # its presence marks a quantized checkpoint
 # the files a checkpoint folder consists of (float or quantized, any layout): a save replaces them all
 CHECKPOINT_FILES = (
     "config.json",
@@ -70,8 +70,6 @@ def save(
     try:
         with staged_dir(path, CHECKPOINT_FILES) as staged:
             if quantization:
-                from .quant.checkpoint import save_quantized  # import cycle: quant.checkpoint imports this module
-
                 save_quantized(model, staged, tokenizer, dtype=dtype)
             else:
                 model_io.save(model, staged, tokenizer, weights=weights)
@@ -98,8 +96,6 @@ def load(
                 f"{path} is a quantized checkpoint, which loads whole: load it without --device-map, or load its "
                 f"float source with --device-map and quantize that"
             )
-        from .quant.checkpoint import load_quantized  # import cycle: quant.checkpoint imports this module
-
         return load_quantized(path, variant, dtype=dtype, backend=backend)
     return model_io.load(path, variant, dtype=dtype, backend=backend, seed=seed, placement=placement)
 
@@ -118,17 +114,3 @@ def load_or_build(
             raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
         return model_io.build(source, variant, dtype=dtype)
     return load(source, variant, dtype=dtype, placement=placement)
-
-
-def dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Drop entries that share storage with an earlier one (tied weights); return (tensors, aliases)."""
-    kept: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[object, str] = {}
-    for key, t in state.items():
-        ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if type(t) is torch.Tensor else id(t)
-        if ident in seen:
-            aliases[key] = seen[ident]
-        else:
-            seen[ident], kept[key] = key, t
-    return kept, aliases

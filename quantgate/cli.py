@@ -19,11 +19,11 @@ from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
 from .evaluate import (
     NonFiniteOutputs,
-    _require_lm_eval,
     check_limit,
     check_lm_eval_options,
     evaluate,
     load_for_eval,
+    require_lm_eval,
 )
 from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
@@ -293,7 +293,7 @@ def _lm_eval_files(written: dict | None) -> list[str]:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    _require_lm_eval()  # one line naming what to install, before lm-eval's own import errors
+    require_lm_eval()  # one line naming what to install, before lm-eval's own import errors
     from .lm_eval_models import main as lm_eval_main  # lm-eval is optional: imported at first use
 
     return lm_eval_main(args.args)

@@ -58,12 +58,12 @@ from .data.synthetic import BackcopyBatches
 from .models.families import config_of, family_of
 from .models.io import Placement
 from .models.modes import eval_mode
-from .models.sources import check_vocabulary as _check_vocabulary  # lm_eval_models imports it from here too
+from .models.sources import check_vocabulary
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .options import AT_LEAST_1, check_range
 from .provenance import versions
-from .quant import _fingerprint, get_scheme, quantization_of, quantize
+from .quant import fingerprint, get_scheme, quantization_of, quantize
 from .stats import METRICS, aggregate
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ OFFLINE_EQUIVALENTS = {
 def task_manager(include_defaults: bool = True) -> TaskManager:
     """lm-eval's task index with quantgate's tasks; without lm-eval's own ~10k task configs (slow to
     index) when only bundled tasks are asked for."""
-    _require_lm_eval()
+    require_lm_eval()
     from lm_eval.tasks import TaskManager  # lm-eval is optional: imported at first use
 
     return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults)
@@ -235,13 +235,13 @@ def evaluate(
     tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
     family = family_of(model)
-    _check_vocabulary(model, tokenizer)
+    check_vocabulary(model, tokenizer)
     _check_tasks(tasks, family.objective)
     lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
     _check_lm_eval_tasks(lm_tasks, tasks, num_fewshot, bootstrap_iters, output_path)
     if batch_size == "auto":
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
-    max_length = max_length or _context_length(model)
+    max_length = max_length or context_length(model)
     results: dict[str, dict] = {}
     documents: dict[str, dict] = {}
     written: dict[str, Any] | None = None
@@ -260,7 +260,7 @@ def evaluate(
                 "batch_size": batch_size,
                 "max_length": max_length,
                 "model": getattr(model.config, "_name_or_path", None) or None,
-                "model_sha256": _fingerprint(model),  # identity: quantize() records it as its source_sha256
+                "model_sha256": fingerprint(model),  # identity: quantize() records it as its source_sha256
                 "family": family.name,
                 "variant": str(variant_of(model)),
                 "quantization": quant["scheme"] if quant else None,
@@ -294,7 +294,7 @@ def evaluate(
         )
 
     if lm_tasks:
-        lm_eval = _require_lm_eval()
+        lm_eval = require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
         state = parallel.joined()  # launched as one of N processes: lm-eval splits the requests between them
@@ -320,13 +320,13 @@ def evaluate(
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
         documents.update(
             {
-                task: _documents(samples, out["configs"][task], tokenizer)
+                task: sample_documents(samples, out["configs"][task], tokenizer)
                 for task, samples in out["samples"].items()
                 if samples
             }
         )
         refuse_non_finite({t: [(x["doc_id"], _floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()})
-        # after _documents (lm-eval's sample writer rewrites the samples in place); rank 0 alone writes
+        # after sample_documents (lm-eval's sample writer rewrites the samples in place); rank 0 alone writes
         if tracker is not None and parallel.is_first():
             objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
             written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
@@ -345,7 +345,7 @@ def evaluate(
     return result()
 
 
-def _require_lm_eval():
+def require_lm_eval():
     """lm_eval, imported where it is used: it is optional (the tasks scored here run without it)."""
     try:
         import lm_eval  # lm-eval is optional: imported at first use
@@ -462,7 +462,7 @@ def unknown_tasks(tasks: Iterable[str]) -> list[str]:
     return [t for t in others if t not in known]
 
 
-def _context_length(model: nn.Module) -> int:
+def context_length(model: nn.Module) -> int:
     return int(min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 4096))
 
 
@@ -496,7 +496,7 @@ def _clean(metrics: dict) -> dict:
     return out
 
 
-def _documents(samples: list[dict], config: dict, tokenizer) -> dict:
+def sample_documents(samples: list[dict], config: dict, tokenizer) -> dict:
     """Per-document values of one lm-eval task from its logged samples (one filter: the first): the
     per-document value of each metric quantgate.stats aggregates, split where lm-eval logs a pair
     (word_perplexity: (loglikelihood, words)), each document's work where the task records it, and for
@@ -634,7 +634,7 @@ def _backcopy_documents(
 
 def _register():
     """PseudoLogLikelihoodLM, registered with lm-eval as ``quantgate-mlm`` (with ``quantgate``) on import."""
-    _require_lm_eval()
+    require_lm_eval()
     from .lm_eval_models import PseudoLogLikelihoodLM  # imports lm-eval: optional, imported at first use
 
     return PseudoLogLikelihoodLM

@@ -40,9 +40,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import PreTrainedTokenizerBase
 
-from .evaluate import TASK_DIR, NonFiniteOutputs, _check_vocabulary, _context_length, load_for_eval
+from .evaluate import TASK_DIR, NonFiniteOutputs, context_length, load_for_eval
 from .models.families import family_of
 from .models.io import DTYPES
+from .models.sources import check_vocabulary
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .quant import quantization_of
@@ -207,13 +208,13 @@ class QuantgateLM(HFLM):
         if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
             raise ValueError("tokenizer: --model quantgate uses the model's own tokenizer (qg.tokenizer); omit it")
         tok = tokenizer if tokenizer is not None else get_tokenizer(model)
-        _check_vocabulary(model, tok)
+        check_vocabulary(model, tok)
         with _quiet_hflm():
             super().__init__(
                 pretrained=model,
                 tokenizer=tok,
                 batch_size=_batch_size(model, batch_size),
-                max_length=max_length or _context_length(model),
+                max_length=max_length or context_length(model),
                 backend="causal",
                 add_bos_token=add_bos_token,
                 trust_remote_code=False,  # popped from options above: quantgate runs no checkpoint's code
@@ -306,7 +307,7 @@ class PseudoLogLikelihoodLM(LM):
             raise ValueError("pseudo-log-likelihood needs a tokenizer with [MASK], [CLS] and [SEP] (a BERT one)")
         self.model, self.tok = model, tokenizer
         self.batch_size = int(str(batch_size)) if str(batch_size).isdigit() else 16
-        self.max_length = max_length or _context_length(model)
+        self.max_length = max_length or context_length(model)
         self._device = next(model.parameters()).device
         self.quantgate_source = _source(pretrained, model)
 

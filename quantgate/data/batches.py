@@ -28,7 +28,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..files import content_sha256
-from .corpus import _hf_spec, corpus
+from .corpus import corpus, hf_spec
 from .synthetic import BackcopyBatches, Resumable, is_backcopy, task_options
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def source_sha256(source: str) -> str | None:
     if not source.startswith("hf:"):
         return None
     try:
-        specs, _ = _hf_spec(source)
+        specs, _ = hf_spec(source)
     except ValueError:  # not a source: corpus() says why
         return None
     local = [Path(path) for path, _, _ in specs if Path(path).exists()]

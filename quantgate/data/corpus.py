@@ -86,7 +86,7 @@ def _bundled(split: str) -> tuple[Document, ...]:
         )
 
 
-def _hf_spec(source: str) -> tuple[list[tuple[str, str | None, str]], str]:
+def hf_spec(source: str) -> tuple[list[tuple[str, str | None, str]], str]:
     """Parse ``name:split`` or ``hf:<dataset>[@<config>]:<split>[:<column>]``."""
     if source.startswith("hf:"):
         parts = source[3:].split(":")
@@ -126,7 +126,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def _hf_documents(source: str) -> Iterator[Document]:
-    specs, split = _hf_spec(source)
+    specs, split = hf_spec(source)
     for path, config, column in specs:
         local = Path(path).is_dir()  # a folder of data files: read by datasets with no network
         if not local and not hub_offline() and not hub_reachable():  # before datasets' minute of retries

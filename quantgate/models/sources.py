@@ -97,7 +97,7 @@ PACKAGED: dict[str, PackagedModel] = {
 }
 
 
-def _package_dir(name: str) -> Path:
+def package_dir(name: str) -> Path:
     spec = PACKAGED[name]
     found = importlib.util.find_spec(spec.package)  # locates the files without importing the package
     if found is None or not found.submodule_search_locations:
@@ -125,7 +125,7 @@ def _resolve(source: str | os.PathLike) -> Path:
         return _checkpoint_dir(path)
     name = str(source)
     if name in PACKAGED:
-        return _gguf_to_safetensors(name) if PACKAGED[name].gguf_file else _package_dir(name)
+        return _gguf_to_safetensors(name) if PACKAGED[name].gguf_file else package_dir(name)
     if name.count("/") == 1 and not path.exists() and name not in PRESETS:
         return _hub_snapshot(name)
     if name in PRESETS:
@@ -240,7 +240,7 @@ def _gguf_to_safetensors(name: str) -> Path:
     out = cache_dir() / "models" / name
     if (out / "config.json").is_file():
         return out
-    spec, src = PACKAGED[name], _package_dir(name)
+    spec, src = PACKAGED[name], package_dir(name)
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(f"reading {name!r} (GGUF) needs the gguf package: pip install gguf")
     log.info("converting packaged %s (%s) to safetensors in %s, once", name, spec.gguf_file, out)

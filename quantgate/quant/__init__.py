@@ -89,7 +89,7 @@ def quantize(
         raise ValueError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
     _check_finite(model)
     simulate.check_keep(model, scheme)  # before the model is copied or changed
-    fingerprint = _fingerprint(model)
+    source_sha256 = fingerprint(model)
     target = model if inplace else copy.deepcopy(model)
     if variant_of(target) is None:
         apply_variant(target)
@@ -111,7 +111,7 @@ def quantize(
         if seen
         else None,
         "source_model": getattr(model.config, "_name_or_path", None) or None,
-        "source_sha256": fingerprint,
+        "source_sha256": source_sha256,
     }
     if dequantized_from is not None:
         meta["quantization"]["dequantized_from"] = dequantized_from
@@ -220,7 +220,7 @@ def _check_finite(model: nn.Module) -> None:
                 )
 
 
-def _fingerprint(model: nn.Module) -> str:
+def fingerprint(model: nn.Module) -> str:
     """sha256 over the model's parameters and buffers (names, shapes, bytes; a tensor subclass, such as
     torchao's quantized weights, by the tensors it is made of)."""
     h = hashlib.sha256()

@@ -21,6 +21,7 @@ import copy
 import hashlib
 import json
 import platform
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,6 @@ import torch.nn as nn
 from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-from ..checkpoint import QUANTIZED_MANIFEST, dedupe
 from ..files import file_sha256
 from ..models import io as model_io
 from ..models.families import config_of, family_of
@@ -51,7 +51,7 @@ from .simulate import check_ranges
 
 __all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS", "ECOSYSTEM_WEIGHTS"]
 
-MANIFEST = QUANTIZED_MANIFEST
+MANIFEST = "quantization.json"  # quantgate's manifest: its presence marks a quantized checkpoint
 WEIGHTS = "quantized.safetensors"  # quantgate's own layout
 ECOSYSTEM_WEIGHTS = (
     "model.safetensors"  # compressed-tensors', torchao's or bitsandbytes' layout, as transformers names it
@@ -265,3 +265,17 @@ def _read(file: Path) -> dict[str, torch.Tensor]:
         tensors, leftover = unflatten_tensor_state_dict(tensors, meta)
         tensors.update(leftover)
     return tensors
+
+
+def dedupe(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Drop entries that share storage with an earlier one (tied weights); return (tensors, aliases)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[object, str] = {}
+    for key, t in state.items():
+        ident = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) if type(t) is torch.Tensor else id(t)
+        if ident in seen:
+            aliases[key] = seen[ident]
+        else:
+            seen[ident], kept[key] = key, t
+    return kept, aliases

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from accelerate.utils import PrecisionType
 
-from ..data.corpus import BUNDLED_SPLITS, DATASETS, _hf_spec
+from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
 from ..data.synthetic import is_backcopy, task_options
 from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
 from ..files import is_folder_name
@@ -435,7 +435,7 @@ def _check_source(source: str, where, fail, objective: str | None = None) -> Non
         return
     if source.startswith("hf:") or source.split(":")[0] in DATASETS:
         try:
-            _hf_spec(source)
+            hf_spec(source)
             return
         except ValueError as e:
             fail(where, str(e))

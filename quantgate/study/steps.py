@@ -43,7 +43,7 @@ from ..models import build
 from ..models.cost import gate_cost
 from ..models.families import family_of
 from ..models.io import DTYPES, Placement
-from ..models.sources import PACKAGED, _package_dir, resolve
+from ..models.sources import PACKAGED, package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
 from ..parallel import from_first, is_first, joined
@@ -120,7 +120,7 @@ def _content_keys(m: ModelSpec) -> list[str]:
     keys = []
     load_from = m.source.get("load")
     if load_from is not None:
-        folder = _package_dir(load_from) if load_from in PACKAGED else resolve(load_from)
+        folder = package_dir(load_from) if load_from in PACKAGED else resolve(load_from)
         keys.append(content_sha256(folder, patterns=CHECKPOINT_FILES, memo=memo))
     data = source_sha256(str((m.train or {}).get("data", "")))
     return keys + ([data] if data else [])
