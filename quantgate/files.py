@@ -59,6 +59,30 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return path
 
 
+def temporary_folder(path: Path) -> Path:
+    """Where a folder bound for ``path`` (a checkpoint, a model) is written before :func:`publish_folder`."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def publish_folder(tmp: Path, path: Path) -> None:
+    """Make the fully written folder ``tmp`` appear as ``path`` with one rename (replacing an older ``path``),
+    its files and the rename on disk first: an interrupted write leaves the old ``path`` or none, never half."""
+    for f in tmp.iterdir():
+        _fsync(f)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # --- reading ----------------------------------------------------------------------------------------
 
 

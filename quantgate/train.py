@@ -42,7 +42,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import random
 import re
 import shutil
@@ -73,7 +72,7 @@ from .checkpoint import save
 from .data import batches as text_batches
 from .data.batches import Resumable
 from .data.synthetic import is_backcopy
-from .files import json_kind, read_json, write_failure, write_text_atomic
+from .files import json_kind, publish_folder, read_json, temporary_folder, write_failure, write_text_atomic
 from .models.families import config_of, family_of, is_norm
 from .models.io import check_state, read_safetensors
 from .models.modes import eval_mode
@@ -656,7 +655,7 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     try:
         _write_checkpoint(run, path, identity, c)
     except (OSError, SafetensorError) as e:
-        shutil.rmtree(_temporary(path), ignore_errors=True)
+        shutil.rmtree(temporary_folder(path), ignore_errors=True)
         kept = sorted(p.name for p in path.parent.glob("step-*") if p.is_dir())
         raise ValueError(
             f"cannot write the checkpoint {path}: {write_failure(e)}; "
@@ -667,7 +666,7 @@ def _checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
 
 def _write_checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> None:
     acc = run.acc
-    tmp = _temporary(path)
+    tmp = temporary_folder(path)
     if acc.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -702,7 +701,7 @@ def _write_checkpoint(run: _Run, path: Path, identity: dict, c: TrainConfig) -> 
         (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        _publish(tmp, path)
+        publish_folder(tmp, path)
 
 
 def _resume(run: _Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
@@ -1021,37 +1020,16 @@ def _save_model(
     weights: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``model`` (with ``weights``, its weights gathered whole, where it holds only a shard) to ``path``."""
-    tmp = _temporary(path)
+    tmp = temporary_folder(path)
     shutil.rmtree(tmp, ignore_errors=True)
     save(model, tmp, tokenizer, weights=weights)
-    _publish(tmp, path)
-
-
-def _temporary(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Make the fully written folder ``tmp`` appear as ``path`` with one rename (replacing an older ``path``)."""
-    for f in tmp.iterdir():
-        _fsync(f)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    publish_folder(tmp, path)
 
 
 def _remove_leftovers(out: Path) -> None:
     """Remove the temporary folders of writes that an earlier run did not finish."""
-    for tmp in [*out.glob(".*.tmp"), *(out / "checkpoints").glob(".*.tmp")]:
+    pattern = temporary_folder(Path("*")).name  # .*.tmp
+    for tmp in [*out.glob(pattern), *(out / "checkpoints").glob(pattern)]:
         log.warning("removing %s: an interrupted write of %s", tmp, tmp.name[1:-4])
         shutil.rmtree(tmp)
 
