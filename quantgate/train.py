@@ -97,11 +97,19 @@ class FamilyDefaults(TypedDict):
     schedule: str
 
 
-# The papers' optimiser settings per family (Bondarenko et al.: OPT lr 4e-4, AdamW(0.9, 0.95), wd 0.1;
-# BERT lr 1e-4, linear decay, wd 0.01); a model family not listed uses the OPT recipe.
+# The papers' optimiser settings (Bondarenko et al.: OPT lr 4e-4, AdamW(0.9, 0.95), wd 0.1; BERT lr 1e-4, linear
+# decay, wd 0.01). Every family names its recipe: the causal families without a paper recipe of their own take
+# OPT's, said here; a family missing from this table trains only with all four values given.
+OPT_RECIPE: FamilyDefaults = {"lr": 4e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "schedule": "cosine"}
+BERT_RECIPE: FamilyDefaults = {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "schedule": "linear"}
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
-    "opt": {"lr": 4e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "schedule": "cosine"},
-    "bert": {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "schedule": "linear"},
+    "opt": OPT_RECIPE,
+    "bert": BERT_RECIPE,
+    "llama": OPT_RECIPE,
+    "qwen2": OPT_RECIPE,
+    "qwen3": OPT_RECIPE,
+    "qwen3-next": OPT_RECIPE,
+    "mla": OPT_RECIPE,
 }
 
 
@@ -153,7 +161,13 @@ class TrainConfig:
 
     def resolved(self, family: str) -> TrainConfig:
         self.check()
-        d = FAMILY_DEFAULTS.get(family, FAMILY_DEFAULTS["opt"])
+        unset = [k for k in ("lr", "betas", "weight_decay", "schedule") if getattr(self, k) is None]
+        if family not in FAMILY_DEFAULTS and unset:
+            raise ValueError(
+                f"family {family!r} has no training recipe in FAMILY_DEFAULTS: give {', '.join(unset)} "
+                f"(or add the family's recipe to quantgate.train.FAMILY_DEFAULTS)"
+            )
+        d = FAMILY_DEFAULTS.get(family, OPT_RECIPE)  # every value comes from self where the family has none
         c = TrainConfig(**asdict(self))
         c.lr = self.lr if self.lr is not None else d["lr"]
         # a list where the config came from JSON or YAML: tuple() keeps its two values

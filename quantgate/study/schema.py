@@ -217,7 +217,7 @@ def load_study(path: str | Path) -> Study:
             _check_values(train, TRAIN_RULES, at, fail)
             _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), fail)
             try:
-                TrainConfig(**train).resolved(family.name if family else "")  # unknown yet: the defaults
+                TrainConfig(**train).resolved(family.name if family else "opt")  # unknown yet: a recipe to check with
             except ValueError as e:  # the trainer's own check of the schedule
                 fail((*at, "schedule"), str(e))
             for key in ("data", "eval_data"):
