@@ -70,6 +70,9 @@ class Family:
     # norm, the one whose output rows scale the output Linear's input channels (act(gate) * up is linear in
     # up; ReLU(fc1) is positively homogeneous), and the output Linear; None: not known for this family
     ffn_linears: tuple[tuple[str, ...], str, str] | None = None
+    # paths in the attention module of the Linears that read the normed stream (what SmoothQuant and the
+    # rotation fold into)
+    attn_inputs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     no_rotation: str | None = None  # why a Hadamard rotation cannot be folded into this family, if it cannot
     head: str | None = None  # from the model: the task head (default: the output embeddings)
 
@@ -205,6 +208,7 @@ FAMILIES: dict[str, Family] = {
             final_norm=None,
             position_table="embeddings.position_embeddings",
             head="cls",
+            attn_inputs=("query", "key", "value"),
             no_rotation="post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and "
             "its readers",
         ),
@@ -263,6 +267,7 @@ FAMILIES: dict[str, Family] = {
             "mlp",
             v_head_dim="v_head_dim",
             value_gate=False,
+            attn_inputs=("q_a_proj", "kv_a_proj_with_mqa"),
             no_rotation="the attention reads the stream through latent projections with their own norms inside "
             "the attention",
             inner_inputs=(

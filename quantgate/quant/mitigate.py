@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..models.families import config_of, family_of
 from ..models.swap import attention_modules
 from ..observe import MassiveActivations
-from .rotate import ATTN_READERS, gate_readers, linear_at
+from .rotate import gate_readers, linear_at
 
 __all__ = ["smooth_", "smoothing_groups", "massive_ffns"]
 
@@ -45,7 +45,7 @@ def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Lin
     groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []
     ffn_in, ffn_maker, ffn_out = family.ffn_linears
     for block, attn in zip(family.blocks(model), attention_modules(model), strict=True):
-        qkv = [linear_at(attn, p) for p in ATTN_READERS]
+        qkv = [linear_at(attn, p) for p in family.attn_inputs]
         groups.append((block.get_submodule(family.attn_norm), "norm", qkv + gate_readers(getattr(attn, "gate", None))))
         groups.append((block.get_submodule(family.ffn_norm), "norm", [linear_at(block, p) for p in ffn_in]))
         groups.append((block.get_submodule(ffn_maker), "rows", [linear_at(block, ffn_out)]))

@@ -38,13 +38,11 @@ __all__ = [
     "rotate_",
     "check_rotatable",
     "gate_readers",
-    "ATTN_READERS",
     "linear_at",
     "UnitRMSNorm",
     "hadamard_pre_hook",
 ]
 
-ATTN_READERS = ("q_proj", "k_proj", "v_proj")  # in the family's attention module
 _HAD_BASES = (1, 12, 20, 28, 36, 40, 44, 52, 60, 108, 140, 156, 172)  # torchao's get_hadK: sizes K * 2^m
 
 
@@ -263,7 +261,7 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
     n = ops = 0
     for block in blocks:
         attn = block.get_submodule(family.attention)
-        attn_in = [getattr(attn, name) for name in ATTN_READERS]
+        attn_in = [linear_at(attn, name) for name in family.attn_inputs]
         attn_in += gate_readers(getattr(attn, "gate", None))
         ffn_in = [linear_at(block, p) for p in ffn_in_paths]
         writers = [linear_at(block, family.o_proj), linear_at(block, ffn_out_path)]
