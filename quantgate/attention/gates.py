@@ -58,6 +58,8 @@ class Gate(nn.Module):
     # its submodules that read x through an nn.Linear (a Sequential: its first layer), which rotations and
     # SmoothQuant rescale with x; None: not declared, so those refuse the gate
     x_readers: ClassVar[tuple[str, ...] | None] = None
+    # why a rotation of the residual stream cannot pass through the gate; None: it can
+    unrotatable: ClassVar[str | None] = None
     compute: Callable[..., torch.Tensor]  # each subclass's gate multiplier: compute(x), or compute(x, h)
 
     @classmethod
@@ -99,6 +101,13 @@ class Gate(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.spec}, position={self.position}"
+
+    def x_reading_problem(self) -> str | None:
+        """Why rotations and SmoothQuant cannot rescale this gate's reading of x with x; None: it reads x
+        only through its ``x_readers``."""
+        if self.x_readers is None:
+            return "which of its layers read the residual stream is not declared (its x_readers)"
+        return None
 
 
 def _proj(d_in: int, d_out: int, rank: int | None, bias_init: float, std: float) -> nn.Module:
@@ -218,6 +227,10 @@ class OutputGate(ProjGate):
 
     position = "output"
     width = staticmethod(lambda dims: dims.d_model)
+    unrotatable = (
+        "it multiplies o_proj's output, the residual stream, channel by channel, and an elementwise product "
+        "does not commute with a rotation"
+    )
 
 
 @gate_kind(
@@ -250,6 +263,11 @@ class BondarenkoGate(Gate):
         else:
             self.hidden = _HeadLinear(h, c, max(c // 4, 1), 0.0, std)
             self.head = _HeadLinear(h, max(c // 4, 1), 1, spec.bias_init, std)
+
+    def x_reading_problem(self) -> str | None:
+        if not hasattr(self, "proj"):
+            return "it reads x in per-head slices of channels, not through an nn.Linear; use bondarenko:mode=all-heads"
+        return super().x_reading_problem()
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "proj"):

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedModel
 
-from ..attention.gates import BondarenkoGate, Gate, OutputGate
+from ..attention.gates import Gate
 from ..models.families import config_of, family_of, find_submodule
 
 __all__ = [
@@ -112,17 +112,10 @@ def gate_readers(gate: Gate | None) -> list[nn.Linear]:
     ValueError naming the gate where x is read otherwise (rotation and smoothing both rescale x's channels)."""
     if gate is None:
         return []
-    if isinstance(gate, BondarenkoGate) and not hasattr(gate, "proj"):
-        raise ValueError(
-            f"cannot rotate or smooth attention gate {gate.spec}: it reads x in per-head slices of "
-            f"channels, not through an nn.Linear; use bondarenko:mode=all-heads"
-        )
-    if gate.x_readers is None:
-        raise ValueError(
-            f"cannot rotate or smooth attention gate {type(gate).__name__}: which of its layers read "
-            f"the residual stream is not declared (its x_readers)"
-        )
-    readers = [getattr(gate, n) for n in gate.x_readers if hasattr(gate, n)]
+    problem = gate.x_reading_problem()
+    if problem is not None:
+        raise ValueError(f"cannot rotate or smooth attention gate {gate.spec}: {problem}")
+    readers = [getattr(gate, n) for n in gate.x_readers or () if hasattr(gate, n)]
     # low rank: the down projection
     return [cast(nn.Linear, r[0]) if isinstance(r, nn.Sequential) else r for r in readers]
 
@@ -162,11 +155,8 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     blocks = family.blocks(model)
     for block in blocks:
         gate = getattr(block.get_submodule(family.attention), "gate", None)
-        if isinstance(gate, OutputGate):
-            raise ValueError(
-                f"cannot rotate attention gate {gate.spec}: it multiplies o_proj's output, the residual "
-                f"stream, channel by channel, and an elementwise product does not commute with a rotation"
-            )
+        if gate is not None and gate.unrotatable:
+            raise ValueError(f"cannot rotate attention gate {gate.spec}: {gate.unrotatable}")
         gate_readers(gate)
     _hadamard(config.hidden_size, "d_model")
     if online:
