@@ -120,6 +120,10 @@ class Scheme:
             base = _options(named)
             refuse_unread(self, [k for k, v in _options(self).items() if base.get(k) != v])
 
+    def range_kind(self) -> str:
+        """Where the scheme's activation scales come from, in words (a study report's "Which fix?" column)."""
+        return "weights only"
+
     def check_combination(self) -> None:
         """Raise ValueError where option values do not go together (after each is checked alone)."""
         if "auto" in self.keep:  # SimulatedScheme overrides this: it resolves keep=auto
@@ -272,6 +276,23 @@ class SimulatedScheme(Scheme):
     def export_calibration(self) -> bool:
         return self.act is not None and self.act.format == "nvfp4" and not self.needs_calibration
 
+    def range_kind(self) -> str:
+        parts = []
+        a = self.act
+        if a is not None:
+            if a.format in BLOCK:
+                block = BLOCK[a.format][1]
+                parts.append(
+                    f"per block of {block} (E4M3) x per tensor"
+                    if a.format == "nvfp4"
+                    else f"per block of {block} (E8M0)"
+                )
+            else:
+                parts.append(f"per {a.granularity}, " + ("dynamic" if a.dynamic else "static"))
+        if self.kv is not None:
+            parts.append(f"KV cache per {self.kv.granularity}" + (f", first {self.sink} kept" if self.sink else ""))
+        return "; ".join(parts) or super().range_kind()
+
 
 @dataclass(frozen=True)
 class TorchaoScheme(Scheme):
@@ -293,6 +314,9 @@ class TorchaoScheme(Scheme):
     def needs_calibration(self) -> bool:
         return self.smooth is not None
 
+    def range_kind(self) -> str:
+        return "weights only (torchao kernel)" if self.weight_only else "per token, dynamic (torchao kernel)"
+
     def torchao_config(self) -> AOBaseConfig:
         import torchao.quantization  # torchao is optional: imported at first use
 
@@ -306,6 +330,9 @@ class TorchaoStaticScheme(TorchaoScheme):
     @property
     def needs_calibration(self) -> bool:
         return True
+
+    def range_kind(self) -> str:
+        return "per tensor, static (torchao int8 kernel)"
 
     def torchao_config(self, act_scale: torch.Tensor | None = None) -> AOBaseConfig:
         """The config for one Linear whose input scale is ``act_scale`` (max |x| / 127)."""
@@ -323,6 +350,9 @@ class BnbScheme(Scheme):
 
     threshold: float = 6.0
     options: ClassVar[tuple[str, ...]] = ("keep", "gates", "threshold")
+
+    def range_kind(self) -> str:
+        return f"per token, outlier columns (> {self.threshold:g}) in 16-bit"
 
 
 @dataclass(frozen=True)

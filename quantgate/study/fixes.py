@@ -14,8 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..quant.quantizers import BLOCK
-from ..quant.schemes import BnbScheme, SimulatedScheme, TorchaoScheme, TorchaoStaticScheme, get_scheme
+from ..quant.schemes import SimulatedScheme, get_scheme
 from ..stats import Delta, format_delta, paired_delta, table_head
 from .measures import ppl_key
 from .records import CellRecord
@@ -26,27 +25,8 @@ Changes = dict[tuple[str, str], "Delta | None"]  # {(cell id, scheme): its perpl
 
 
 def range_kind(scheme: str) -> str:
-    """Where a scheme's activation scales come from, in words."""
-    s = get_scheme(scheme)
-    if isinstance(s, BnbScheme):
-        return f"per token, outlier columns (> {s.threshold:g}) in 16-bit"
-    if isinstance(s, TorchaoStaticScheme):
-        return "per tensor, static (torchao int8 kernel)"
-    if isinstance(s, TorchaoScheme):
-        return "per token, dynamic (torchao kernel)" if "Dynamic" in s.config else "weights only (torchao kernel)"
-    parts = []
-    a = s.act if isinstance(s, SimulatedScheme) else None
-    if a is not None:
-        if a.format in BLOCK:
-            block = BLOCK[a.format][1]
-            parts.append(
-                f"per block of {block} (E4M3) x per tensor" if a.format == "nvfp4" else f"per block of {block} (E8M0)"
-            )
-        else:
-            parts.append(f"per {a.granularity}, " + ("dynamic" if a.dynamic else "static"))
-    if isinstance(s, SimulatedScheme) and s.kv is not None:
-        parts.append(f"KV cache per {s.kv.granularity}" + (f", first {s.sink} kept" if s.sink else ""))
-    return "; ".join(parts) or "weights only"
+    """Where a scheme's activation scales come from, in words (its class says: :meth:`Scheme.range_kind`)."""
+    return get_scheme(scheme).range_kind()
 
 
 def _sink_tokens(scheme: str) -> int:
