@@ -80,8 +80,18 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Float perplexity, bfloat16 against float32 (paired): {format_delta(base)}.",
         "",
-        *table_head(["scheme", "float32 change", "bfloat16 change", "bf16 minus fp32 (paired)", "holds",
-                     "float32 s", "bfloat16 s", "fp32 / bf16 time"]),
+        *table_head(
+            [
+                "scheme",
+                "float32 change",
+                "bfloat16 change",
+                "bf16 minus fp32 (paired)",
+                "holds",
+                "float32 s",
+                "bfloat16 s",
+                "fp32 / bf16 time",
+            ]
+        ),
     ]
     verdicts = [holds(base, 0.01)]
     times = [(steps(f32, "eval-float"), steps(b16, "eval-float"))]
@@ -95,13 +105,21 @@ def main(argv: list[str] | None = None) -> None:
         verdicts.append(bool(ok))
         t = (steps(f32, f"scheme-{slug(entry)}"), steps(b16, f"scheme-{slug(entry)}"))
         times.append(t)
-        lines.append(f"| `{entry}` | {format_delta(changes[0])} | {format_delta(changes[1])} | {format_delta(gap)} | "
-                     f"{'yes' if ok else 'no'} | {t[0]:.0f} | {t[1]:.0f} | {t[0] / t[1]:.2f}x |")
+        lines.append(
+            f"| `{entry}` | {format_delta(changes[0])} | {format_delta(changes[1])} | {format_delta(gap)} | "
+            f"{'yes' if ok else 'no'} | {t[0]:.0f} | {t[1]:.0f} | {t[0] / t[1]:.2f}x |"
+        )
     total = [sum(t[i] for t in times) for i in (0, 1)]
-    lines += ["", f"All evaluation steps: {total[0]:.0f} s in float32, {total[1]:.0f} s in bfloat16: "
-              f"{total[0] / total[1]:.2f}x. Criterion (declared in the script before its run): "
-              + ("met: bfloat16 holds." if all(verdicts) else
-                 f"not met for {verdicts.count(False)} of {len(verdicts)} rows (see 'holds').")]
+    lines += [
+        "",
+        f"All evaluation steps: {total[0]:.0f} s in float32, {total[1]:.0f} s in bfloat16: "
+        f"{total[0] / total[1]:.2f}x. Criterion (declared in the script before its run): "
+        + (
+            "met: bfloat16 holds."
+            if all(verdicts)
+            else f"not met for {verdicts.count(False)} of {len(verdicts)} rows (see 'holds')."
+        ),
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.report:

@@ -47,6 +47,7 @@ def timer(device: str, reps: int):
     """ms per call of fn (median), with CUDA events on a GPU and the wall clock on a CPU."""
     if device == "cuda":
         from triton.testing import do_bench
+
         return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
 
     def wall(fn):
@@ -55,13 +56,14 @@ def timer(device: str, reps: int):
         for _ in range(reps):
             fn()
         return (time.perf_counter() - t0) / reps * 1e3
+
     return wall
 
 
 def inputs(shape, dtype, device, seed=0):
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(seed)
-    make = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
+    make = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)
     q, k, v = make(b, h, n, d), make(b, h, n, d), make(b, h, n, d)
     gate = torch.sigmoid(make(b, h, n, d))
     return [t.requires_grad_() for t in (q, k, v, gate)], make(b, h, n, d)
@@ -69,22 +71,31 @@ def inputs(shape, dtype, device, seed=0):
 
 def bench_shape(shape, dtype, device, compile_backend, measure):
     (q, k, v, gate), dout = inputs(shape, dtype, device)
-    methods = {"(a) sdpa, ungated": ungated, "(b) sdpa * gate": gated,
-               "(c) compiled (b)": torch.compile(gated, backend=compile_backend), "(d) fused triton": fused}
+    methods = {
+        "(a) sdpa, ungated": ungated,
+        "(b) sdpa * gate": gated,
+        "(c) compiled (b)": torch.compile(gated, backend=compile_backend),
+        "(d) fused triton": fused,
+    }
     b, h, n, d = shape
     fwd_flops = 4 * b * h * n * n * d / 2  # causal
     rows = {}
     for name, fn in methods.items():
         with torch.no_grad():
-            t_fwd = measure(lambda: fn(q, k, v, gate))
+            t_fwd = measure(lambda fn=fn: fn(q, k, v, gate))
 
-        def step():
+        def step(fn=fn):
             for t in (q, k, v, gate):
                 t.grad = None
             fn(q, k, v, gate).backward(dout)
+
         t_all = measure(step)
-        rows[name] = {"fwd_ms": t_fwd, "fwdbwd_ms": t_all, "fwd_tflops": fwd_flops / t_fwd / 1e9,
-                      "fwdbwd_tflops": 3.5 * fwd_flops / t_all / 1e9}
+        rows[name] = {
+            "fwd_ms": t_fwd,
+            "fwdbwd_ms": t_all,
+            "fwd_tflops": fwd_flops / t_fwd / 1e9,
+            "fwdbwd_tflops": 3.5 * fwd_flops / t_all / 1e9,
+        }
     with torch.no_grad():  # accuracy against (b) in float32
         ref = gated(*(t.float() for t in (q, k, v, gate)))
         for name in ("(c) compiled (b)", "(d) fused triton"):
@@ -94,23 +105,31 @@ def bench_shape(shape, dtype, device, compile_backend, measure):
 
 
 def table(results: dict, header: str) -> str:
-    lines = [header, "", "| B, H, N, D | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
-                         "fwd / (a) | fwd / (b) | fwd+bwd / (a) | fwd+bwd / (b) | max err vs fp32 (b) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| B, H, N, D | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
+        "fwd / (a) | fwd / (b) | fwd+bwd / (a) | fwd+bwd / (b) | max err vs fp32 (b) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     verdicts = []
     for shape, rows in results.items():
         a, b_ = rows["(a) sdpa, ungated"], rows["(b) sdpa * gate"]
         for name, r in rows.items():
             err = f"{r['max_err']:.2e}" if "max_err" in r else ""
-            lines.append(f"| {shape} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.1f} | {r['fwdbwd_ms']:.3f} | "
-                         f"{r['fwdbwd_tflops']:.1f} | {r['fwd_ms'] / a['fwd_ms']:.2f} | {r['fwd_ms'] / b_['fwd_ms']:.2f} "
-                         f"| {r['fwdbwd_ms'] / a['fwdbwd_ms']:.2f} | {r['fwdbwd_ms'] / b_['fwdbwd_ms']:.2f} | {err} |")
+            lines.append(
+                f"| {shape} | {name} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.1f} | {r['fwdbwd_ms']:.3f} | "
+                f"{r['fwdbwd_tflops']:.1f} | {r['fwd_ms'] / a['fwd_ms']:.2f} | {r['fwd_ms'] / b_['fwd_ms']:.2f} "
+                f"| {r['fwdbwd_ms'] / a['fwdbwd_ms']:.2f} | {r['fwdbwd_ms'] / b_['fwdbwd_ms']:.2f} | {err} |"
+            )
         d = rows["(d) fused triton"]
         vs_a, speedup = d["fwd_ms"] / a["fwd_ms"], b_["fwd_ms"] / d["fwd_ms"]
-        verdicts.append(f"- {shape}: fused forward {vs_a:.2f}x ungated SDPA (target <= 1.05: "
-                        f"{'met' if vs_a <= 1.05 else 'missed'}); (b) / fused = {speedup:.2f} (target >= 1.2: "
-                        f"{'met' if speedup >= 1.2 else 'missed'})")
-    return "\n".join(lines + ["", *verdicts, ""])
+        verdicts.append(
+            f"- {shape}: fused forward {vs_a:.2f}x ungated SDPA (target <= 1.05: "
+            f"{'met' if vs_a <= 1.05 else 'missed'}); (b) / fused = {speedup:.2f} (target >= 1.2: "
+            f"{'met' if speedup >= 1.2 else 'missed'})"
+        )
+    return "\n".join([*lines, "", *verdicts, ""])
 
 
 def run(dry_run: bool, out: str) -> list[str]:
@@ -122,9 +141,12 @@ def run(dry_run: bool, out: str) -> list[str]:
         device, dtype, shapes, compile_backend, measure = "cuda", torch.bfloat16, SHAPES, "inductor", timer("cuda", 0)
         machine = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
     import triton
-    header = (f"# Gated attention: fused Triton kernel vs SDPA + gate\n\n{machine}; torch {torch.__version__}, "
-              f"triton {triton.__version__}; {time.strftime('%Y-%m-%d')}; {str(dtype).removeprefix('torch.')}, "
-              f"causal, elementwise gate; command: python benchmarks/gated_sdpa.py{' --dry-run' if dry_run else ''}")
+
+    header = (
+        f"# Gated attention: fused Triton kernel vs SDPA + gate\n\n{machine}; torch {torch.__version__}, "
+        f"triton {triton.__version__}; {time.strftime('%Y-%m-%d')}; {str(dtype).removeprefix('torch.')}, "
+        f"causal, elementwise gate; command: python benchmarks/gated_sdpa.py{' --dry-run' if dry_run else ''}"
+    )
     results = {}
     for shape in shapes:
         results[shape] = bench_shape(shape, dtype, device, compile_backend, measure)

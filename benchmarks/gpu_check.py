@@ -34,14 +34,24 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 540  # all sections together stay under 9 minutes
-LIMITS_S = {"versions": 30, "tests": 120, "kernel": 150, "training": 90, "benchmark": 240, "sharded": 60,
-            "ray_study": 120, "fsdp": 90}
+LIMITS_S = {
+    "versions": 30,
+    "tests": 120,
+    "kernel": 150,
+    "training": 90,
+    "benchmark": 240,
+    "sharded": 60,
+    "ray_study": 120,
+    "fsdp": 90,
+}
 TESTS = ["tests/test_sdpa.py", "tests/test_triton.py"]  # gated_sdpa's backends (the fused kernel on the interpreter)
 # name: (B, Hq, Hkv, causal, gate, learned sinks, padded keys)
-CASES = {"mha-causal-elementwise": (1, 2, 2, True, "elementwise", False, False),
-         "gqa-causal-headwise-sinks": (1, 4, 2, True, "headwise", True, False),
-         "mqa-padded-causal-elementwise-sinks": (2, 2, 1, True, "elementwise", True, True),
-         "padded-bidirectional-ungated": (2, 1, 1, False, None, False, True)}
+CASES = {
+    "mha-causal-elementwise": (1, 2, 2, True, "elementwise", False, False),
+    "gqa-causal-headwise-sinks": (1, 4, 2, True, "headwise", True, False),
+    "mqa-padded-causal-elementwise-sinks": (2, 2, 1, True, "elementwise", True, True),
+    "padded-bidirectional-ungated": (2, 1, 1, False, None, False, True),
+}
 
 
 class Skip(Exception):
@@ -51,8 +61,11 @@ class Skip(Exception):
 def versions(args, rec):
     """The libraries and the device found."""
     found = {p: _version(p) for p in ("torch", "triton", "transformers", "lm_eval", "torchao", "bitsandbytes")}
-    found |= {"cuda": torch.version.cuda, "python": sys.version.split()[0],
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"}
+    found |= {
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)",
+    }
     if args.device == "cuda":
         found["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
     for key, value in found.items():
@@ -67,8 +80,12 @@ def tests(args, rec):
         raise Skip("dry run: the test suite runs these tests itself")
     if _version("pytest") is None:
         raise Skip("pytest is not installed")
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     print("\n".join(run.stdout.strip().splitlines()[-15:]))
     rec["tests"] = run.stdout.strip().splitlines()[-1:]
     return run.returncode == 0
@@ -86,7 +103,7 @@ def kernel(args, rec):
     ok, rec["kernel"] = True, {}
     for name, (b, hq, hkv, causal, gate, sinks, padded) in CASES.items():
         g = torch.Generator(args.device).manual_seed(0)
-        rand = lambda *s: torch.randn(*s, generator=g, device=args.device)  # noqa: E731
+        rand = lambda *s, g=g: torch.randn(*s, generator=g, device=args.device)
         raw = {"q": rand(b, hq, n, d), "k": rand(b, hkv, n, d), "v": rand(b, hkv, n, d)}
         if gate:
             raw["gate"] = torch.sigmoid(rand(b, hq, n, d if gate == "elementwise" else 1))
@@ -99,26 +116,42 @@ def kernel(args, rec):
             mask = mask[:, None, None, :]
         probe = rand(b, hq, n, d)
 
-        def run(backend, inputs):
+        def run(backend, inputs, mask=mask, causal=causal, probe=probe):
             leaves = {k: t.detach().clone().requires_grad_() for k, t in inputs.items()}
-            out, mass = gated_sdpa(leaves["q"], leaves["k"], leaves["v"], leaves.get("gate"), attn_mask=mask,
-                                   is_causal=causal, sinks=leaves.get("sinks"), backend=backend, sink_tokens=1)
+            out, mass = gated_sdpa(
+                leaves["q"],
+                leaves["k"],
+                leaves["v"],
+                leaves.get("gate"),
+                attn_mask=mask,
+                is_causal=causal,
+                sinks=leaves.get("sinks"),
+                backend=backend,
+                sink_tokens=1,
+            )
             grads = torch.autograd.grad((out.float() * probe).sum(), list(leaves.values()))
             return {"fwd": [out, mass], "bwd": list(grads)}
 
         for dtype in args.dtypes:
             low = {k: t.to(dtype) for k, t in raw.items()}
             ref = run("eager", {k: t.float() for k, t in low.items()})
-            err = {backend: {part: max(_abs_max(a.float() - r) for a, r in zip(res[part], ref[part])) for part in ref}
-                   for backend, res in (("triton", run("triton", low)), ("eager", run("eager", low)))}
+            err = {
+                backend: {
+                    part: max(_abs_max(a.float() - r) for a, r in zip(res[part], ref[part], strict=True))
+                    for part in ref
+                }
+                for backend, res in (("triton", run("triton", low)), ("eager", run("eager", low)))
+            }
             floor = {part: 1e-4 * max(1.0, *map(_abs_max, ref[part])) for part in ref}
             good = all(err["triton"][p] <= max(4 * err["eager"][p], floor[p]) for p in ref)
             ok &= good
             key = f"{name}/{str(dtype).removeprefix('torch.')}"
             rec["kernel"][key] = err["triton"] | {"eager_" + p: e for p, e in err["eager"].items()}
-            print(f"  {key:<45} max abs err fwd {err['triton']['fwd']:.2e} bwd {err['triton']['bwd']:.2e}   "
-                  f"(eager in this dtype: {err['eager']['fwd']:.2e} / {err['eager']['bwd']:.2e})  "
-                  f"{'ok' if good else 'TOO LARGE'}")
+            print(
+                f"  {key:<45} max abs err fwd {err['triton']['fwd']:.2e} bwd {err['triton']['bwd']:.2e}   "
+                f"(eager in this dtype: {err['eager']['fwd']:.2e} / {err['eager']['bwd']:.2e})  "
+                f"{'ok' if good else 'TOO LARGE'}"
+            )
     return ok
 
 
@@ -126,11 +159,14 @@ def training(args, rec):
     """A few AdamW steps of a small gated Llama on a padded batch, backend "sdpa" vs "triton" (float32)."""
     import quantgate as qg
 
-    preset, shape, batch, seq, steps, tol = (("tiny-llama", {"num_hidden_layers": 1}, 1, 16, 2, 1e-4) if args.dry_run
-                                             else ("small-llama", {}, 8, 256, 10, 1e-3))
+    preset, shape, batch, seq, steps, tol = (
+        ("tiny-llama", {"num_hidden_layers": 1}, 1, 16, 2, 1e-4)
+        if args.dry_run
+        else ("small-llama", {}, 8, 256, 10, 1e-3)
+    )
     ids = torch.randint(5, 8000, (batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
     attn = torch.ones_like(ids)
-    attn[-1, seq // 2:] = 0
+    attn[-1, seq // 2 :] = 0
     losses = {}
     for backend in ("sdpa", "triton"):
         model = qg.build(preset, "g1-elementwise", backend=backend, seed=0, **shape).to(args.device)
@@ -142,9 +178,9 @@ def training(args, rec):
             loss.backward()
             opt.step()
             losses[backend].append(loss.item())
-    diff = [abs(a - b) for a, b in zip(losses["sdpa"], losses["triton"])]
+    diff = [abs(a - b) for a, b in zip(losses["sdpa"], losses["triton"], strict=True)]
     print(f"  {preset}, g1-elementwise, batch {batch} x {seq}\n  step  sdpa        triton      |diff|")
-    for i, (a, b, e) in enumerate(zip(losses["sdpa"], losses["triton"], diff)):
+    for i, (a, b, e) in enumerate(zip(losses["sdpa"], losses["triton"], diff, strict=True)):
         print(f"  {i:>4}  {a:.6f}  {b:.6f}  {e:.1e}")
     rec["training"] = losses | {"max_diff": max(diff)}
     return max(diff) <= tol and losses["sdpa"][-1] < losses["sdpa"][0]
@@ -171,16 +207,24 @@ def sharded(args, rec):
     with tempfile.TemporaryDirectory() as tmp:
         qg.save(qg.build("tiny-llama", seed=0), f"{tmp}/ckpt")
         first = "cpu" if args.dry_run else 0
-        split = {"model.embed_tokens": first, "model.rotary_emb": first, "model.layers.0": first,
-                 "model.layers.1": "disk" if args.dry_run else "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+        split = {
+            "model.embed_tokens": first,
+            "model.rotary_emb": first,
+            "model.layers.0": first,
+            "model.layers.1": "disk" if args.dry_run else "cpu",
+            "model.norm": "cpu",
+            "lm_head": "cpu",
+        }
         whole = qg.load(f"{tmp}/ckpt").to(args.device)
         placed = qg.load(f"{tmp}/ckpt", placement=Placement(split, offload_folder=f"{tmp}/offload"))
         ids = torch.randint(5, 8000, (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             diff = _abs_max(whole(ids.to(args.device)).logits.cpu() - placed(ids.to(args.device)).logits.cpu())
             loss = [m(ids.to(args.device), labels=ids.to(args.device)).loss.item() for m in (whole, placed)]
-    print(f"  split {sorted(set(map(str, split.values())))}: max |logit difference| {diff:.2e}; "
-          f"perplexity {math.exp(loss[0]):.6f} whole, {math.exp(loss[1]):.6f} placed")
+    print(
+        f"  split {sorted(set(map(str, split.values())))}: max |logit difference| {diff:.2e}; "
+        f"perplexity {math.exp(loss[0]):.6f} whole, {math.exp(loss[1]):.6f} placed"
+    )
     rec["sharded"] = {"max_logit_diff": diff, "perplexity": [math.exp(x) for x in loss]}
     return diff <= 1e-4 and math.isclose(loss[0], loss[1], rel_tol=1e-5)
 
@@ -197,7 +241,8 @@ def ray_study(args, rec):
 
     data = "{data: backcopy, batches: 1, seq_len: 64, batch_size: 2}"  # backcopy: scored without lm-eval
     study = (
-        "name: gpu-ray\nseed: 0\nmodels:\n  - name: tiny\n    preset: tiny-llama\n    variants: [vanilla, g1-headwise]\n"
+        "name: gpu-ray\nseed: 0\nmodels:\n  - name: tiny\n    preset: tiny-llama\n"
+        "    variants: [vanilla, g1-headwise]\n"
         "    resources: {gpus: 1, cpus: 1}\n    train: {data: backcopy, steps: 50, batch_size: 4, seq_len: 64, "
         f"eval_every: 0, observe_every: 0}}\nschemes: [w8a8-int8-dynamic]\ncalibration: {data}\nobserve: {data}\n"
         "eval: {tasks: [quantgate_backcopy], limit: {quantgate_backcopy: 4}}\n"
@@ -208,7 +253,7 @@ def ray_study(args, rec):
     ppl = {ex: [c.float_results["quantgate_backcopy"]["perplexity"] for c in r.cells] for ex, r in runs.items()}
     print(f"  perplexity per cell: serial {ppl['serial']}, ray {ppl['ray']}")
     rec["ray_study"] = ppl
-    return all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(ppl["serial"], ppl["ray"]))
+    return all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(ppl["serial"], ppl["ray"], strict=True))
 
 
 def fsdp(args, rec):
@@ -219,14 +264,33 @@ def fsdp(args, rec):
 
     from safetensors.torch import load_file
 
-    config = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
-              "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer"}  # what accelerate launch --use_fsdp exports
+    config = {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+    }  # what accelerate launch --use_fsdp exports
     diffs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
-                        str(ROOT / "tests/_fsdp_train.py"), tmp], check=True, env={**os.environ, **config}, cwd=ROOT)
-        for name in ("model/model.safetensors", "checkpoints/step-8/model.safetensors",
-                     "checkpoints/step-8/optimizer.safetensors"):
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "1",
+                str(ROOT / "tests/_fsdp_train.py"),
+                tmp,
+            ],
+            check=True,
+            env={**os.environ, **config},
+            cwd=ROOT,
+        )
+        for name in (
+            "model/model.safetensors",
+            "checkpoints/step-8/model.safetensors",
+            "checkpoints/step-8/optimizer.safetensors",
+        ):
             a, b = load_file(f"{tmp}/straight/{name}"), load_file(f"{tmp}/resumed/{name}")
             diffs[name] = max(_abs_max(a[k].double() - b[k].double()) for k in a) if a.keys() == b.keys() else math.inf
     print("\n".join(f"  {name}: max |straight - resumed| {d:.1e}" for name, d in diffs.items()))

@@ -29,17 +29,23 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load_or_build(args.model, None)
     tok = qg.tokenizer(model)
-    runs = {name: qg.evaluate(m, tok, ["quantgate_ppl"], limit=args.docs, batch_size=1)["documents"]["quantgate_ppl"]
-            for name, m in (("float", model), ("quant", qg.quantize(model, args.scheme)))}
+    runs = {
+        name: qg.evaluate(m, tok, ["quantgate_ppl"], limit=args.docs, batch_size=1)["documents"]["quantgate_ppl"]
+        for name, m in (("float", model), ("quant", qg.quantize(model, args.scheme)))
+    }
     print(f"{args.model}, {args.scheme} vs float, quantgate_ppl, 95% paired interval over the first k documents")
-    print("| docs | works | tokens | word perplexity change [95% CI] | width (pp) | interval | byte perplexity change "
-          "[95% CI] |\n|---|---|---|---|---|---|---|")
+    print(
+        "| docs | works | tokens | word perplexity change [95% CI] | width (pp) | interval | byte perplexity change "
+        "[95% CI] |\n|---|---|---|---|---|---|---|"
+    )
     for k in (k for k in PREFIXES if k <= len(runs["float"]["ids"])):
         first = {name: {c: v[:k] for c, v in docs.items()} for name, docs in runs.items()}
         word, byte = (paired_delta(first["float"], first["quant"], m) for m in ("word_perplexity", "byte_perplexity"))
         width = "-" if word.low is None else f"{100 * (word.high - word.low):.2f}"
-        print(f"| {k} | {len(set(first['float']['works']))} | {sum(first['float']['tokens']):,} | {word} | {width} | "
-              f"{interval_method(k)} | {byte} |")
+        print(
+            f"| {k} | {len(set(first['float']['works']))} | {sum(first['float']['tokens']):,} | {word} | {width} | "
+            f"{interval_method(k)} | {byte} |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(cmd, check=True, env=env)
         wall = time.perf_counter() - start
     cells = read_metrics(out).cells
-    print(f"main job: {wall:.0f} s wall = {wall / BUDGET_S:.2f}x the {BUDGET_S / 60:.0f}-minute budget "
-          f"({'empty' if args.fresh_cache else 'warm'} quantgate cache, {os.cpu_count()} CPUs); steps per cell:")
+    print(
+        f"main job: {wall:.0f} s wall = {wall / BUDGET_S:.2f}x the {BUDGET_S / 60:.0f}-minute budget "
+        f"({'empty' if args.fresh_cache else 'warm'} quantgate cache, {os.cpu_count()} CPUs); steps per cell:"
+    )
     for c in cells:
         print(f"  {c.id}: {c.seconds:.0f} s")
 

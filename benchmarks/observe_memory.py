@@ -69,15 +69,13 @@ def measure(mode: str, model_name: str, n: int) -> dict:
         fh.write("5")  # reset the peak RSS (VmHWM) to the current RSS
     t0 = time.perf_counter()
     run(ids)
-    return {"mib": (kib("VmHWM") - base) / 1024, "s": time.perf_counter() - t0,
-            "model_mib": base / 1024}
+    return {"mib": (kib("VmHWM") - base) / 1024, "s": time.perf_counter() - t0, "model_mib": base / 1024}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="preset, packaged model or directory")
-    ap.add_argument("--modes", nargs="+", default=["observe", "base"],
-                    choices=["observe", "base", "forward", "eager"])
+    ap.add_argument("--modes", nargs="+", default=["observe", "base"], choices=["observe", "base", "forward", "eager"])
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -89,8 +87,9 @@ def main() -> None:
     rows = {}
     for n in args.lengths:
         for mode in args.modes:
-            out = subprocess.run([sys.executable, __file__, "--child", mode, args.model, str(n)], capture_output=True,
-                                 text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", mode, args.model, str(n)], capture_output=True, text=True
+            )
             if out.returncode:
                 print(f"{mode} at {n} tokens failed (exit {out.returncode}): {out.stderr.strip()[-300:]}")
                 rows[n, mode] = None
@@ -99,8 +98,10 @@ def main() -> None:
             print(f"{mode} at {n} tokens: {rows[n, mode]}", file=sys.stderr, flush=True)  # progress
     done = [r for r in rows.values() if r]
     total = kib("MemTotal", "/proc/meminfo") / 1024
-    print(f"{args.model}, batch 1, {args.modes}; peak RSS growth over the loaded model "
-          f"({done[0]['model_mib']:.0f} MiB resident after loading and warm-up) in MiB; machine memory {total:.0f} MiB")
+    print(
+        f"{args.model}, batch 1, {args.modes}; peak RSS growth over the loaded model "
+        f"({done[0]['model_mib']:.0f} MiB resident after loading and warm-up) in MiB; machine memory {total:.0f} MiB"
+    )
     print("| tokens | " + " | ".join(f"{m} MiB | {m} MiB/1k tok | {m} s" for m in args.modes) + " |")
     print("|---|" + "---|---|---|" * len(args.modes))
     for i, n in enumerate(args.lengths):
@@ -108,8 +109,11 @@ def main() -> None:
         for mode in args.modes:
             r, prev = rows[n, mode], rows.get((args.lengths[i - 1], mode)) if i else None
             slope = (r["mib"] - prev["mib"]) / ((n - args.lengths[i - 1]) / 1024) if r and prev else None
-            cells += [f"{r['mib']:.0f}" if r else "failed", f"{slope:.1f}" if slope is not None else "-",
-                      f"{r['s']:.1f}" if r else "-"]
+            cells += [
+                f"{r['mib']:.0f}" if r else "failed",
+                f"{slope:.1f}" if slope is not None else "-",
+                f"{r['s']:.1f}" if r else "-",
+            ]
         print(f"| {n} | " + " | ".join(cells) + " |")
     if "eager" in args.modes and len(args.lengths) > 1:
         (n1, n2) = args.lengths[-2:]
@@ -117,8 +121,10 @@ def main() -> None:
         a = (e2["mib"] - e1["mib"]) / (n2**2 - n1**2) if e1 and e2 else 0.0  # eager grows as a * N^2
         if a > 0:
             limit = math.sqrt(max(total - e2["mib"] + a * n2**2, 0) / a)
-            print(f"eager grows ~{a * 1024**2:.0f} MiB per (1k tokens)^2: it would exceed {total:.0f} MiB near "
-                  f"N = {limit:,.0f} tokens")
+            print(
+                f"eager grows ~{a * 1024**2:.0f} MiB per (1k tokens)^2: it would exceed {total:.0f} MiB near "
+                f"N = {limit:,.0f} tokens"
+            )
     print(f"benchmark wall time {time.perf_counter() - t0:.0f} s")
 
 

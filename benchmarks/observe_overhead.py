@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from quantgate.checkpoint import load_or_build
 
     model = load_or_build(args.model, args.variant).eval()
-    data = list(batches(qg.tokenizer(model), "validation", args.seq_len, args.batch_size,
-                        max_batches=args.batches))
+    data = list(batches(qg.tokenizer(model), "validation", args.seq_len, args.batch_size, max_batches=args.batches))
 
     def forward(i: int):
         with torch.no_grad():
@@ -41,10 +40,14 @@ def main(argv: list[str] | None = None) -> None:
                 model(**b)
 
     times = round_robin({"forward": forward, "observe": lambda i: observe(model, data, progress=False)}, args.rounds)
-    print(f"{args.model} ({qg.variant_of(model)}), {args.batches} batches of {args.batch_size} x {args.seq_len}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} round-robin rounds")
-    print(f"plain forward {median_time(times, 'forward'):.2f} s | observe {median_time(times, 'observe'):.2f} s per "
-          f"pass | ratio {ratio(times, 'observe', 'forward')} (target <= 1.5x)")
+    print(
+        f"{args.model} ({qg.variant_of(model)}), {args.batches} batches of {args.batch_size} x {args.seq_len}, "
+        f"{torch.get_num_threads()} threads, {args.rounds} round-robin rounds"
+    )
+    print(
+        f"plain forward {median_time(times, 'forward'):.2f} s | observe {median_time(times, 'observe'):.2f} s per "
+        f"pass | ratio {ratio(times, 'observe', 'forward')} (target <= 1.5x)"
+    )
 
 
 if __name__ == "__main__":

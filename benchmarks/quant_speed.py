@@ -22,12 +22,26 @@ from roundrobin import median_time, ratio, round_robin
 import quantgate as qg
 from quantgate.data import batches
 
-SCHEMES = ["w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-int8-dynamic", "w8a8-fp8-e4m3",
-           "torchao-int8-dynamic", "torchao-int8-weight-only", "llm-int8",
-           # the mitigations and block-scaled formats (experiments/mitigations.yaml)
-           "w8a8-int8-static:smooth=0.5", "w8a8-int8-static:rotate=residual", "w8a8-int8-static:rotate=online",
-           "w8a8-int8-static:keep=auto", "w8a8-mxfp8", "w4a4-mxfp4", "w4a4-nvfp4", "w4a4-fp4-e2m1", "kv4-int4",
-           "kv4-int4:sink=1"]
+SCHEMES = [
+    "w8a8-int8-static",
+    "w8a8-int8-bondarenko",
+    "w8a8-int8-dynamic",
+    "w8a8-fp8-e4m3",
+    "torchao-int8-dynamic",
+    "torchao-int8-weight-only",
+    "llm-int8",
+    # the mitigations and block-scaled formats (experiments/mitigations.yaml)
+    "w8a8-int8-static:smooth=0.5",
+    "w8a8-int8-static:rotate=residual",
+    "w8a8-int8-static:rotate=online",
+    "w8a8-int8-static:keep=auto",
+    "w8a8-mxfp8",
+    "w4a4-mxfp4",
+    "w4a4-nvfp4",
+    "w4a4-fp4-e2m1",
+    "kv4-int4",
+    "kv4-int4:sink=1",
+]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
 
     model = load_or_build(args.model, None).eval()
     tok = qg.tokenizer(model)
-    data = [{k: v for k, v in b.items() if k != "labels"}
-            for b in batches(tok, "validation", args.seq_len, args.batch_size, max_batches=args.batches)]
+    data = [
+        {k: v for k, v in b.items() if k != "labels"}
+        for b in batches(tok, "validation", args.seq_len, args.batch_size, max_batches=args.batches)
+    ]
     calib = batches(tok, "train", args.seq_len, args.batch_size)
     models = {"float": model}
     for name in args.schemes:
@@ -56,11 +72,14 @@ def main(argv: list[str] | None = None) -> None:
         def run(i: int):
             with torch.no_grad():
                 m(**data[i % len(data)])
+
         return run
 
     times = round_robin({name: forward(m) for name, m in models.items()}, args.rounds)
-    print(f"{args.model}, batches of {args.batch_size} x {args.seq_len}, {torch.get_num_threads()} threads, "
-          f"{args.rounds} round-robin rounds; float forward {median_time(times, 'float') * 1e3:.0f} ms per batch")
+    print(
+        f"{args.model}, batches of {args.batch_size} x {args.seq_len}, {torch.get_num_threads()} threads, "
+        f"{args.rounds} round-robin rounds; float forward {median_time(times, 'float') * 1e3:.0f} ms per batch"
+    )
     print("| scheme | ms per batch | x float (median per round, IQR) |\n|---|---|---|")
     for name in args.schemes:
         print(f"| {name} | {median_time(times, name) * 1e3:.0f} | {ratio(times, name, 'float')} |")

@@ -30,7 +30,7 @@ def round_robin(sides: dict[str, Callable[[int], object]], rounds: int, warmup: 
 
 def ratio(times: dict[str, list[float]], side: str, base: str) -> str:
     """``side`` / ``base`` per round: ``"1.42x (IQR 1.38-1.47 over 20 rounds)"``."""
-    r = sorted(a / b for a, b in zip(times[side], times[base]))
+    r = sorted(a / b for a, b in zip(times[side], times[base], strict=True))
     if len(r) < 4:
         return f"{statistics.median(r):.2f}x (range {r[0]:.2f}-{r[-1]:.2f} over {len(r)} rounds)"
     q1, _, q3 = statistics.quantiles(r, n=4)

@@ -178,8 +178,12 @@ def report(rows: dict, dtypes: list[str], tokens: list[int], models: list[str], 
         "",
     ]
     for dtype in dtypes:
-        lines += [f"## {dtype}", "", "| model | params | model GB | tokens | " + " | ".join(steps) + " |",
-                  "|---|---|---|---|" + "---|" * len(steps)]
+        lines += [
+            f"## {dtype}",
+            "",
+            "| model | params | model GB | tokens | " + " | ".join(steps) + " |",
+            "|---|---|---|---|" + "---|" * len(steps),
+        ]
         for name in models:
             for n in tokens:
                 r = {s: rows.get((name, dtype, n, s)) for s in steps}
@@ -198,32 +202,54 @@ def report(rows: dict, dtypes: list[str], tokens: list[int], models: list[str], 
                         cells.append(f"{mem}, {x['s']:.1f} s")
                     else:
                         cells.append(f"{mem}, {x['s'] / fwd['s']:.2f}x time")
-                lines.append(f"| {name} | {ref['params'] / 1e9:.3f} B | {ref['model_bytes'] / 1e9:.2f} | {n} | "
-                             + " | ".join(cells) + " |")
+                lines.append(
+                    f"| {name} | {ref['params'] / 1e9:.3f} B | {ref['model_bytes'] / 1e9:.2f} | {n} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
         lines.append("")
-        fwd_rates = [(name, n, rows[(name, dtype, n, "forward")]) for name in models for n in tokens
-                     if rows.get((name, dtype, n, "forward"))]
-        lines.append("Forward throughput: " + "; ".join(f"{name} at {n} tokens {n / x['s']:,.0f} tokens/s"
-                                                         for name, n, x in fwd_rates) + ".")
+        fwd_rates = [
+            (name, n, rows[(name, dtype, n, "forward")])
+            for name in models
+            for n in tokens
+            if rows.get((name, dtype, n, "forward"))
+        ]
+        lines.append(
+            "Forward throughput: "
+            + "; ".join(f"{name} at {n} tokens {n / x['s']:,.0f} tokens/s" for name, n, x in fwd_rates)
+            + "."
+        )
         lines.append("")
-    lines += ["## The fit: peak bytes = a x model bytes + b x tokens", "",
-              "| dtype | step | a | b (MB per 1k tokens) | worst residual |", "|---|---|---|---|---|"]
+    lines += [
+        "## The fit: peak bytes = a x model bytes + b x tokens",
+        "",
+        "| dtype | step | a | b (MB per 1k tokens) | worst residual |",
+        "|---|---|---|---|---|",
+    ]
     fits = {}
     for dtype in dtypes:
         for s in steps:
-            pts = [(x["model_bytes"], n, x["peak"]) for name in models for n in tokens
-                   if (x := rows.get((name, dtype, n, s)))]
+            pts = [
+                (x["model_bytes"], n, x["peak"])
+                for name in models
+                for n in tokens
+                if (x := rows.get((name, dtype, n, s)))
+            ]
             if len(pts) >= 3 and len({p[1] for p in pts}) > 1 and len({p[0] for p in pts}) > 1:
                 a, b, worst = fit(pts)
                 fits[dtype, s] = (a, b)
                 lines.append(f"| {dtype} | {s} | {a:.2f} | {b * 1024 / 1e6:.2f} | {worst:.0%} |")
-    lines += ["", "b is fitted across models of different width and vocabulary; per-token activations grow with both "
-              "(eval's float32 log-softmax over the vocabulary most), so b holds for models like these, and the a x "
-              "model bytes term carries the extrapolation. Quantization reads its calibration tokens once: its b is "
-              "noise (negative where the fit says so). In place, its peak above the model is set by the float32 "
-              "temporaries of the largest single tensor (the quantizer's arithmetic is float32 whatever the model's "
-              "dtype; in bf16 that doubles them), which is the embedding table here (23-26% of these models, 6% of "
-              "an 8B Llama): a at 8B and 70B is an upper bound for in-place quantization.", ""]
+    lines += [
+        "",
+        "b is fitted across models of different width and vocabulary; per-token activations grow with both "
+        "(eval's float32 log-softmax over the vocabulary most), so b holds for models like these, and the a x "
+        "model bytes term carries the extrapolation. Quantization reads its calibration tokens once: its b is "
+        "noise (negative where the fit says so). In place, its peak above the model is set by the float32 "
+        "temporaries of the largest single tensor (the quantizer's arithmetic is float32 whatever the model's "
+        "dtype; in bf16 that doubles them), which is the embedding table here (23-26% of these models, 6% of "
+        "an 8B Llama): a at 8B and 70B is an upper bound for in-place quantization.",
+        "",
+    ]
     lines += _extrapolation(fits)
     return "\n".join(lines) + "\n"
 
@@ -232,8 +258,12 @@ def _extrapolation(fits: dict) -> list[str]:
     """What the fit predicts for 8B and 70B in bf16 on H200s: an extrapolation, marked as one."""
     if not any(d == "bfloat16" for d, _ in fits):
         return []
-    lines = ["## Extrapolation (not measured): bf16 on H200 GPUs (141 GB each), 8 x 2048 tokens per step", "",
-             "| model | step | predicted peak GB | H200s | with |", "|---|---|---|---|---|"]
+    lines = [
+        "## Extrapolation (not measured): bf16 on H200 GPUs (141 GB each), 8 x 2048 tokens per step",
+        "",
+        "| model | step | predicted peak GB | H200s | with |",
+        "|---|---|---|---|---|",
+    ]
     tokens = 8 * 2048
 
     def need(a: float, b: float, model_bytes: float) -> tuple[float, int]:
@@ -243,7 +273,7 @@ def _extrapolation(fits: dict) -> list[str]:
     for label, params in TARGETS.items():
         model_bytes = 2 * params
         for (dtype, s), (a, b) in fits.items():
-            if dtype != "bfloat16" or s.startswith("quantize") and "torchao" in s:
+            if dtype != "bfloat16" or (s.startswith("quantize") and "torchao" in s):
                 continue
             peak, gpus = need(a, b, model_bytes)
             how = "one GPU" if gpus == 1 else f"--device-map auto over {gpus} GPUs (or accelerate's max_memory)"
@@ -251,7 +281,7 @@ def _extrapolation(fits: dict) -> list[str]:
                 fewer = need(*fits[dtype, s.replace("copy", "inplace")], model_bytes)[1]
                 how += f"; in place (--inplace): {fewer}" if fewer < gpus else ""
             lines.append(f"| {label} | {s} | {_gb(peak)} | {gpus} | {how} |")
-    return lines + [""]
+    return [*lines, ""]
 
 
 def _machine() -> str:
@@ -260,8 +290,10 @@ def _machine() -> str:
 
     import torch
 
-    return (f"{platform.platform()}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), "
-            f"{kib('MemTotal', '/proc/meminfo') / 2**20:.0f} GiB, torch {torch.__version__}")
+    return (
+        f"{platform.platform()}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), "
+        f"{kib('MemTotal', '/proc/meminfo') / 2**20:.0f} GiB, torch {torch.__version__}"
+    )
 
 
 def main() -> None:
@@ -273,8 +305,11 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="tiny models, short sequences: seconds")
     ap.add_argument("--work", help="where the random-init checkpoints go (default: a temporary folder)")
     ap.add_argument("--out", default="results/bench", help="folder for scale-cpu.md and scale.json")
-    ap.add_argument("--report-only", action="store_true",
-                    help="the report from what earlier runs measured into --work (one run per model if need be)")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="the report from what earlier runs measured into --work (one run per model if need be)",
+    )
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -310,11 +345,22 @@ def main() -> None:
     suffix = "-dry-run" if args.dry_run else ""
     text = report(rows, args.dtypes, args.tokens, args.models, args.steps, time.perf_counter() - t0)
     if args.dry_run:
-        text = text.replace("\n\n", "\n\nDry run: models of a few MB, which the process's own allocations dwarf; "
-                            "these numbers test the code path, not the memory model.\n\n", 1)
+        text = text.replace(
+            "\n\n",
+            "\n\nDry run: models of a few MB, which the process's own allocations dwarf; "
+            "these numbers test the code path, not the memory model.\n\n",
+            1,
+        )
     (out / f"scale-cpu{suffix}.md").write_text(text)
-    (out / f"scale{suffix}.json").write_text(json.dumps([{"model": k[0], "dtype": k[1], "tokens": k[2], "step": k[3],
-                                                          **(v or {"failed": True})} for k, v in rows.items()], indent=1))
+    (out / f"scale{suffix}.json").write_text(
+        json.dumps(
+            [
+                {"model": k[0], "dtype": k[1], "tokens": k[2], "step": k[3], **(v or {"failed": True})}
+                for k, v in rows.items()
+            ],
+            indent=1,
+        )
+    )
     print(text)
     print(f"wrote {out / f'scale-cpu{suffix}.md'}")
 

@@ -18,10 +18,20 @@ import torch
 from roundrobin import median_time, ratio, round_robin
 
 import quantgate as qg
-from quantgate.train import TrainConfig, _param_groups
+from quantgate.train import TrainConfig, param_groups
 
-VARIANTS = ["vanilla", "g1-elementwise", "g1-headwise", "g1-headshared", "g2-value", "g5-output", "bondarenko",
-            "hyga:low_rank=16", "sink", "clipped"]
+VARIANTS = [
+    "vanilla",
+    "g1-elementwise",
+    "g1-headwise",
+    "g1-headshared",
+    "g2-value",
+    "g5-output",
+    "bondarenko",
+    "hyga:low_rank=16",
+    "sink",
+    "clipped",
+]
 
 
 def main() -> None:
@@ -37,9 +47,12 @@ def main() -> None:
     runs = {}
     for v in args.variants:
         model = qg.build(args.preset, v, seed=0).train()
-        runs[v] = (model, torch.optim.AdamW(_param_groups(model, config), lr=config.lr, betas=config.betas))
-    data = list(qg.data.batches(qg.tokenizer(args.preset), "train", args.seq_len, args.batch_size,
-                                max_batches=args.rounds + args.warmup))
+        runs[v] = (model, torch.optim.AdamW(param_groups(model, config), lr=config.lr, betas=config.betas))
+    data = list(
+        qg.data.batches(
+            qg.tokenizer(args.preset), "train", args.seq_len, args.batch_size, max_batches=args.rounds + args.warmup
+        )
+    )
 
     def step(model, opt):
         def run(i: int):
@@ -47,19 +60,26 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return run
 
     times = round_robin({v: step(*run) for v, run in runs.items()}, args.rounds, args.warmup)
     tokens = args.batch_size * args.seq_len
     base = tokens / median_time(times, "vanilla")
-    print(f"{args.preset}, {args.batch_size} x {args.seq_len} tokens per step, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds} round-robin steps after {args.warmup} warm-up")
-    print("| variant | tokens/s | x vanilla | slower by | step time x vanilla (median per round, IQR) |\n"
-          "|---|---|---|---|---|")
+    print(
+        f"{args.preset}, {args.batch_size} x {args.seq_len} tokens per step, {torch.get_num_threads()} threads, "
+        f"median of {args.rounds} round-robin steps after {args.warmup} warm-up"
+    )
+    print(
+        "| variant | tokens/s | x vanilla | slower by | step time x vanilla (median per round, IQR) |\n"
+        "|---|---|---|---|---|"
+    )
     for v in times:
         rate = tokens / median_time(times, v)
-        print(f"| {v} | {rate:,.0f} | {rate / base:.3f} | {100 * (1 - rate / base):+.1f}% | "
-              f"{ratio(times, v, 'vanilla')} |")
+        print(
+            f"| {v} | {rate:,.0f} | {rate / base:.3f} | {100 * (1 - rate / base):+.1f}% | "
+            f"{ratio(times, v, 'vanilla')} |"
+        )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,21 @@ import torch
 
 import quantgate as qg
 
-VARIANTS = ["vanilla", "clipped", "sink", "g1-elementwise", "g1-headwise", "g1-headshared", "g1-constant",
-            "g1-ns-sigmoid", "g2-value", "g5-output", "bondarenko", "hyga", "hyga:low_rank=16+sink"]
+VARIANTS = [
+    "vanilla",
+    "clipped",
+    "sink",
+    "g1-elementwise",
+    "g1-headwise",
+    "g1-headshared",
+    "g1-constant",
+    "g1-ns-sigmoid",
+    "g2-value",
+    "g5-output",
+    "bondarenko",
+    "hyga",
+    "hyga:low_rank=16+sink",
+]
 
 
 def step(model, ids):
@@ -51,8 +64,10 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     args = ap.parse_args()
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} x seq {args.seq}, "
-          f"backend {args.backend}, median of {args.rounds} rounds")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch} x seq {args.seq}, "
+        f"backend {args.backend}, median of {args.rounds} rounds"
+    )
     for preset in args.presets:
         ms = bench(preset, args.variants, args.batch, args.seq, args.rounds, args.backend)
         base = ms["vanilla"] if "vanilla" in ms else min(ms.values())

@@ -24,11 +24,13 @@ COMMON = {"data": "backcopy", "batch_size": 16, "seq_len": 128, "eval_batches": 
 CANDIDATES = {
     "tiny-2L-cosine": ("tiny-llama", {}, {"steps": 800, "lr": 3e-3, "observe_every": 100}),
     "small-4L-cosine": ("small-llama", {}, {"steps": 400, "lr": 1e-3, "observe_every": 50}),
-    "tiny-2L-constant-hi": ("tiny-llama", {}, {"steps": 800, "lr": 1e-2, "schedule": "constant",
-                                               "observe_every": 100}),
+    "tiny-2L-constant-hi": ("tiny-llama", {}, {"steps": 800, "lr": 1e-2, "schedule": "constant", "observe_every": 100}),
 }
-SMOKE = {name: (p, o, {**t, "steps": 6, "observe_every": 3})  # the tiny candidates, a few steps
-         for name, (p, o, t) in CANDIDATES.items() if p == "tiny-llama"}
+SMOKE = {
+    name: (p, o, {**t, "steps": 6, "observe_every": 3})  # the tiny candidates, a few steps
+    for name, (p, o, t) in CANDIDATES.items()
+    if p == "tiny-llama"
+}
 
 
 def run(name: str, preset: str, overrides: dict, settings: dict, out: Path) -> dict:
@@ -42,13 +44,26 @@ def run(name: str, preset: str, overrides: dict, settings: dict, out: Path) -> d
     recs = [json.loads(line) for line in (out / "train" / "log.jsonl").read_text().splitlines()]
     obs = [r for r in recs if r["event"] == "observe"]
     last = obs[-1]
-    summary = {"name": name, "preset": preset, "overrides": overrides, "settings": {**COMMON, **settings},
-               "seconds": seconds, "tokens": [r for r in recs if r["event"] == "train"][-1]["tokens"],
-               "final_eval_loss": [r for r in recs if r["event"] == "eval"][-1]["loss"],
-               "max_layer_sink": max(L["sink_mass"] for L in last["layers"]),
-               "max_median_ratio": last["max_median_ratio"], "max_activation": last["max_activation"],
-               "curve": [{"step": r["step"], "max_layer_sink": max(L["sink_mass"] for L in r["layers"]),
-                          "max_median_ratio": r["max_median_ratio"]} for r in obs]}
+    summary = {
+        "name": name,
+        "preset": preset,
+        "overrides": overrides,
+        "settings": {**COMMON, **settings},
+        "seconds": seconds,
+        "tokens": [r for r in recs if r["event"] == "train"][-1]["tokens"],
+        "final_eval_loss": [r for r in recs if r["event"] == "eval"][-1]["loss"],
+        "max_layer_sink": max(L["sink_mass"] for L in last["layers"]),
+        "max_median_ratio": last["max_median_ratio"],
+        "max_activation": last["max_activation"],
+        "curve": [
+            {
+                "step": r["step"],
+                "max_layer_sink": max(L["sink_mass"] for L in r["layers"]),
+                "max_median_ratio": r["max_median_ratio"],
+            }
+            for r in obs
+        ],
+    }
     done.write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -56,17 +71,24 @@ def run(name: str, preset: str, overrides: dict, settings: dict, out: Path) -> d
 def write(results: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
-    lines = ["# CPU recipe search: which cheap setup grows a sink in an ungated tiny model?", "",
-             "Ungated (vanilla) models, seed 0, bigram-backcopy task, batch 16 x 128 tokens; numbers from the last "
-             "observe pass of training (held-out backcopy sequences). Target: first-token attention >= 0.3 in some "
-             "layer and residual max / median >= 50.", "",
-             "| candidate | preset, overrides | steps, lr, schedule | tokens | train s | held-out loss | "
-             "max layer first-token attn | residual max / median | max activation |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# CPU recipe search: which cheap setup grows a sink in an ungated tiny model?",
+        "",
+        "Ungated (vanilla) models, seed 0, bigram-backcopy task, batch 16 x 128 tokens; numbers from the last "
+        "observe pass of training (held-out backcopy sequences). Target: first-token attention >= 0.3 in some "
+        "layer and residual max / median >= 50.",
+        "",
+        "| candidate | preset, overrides | steps, lr, schedule | tokens | train s | held-out loss | "
+        "max layer first-token attn | residual max / median | max activation |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         s = r["settings"]
-        lines.append(f"| {r['name']} | {r['preset']} {r['overrides'] or ''} | {s['steps']}, {s['lr']}, "
-                     f"{s.get('schedule', 'cosine')} | {r['tokens']:,} | {r['seconds']:.0f} | {r['final_eval_loss']:.3f} | "
-                     f"{r['max_layer_sink']:.3f} | {r['max_median_ratio']:.1f} | {r['max_activation']:.1f} |")
+        lines.append(
+            f"| {r['name']} | {r['preset']} {r['overrides'] or ''} | {s['steps']}, {s['lr']}, "
+            f"{s.get('schedule', 'cosine')} | {r['tokens']:,} | {r['seconds']:.0f} | {r['final_eval_loss']:.3f} | "
+            f"{r['max_layer_sink']:.3f} | {r['max_median_ratio']:.1f} | {r['max_activation']:.1f} |"
+        )
     (out / "search.md").write_text("\n".join(lines) + "\n")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for r in results:

@@ -103,7 +103,7 @@ def lm_eval_ppl(path: Path, limit: int, out: Path) -> float:
     args = f"pretrained={path},dtype=float32,add_bos_token=False,max_length={WINDOW}"
     cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", args, "--tasks", "quantgate_ppl"]
     cmd += ["--include_path", str(ROOT / "quantgate" / "tasks"), "--limit", str(limit), "--batch_size", "8"]
-    subprocess.run(cmd + ["--output_path", str(out)], check=True, capture_output=True, text=True)
+    subprocess.run([*cmd, "--output_path", str(out)], check=True, capture_output=True, text=True)
     (results,) = out.rglob("results_*.json")
     metrics = json.loads(results.read_text())["results"]["quantgate_ppl"]
     return float(next(v for k, v in metrics.items() if re.fullmatch("word_perplexity,none", k)))

@@ -79,25 +79,70 @@ RESERVE_S = 75  # kept after training for observe, calibration and 8 evaluations
 MIN_STEPS = 200  # the least a CUDA run trains, whatever the budget
 PROBE_STEPS = 20
 # d = 512, 6 layers, 8 heads of 64 (MHA), FFN 3 x d: small-llama's shape, widened
-FULL = {"preset": "small-llama", "config": {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8,
-                                            "num_key_value_heads": 8, "intermediate_size": 1536},
-        "seq_len": 512, "batch_size": 32, "lr": 1e-3, "mixed_precision": "bf16", "limit": 24, "calib": 16,
-        "calib_batch": 8, "observe_batches": 8, "observe_batch": 8, "eval_batch": 32, "probe_steps": PROBE_STEPS,
-        "min_steps": MIN_STEPS, "max_steps": None, "reserve_s": RESERVE_S, "eval_batches": 4}
-DRY = {"preset": "tiny-llama", "config": {}, "seq_len": 32, "batch_size": 4, "lr": 1e-2, "mixed_precision": "no",
-       "limit": 2, "calib": 2, "calib_batch": 4, "observe_batches": 2, "observe_batch": 4, "eval_batch": 64,
-       "probe_steps": 3, "min_steps": 2, "max_steps": 6, "reserve_s": 0, "eval_batches": 1}
+FULL = {
+    "preset": "small-llama",
+    "config": {
+        "hidden_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 1536,
+    },
+    "seq_len": 512,
+    "batch_size": 32,
+    "lr": 1e-3,
+    "mixed_precision": "bf16",
+    "limit": 24,
+    "calib": 16,
+    "calib_batch": 8,
+    "observe_batches": 8,
+    "observe_batch": 8,
+    "eval_batch": 32,
+    "probe_steps": PROBE_STEPS,
+    "min_steps": MIN_STEPS,
+    "max_steps": None,
+    "reserve_s": RESERVE_S,
+    "eval_batches": 4,
+}
+DRY = {
+    "preset": "tiny-llama",
+    "config": {},
+    "seq_len": 32,
+    "batch_size": 4,
+    "lr": 1e-2,
+    "mixed_precision": "no",
+    "limit": 2,
+    "calib": 2,
+    "calib_batch": 4,
+    "observe_batches": 2,
+    "observe_batch": 4,
+    "eval_batch": 64,
+    "probe_steps": 3,
+    "min_steps": 2,
+    "max_steps": 6,
+    "reserve_s": 0,
+    "eval_batches": 1,
+}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", "--smoke", dest="dry_run", action="store_true",
-                    help="the whole pipeline on a CPU in seconds: tiny-llama, 32-token rows, a few steps, 2 documents")
+    ap.add_argument(
+        "--dry-run",
+        "--smoke",
+        dest="dry_run",
+        action="store_true",
+        help="the whole pipeline on a CPU in seconds: tiny-llama, 32-token rows, a few steps, 2 documents",
+    )
     ap.add_argument("--out", default="results/gpu_twins", help="folder for report.md, metrics.json and the plots")
     ap.add_argument("--steps", default="auto", help="optimizer steps per model, or auto (sized to --budget-s)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="wall-clock seconds for the whole script, which --steps auto sizes the training to "
-                         "(default 270; dry run 60)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock seconds for the whole script, which --steps auto sizes the training to "
+        "(default 270; dry run 60)",
+    )
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3; dry run 1e-2)")
     ap.add_argument("--seq-len", type=int, default=None, help="training and evaluation length (default 512)")
     ap.add_argument("--limit", type=int, default=None, help="quantgate_ppl test documents (default 24; dry run 2)")
@@ -112,8 +157,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        print("gpu_twins: no CUDA device here; the full run trains two 6-layer d=512 models (minutes on an H200, "
-              "hours on a CPU): run it on a GPU, or pass --dry-run", file=sys.stderr)
+        print(
+            "gpu_twins: no CUDA device here; the full run trains two 6-layer d=512 models (minutes on an H200, "
+            "hours on a CPU): run it on a GPU, or pass --dry-run",
+            file=sys.stderr,
+        )
         return 2
     t_start = time.perf_counter()
     import quantgate as qg  # after the check: the refusal needs no quantgate import
@@ -147,11 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_twins: {steps} steps a model ({steps * cfg['batch_size'] * cfg['seq_len']:,} tokens)", flush=True)
         save()
         docs = held_out_documents(qg, cfg["limit"])
-        calibration = list(qg.data.batches(tok, "train", cfg["seq_len"], cfg["calib_batch"], "clm", seed=1,
-                                           shuffle=True, max_batches=cfg["calib"]))
-        observe_data = [{k: b[k] for k in ("input_ids", "attention_mask")} for b in
-                        qg.data.batches(tok, "validation", cfg["seq_len"], cfg["observe_batch"], "clm",
-                                        max_batches=cfg["observe_batches"])]
+        calibration = list(
+            qg.data.batches(
+                tok, "train", cfg["seq_len"], cfg["calib_batch"], "clm", seed=1, shuffle=True, max_batches=cfg["calib"]
+            )
+        )
+        observe_data = [
+            {k: b[k] for k in ("input_ids", "attention_mask")}
+            for b in qg.data.batches(
+                tok, "validation", cfg["seq_len"], cfg["observe_batch"], "clm", max_batches=cfg["observe_batches"]
+            )
+        ]
         models = {}
         for variant in VARIANTS:
             t = time.perf_counter()
@@ -159,9 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             timings[f"train_{variant}_s"] = time.perf_counter() - t
             rec["models"][variant] = {"train": training_record(work / variant, kept=bool(args.work))}
             save()
-        rec["documents"] = {"ids": list(range(len(docs))), "names": [d.id for d in docs],
-                            "works": [d.work for d in docs],
-                            "tokens": [len(tok(d.text, add_special_tokens=False).input_ids) for d in docs]}
+        rec["documents"] = {
+            "ids": list(range(len(docs))),
+            "names": [d.id for d in docs],
+            "works": [d.work for d in docs],
+            "tokens": [len(tok(d.text, add_special_tokens=False).input_ids) for d in docs],
+        }
         failed = False
         for variant, m in models.items():
             t = time.perf_counter()
@@ -172,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 try:
                     target = m if setting == "float" else quantized(qg, m, setting, calibration, cfg["calib"])
-                    evals[setting] = {"documents": ppl_documents(target, tok, docs, cfg["seq_len"], cfg["eval_batch"],
-                                                                 desc=f"eval {variant} {setting}")}
+                    evals[setting] = {
+                        "documents": ppl_documents(
+                            target, tok, docs, cfg["seq_len"], cfg["eval_batch"], desc=f"eval {variant} {setting}"
+                        )
+                    }
                     evals[setting]["perplexity"] = qg_stats().aggregate(evals[setting]["documents"], "perplexity")
                     del target
                 except Exception as e:  # one scheme failing must not lose the others
@@ -210,11 +270,24 @@ def train_config(cfg: dict, steps: int, out: Path | None, eval_data: str | None 
     from quantgate.train import TrainConfig
 
     every = steps // 10  # 0 (a short run): only at the end
-    return TrainConfig(steps=steps, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], lr=cfg["lr"],
-                       schedule="cosine", warmup=0.05, data="train", eval_data=eval_data, eval_every=every,
-                       observe_every=every, eval_batches=cfg["eval_batches"], log_every=max(1, steps // 200),
-                       seed=cfg["seed"], mixed_precision=cfg["mixed_precision"], out=str(out) if out else None,
-                       overwrite=True)
+    return TrainConfig(
+        steps=steps,
+        batch_size=cfg["batch_size"],
+        seq_len=cfg["seq_len"],
+        lr=cfg["lr"],
+        schedule="cosine",
+        warmup=0.05,
+        data="train",
+        eval_data=eval_data,
+        eval_every=every,
+        observe_every=every,
+        eval_batches=cfg["eval_batches"],
+        log_every=max(1, steps // 200),
+        seed=cfg["seed"],
+        mixed_precision=cfg["mixed_precision"],
+        out=str(out) if out else None,
+        overwrite=True,
+    )
 
 
 def train_one(qg, cfg: dict, variant: str, tok, run_dir: Path):
@@ -258,10 +331,14 @@ def probe(qg, cfg: dict, tok) -> dict:
     train(build(qg, cfg, VARIANTS[-1]), tok, data=data, config=c)
     total = time.perf_counter() - t0
     gaps = [b - a for a, b in itertools.pairwise(data.stamps)]
-    step = statistics.median(gaps[len(gaps) // 2:]) if gaps else total
-    return {"steps": cfg["probe_steps"], "seconds": total, "step_s": step,
-            "overhead_s": max(0.0, total - step * cfg["probe_steps"]),
-            "tokens_per_s": cfg["batch_size"] * cfg["seq_len"] / step}
+    step = statistics.median(gaps[len(gaps) // 2 :]) if gaps else total
+    return {
+        "steps": cfg["probe_steps"],
+        "seconds": total,
+        "step_s": step,
+        "overhead_s": max(0.0, total - step * cfg["probe_steps"]),
+        "tokens_per_s": cfg["batch_size"] * cfg["seq_len"] / step,
+    }
 
 
 def auto_steps(cfg: dict, measured: dict, elapsed: float) -> int:
@@ -279,11 +356,17 @@ def training_record(run_dir: Path, kept: bool) -> dict:
     train_ = [r for r in log if r.get("event") == "train"]
     evals = [r for r in log if r.get("event") == "eval"]
     rates = [r["tokens_per_s"] for r in train_[1:]] or [r["tokens_per_s"] for r in train_]
-    return {"steps": train_[-1]["step"], "tokens": train_[-1]["tokens"],
-            "loss": [[r["step"], r["loss"]] for r in train_], "loss_first": train_[0]["loss"],
-            "loss_last": train_[-1]["loss"], "eval_loss": [[r["step"], r["loss"]] for r in evals],
-            "observe": [{k: v for k, v in r.items() if k != "event"} for r in log if r.get("event") == "observe"],
-            "tokens_per_s": statistics.median(rates), "run": str(run_dir) if kept else None}
+    return {
+        "steps": train_[-1]["step"],
+        "tokens": train_[-1]["tokens"],
+        "loss": [[r["step"], r["loss"]] for r in train_],
+        "loss_first": train_[0]["loss"],
+        "loss_last": train_[-1]["loss"],
+        "eval_loss": [[r["step"], r["loss"]] for r in evals],
+        "observe": [{k: v for k, v in r.items() if k != "event"} for r in log if r.get("event") == "observe"],
+        "tokens_per_s": statistics.median(rates),
+        "run": str(run_dir) if kept else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -291,11 +374,25 @@ def training_record(run_dir: Path, kept: bool) -> dict:
 
 def observe_record(qg, model, data: list[dict], tok) -> dict:
     report = qg.observe(model, data, tokenizer=tok)
-    layers = [{"max_abs": L["max_activation"], "max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"],
-               "first_token_attention": L["sink_mass"], "gate_mean": L["gate_mean"],
-               "massive_activations": L["massive_activations"]} for L in report.layers]
-    keys = ("max_activation", "max_median_ratio", "sink_mass", "kurtosis", "max_inf_norm", "massive_activations",
-            "gate_mean")
+    layers = [
+        {
+            "max_abs": L["max_activation"],
+            "max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"],
+            "first_token_attention": L["sink_mass"],
+            "gate_mean": L["gate_mean"],
+            "massive_activations": L["massive_activations"],
+        }
+        for L in report.layers
+    ]
+    keys = (
+        "max_activation",
+        "max_median_ratio",
+        "sink_mass",
+        "kurtosis",
+        "max_inf_norm",
+        "massive_activations",
+        "gate_mean",
+    )
     summary = {k: report.summary[k] for k in keys}
     summary["max_layer_first_token_attention"] = max((L["first_token_attention"] or 0.0) for L in layers)
     return {"summary": summary, "layers": layers, "tokens": report.summary["tokens"]}
@@ -351,11 +448,11 @@ def ppl_documents(model, tok, docs: list, max_length: int, batch_size: int, desc
     windows.sort(key=lambda w: -w[0])  # equal lengths batch together, without padding
     loglik = [0.0] * len(docs)
     model.eval()
-    batches = [windows[j:j + batch_size] for j in range(0, len(windows), batch_size)]
+    batches = [windows[j : j + batch_size] for j in range(0, len(windows), batch_size)]
     groups = [list(g) for b in batches for _, g in itertools.groupby(b, key=lambda w: w[0])]
     for group in tqdm(groups, desc=desc, leave=False):
         n = group[0][0]
-        x = torch.stack([seqs[i][s:s + n + 1] for _, i, s, _ in group]).to(device)  # inputs and their targets
+        x = torch.stack([seqs[i][s : s + n + 1] for _, i, s, _ in group]).to(device)  # inputs and their targets
         logits = model(input_ids=x[:, :-1]).logits.float()
         lp = -torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:], reduction="none")
         first = torch.tensor([n - k for *_, k in group], device=device)  # each window's first scored position
@@ -364,9 +461,14 @@ def ppl_documents(model, tok, docs: list, max_length: int, batch_size: int, desc
             loglik[i] += v
     if not all(math.isfinite(v) for v in loglik):
         raise ValueError("a document scores a non-finite log-likelihood: the model's outputs are NaN or inf")
-    return {"ids": list(range(len(docs))), "loglikelihood": loglik, "tokens": [len(s) - 1 for s in seqs],
-            "words": [len(re.split(r"\s+", d.text)) for d in docs], "bytes": [len(d.text.encode()) for d in docs],
-            "works": [d.work for d in docs]}
+    return {
+        "ids": list(range(len(docs))),
+        "loglikelihood": loglik,
+        "tokens": [len(s) - 1 for s in seqs],
+        "words": [len(re.split(r"\s+", d.text)) for d in docs],
+        "bytes": [len(d.text.encode()) for d in docs],
+        "works": [d.work for d in docs],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- intervals
@@ -385,8 +487,9 @@ def jackknife_difference(base: tuple[dict, dict], other: tuple[dict, dict], conf
     import scipy.stats
 
     stats = qg_stats()
-    cols = [np.asarray(d[c], dtype=np.float64) for pair in (base, other) for d in pair
-            for c in ("loglikelihood", "tokens")]
+    cols = [
+        np.asarray(d[c], dtype=np.float64) for pair in (base, other) for d in pair for c in ("loglikelihood", "tokens")
+    ]
 
     def change(lf, tf, lq, tq):
         return np.expm1(lf.sum(-1) / tf.sum(-1) - lq.sum(-1) / tq.sum(-1))
@@ -401,9 +504,15 @@ def jackknife_difference(base: tuple[dict, dict], other: tuple[dict, dict], conf
     loo = statistic(*(np.broadcast_to(c, (n, n))[keep].reshape(n, n - 1) for c in cols))
     se = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
     half = float(scipy.stats.t.ppf((1 + confidence) / 2, n - 1)) * se
-    return stats.Delta(value, value - half, value + half, "points", n,
-                       f"jackknife t-interval over {n} documents ({n - 1} df), computed in experiments/gpu_twins.py "
-                       "(quantgate.stats has no paired_difference)")
+    return stats.Delta(
+        value,
+        value - half,
+        value + half,
+        "points",
+        n,
+        f"jackknife t-interval over {n} documents ({n - 1} df), computed in experiments/gpu_twins.py "
+        "(quantgate.stats has no paired_difference)",
+    )
 
 
 def paired_difference(base: tuple[dict, dict], other: tuple[dict, dict]):
@@ -430,12 +539,14 @@ def changes(rec: dict) -> tuple[dict, dict]:
         if all("float" in docs[v] and scheme in docs[v] for v in VARIANTS):
             d = paired_difference(*((docs[v]["float"], docs[v][scheme]) for v in VARIANTS))
             diff[scheme] = _delta(d, stats) | {
-                "difference_of_changes": per[VARIANTS[1]][scheme]["value"] - per[VARIANTS[0]][scheme]["value"]}
+                "difference_of_changes": per[VARIANTS[1]][scheme]["value"] - per[VARIANTS[0]][scheme]["value"]
+            }
         else:
             diff[scheme] = {"value": None, "method": "no difference: a change is missing"}
     if all("float" in docs[v] for v in VARIANTS):
         per["gated_vs_ungated_float"] = _delta(
-            stats.paired_delta(docs[VARIANTS[0]]["float"], docs[VARIANTS[1]]["float"], "perplexity"), stats)
+            stats.paired_delta(docs[VARIANTS[0]]["float"], docs[VARIANTS[1]]["float"], "perplexity"), stats
+        )
     return per, diff
 
 
@@ -454,9 +565,14 @@ def _delta(d, stats) -> dict:
 def _device() -> dict:
     if not torch.cuda.is_available():
         return {"kind": "cpu", "name": "cpu", "torch": torch.__version__}
-    return {"kind": "cuda", "name": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-            "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+    return {
+        "kind": "cuda",
+        "name": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+    }
 
 
 def plot(rec: dict, path: Path, ex) -> None:
@@ -491,13 +607,22 @@ def report(rec: dict, args: argparse.Namespace, ex) -> list[str]:
     tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
     shape = ", ".join(f"{k}={v}" for k, v in cfg["config"].items()) or "its own shape"
     command = "python experiments/gpu_twins.py" + (" --dry-run" if args.dry_run else "")
-    command += "".join(f" {flag} {v}" for flag, v in (("--steps", None if args.steps == "auto" else args.steps),
-                                                      ("--budget-s", args.budget_s), ("--lr", args.lr),
-                                                      ("--seq-len", args.seq_len), ("--limit", args.limit))
-                       if v is not None)
-    what = ("An ungated Llama and its G1-gated twin (same preset, config, data, steps, learning rate and seed), "
-            "trained here, observed, quantized to INT8 three ways and evaluated on held-out documents: does the "
-            "gate keep the model quantizable where the ungated one grows outliers?")
+    command += "".join(
+        f" {flag} {v}"
+        for flag, v in (
+            ("--steps", None if args.steps == "auto" else args.steps),
+            ("--budget-s", args.budget_s),
+            ("--lr", args.lr),
+            ("--seq-len", args.seq_len),
+            ("--limit", args.limit),
+        )
+        if v is not None
+    )
+    what = (
+        "An ungated Llama and its G1-gated twin (same preset, config, data, steps, learning rate and seed), "
+        "trained here, observed, quantized to INT8 three ways and evaluated on held-out documents: does the "
+        "gate keep the model quantizable where the ungated one grows outliers?"
+    )
     if args.dry_run:
         what += " **Dry run**: a tiny random-scale config that checks the pipeline; its numbers mean nothing."
     lines = ex.header("GPU twins: ungated vs G1-gated Llama under INT8", command, t.get("total_s", 0), what)
@@ -507,81 +632,150 @@ def report(rec: dict, args: argparse.Namespace, ex) -> list[str]:
     lines += [f"Device: {gpu}, torch {dev['torch']}.", ""]
     steps = cfg["steps"]
     probe_ = rec.get("probe")
-    sizing = (f"sized by --steps auto to a {cfg['budget_s']:.0f} s budget from {probe_['steps']} timed steps of the "
-              f"gated model ({probe_['step_s'] * 1e3:.1f} ms a step, {probe_['tokens_per_s']:,.0f} tokens/s, "
-              f"{probe_['overhead_s']:.1f} s fixed cost)" if probe_ else "given by --steps")
-    lines += ["## Setup", "",
-              f"`{cfg['preset']}` with {shape}: {rec['parameters'][VARIANTS[0]]:,} parameters ungated, "
-              f"{rec['parameters'][VARIANTS[1]]:,} with the G1 gate. Both trained for {steps:,} steps ({sizing}) of "
-              f"{cfg['batch_size']} x {cfg['seq_len']} tokens ({steps * tokens_per_step:,} tokens of the "
-              f"bundled train split), lr {cfg['lr']:g} cosine, seed {cfg['seed']}, mixed precision "
-              f"{cfg['mixed_precision']}. Observed on {cfg['observe_batches']} validation batches of "
-              f"{cfg['observe_batch']} x {cfg['seq_len']}; static schemes calibrated on the same {cfg['calib']} train "
-              f"batches of {cfg['calib_batch']} x {cfg['seq_len']} for both models. Perplexity on the first "
-              f"{len(rec['documents']['ids'])} documents of quantgate_ppl ({sum(rec['documents']['tokens']):,} tokens, "
-              f"{len(set(rec['documents']['works']))} works), scored here with lm-eval's rolling windows of "
-              f"{cfg['seq_len']} tokens (no lm-eval needed).", ""]
-    lines += ["## Training", "", *stats.table_head(["model", "steps", "first loss", "last loss", "validation loss",
-                                                     "tokens/s", "seconds"])]
+    sizing = (
+        f"sized by --steps auto to a {cfg['budget_s']:.0f} s budget from {probe_['steps']} timed steps of the "
+        f"gated model ({probe_['step_s'] * 1e3:.1f} ms a step, {probe_['tokens_per_s']:,.0f} tokens/s, "
+        f"{probe_['overhead_s']:.1f} s fixed cost)"
+        if probe_
+        else "given by --steps"
+    )
+    lines += [
+        "## Setup",
+        "",
+        f"`{cfg['preset']}` with {shape}: {rec['parameters'][VARIANTS[0]]:,} parameters ungated, "
+        f"{rec['parameters'][VARIANTS[1]]:,} with the G1 gate. Both trained for {steps:,} steps ({sizing}) of "
+        f"{cfg['batch_size']} x {cfg['seq_len']} tokens ({steps * tokens_per_step:,} tokens of the "
+        f"bundled train split), lr {cfg['lr']:g} cosine, seed {cfg['seed']}, mixed precision "
+        f"{cfg['mixed_precision']}. Observed on {cfg['observe_batches']} validation batches of "
+        f"{cfg['observe_batch']} x {cfg['seq_len']}; static schemes calibrated on the same {cfg['calib']} train "
+        f"batches of {cfg['calib_batch']} x {cfg['seq_len']} for both models. Perplexity on the first "
+        f"{len(rec['documents']['ids'])} documents of quantgate_ppl ({sum(rec['documents']['tokens']):,} tokens, "
+        f"{len(set(rec['documents']['works']))} works), scored here with lm-eval's rolling windows of "
+        f"{cfg['seq_len']} tokens (no lm-eval needed).",
+        "",
+    ]
+    lines += [
+        "## Training",
+        "",
+        *stats.table_head(["model", "steps", "first loss", "last loss", "validation loss", "tokens/s", "seconds"]),
+    ]
     for v in VARIANTS:
         tr = rec["models"][v]["train"]
         val = tr["eval_loss"][-1][1] if tr["eval_loss"] else None
-        lines.append(f"| {v} | {tr['steps']:,} | {tr['loss_first']:.3f} | {tr['loss_last']:.3f} | {stats.fmt(val)} | "
-                     f"{tr['tokens_per_s']:,.0f} | {t[f'train_{v}_s']:.0f} |")
-    lines += ["", "## Outliers and sinks (float models)", "",
-              *stats.table_head(["model", "max abs", "max / median", "first-token attention (max layer)",
-                                 "kurtosis", "massive activations", "mean gate"])]
+        lines.append(
+            f"| {v} | {tr['steps']:,} | {tr['loss_first']:.3f} | {tr['loss_last']:.3f} | {stats.fmt(val)} | "
+            f"{tr['tokens_per_s']:,.0f} | {t[f'train_{v}_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "## Outliers and sinks (float models)",
+        "",
+        *stats.table_head(
+            [
+                "model",
+                "max abs",
+                "max / median",
+                "first-token attention (max layer)",
+                "kurtosis",
+                "massive activations",
+                "mean gate",
+            ]
+        ),
+    ]
     for v in VARIANTS:
         s = rec["models"][v]["observe"]["summary"]
-        lines.append(f"| {v} | {stats.fmt(s['max_activation'])} | {stats.fmt(s['max_median_ratio'])} | "
-                     f"{stats.fmt(s['max_layer_first_token_attention'])} | {stats.fmt(s['kurtosis'])} | "
-                     f"{s['massive_activations']} | {stats.fmt(s['gate_mean'])} |")
-    lines += ["", *stats.table_head(["block", *(f"{v} {q}" for v in VARIANTS for q in
-                                                ("max abs", "max / median", "first-token attention"))])]
+        lines.append(
+            f"| {v} | {stats.fmt(s['max_activation'])} | {stats.fmt(s['max_median_ratio'])} | "
+            f"{stats.fmt(s['max_layer_first_token_attention'])} | {stats.fmt(s['kurtosis'])} | "
+            f"{s['massive_activations']} | {stats.fmt(s['gate_mean'])} |"
+        )
+    lines += [
+        "",
+        *stats.table_head(
+            ["block", *(f"{v} {q}" for v in VARIANTS for q in ("max abs", "max / median", "first-token attention"))]
+        ),
+    ]
     for i, layers in enumerate(zip(*(rec["models"][v]["observe"]["layers"] for v in VARIANTS), strict=True)):
         cells = [stats.fmt(L[k]) for L in layers for k in ("max_abs", "max_median_ratio", "first_token_attention")]
         lines.append(f"| {i} | " + " | ".join(cells) + " |")
-    lines += ["", "![layers.png](layers.png)", "", "## Quantization", "",
-              "Change of perplexity from each model's float evaluation, 95% paired interval over documents; the "
-              "last column is the gated change minus the ungated one, in percentage points, with its own paired "
-              "interval over the same documents (negative: the gate loses less). " + stats.NOISE_LEGEND + ".", "",
-              *stats.table_head(["scheme", *(f"{v} ppl" for v in VARIANTS), *(f"{v} change" for v in VARIANTS),
-                                 "gated - ungated"])]
+    lines += [
+        "",
+        "![layers.png](layers.png)",
+        "",
+        "## Quantization",
+        "",
+        "Change of perplexity from each model's float evaluation, 95% paired interval over documents; the "
+        "last column is the gated change minus the ungated one, in percentage points, with its own paired "
+        "interval over the same documents (negative: the gate loses less). " + stats.NOISE_LEGEND + ".",
+        "",
+        *stats.table_head(
+            ["scheme", *(f"{v} ppl" for v in VARIANTS), *(f"{v} change" for v in VARIANTS), "gated - ungated"]
+        ),
+    ]
     ppl = {v: rec["models"][v]["eval"] for v in VARIANTS}
-    lines.append("| float | " + " | ".join(stats.fmt(ppl[v]["float"].get("perplexity")) for v in VARIANTS)
-                 + " | - | - | " + rec["changes"].get("gated_vs_ungated_float", {}).get("text", "-")
-                 + " (gated float vs ungated float) |")
+    lines.append(
+        "| float | "
+        + " | ".join(stats.fmt(ppl[v]["float"].get("perplexity")) for v in VARIANTS)
+        + " | - | - | "
+        + rec["changes"].get("gated_vs_ungated_float", {}).get("text", "-")
+        + " (gated float vs ungated float) |"
+    )
     for scheme in SCHEMES:
         ch = [rec["changes"][v][scheme] for v in VARIANTS]
-        cells = [stats.fmt(ppl[v][scheme].get("perplexity")) if "perplexity" in ppl[v][scheme]
-                 else ppl[v][scheme].get("error", "-") for v in VARIANTS]
+        cells = [
+            stats.fmt(ppl[v][scheme].get("perplexity"))
+            if "perplexity" in ppl[v][scheme]
+            else ppl[v][scheme].get("error", "-")
+            for v in VARIANTS
+        ]
         cells += [c.get("text") or c["method"] for c in ch]
         d = rec["differences"][scheme]
         lines.append(f"| `{scheme}` | " + " | ".join(cells) + f" | {d.get('text') or d['method']} |")
-    methods = sorted({c["method"] for v in VARIANTS for c in rec["changes"][v].values()}
-                     | {d["method"] for d in rec["differences"].values()})
-    lines += ["", "Intervals: " + "; ".join(methods) + ".", "", "## Reading", "", *reading(rec), "",
-              "## Timings", "", *stats.table_head(["phase", "seconds"]),
-              *(f"| {k.removesuffix('_s')} | {v:.1f} |" for k, v in t.items()), ""]
+    methods = sorted(
+        {c["method"] for v in VARIANTS for c in rec["changes"][v].values()}
+        | {d["method"] for d in rec["differences"].values()}
+    )
+    lines += [
+        "",
+        "Intervals: " + "; ".join(methods) + ".",
+        "",
+        "## Reading",
+        "",
+        *reading(rec),
+        "",
+        "## Timings",
+        "",
+        *stats.table_head(["phase", "seconds"]),
+        *(f"| {k.removesuffix('_s')} | {v:.1f} |" for k, v in t.items()),
+        "",
+    ]
     return lines
 
 
 def reading(rec: dict) -> list[str]:
     """What the numbers say, in sentences generated from them."""
     obs = {v: rec["models"][v]["observe"]["summary"] for v in VARIANTS}
-    out = [f"The ungated model reaches max |x| {obs['vanilla']['max_activation']:.4g} (max / median "
-           f"{obs['vanilla']['max_median_ratio']:.4g}, first-token attention up to "
-           f"{obs['vanilla']['max_layer_first_token_attention']:.2f}); its gated twin "
-           f"{obs['g1-elementwise']['max_activation']:.4g} ({obs['g1-elementwise']['max_median_ratio']:.4g}, "
-           f"{obs['g1-elementwise']['max_layer_first_token_attention']:.2f})."]
+    out = [
+        f"The ungated model reaches max |x| {obs['vanilla']['max_activation']:.4g} (max / median "
+        f"{obs['vanilla']['max_median_ratio']:.4g}, first-token attention up to "
+        f"{obs['vanilla']['max_layer_first_token_attention']:.2f}); its gated twin "
+        f"{obs['g1-elementwise']['max_activation']:.4g} ({obs['g1-elementwise']['max_median_ratio']:.4g}, "
+        f"{obs['g1-elementwise']['max_layer_first_token_attention']:.2f})."
+    ]
     for scheme in SCHEMES:
         d = rec["differences"][scheme]
         if d.get("value") is None:
             continue
         ch = [rec["changes"][v][scheme]["text"] for v in VARIANTS]
-        verdict = ("the gate loses less" if d["high"] is not None and d["high"] < 0 else
-                   "the gate loses more" if d["low"] is not None and d["low"] > 0 else
-                   "no difference beyond noise" if d["low"] is not None else "no interval")
+        verdict = (
+            "the gate loses less"
+            if d["high"] is not None and d["high"] < 0
+            else "the gate loses more"
+            if d["low"] is not None and d["low"] > 0
+            else "no difference beyond noise"
+            if d["low"] is not None
+            else "no interval"
+        )
         out.append(f"`{scheme}`: ungated {ch[0]}, gated {ch[1]}; gated - ungated {d['text']}: {verdict}.")
     return [" ".join(out)]
 

@@ -64,47 +64,70 @@ def main() -> None:
         else:  # one row per document: text windows of one packed stream are no independent units
             ids, works = ex.document_starts(qg.tokenizer(model), n, length, source)
         nll, tokens = sweep(model, ids, windows), length - length // 2
-        results[name] = {"data": source, "length": length, "sequences": n, "works": works, "windows": windows,
-                         "ppl": {k: ex.perplexity(torch.tensor(v), n * tokens) for k, v in nll.items()},
-                         "nll": nll, "tokens_per_sequence": tokens,
-                         "first_token_attention": ex.first_token_attention(model, ids)[:, :, 1:].mean((1, 2)).tolist()}
+        results[name] = {
+            "data": source,
+            "length": length,
+            "sequences": n,
+            "works": works,
+            "windows": windows,
+            "ppl": {k: ex.perplexity(torch.tensor(v), n * tokens) for k, v in nll.items()},
+            "nll": nll,
+            "tokens_per_sequence": tokens,
+            "first_token_attention": ex.first_token_attention(model, ids)[:, :, 1:].mean((1, 2)).tolist(),
+        }
         print(name, results[name]["ppl"], flush=True)
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "kv_eviction.png")
-    lines = ex.header("KV-cache eviction with and without the sink tokens",
-                      f"python experiments/kv_eviction.py{' --smoke' if args.smoke else ''}", seconds,
-                      "Does a rolling KV cache need the first tokens kept (StreamingLLM), and does a gated model "
-                      "need them less?")
-    lines += ["Perplexity over the second half of each sequence; 'w / 0' evicts everything older than w tokens, "
-              f"'w / {SINKS}' keeps the first {SINKS} tokens too. Evicting the sinks costs: ppl(w / 0) / "
-              f"ppl(w / {SINKS}); vs full: the change from full attention. Each with a 95% paired interval over the "
-              "sequences (BCa from 20, a jackknife t-interval below; ~: the interval includes no change). "
-              "First-token attention: mean over layers, heads and queries of the full-attention model. Trained "
-              "models: the packaged twins (their model cards give the training).", ""]
+    lines = ex.header(
+        "KV-cache eviction with and without the sink tokens",
+        f"python experiments/kv_eviction.py{' --smoke' if args.smoke else ''}",
+        seconds,
+        "Does a rolling KV cache need the first tokens kept (StreamingLLM), and does a gated model need them less?",
+    )
+    lines += [
+        "Perplexity over the second half of each sequence; 'w / 0' evicts everything older than w tokens, "
+        f"'w / {SINKS}' keeps the first {SINKS} tokens too. Evicting the sinks costs: ppl(w / 0) / "
+        f"ppl(w / {SINKS}); vs full: the change from full attention. Each with a 95% paired interval over the "
+        "sequences (BCa from 20, a jackknife t-interval below; ~: the interval includes no change). "
+        "First-token attention: mean over layers, heads and queries of the full-attention model. Trained "
+        "models: the packaged twins (their model cards give the training).",
+        "",
+    ]
     for name, r in results.items():
         sink = sum(r["first_token_attention"]) / len(r["first_token_attention"])
         d = changes(r)
-        rows = (f"the first {r['length']} tokens of {r['sequences']} documents of {r['data']} from "
-                f"{len(set(r['works']))} works" if r.get("works") else f"{r['sequences']} x {r['length']} tokens of "
-                f"{r['data']}")
-        lines += [f"### {name} ({rows}; full attention ppl "
-                  f"{r['ppl']['full']:.3g}; first-token attention {sink:.3f}; max over layers "
-                  f"{max(r['first_token_attention']):.3f})", "",
-                  f"| window w | ppl, w / 0 | ppl, w / {SINKS} | evicting the sinks costs | w / 0 vs full | "
-                  f"w / {SINKS} vs full |", "|---|---|---|---|---|---|"]
+        rows = (
+            f"the first {r['length']} tokens of {r['sequences']} documents of {r['data']} from "
+            f"{len(set(r['works']))} works"
+            if r.get("works")
+            else f"{r['sequences']} x {r['length']} tokens of {r['data']}"
+        )
+        lines += [
+            f"### {name} ({rows}; full attention ppl "
+            f"{r['ppl']['full']:.3g}; first-token attention {sink:.3f}; max over layers "
+            f"{max(r['first_token_attention']):.3f})",
+            "",
+            f"| window w | ppl, w / 0 | ppl, w / {SINKS} | evicting the sinks costs | w / 0 vs full | "
+            f"w / {SINKS} vs full |",
+            "|---|---|---|---|---|---|",
+        ]
         for w in r["windows"]:
             a, b = r["ppl"][f"{w}/0"], r["ppl"][f"{w}/{SINKS}"]
-            lines.append(f"| {w} | {a:.3g} | {b:.3g} | {ex.format_ratio(d[f'sinks/{w}'])} | "
-                         f"{format_delta(d[f'{w}/0'])} | {format_delta(d[f'{w}/{SINKS}'])} |")
+            lines.append(
+                f"| {w} | {a:.3g} | {b:.3g} | {ex.format_ratio(d[f'sinks/{w}'])} | "
+                f"{format_delta(d[f'{w}/0'])} | {format_delta(d[f'{w}/{SINKS}'])} |"
+            )
         lines.append("")
     lines += ["![kv_eviction.png](kv_eviction.png)", "", "## Reading", ""]
     for name, r in results.items():
         w = r["windows"][0]
-        lines.append(f"- {name}: at the smallest window ({w}) dropping the first {SINKS} tokens multiplies "
-                     f"perplexity by {ex.format_ratio(changes(r)[f'sinks/{w}'])} (first-token attention "
-                     f"{max(r['first_token_attention']):.3f} in its most sink-heavy layer).")
+        lines.append(
+            f"- {name}: at the smallest window ({w}) dropping the first {SINKS} tokens multiplies "
+            f"perplexity by {ex.format_ratio(changes(r)[f'sinks/{w}'])} (first-token attention "
+            f"{max(r['first_token_attention']):.3f} in its most sink-heavy layer)."
+        )
     ex.write(out, lines)
     print((out / "report.md").read_text())
 
@@ -113,7 +136,7 @@ def plot(results: dict, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(4 * len(results), 3.6), squeeze=False)
-    for ax, (name, r) in zip(axes[0], results.items()):
+    for ax, (name, r) in zip(axes[0], results.items(), strict=True):
         ws = r["windows"]
         ax.plot(ws, [r["ppl"][f"{w}/0"] for w in ws], "o-", label="window only")
         ax.plot(ws, [r["ppl"][f"{w}/{SINKS}"] for w in ws], "s-", label=f"window + first {SINKS}")

@@ -41,12 +41,21 @@ def find_massive(model, tok, seq_len: int, n: int, block: int | None = None) -> 
     layers = [i for i, L in enumerate(report.layers) if L["massive"]]
     first = layers[0] if layers and block is None else block
     if first is None or not report.layers[first]["massive"]:
-        return {"layer": first, "channels": [], "positions": [], "max_abs": report.summary["max_activation"],
-                "layers_with_massive": layers}
+        return {
+            "layer": first,
+            "channels": [],
+            "positions": [],
+            "max_abs": report.summary["max_activation"],
+            "layers_with_massive": layers,
+        }
     entries = report.layers[first]["massive"]
-    return {"layer": first, "channels": sorted({e["channel"] for e in entries}),
-            "positions": sorted({p for e in entries for p, _ in e["positions"]}),
-            "max_abs": max(e["max_abs"] for e in entries), "layers_with_massive": layers}
+    return {
+        "layer": first,
+        "channels": sorted({e["channel"] for e in entries}),
+        "positions": sorted({p for e in entries for p, _ in e["positions"]}),
+        "max_abs": max(e["max_abs"] for e in entries),
+        "layers_with_massive": layers,
+    }
 
 
 class Intervention:
@@ -62,8 +71,9 @@ class Intervention:
         c = torch.tensor(self.channels)
         self.captured.append(hidden[:, p][:, :, c].detach().clone())
         if self.value is not None:
-            hidden[:, p.view(-1, 1), c.view(1, -1)] = (self.value if isinstance(self.value, float)
-                                                       else self.value.to(hidden.dtype))
+            hidden[:, p.view(-1, 1), c.view(1, -1)] = (
+                self.value if isinstance(self.value, float) else self.value.to(hidden.dtype)
+            )
         return output
 
 
@@ -75,14 +85,22 @@ def run(model, block, ids, hook: Intervention | None) -> dict:
     finally:
         if handle is not None:
             handle.remove()
-    return {"ppl": ex.perplexity(total, ids.shape[0] * (ids.shape[1] - 1)), "nll": total.tolist(),
-            "first_token_attention": sink.tolist()}
+    return {
+        "ppl": ex.perplexity(total, ids.shape[0] * (ids.shape[1] - 1)),
+        "nll": total.tolist(),
+        "first_token_attention": sink.tolist(),
+    }
 
 
 def main() -> None:
-    args = ex.script_args(__doc__, "results/massive_activation_intervention",
-                          **{"--model": ("smollm2-135m", "checkpoint to intervene on (default: SmolLM2-135M)"),
-                             "--block": (None, "intervene at this block's output (default: where they first appear)")})
+    args = ex.script_args(
+        __doc__,
+        "results/massive_activation_intervention",
+        **{
+            "--model": ("smollm2-135m", "checkpoint to intervene on (default: SmolLM2-135M)"),
+            "--block": (None, "intervene at this block's output (default: where they first appear)"),
+        },
+    )
     block = None if args.block is None else int(args.block)
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -93,8 +111,10 @@ def main() -> None:
     found = find_massive(model, tok, seq_len, 4 if args.smoke else 8, block)
     if not found["channels"]:
         if not args.smoke:
-            raise SystemExit(f"{name} has no massive activations at block {found['layer']} (blocks with some: "
-                             f"{found['layers_with_massive']}): pick one of those with --block")
+            raise SystemExit(
+                f"{name} has no massive activations at block {found['layer']} (blocks with some: "
+                f"{found['layers_with_massive']}): pick one of those with --block"
+            )
         found.update(layer=0, channels=[0], positions=[0])  # the random smoke model has none: its channel 0
     hooked = family_of(model).attention_blocks(model)[found["layer"]]
     ids, works = ex.document_starts(tok, n_eval, seq_len)
@@ -105,8 +125,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     width = model.config.hidden_size
     ordinary = [c for c in torch.randperm(width, generator=g).tolist() if c not in found["channels"]]
-    settings = {"original": None, "zero": 0.0, "mean": mean,
-                "zero, random channels (control)": ("control", ordinary[:len(found["channels"])])}
+    settings = {
+        "original": None,
+        "zero": 0.0,
+        "mean": mean,
+        "zero, random channels (control)": ("control", ordinary[: len(found["channels"])]),
+    }
     results = {}
     for label, value in settings.items():
         if isinstance(value, tuple):
@@ -116,43 +140,72 @@ def main() -> None:
         results[label] = run(model, hooked, ids, hook)
     seconds = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps({"model": name, "massive": found, "mean_value": mean.tolist(),
-                                                  "results": results, "seq_len": seq_len, "sequences": n_eval,
-                                                  "works": works,
-                                                  "tokens_per_sequence": seq_len - 1}, indent=1))
+    (out / "metrics.json").write_text(
+        json.dumps(
+            {
+                "model": name,
+                "massive": found,
+                "mean_value": mean.tolist(),
+                "results": results,
+                "seq_len": seq_len,
+                "sequences": n_eval,
+                "works": works,
+                "tokens_per_sequence": seq_len - 1,
+            },
+            indent=1,
+        )
+    )
     plot(results, out / "intervention.png")
-    delta = {label: ex.ppl_change(results["original"]["nll"], r["nll"], seq_len - 1)
-             for label, r in results.items() if label != "original"}
-    lines = ex.header(f"Massive-activation intervention on {name}",
-                      "python experiments/massive_activation_intervention.py"
-                      + (" --smoke" if args.smoke else "")
-                      + (f" --model {args.model}" if args.model != "smollm2-135m" else "")
-                      + (f" --block {block}" if block is not None else "")
-                      + (f" --out {args.out}" if args.out != "results/massive_activation_intervention" else ""),
-                      seconds, "Sun et al. (2024): massive activations act as fixed biases. Setting them to zero "
-                               "should break the model; setting them to their mean should not.")
+    delta = {
+        label: ex.ppl_change(results["original"]["nll"], r["nll"], seq_len - 1)
+        for label, r in results.items()
+        if label != "original"
+    }
+    lines = ex.header(
+        f"Massive-activation intervention on {name}",
+        "python experiments/massive_activation_intervention.py"
+        + (" --smoke" if args.smoke else "")
+        + (f" --model {args.model}" if args.model != "smollm2-135m" else "")
+        + (f" --block {block}" if block is not None else "")
+        + (f" --out {args.out}" if args.out != "results/massive_activation_intervention" else ""),
+        seconds,
+        "Sun et al. (2024): massive activations act as fixed biases. Setting them to zero "
+        "should break the model; setting them to their mean should not.",
+    )
     where = "Massive activations first appear at" if block is None else "Intervening at"
-    lines += [f"{where} the output of block {found['layer']} (channels "
-              f"{found['channels']}, token positions {found['positions']}, largest |x| {found['max_abs']:.4g}); "
-              f"blocks with massive activations: {found.get('layers_with_massive', [])}. Perplexity on "
-              f"the first {seq_len} tokens of {n_eval} held-out test documents from {len(set(works))} works; "
-              "change: relative to the original, with a 95% "
-              "paired interval (" + delta["zero"].method + "; ~: the interval includes 0); first-token "
-              "attention averaged over layers, heads and queries 1..L-1.", "",
-              "| setting at that block | perplexity | change | mean first-token attention |", "|---|---|---|---|"]
+    lines += [
+        f"{where} the output of block {found['layer']} (channels "
+        f"{found['channels']}, token positions {found['positions']}, largest |x| {found['max_abs']:.4g}); "
+        f"blocks with massive activations: {found.get('layers_with_massive', [])}. Perplexity on "
+        f"the first {seq_len} tokens of {n_eval} held-out test documents from {len(set(works))} works; "
+        "change: relative to the original, with a 95% "
+        "paired interval (" + delta["zero"].method + "; ~: the interval includes 0); first-token "
+        "attention averaged over layers, heads and queries 1..L-1.",
+        "",
+        "| setting at that block | perplexity | change | mean first-token attention |",
+        "|---|---|---|---|",
+    ]
     for label, r in results.items():
         sink = sum(r["first_token_attention"]) / len(r["first_token_attention"])
         lines.append(f"| {label} | {r['ppl']:.2f} | {format_delta(delta.get(label))} | {sink:.3f} |")
     z, m = delta["zero"], delta["mean"]
-    lines += ["", "![intervention.png](intervention.png)", "", "## Reading", "",
-              f"Zeroing the massive activations changes perplexity by {format_delta(z)} (a ratio of "
-              f"{ex.format_ratio(z)}), setting them to their mean by {format_delta(m)}, zeroing as many ordinary "
-              f"channels by {format_delta(delta['zero, random channels (control)'])}. "
-              + ("As Sun et al. report, the values matter only as a near-constant bias: the mean keeps the model "
-                 "intact (its interval stays under +10%) and zero breaks it (its interval lies above 2x)."
-                 if z.low is not None and z.low > 1 and m.high < 0.1 else
-                 "This does not match Sun et al.'s pattern (zero breaks, mean keeps) within the intervals; see the "
-                 "table.")]
+    lines += [
+        "",
+        "![intervention.png](intervention.png)",
+        "",
+        "## Reading",
+        "",
+        f"Zeroing the massive activations changes perplexity by {format_delta(z)} (a ratio of "
+        f"{ex.format_ratio(z)}), setting them to their mean by {format_delta(m)}, zeroing as many ordinary "
+        f"channels by {format_delta(delta['zero, random channels (control)'])}. "
+        + (
+            "As Sun et al. report, the values matter only as a near-constant bias: the mean keeps the model "
+            "intact (its interval stays under +10%) and zero breaks it (its interval lies above 2x)."
+            if z.low is not None and z.low > 1 and m.high < 0.1
+            else "This does not match Sun et al.'s pattern (zero breaks, mean keeps) within the intervals; see the "
+            "table."
+        ),
+    ]
     ex.write(out, lines)
     print((out / "report.md").read_text())
 

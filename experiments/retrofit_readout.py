@@ -33,8 +33,11 @@ SHARE = 0.1  # the declared condition: the gated copy's cost below a tenth of th
 def _documents(run: dict, label: str) -> dict:
     """A setting's per-document values, as quantgate.stats reads them."""
     nll = run["results"][label]["nll"]
-    return {"ids": list(range(len(nll))), "loglikelihood": [-x for x in nll],
-            "tokens": [run["tokens_per_sequence"]] * len(nll)}
+    return {
+        "ids": list(range(len(nll))),
+        "loglikelihood": [-x for x in nll],
+        "tokens": [run["tokens_per_sequence"]] * len(nll),
+    }
 
 
 def readout(runs: dict[str, dict]) -> dict:
@@ -45,15 +48,22 @@ def readout(runs: dict[str, dict]) -> dict:
         found = {who: runs[v + suffix] for who, v in COPIES.items() if v + suffix in runs}
         if len(found) < 2:
             continue
-        cost = {who: paired_delta(_documents(r, "original"), _documents(r, "zero"), "perplexity")
-                for who, r in found.items()}
-        pair = paired_difference(*((_documents(found[w], "original"), _documents(found[w], "zero")) for w in COPIES),
-                                 "perplexity")
+        cost = {
+            who: paired_delta(_documents(r, "original"), _documents(r, "zero"), "perplexity")
+            for who, r in found.items()
+        }
+        pair = paired_difference(
+            *((_documents(found[w], "original"), _documents(found[w], "zero")) for w in COPIES), "perplexity"
+        )
         remain = bool(found["gated"]["massive"]["channels"])
-        out[place] = {"block": {w: r["massive"]["layer"] for w, r in found.items()},
-                      "max_abs": {w: r["massive"]["max_abs"] for w, r in found.items()},
-                      "cost": cost, "pair": pair, "massive_remain": remain,
-                      "condition": remain and cost["gated"].value < SHARE * cost["ungated"].value}
+        out[place] = {
+            "block": {w: r["massive"]["layer"] for w, r in found.items()},
+            "max_abs": {w: r["massive"]["max_abs"] for w, r in found.items()},
+            "cost": cost,
+            "pair": pair,
+            "massive_remain": remain,
+            "condition": remain and cost["gated"].value < SHARE * cost["ungated"].value,
+        }
     return out
 
 
@@ -67,38 +77,62 @@ def main() -> None:
             if not (folder / "metrics.json").is_file():
                 model = out / "cells" / CELLS[v] / "train" / "model"
                 block = " --block 11" if suffix else ""
-                sys.exit(f"{folder}/metrics.json is missing: run python experiments/massive_activation_intervention.py "
-                         f"--model {model}{block} --out {folder}")
+                sys.exit(
+                    f"{folder}/metrics.json is missing: run python experiments/massive_activation_intervention.py "
+                    f"--model {model}{block} --out {folder}"
+                )
             runs[v + suffix] = json.loads((folder / "metrics.json").read_text())
     result = readout(runs)
     seconds = time.perf_counter() - t0
-    lines = ex.header("Retrofit: has the gate taken over the sink's job?",
-                      "python experiments/retrofit_readout.py", seconds,
-                      "Zeroing the massive activations of each fine-tuned copy (Sun et al.'s intervention; "
-                      "experiments/massive_activation_intervention.py), read against the criterion declared in "
-                      "experiments/retrofit.yaml before any run.")
-    lines += ["Each copy's perplexity change when its massive activations are zeroed, on the first 256 tokens of "
-              "the same 24 test documents (9 works), with a 95% paired interval; the gated copy's change against the "
-              "ungated copy's, paired over those documents: the ratio of their perplexity ratios where one reaches "
-              "10x, else the difference of the changes in points (below 1x, or negative: zeroing costs the gated "
-              "copy less).",
-              "", "| zeroed at | ungated: block, largest abs x | gated: block, largest abs x | ungated cost | "
-              "gated cost | gated minus ungated (paired) | further arm's condition |", "|---|---|---|---|---|---|---|"]
+    lines = ex.header(
+        "Retrofit: has the gate taken over the sink's job?",
+        "python experiments/retrofit_readout.py",
+        seconds,
+        "Zeroing the massive activations of each fine-tuned copy (Sun et al.'s intervention; "
+        "experiments/massive_activation_intervention.py), read against the criterion declared in "
+        "experiments/retrofit.yaml before any run.",
+    )
+    lines += [
+        "Each copy's perplexity change when its massive activations are zeroed, on the first 256 tokens of "
+        "the same 24 test documents (9 works), with a 95% paired interval; the gated copy's change against the "
+        "ungated copy's, paired over those documents: the ratio of their perplexity ratios where one reaches "
+        "10x, else the difference of the changes in points (below 1x, or negative: zeroing costs the gated "
+        "copy less).",
+        "",
+        "| zeroed at | ungated: block, largest abs x | gated: block, largest abs x | ungated cost | "
+        "gated cost | gated minus ungated (paired) | further arm's condition |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for place, r in result.items():
-        lines.append(f"| {place} | {r['block']['ungated']}, {r['max_abs']['ungated']:.4g} | {r['block']['gated']}, "
-                     f"{r['max_abs']['gated']:.4g} | {format_delta(r['cost']['ungated'])} | "
-                     f"{format_delta(r['cost']['gated'])} | {format_delta(r['pair'])} | "
-                     f"{'met' if r['condition'] else 'not met'} |")
+        lines.append(
+            f"| {place} | {r['block']['ungated']}, {r['max_abs']['ungated']:.4g} | {r['block']['gated']}, "
+            f"{r['max_abs']['gated']:.4g} | {format_delta(r['cost']['ungated'])} | "
+            f"{format_delta(r['cost']['gated'])} | {format_delta(r['pair'])} | "
+            f"{'met' if r['condition'] else 'not met'} |"
+        )
     met = [p for p, r in result.items() if r["condition"]]
-    lines += ["", "## Reading", "",
-              ("The condition holds " + " and ".join(met) + ": the further arm (the gated copy fine-tuned with the "
-               "massive channels held at their mean) is due." if met else
-               "At neither placement does zeroing cost the gated copy less than a tenth of what it costs the ungated "
-               "copy, so the declared further arm does not run: the gate has not taken over the sink's job.")]
+    lines += [
+        "",
+        "## Reading",
+        "",
+        (
+            "The condition holds " + " and ".join(met) + ": the further arm (the gated copy fine-tuned with the "
+            "massive channels held at their mean) is due."
+            if met
+            else "At neither placement does zeroing cost the gated copy less than a tenth of what it costs the ungated "
+            "copy, so the declared further arm does not run: the gate has not taken over the sink's job."
+        ),
+    ]
     (out / "readout.md").write_text("\n".join(lines).rstrip() + "\n")
-    (out / "readout.json").write_text(json.dumps(
-        {p: {**r, "cost": {w: vars(d) for w, d in r["cost"].items()}, "pair": vars(r["pair"])}
-         for p, r in result.items()}, indent=1))
+    (out / "readout.json").write_text(
+        json.dumps(
+            {
+                p: {**r, "cost": {w: vars(d) for w, d in r["cost"].items()}, "pair": vars(r["pair"])}
+                for p, r in result.items()
+            },
+            indent=1,
+        )
+    )
     print("\n".join(lines))
 
 

@@ -27,17 +27,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
 import yaml
 
 from quantgate import experiment as ex
-from quantgate.study.measures import (BUDGET, bit_sweeps, budget, change_gap, max_layer_sink, peak_activation,
-                                      ppl_change, ppl_of, scheme_change)
 from quantgate.stats import Delta, format_delta
 from quantgate.study import CellRecord, StudyRecord, read_metrics, run_study
+from quantgate.study.measures import (
+    BUDGET,
+    bit_sweeps,
+    budget,
+    change_gap,
+    max_layer_sink,
+    peak_activation,
+    ppl_change,
+    ppl_of,
+    scheme_change,
+)
 
 SINK, RATIO, FACTOR = 0.5, 150, 5  # the criterion's thresholds
 W8A8 = "w8a8-int8-bondarenko"
@@ -49,53 +57,101 @@ CHAIN = "backcopy:start=chain"  # the token after BOS from BOS's successors: no 
 
 def _backcopy_data(source: str = "backcopy") -> dict:
     """Calibration, observe and eval settings on a backcopy task (the eval reads the model's own task)."""
-    return {"calibration": {"data": source, "batches": 8, "seq_len": 128, "batch_size": 8},
-            "observe": {"data": source, "batches": 3, "seq_len": 128, "batch_size": 8},
-            "eval": {"tasks": ["quantgate_backcopy"], "limit": {"quantgate_backcopy": 8}}}
+    return {
+        "calibration": {"data": source, "batches": 8, "seq_len": 128, "batch_size": 8},
+        "observe": {"data": source, "batches": 3, "seq_len": 128, "batch_size": 8},
+        "eval": {"tasks": ["quantgate_backcopy"], "limit": {"quantgate_backcopy": 8}},
+    }
 
 
 BACKCOPY = _backcopy_data()
-TEXT = {"calibration": {"data": "train", "batches": 8, "seq_len": 128, "batch_size": 8},
-        "observe": {"data": "validation", "batches": 3, "seq_len": 128, "batch_size": 8}}
+TEXT = {
+    "calibration": {"data": "train", "batches": 8, "seq_len": 128, "batch_size": 8},
+    "observe": {"data": "validation", "batches": 3, "seq_len": 128, "batch_size": 8},
+}
 
 
 def _backcopy(steps: int, lr: float, source: str = "backcopy") -> dict:
-    return {"data": source, "steps": steps, "batch_size": 16, "seq_len": 128, "lr": lr, "schedule": "constant",
-            "eval_every": steps // 10, "observe_every": steps // 10, "eval_batches": 2}
+    return {
+        "data": source,
+        "steps": steps,
+        "batch_size": 16,
+        "seq_len": 128,
+        "lr": lr,
+        "schedule": "constant",
+        "eval_every": steps // 10,
+        "observe_every": steps // 10,
+        "eval_batches": 2,
+    }
 
 
 # name: (why, model entry of the study, the study's data settings)
 CANDIDATES = {
-    "d64-2L": ("cpu_recipe's setup (2 M tokens), the baseline: sinks in every ungated seed, max/median 40-88",
-               {"preset": "tiny-llama", "train": _backcopy(1000, 1e-2)}, BACKCOPY),
-    "d64-2L-8M": ("the same for 4x the tokens (8 M): the ungated outlier ratios were still rising at 2 M",
-                  {"preset": "tiny-llama", "train": _backcopy(4000, 1e-2)}, BACKCOPY),
-    "d128-2L": ("twice the width, twice the tokens: the ratio a start token needs grows about as sqrt(d)",
-                {"preset": "tiny-llama", "config": {"hidden_size": 128, "intermediate_size": 256},
-                 "train": _backcopy(2000, 5e-3)}, BACKCOPY),
-    "d256-4L": ("the pilot of REFERENCES.md (4 M tokens, constant lr 3e-3), here with Bondarenko's placement",
-                {"preset": "small-llama", "train": _backcopy(2000, 3e-3)}, BACKCOPY),
-    "d128-2L-chain": ("d128-2L with the token after BOS drawn from the chain (backcopy:start=chain): its G1 twin's "
-                      "loss came from a last-layer BOS outlier that flattens the prediction of a uniform first token",
-                      {"preset": "tiny-llama", "config": {"hidden_size": 128, "intermediate_size": 256},
-                       "train": _backcopy(2000, 5e-3, CHAIN)}, _backcopy_data(CHAIN)),
-    "d256-4L-chain": ("d256-4L on backcopy:start=chain (the same lever at the pilot's width)",
-                      {"preset": "small-llama", "train": _backcopy(2000, 3e-3, CHAIN)}, _backcopy_data(CHAIN)),
-    "bert-d256-mlm": ("post-LN BERT under MLM on the bundled text: the LayerNorm input is the residual sum, and "
-                      "Bondarenko et al.'s outliers sit on delimiter tokens",
-                      {"preset": "small-bert", "train": {"data": "train", "steps": 2000, "batch_size": 16,
-                                                         "seq_len": 128, "lr": 1e-3, "eval_every": 200,
-                                                         "observe_every": 200}},
-                      {**TEXT, "eval": {"tasks": ["quantgate_mlm_ppl"], "limit": {"quantgate_mlm_ppl": 12}}}),
+    "d64-2L": (
+        "cpu_recipe's setup (2 M tokens), the baseline: sinks in every ungated seed, max/median 40-88",
+        {"preset": "tiny-llama", "train": _backcopy(1000, 1e-2)},
+        BACKCOPY,
+    ),
+    "d64-2L-8M": (
+        "the same for 4x the tokens (8 M): the ungated outlier ratios were still rising at 2 M",
+        {"preset": "tiny-llama", "train": _backcopy(4000, 1e-2)},
+        BACKCOPY,
+    ),
+    "d128-2L": (
+        "twice the width, twice the tokens: the ratio a start token needs grows about as sqrt(d)",
+        {
+            "preset": "tiny-llama",
+            "config": {"hidden_size": 128, "intermediate_size": 256},
+            "train": _backcopy(2000, 5e-3),
+        },
+        BACKCOPY,
+    ),
+    "d256-4L": (
+        "the pilot of REFERENCES.md (4 M tokens, constant lr 3e-3), here with Bondarenko's placement",
+        {"preset": "small-llama", "train": _backcopy(2000, 3e-3)},
+        BACKCOPY,
+    ),
+    "d128-2L-chain": (
+        "d128-2L with the token after BOS drawn from the chain (backcopy:start=chain): its G1 twin's "
+        "loss came from a last-layer BOS outlier that flattens the prediction of a uniform first token",
+        {
+            "preset": "tiny-llama",
+            "config": {"hidden_size": 128, "intermediate_size": 256},
+            "train": _backcopy(2000, 5e-3, CHAIN),
+        },
+        _backcopy_data(CHAIN),
+    ),
+    "d256-4L-chain": (
+        "d256-4L on backcopy:start=chain (the same lever at the pilot's width)",
+        {"preset": "small-llama", "train": _backcopy(2000, 3e-3, CHAIN)},
+        _backcopy_data(CHAIN),
+    ),
+    "bert-d256-mlm": (
+        "post-LN BERT under MLM on the bundled text: the LayerNorm input is the residual sum, and "
+        "Bondarenko et al.'s outliers sit on delimiter tokens",
+        {
+            "preset": "small-bert",
+            "train": {
+                "data": "train",
+                "steps": 2000,
+                "batch_size": 16,
+                "seq_len": 128,
+                "lr": 1e-3,
+                "eval_every": 200,
+                "observe_every": 200,
+            },
+        },
+        {**TEXT, "eval": {"tasks": ["quantgate_mlm_ppl"], "limit": {"quantgate_mlm_ppl": 12}}},
+    ),
 }
 
 # candidates taken out of the search, with the reason (--only still runs them)
 WITHDRAWN = {
     "d256-4L-chain": "its lever, backcopy:start=chain, was tried at d128 (d128-2L-chain): it removed the ungated "
-                     "model's large outlier (max / median 19, W8A8 +0.12%) while the gated twin still lost more "
-                     "(+1.7%), so at the pilot's width it could only repeat the opposite of what the criterion "
-                     "asks; the larger-model question it stood for is experiments/gpu_twins.py's (d512 x 6 layers, "
-                     "on a GPU), and its 75 CPU-minutes went to d64-2L-8M's three seeds",
+    "model's large outlier (max / median 19, W8A8 +0.12%) while the gated twin still lost more "
+    "(+1.7%), so at the pilot's width it could only repeat the opposite of what the criterion "
+    "asks; the larger-model question it stood for is experiments/gpu_twins.py's (d512 x 6 layers, "
+    "on a GPU), and its 75 CPU-minutes went to d64-2L-8M's three seeds",
 }
 
 
@@ -106,11 +162,20 @@ def study_file(name: str, seed: int, out: Path, smoke: bool) -> Path:
     model = {"name": name, **model, "variants": VARIANTS, "seeds": [seed]}
     if smoke:
         model["train"] = {**model["train"], "steps": 4, "eval_every": 2, "observe_every": 2, "eval_batches": 1}
-        data = {**data, "calibration": {**data["calibration"], "batches": 1},
-                "observe": {**data["observe"], "batches": 1},
-                "eval": {**data["eval"], "limit": {t: 2 for t in data["eval"]["tasks"]}}}
-    study = {"name": f"twins_search-{name}-seed{seed}", "description": why, "seed": 0, "models": [model],
-             "schemes": SCHEMES, **data}
+        data = {
+            **data,
+            "calibration": {**data["calibration"], "batches": 1},
+            "observe": {**data["observe"], "batches": 1},
+            "eval": {**data["eval"], "limit": dict.fromkeys(data["eval"]["tasks"], 2)},
+        }
+    study = {
+        "name": f"twins_search-{name}-seed{seed}",
+        "description": why,
+        "seed": 0,
+        "models": [model],
+        "schemes": SCHEMES,
+        **data,
+    }
     path = out / name / f"seed{seed}" / "study.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(study, sort_keys=False))
@@ -135,8 +200,15 @@ def _apart(pair: dict[str, CellRecord], scheme: str) -> bool:
     decided by the paired difference of their changes (gated minus ungated) lying wholly below 0 (issue 32)."""
     u, g = ppl_change(pair["vanilla"], scheme), ppl_change(pair["g1-elementwise"], scheme)
     gap = change_gap(pair["vanilla"], pair["g1-elementwise"], scheme)
-    return (u is not None and g is not None and gap is not None and gap.high is not None and u.value > 0
-            and u.value >= FACTOR * max(g.value, 0) and gap.high < 0)
+    return (
+        u is not None
+        and g is not None
+        and gap is not None
+        and gap.high is not None
+        and u.value > 0
+        and u.value >= FACTOR * max(g.value, 0)
+        and gap.high < 0
+    )
 
 
 def _pairs(cells: list[CellRecord]) -> list[dict[str, CellRecord]]:
@@ -163,8 +235,12 @@ def verdict(cells: list[CellRecord], widths: list[tuple[int, str]]) -> dict:
         return bool(pairs) and all(_apart(p, scheme) for p in pairs)
 
     widest = next((bits for bits, s in widths if holds(s)), None)
-    return {"seeds": len(pairs), "held": held, "widest apart": widest,
-            "met": bool(pairs) and len(pairs) >= 3 and all(v == len(pairs) for v in held.values())}
+    return {
+        "seeds": len(pairs),
+        "held": held,
+        "widest apart": widest,
+        "met": bool(pairs) and len(pairs) >= 3 and all(v == len(pairs) for v in held.values()),
+    }
 
 
 def tally(results: dict[str, StudyRecord]) -> list[str]:
@@ -183,15 +259,35 @@ def tally(results: dict[str, StudyRecord]) -> list[str]:
                 else:
                     k = 0 if gap.high < 0 else 1 if gap.low > 0 else 2
                 counts.setdefault(bits, [0, 0, 0])[k] += 1
-    return [f"Over the {pairs} pairs run (candidates x seeds), the gated twin's perplexity change minus the "
-            "ungated model's, paired over the same sequences, is below 0 / above 0 / within noise or without an "
-            "interval: "
-            + "; ".join(f"A{b}: {n[0]} / {n[1]} / {n[2]}" for b, n in sorted(counts.items(), reverse=True)) + "."]
+    return [
+        f"Over the {pairs} pairs run (candidates x seeds), the gated twin's perplexity change minus the "
+        "ungated model's, paired over the same sequences, is below 0 / above 0 / within noise or without an "
+        "interval: "
+        + "; ".join(f"A{b}: {n[0]} / {n[1]} / {n[2]}" for b, n in sorted(counts.items(), reverse=True))
+        + "."
+    ]
 
 
 def table(results: dict[str, StudyRecord]) -> list[str]:
-    head = ["candidate", "variant", "seed", "tokens", "FP ppl", "sink (layer)", "max act.", "max/median", "W8A8",
-            "W8A16", "W16A8", "A6", "A5", "A4", f"budget (+{BUDGET:.0%})", "copy acc. A6", "copy acc. A5"]
+    head = [
+        "candidate",
+        "variant",
+        "seed",
+        "tokens",
+        "FP ppl",
+        "sink (layer)",
+        "max act.",
+        "max/median",
+        "W8A8",
+        "W8A16",
+        "W16A8",
+        "A6",
+        "A5",
+        "A4",
+        f"budget (+{BUDGET:.0%})",
+        "copy acc. A6",
+        "copy acc. A5",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, metrics in results.items():
         widths = bit_sweeps(metrics.schemes)[W8A8]
@@ -201,27 +297,58 @@ def table(results: dict[str, StudyRecord]) -> list[str]:
             found = budget([(b, ppl_change(c, s)) for b, s in widths])
             changes = [ppl_change(c, s) for s in (W8A8, "w8a16-int8-bondarenko", "w16a8-int8-bondarenko")]
             changes += [ppl_change(c, s) for b, s in widths if b in (6, 5, 4)]
-            lines.append("| " + " | ".join([
-                name, c.variant, str(c.seed), f"{c.trained['tokens'] / 1e6:.1f} M",
-                f"{ppl_of(c.float_results):.3g}",
-                f"{sink:.2f} ({layer})", f"{peak:,.0f}", f"{ratio:,.0f}", *map(format_delta, changes),
-                f"A{found[0]}" if found else "none",
-                *(format_delta(scheme_change(c, s, COPY)) if COPY[0] in c.float_results else "-"
-                  for b, s in widths if b in (6, 5))]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        name,
+                        c.variant,
+                        str(c.seed),
+                        f"{c.trained['tokens'] / 1e6:.1f} M",
+                        f"{ppl_of(c.float_results):.3g}",
+                        f"{sink:.2f} ({layer})",
+                        f"{peak:,.0f}",
+                        f"{ratio:,.0f}",
+                        *map(format_delta, changes),
+                        f"A{found[0]}" if found else "none",
+                        *(
+                            format_delta(scheme_change(c, s, COPY)) if COPY[0] in c.float_results else "-"
+                            for b, s in widths
+                            if b in (6, 5)
+                        ),
+                    ]
+                )
+                + " |"
+            )
     return lines
 
 
 def verdicts(results: dict[str, StudyRecord]) -> list[str]:
-    head = ["candidate", "why", "seeds", *(f"{k} (seeds)" for k in
-                                           ("ungated sink", "ungated ratio", "gated neither", "W8A8 apart")),
-            "widest width apart in every seed", "criterion met"]
+    head = [
+        "candidate",
+        "why",
+        "seeds",
+        *(f"{k} (seeds)" for k in ("ungated sink", "ungated ratio", "gated neither", "W8A8 apart")),
+        "widest width apart in every seed",
+        "criterion met",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, metrics in results.items():
         v = verdict(metrics.cells, bit_sweeps(metrics.schemes)[W8A8])
-        lines.append("| " + " | ".join([name, CANDIDATES[name][0], str(v["seeds"]),
-                                        *(f"{n}/{v['seeds']}" for n in v["held"].values()),
-                                        f"A{v['widest apart']}" if v["widest apart"] else "none",
-                                        "yes" if v["met"] else "no"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    CANDIDATES[name][0],
+                    str(v["seeds"]),
+                    *(f"{n}/{v['seeds']}" for n in v["held"].values()),
+                    f"A{v['widest apart']}" if v["widest apart"] else "none",
+                    "yes" if v["met"] else "no",
+                ]
+            )
+            + " |"
+        )
     return lines
 
 
@@ -230,8 +357,11 @@ def _curve(cell: CellRecord) -> list[tuple[float, float, float]]:
     log = cell.directory / "train" / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     per_step = cell.trained["tokens"] / cell.trained["steps"] / 1e6
-    return [(r["step"] * per_step, max(L["sink_mass"] for L in r["layers"]), r["max_median_ratio"])
-            for r in records if r["event"] == "observe"]
+    return [
+        (r["step"] * per_step, max(L["sink_mass"] for L in r["layers"]), r["max_median_ratio"])
+        for r in records
+        if r["event"] == "observe"
+    ]
 
 
 def plot(results: dict[str, StudyRecord], out: Path) -> None:
@@ -244,14 +374,19 @@ def plot(results: dict[str, StudyRecord], out: Path) -> None:
         top, bottom = axes[0][col], axes[1][col]
         for c in metrics.cells:
             plain = c.variant == "vanilla"
-            look = dict(ls="-" if plain else "--", color="C3" if plain else "C0", marker="osD^v"[c.seed % 5],
-                        label=f"{c.variant} s{c.seed}")
+            look = {
+                "ls": "-" if plain else "--",
+                "color": "C3" if plain else "C0",
+                "marker": "osD^v"[c.seed % 5],
+                "label": f"{c.variant} s{c.seed}",
+            }
             top.plot([b for b, _ in widths], [1 + ppl_change(c, s).value for _, s in widths], **look)
             curve = _curve(c)
             bottom.plot([t for t, _, _ in curve], [r for _, _, r in curve], ms=4, **look)
         top.axhline(1 + BUDGET, color="grey", lw=0.8)
-        top.set(title=name, xlabel="activation bits (W8, Bondarenko's sites)", yscale="log",
-                xticks=[b for b, _ in widths])
+        top.set(
+            title=name, xlabel="activation bits (W8, Bondarenko's sites)", yscale="log", xticks=[b for b, _ in widths]
+        )
         top.invert_xaxis()
         bottom.axhline(RATIO, color="grey", ls=":", lw=0.8)
         bottom.set(xlabel="M tokens", yscale="log")
@@ -269,8 +404,10 @@ def _pair(results: dict[str, StudyRecord], name: str, seed: int) -> list[CellRec
     """The cells of one seed's pair, or an error that says how to train it."""
     cells = [c for c in (results[name].cells if name in results else []) if c.seed == seed]
     if {c.variant for c in cells} != set(VARIANTS):
-        raise SystemExit(f"no finished {name} pair for seed {seed} in the search's results; run "
-                         f"python experiments/twins_search.py --only {name} --seeds {seed} first")
+        raise SystemExit(
+            f"no finished {name} pair for seed {seed} in the search's results; run "
+            f"python experiments/twins_search.py --only {name} --seeds {seed} first"
+        )
     return cells
 
 
@@ -292,19 +429,21 @@ def sites(results: dict[str, StudyRecord], name: str, seed: int) -> None:
     for c in cells:
         model = qg.load(c.directory / "train" / "model")
         tok = qg.tokenizer(model)
-        held_out = list(qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4,
-                                        seed=1_000 + seed))  # not the calibration stream
+        held_out = list(
+            qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4, seed=1_000 + seed)
+        )  # not the calibration stream
         peaks: dict[str, list[float]] = {}  # the float model's, so the same for every scheme
 
-        def record(module, args):
+        def record(module, args, peaks=peaks):
             x = args[0].detach().abs()
             if x.dim() == 3:  # (batch, token, channel)
                 old = peaks.get(module.name, [0.0, 0.0])
                 peaks[module.name] = [max(old[0], float(x[:, 0].max())), max(old[1], float(x[:, 1:].max()))]
 
         for scheme in SITE_SCHEMES:
-            calibration = qg.data.batches(tok, calib["data"], calib["seq_len"], calib["batch_size"], shuffle=True,
-                                          seed=seed)
+            calibration = qg.data.batches(
+                tok, calib["data"], calib["seq_len"], calib["batch_size"], shuffle=True, seed=seed
+            )
             q = qg.quantize(model, scheme, calibration=calibration, calib=calib["batches"])
             if not peaks:
                 hooks = [m.register_forward_pre_hook(record) for m in act_quantizers(q)]
@@ -342,10 +481,16 @@ def read_sites(run: Path) -> dict:
 
 
 def site_sentence(variant: str, total: Delta, row: dict) -> str:
-    where = (f"; its largest magnitude is {row['first_token_max']:.3g} at token 0 and {row['other_tokens_max']:.3g} at "
-             f"any other" if row["first_token_max"] is not None else "")
-    return (f"{variant}, {SITE_SCHEMES[0]}: {format_delta(total)} with all sites on; the costliest alone is "
-            f"`{row['name']}` ({format_delta(_delta(row))}){where}")
+    where = (
+        f"; its largest magnitude is {row['first_token_max']:.3g} at token 0 and {row['other_tokens_max']:.3g} at "
+        f"any other"
+        if row["first_token_max"] is not None
+        else ""
+    )
+    return (
+        f"{variant}, {SITE_SCHEMES[0]}: {format_delta(total)} with all sites on; the costliest alone is "
+        f"`{row['name']}` ({format_delta(_delta(row))}){where}"
+    )
 
 
 def site_tables(out: Path) -> list[str]:
@@ -355,15 +500,21 @@ def site_tables(out: Path) -> list[str]:
         found = read_sites(path.parent)
         lines += [f"### {path.parent.parent.name}, {path.parent.name}", ""]
         lines += [f"- {site_sentence(v, *costliest_site(found[v][SITE_SCHEMES[0]]))}." for v in found]
-        lines += ["", "| variant | scheme | all sites | site (alone) | perplexity change | SQNR (dB) | range | "
-                  "max at token 0 | max elsewhere |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| variant | scheme | all sites | site (alone) | perplexity change | SQNR (dB) | range | "
+            "max at token 0 | max elsewhere |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for variant, schemes in found.items():
             for scheme, r in schemes.items():
                 for row in r["sites"][:SHOWN]:
-                    lines.append(f"| {variant} | {scheme} | {format_delta(_delta(r['all_change']))} | {row['name']} | "
-                                 f"{format_delta(_delta(row))} | {row['sqnr_db']:.1f} | "
-                                 f"[{row['lo']:.3g}, {row['hi']:.3g}] | {_num(row['first_token_max'])} | "
-                                 f"{_num(row['other_tokens_max'])} |")
+                    lines.append(
+                        f"| {variant} | {scheme} | {format_delta(_delta(r['all_change']))} | {row['name']} | "
+                        f"{format_delta(_delta(row))} | {row['sqnr_db']:.1f} | "
+                        f"[{row['lo']:.3g}, {row['hi']:.3g}] | {_num(row['first_token_max'])} | "
+                        f"{_num(row['other_tokens_max'])} |"
+                    )
         lines.append("")
     return lines
 
@@ -391,21 +542,31 @@ def package(results: dict[str, StudyRecord], name: str, seed: int) -> None:
         found = budget([(b, ppl_change(c, s)) for b, s in widths])
         sink, layer = max_layer_sink(c)
         peak, ratio = peak_activation(c)
-        (dst / "README.md").write_text("\n".join([
-            f"# {packaged}: the {variant} model of the twins search's {name} pair, seed {seed}", "",
-            f"{CANDIDATES[name][1]['preset']} ({model.get('config') or 'preset shape'}), attention variant "
-            f"`{variant}`, trained from scratch on the synthetic bigram-backcopy task (token ids 5-516 of the "
-            f"bundled bpe-8192 tokenizer; it reads no text): {c.trained['steps']} steps, "
-            f"{c.trained['tokens']:,} tokens, seed {seed}, settings `{model['train']}`.", "",
-            "Measured on held-out backcopy sequences (results/twins_search/report.md):",
-            f"- float perplexity {ppl_of(c.float_results):.4g}; first-token attention {sink:.2f} in layer {layer}; "
-            f"residual max {peak:.3g}, max / median {ratio:.3g}",
-            f"- W8A8 at Bondarenko et al.'s sites: {format_delta(ppl_change(c, W8A8))}; activation-bit budget "
-            f"(+{BUDGET:.0%}): " + (f"A{found[0]}" if found else "none"), "",
-            "Re-train and re-package (the training is deterministic on one machine and thread count; other "
-            "machines round differently):", "",
-            f"    python experiments/twins_search.py --only {name} --seeds {seed}",
-            f"    python experiments/twins_search.py --package {name} --seed {seed}", ""]))
+        (dst / "README.md").write_text(
+            "\n".join(
+                [
+                    f"# {packaged}: the {variant} model of the twins search's {name} pair, seed {seed}",
+                    "",
+                    f"{CANDIDATES[name][1]['preset']} ({model.get('config') or 'preset shape'}), attention variant "
+                    f"`{variant}`, trained from scratch on the synthetic bigram-backcopy task (token ids 5-516 of the "
+                    f"bundled bpe-8192 tokenizer; it reads no text): {c.trained['steps']} steps, "
+                    f"{c.trained['tokens']:,} tokens, seed {seed}, settings `{model['train']}`.",
+                    "",
+                    "Measured on held-out backcopy sequences (results/twins_search/report.md):",
+                    f"- float perplexity {ppl_of(c.float_results):.4g}; first-token attention {sink:.2f} "
+                    f"in layer {layer}; residual max {peak:.3g}, max / median {ratio:.3g}",
+                    f"- W8A8 at Bondarenko et al.'s sites: {format_delta(ppl_change(c, W8A8))}; activation-bit budget "
+                    f"(+{BUDGET:.0%}): " + (f"A{found[0]}" if found else "none"),
+                    "",
+                    "Re-train and re-package (the training is deterministic on one machine and thread count; other "
+                    "machines round differently):",
+                    "",
+                    f"    python experiments/twins_search.py --only {name} --seeds {seed}",
+                    f"    python experiments/twins_search.py --package {name} --seed {seed}",
+                    "",
+                ]
+            )
+        )
 
 
 def main() -> None:
@@ -415,8 +576,11 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="seconds: the first candidate, 4 steps (CI)")
     ap.add_argument("--report", action="store_true", help="only rebuild the comparison from the runs so far")
     ap.add_argument("--package", choices=list(CANDIDATES), help="ship this candidate's pair (with --seed)")
-    ap.add_argument("--sites", choices=list(CANDIDATES), help="measure what each activation site costs alone, "
-                    "in one seed's pair (with --seed)")
+    ap.add_argument(
+        "--sites",
+        choices=list(CANDIDATES),
+        help="measure what each activation site costs alone, in one seed's pair (with --seed)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="the seed --package or --sites reads")
     ap.add_argument("--out", default="results/twins_search")
     args = ap.parse_args()
@@ -434,35 +598,61 @@ def main() -> None:
     if args.sites or args.smoke:
         sites(results, args.sites or everything[0], args.seed)
     plot(results, out)
-    lines = ex.header("Twins search: which setup makes an ungated model and its G1 twin quantize differently?",
-                      "python experiments/twins_search.py [--only NAME --seeds 0 1 2]",
-                      time.perf_counter() - started, __doc__.split("\n\n")[2])
-    lines += ["'Apart' is decided by the paired difference of the two twins' changes over the same sequences, "
-              "gated minus ungated, lying wholly below 0 (issue 32: both twins read the same sequences, so a paired "
-              "interval decides where the declared criterion compared two intervals for overlap).",
-              "",
-              "Perplexity changes carry paired 95% intervals over the held-out sequences (~: within noise). W8A8, "
-              "W8A16 (its weights alone), W16A8 (its activations alone) and A6/A5/A4 (W8 with fewer activation "
-              "bits) are all static per-tensor at Bondarenko et al.'s sites; each candidate's report.md has its "
-              "full tables. The wall time above is this invocation's; each study's metrics.json has its own.", "",
-              "## The criterion, part by part", "", *verdicts(results), "",
-              *tally(results), "",
-              *[f"- Defined but not run: {name} ({CANDIDATES[name][0]})." for name in CANDIDATES
-                if name not in results and name not in WITHDRAWN],
-              *[f"- Withdrawn: {name} ({CANDIDATES[name][0]}): {why}." for name, why in WITHDRAWN.items()
-                if name not in results],
-              "", "## Every model", "", *table(results),
-              "", "![search.png](search.png)", ""]
+    lines = ex.header(
+        "Twins search: which setup makes an ungated model and its G1 twin quantize differently?",
+        "python experiments/twins_search.py [--only NAME --seeds 0 1 2]",
+        time.perf_counter() - started,
+        __doc__.split("\n\n")[2],
+    )
+    lines += [
+        "'Apart' is decided by the paired difference of the two twins' changes over the same sequences, "
+        "gated minus ungated, lying wholly below 0 (issue 32: both twins read the same sequences, so a paired "
+        "interval decides where the declared criterion compared two intervals for overlap).",
+        "",
+        "Perplexity changes carry paired 95% intervals over the held-out sequences (~: within noise). W8A8, "
+        "W8A16 (its weights alone), W16A8 (its activations alone) and A6/A5/A4 (W8 with fewer activation "
+        "bits) are all static per-tensor at Bondarenko et al.'s sites; each candidate's report.md has its "
+        "full tables. The wall time above is this invocation's; each study's metrics.json has its own.",
+        "",
+        "## The criterion, part by part",
+        "",
+        *verdicts(results),
+        "",
+        *tally(results),
+        "",
+        *[
+            f"- Defined but not run: {name} ({CANDIDATES[name][0]})."
+            for name in CANDIDATES
+            if name not in results and name not in WITHDRAWN
+        ],
+        *[
+            f"- Withdrawn: {name} ({CANDIDATES[name][0]}): {why}."
+            for name, why in WITHDRAWN.items()
+            if name not in results
+        ],
+        "",
+        "## Every model",
+        "",
+        *table(results),
+        "",
+        "![search.png](search.png)",
+        "",
+    ]
     if any(out.glob("*/seed*/sites.json")):
-        lines += ["## Which tensors cost what", "",
-                  f"`--sites`: each activation quantizer switched on alone (weights in float), on 4 held-out batches "
-                  f"not used for calibration (paired 95% intervals over their sequences); the {SHOWN} costliest per model and scheme, with the change when all "
-                  "are on. SQNR is of that tensor with all sites on; range is its calibrated static range; the "
-                  "last two columns are the float model's largest |x| in that tensor at the first token (BOS) and "
-                  "at any other (- for attention tensors). A last block's FFN output at token 0 feeds only token 0's "
-                  "own prediction (no later layer reads it); on backcopy that is the prediction of the uniformly "
-                  "random first token, which must come out flat.", "",
-                  *site_tables(out)]
+        lines += [
+            "## Which tensors cost what",
+            "",
+            f"`--sites`: each activation quantizer switched on alone (weights in float), on 4 held-out batches "
+            f"not used for calibration (paired 95% intervals over their sequences); the {SHOWN} costliest per model "
+            "and scheme, with the change when all "
+            "are on. SQNR is of that tensor with all sites on; range is its calibrated static range; the "
+            "last two columns are the float model's largest |x| in that tensor at the first token (BOS) and "
+            "at any other (- for attention tensors). A last block's FFN output at token 0 feeds only token 0's "
+            "own prediction (no later layer reads it); on backcopy that is the prediction of the uniformly "
+            "random first token, which must come out flat.",
+            "",
+            *site_tables(out),
+        ]
     ex.write(out, lines)
 
 

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import platform
+import types
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
@@ -345,7 +346,7 @@ def evaluate(
     return result()
 
 
-def require_lm_eval():
+def require_lm_eval() -> types.ModuleType:
     """lm_eval, imported where it is used: it is optional (the tasks scored here run without it)."""
     try:
         import lm_eval  # lm-eval is optional: imported at first use
@@ -496,7 +497,7 @@ def _clean(metrics: dict) -> dict:
     return out
 
 
-def sample_documents(samples: list[dict], config: dict, tokenizer) -> dict:
+def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTokenizerBase | None) -> dict:
     """Per-document values of one lm-eval task from its logged samples (one filter: the first): the
     per-document value of each metric quantgate.stats aggregates, split where lm-eval logs a pair
     (word_perplexity: (loglikelihood, words)), each document's work where the task records it, and for
@@ -515,6 +516,8 @@ def sample_documents(samples: list[dict], config: dict, tokenizer) -> dict:
     if all(isinstance(s.get("doc"), dict) and "work" in s["doc"] for s in rows):  # the bundled corpus's
         docs["works"] = [s["doc"]["work"] for s in rows]  # independent units are works, not chapters of one
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
+        if tokenizer is None:
+            raise ValueError("a rolling task's documents count their tokens: give sample_documents the tokenizer")
         docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
     return docs
 

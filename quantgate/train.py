@@ -270,7 +270,8 @@ def make_data(
     )
 
 
-def _param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
+def param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
+    """AdamW's parameter groups for ``model`` under ``c``: gates, norm gains, biases (no decay), the rest."""
     gates = {id(p) for p in gate_parameters(model).values()}
     norms = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
     groups: dict[str, list[nn.Parameter]] = {"gate": [], "norm": [], "no_decay": [], "decay": []}
@@ -450,7 +451,7 @@ def _train(
         _remove_leftovers(out)
     identity = _identity(model)
     assert c.lr is not None and c.betas is not None, "train() passes the config resolved()"
-    opt = torch.optim.AdamW(_param_groups(model, c), lr=c.lr, betas=c.betas)
+    opt = torch.optim.AdamW(param_groups(model, c), lr=c.lr, betas=c.betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(c))
     model, opt = acc.prepare(model, opt)  # the schedule steps once per optimizer step, on every process
     raw = acc.unwrap_model(model)

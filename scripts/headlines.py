@@ -25,8 +25,18 @@ from quantgate.models.presets import preset_config
 from quantgate.stats import Delta, format_delta, seed_delta
 from quantgate.study import CellRecord, StudyRecord, load_study, read_metrics
 from quantgate.study.fixes import fix_rows
-from quantgate.study.measures import (BUDGET, bit_sweeps, budget, change_gap, float_change, max_layer_sink, peak_activation,
-                                      ppl_change, ppl_of, scheme_change)
+from quantgate.study.measures import (
+    BUDGET,
+    bit_sweeps,
+    budget,
+    change_gap,
+    float_change,
+    max_layer_sink,
+    peak_activation,
+    ppl_change,
+    ppl_of,
+    scheme_change,
+)
 from quantgate.study.report import spearman
 from quantgate.train import TrainConfig
 
@@ -36,9 +46,14 @@ BLOCK = re.compile(r"(<!-- headlines:(\w+) -->)(.*?)(<!-- /headlines -->)", re.S
 NO_DOCUMENTS = "intervals n/a: the committed metrics hold no per-document values"
 SINK_TARGET, RATIO_TARGET = 0.3, 50  # the CPU recipe search's targets (results/cpu_recipe/search.md)
 BONDARENKO = "w8a8-int8-bondarenko"
-SCHEMES = {BONDARENKO: "W8A8 at Bondarenko's sites", "w8a8-int8-static": "static W8A8 (Linear inputs)",
-           "w8a8-int8-dynamic": "dynamic INT8", "w8a8-fp8-e4m3": "FP8", "llm-int8": "LLM.int8",
-           "torchao-int8-dynamic": "torchao INT8"}
+SCHEMES = {
+    BONDARENKO: "W8A8 at Bondarenko's sites",
+    "w8a8-int8-static": "static W8A8 (Linear inputs)",
+    "w8a8-int8-dynamic": "dynamic INT8",
+    "w8a8-fp8-e4m3": "FP8",
+    "llm-int8": "LLM.int8",
+    "torchao-int8-dynamic": "torchao INT8",
+}
 KURTOSIS = "kurtosis (Bondarenko et al.'s tensors)"
 
 
@@ -58,7 +73,7 @@ def _cells(name: str) -> dict[str, CellRecord]:
 
 def _num(x: float, digits: int = 3) -> str:
     """``digits`` significant digits; whole numbers with thousands separators from 10 ** digits on."""
-    return f"{x:,.0f}" if abs(x) >= 10 ** digits else f"{x:.{digits}g}"
+    return f"{x:,.0f}" if abs(x) >= 10**digits else f"{x:.{digits}g}"
 
 
 def _fixed(decimals: int):
@@ -114,7 +129,7 @@ def _summary(cell: CellRecord, key: str):
 
 
 def _steps_tokens(cells) -> str:
-    (steps, tokens), = {(c.trained["steps"], c.trained["tokens"]) for c in cells}
+    ((steps, tokens),) = {(c.trained["steps"], c.trained["tokens"]) for c in cells}
     return f"{steps} steps ({tokens / 1e6:.1f} M tokens)"
 
 
@@ -123,30 +138,38 @@ def quickstart() -> str:
     cells = {c.id: c for c in metrics.cells}
     smol = cells["smollm2-135m/vanilla"]
     fp, static = ppl_of(smol.float_results), ppl_of(smol.schemes["w8a8-int8-static"].results)
-    others = ", ".join(f"{label} {_delta(_change(smol, s))}" for s, label in SCHEMES.items()
-                       if s in smol.schemes and s != "w8a8-int8-static")
-    (ungated, gated), = metrics.report["pairs"]
+    others = ", ".join(
+        f"{label} {_delta(_change(smol, s))}"
+        for s, label in SCHEMES.items()
+        if s in smol.schemes and s != "w8a8-int8-static"
+    )
+    ((ungated, gated),) = metrics.report["pairs"]
     u, g = (next(c for c in cells.values() if c.model == name) for name in (ungated, gated))
-    (_, widths), = bit_sweeps(metrics.schemes).items()
+    ((_, widths),) = bit_sweeps(metrics.schemes).items()
     found = [budget([(b, _change(c, s)) for b, s in widths]) for c in (u, g)]
     narrower = "; ".join(f"A{b} {_delta(_change(u, s))} vs {_delta(_change(g, s))}" for b, s in widths[1:3])
-    return (f"twins (sink {max_layer_sink(u)[0]:.2f} ungated vs {max_layer_sink(g)[0]:.2f} gated): W8A8 at "
-            f"Bondarenko's sites {_delta(_change(u, BONDARENKO))} ungated vs {_delta(_change(g, BONDARENKO))} "
-            f"gated, activation-bit budget (+{BUDGET:.0%}) " + " vs ".join(f"A{f[0]}" if f else "none" for f in found)
-            + f"; {narrower}; static W8A8 (Linear inputs) takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
-            f"({_delta(_change(smol, 'w8a8-int8-static'))}); {others}")
+    return (
+        f"twins (sink {max_layer_sink(u)[0]:.2f} ungated vs {max_layer_sink(g)[0]:.2f} gated): W8A8 at "
+        f"Bondarenko's sites {_delta(_change(u, BONDARENKO))} ungated vs {_delta(_change(g, BONDARENKO))} "
+        f"gated, activation-bit budget (+{BUDGET:.0%}) "
+        + " vs ".join(f"A{f[0]}" if f else "none" for f in found)
+        + f"; {narrower}; static W8A8 (Linear inputs) takes SmolLM2's perplexity {_num(fp)} -> {_num(static)} "
+        f"({_delta(_change(smol, 'w8a8-int8-static'))}); {others}"
+    )
 
 
 def bondarenko_table2() -> str:
     cells = list(_cells("bondarenko_table2").values())
     paper = [_change(c, s) for c in cells for s in c.schemes if s == BONDARENKO]
     rest = [_change(c, s) for c in cells for s in c.schemes if s != BONDARENKO]
-    return (f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
-            f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, largest residual activation "
-            f"{_peaks(cells, _fixed(1))}, {KURTOSIS} {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}; "
-            f"W8A8 at the paper's sites changes {_changes(paper)} ({_noise(paper)}), static and dynamic INT8 at the "
-            f"Linear inputs {_changes(rest)} ({_noise(rest)}); far from the paper's BERT-base outliers: the pipeline "
-            "and definitions, not the effect")
+    return (
+        f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
+        f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, largest residual activation "
+        f"{_peaks(cells, _fixed(1))}, {KURTOSIS} {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}; "
+        f"W8A8 at the paper's sites changes {_changes(paper)} ({_noise(paper)}), static and dynamic INT8 at the "
+        f"Linear inputs {_changes(rest)} ({_noise(rest)}); far from the paper's BERT-base outliers: the pipeline "
+        "and definitions, not the effect"
+    )
 
 
 def bondarenko_table2_paper() -> str:
@@ -169,25 +192,28 @@ def qiu_table4() -> str:
     gated = [c for c in cells if _summary(c, "gate_mean") is not None]
     ns = [_summary(c, "gate_mean") for c in gated if c.variant == "g1-ns-sigmoid"]
     rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
-    (_, a6), = [(b, s) for b, s in bit_sweeps(_study("qiu_table4").schemes)[BONDARENKO] if b == 6]
+    ((_, a6),) = [(b, s) for b, s in bit_sweeps(_study("qiu_table4").schemes)[BONDARENKO] if b == 6]
     sink, layer = max_layer_sink(plain)
     paper = [_change(c, BONDARENKO) for c in gated]
     narrow = [_change(c, a6) for c in gated]
-    return (f"{_steps_tokens(cells)} of backcopy: the ungated model grows a first-token sink of {sink:.2f} (layer "
-            f"{layer}) and max {_peaks([plain], _fixed(1))}; the gated rows' first-token attention spans "
-            f"{_span([_sink(c) for c in gated], _fixed(2))} (max layer), with max {_peaks(gated, _fixed(1))}; mean "
-            f"gates {_span([_summary(c, 'gate_mean') for c in gated if c.variant != 'g1-ns-sigmoid'], _fixed(2))}"
-            f" (NS-sigmoid {_span(ns, _fixed(2))}); W8A8 at Bondarenko's sites: ungated "
-            f"{_delta(_change(plain, BONDARENKO))}, gated {_changes(paper)} ({_noise(paper)}); at A6 ungated "
-            f"{_delta(_change(plain, a6))}, gated {_changes(narrow)} ({_noise(narrow)}); gate mean vs sink mass "
-            f"Spearman {rho:.2f} (n={len(gated)}; the paper's rows: 1.0)")
+    return (
+        f"{_steps_tokens(cells)} of backcopy: the ungated model grows a first-token sink of {sink:.2f} (layer "
+        f"{layer}) and max {_peaks([plain], _fixed(1))}; the gated rows' first-token attention spans "
+        f"{_span([_sink(c) for c in gated], _fixed(2))} (max layer), with max {_peaks(gated, _fixed(1))}; mean "
+        f"gates {_span([_summary(c, 'gate_mean') for c in gated if c.variant != 'g1-ns-sigmoid'], _fixed(2))}"
+        f" (NS-sigmoid {_span(ns, _fixed(2))}); W8A8 at Bondarenko's sites: ungated "
+        f"{_delta(_change(plain, BONDARENKO))}, gated {_changes(paper)} ({_noise(paper)}); at A6 ungated "
+        f"{_delta(_change(plain, a6))}, gated {_changes(narrow)} ({_noise(narrow)}); gate mean vs sink mass "
+        f"Spearman {rho:.2f} (n={len(gated)}; the paper's rows: 1.0)"
+    )
 
 
 def hyga_ablation() -> str:
     cells = _cells("hyga_ablation")
     g1 = cells["gqa/g1-elementwise"]
-    low = sorted((c for c in cells.values() if c.model == "gqa" and "low_rank" in c.variant),
-                 key=lambda c: c.cost["gate_params"])
+    low = sorted(
+        (c for c in cells.values() if c.model == "gqa" and "low_rank" in c.variant), key=lambda c: c.cost["gate_params"]
+    )
 
     def trio(model: str, fmt) -> str:
         return " -> ".join(fmt(cells[f"{model}/{v}"]) for v in ("vanilla", "g1-elementwise", "hyga"))
@@ -200,17 +226,21 @@ def hyga_ablation() -> str:
 
     def rank(c) -> str:
         r = re.search(r"low_rank=(\d+)", c.variant).group(1)
-        return (f"d_int {r} ({c.cost['gate_params'] / g1.cost['gate_params']:.2f}x G1's gate parameters) "
-                f"{_delta(float_change(g1, c))}")
+        return (
+            f"d_int {r} ({c.cost['gate_params'] / g1.cost['gate_params']:.2f}x G1's gate parameters) "
+            f"{_delta(float_change(g1, c))}"
+        )
 
     paper = [_change(c, BONDARENKO) for c in cells.values()]
     width = preset_config(g1.source["preset"], g1.source["config"]).hidden_size
-    return (f"{_steps_tokens(cells.values())} of backcopy, d={width}: "
-            f"first-token attention vanilla -> G1 -> HyGA {trio('gqa', sink)} (GQA), {trio('mla', sink)} (MLA); max "
-            f"activation {trio('gqa', activation)} (GQA); float perplexity against G1, HyGA without the C-gate at "
-            + ", ".join(rank(c) for c in low)
-            + f", full HyGA {_delta(float_change(g1, cells['gqa/hyga']))}; W8A8 at Bondarenko's sites changes "
-            f"{_changes(paper)} ({_noise(paper)})")
+    return (
+        f"{_steps_tokens(cells.values())} of backcopy, d={width}: "
+        f"first-token attention vanilla -> G1 -> HyGA {trio('gqa', sink)} (GQA), {trio('mla', sink)} (MLA); max "
+        f"activation {trio('gqa', activation)} (GQA); float perplexity against G1, HyGA without the C-gate at "
+        + ", ".join(rank(c) for c in low)
+        + f", full HyGA {_delta(float_change(g1, cells['gqa/hyga']))}; W8A8 at Bondarenko's sites changes "
+        f"{_changes(paper)} ({_noise(paper)})"
+    )
 
 
 def sink_leak_toy() -> str:
@@ -219,14 +249,16 @@ def sink_leak_toy() -> str:
     first, lo, hi = min(attn, key=int), "512", max(attn, key=int)  # lo: past the short-context noise
     keys = " / ".join(f"{int(n) // 1024}k" if int(n) < 1 << 20 else "1M" for n in m["toy"]["leak"])
     held = [attn[n][i] for n in attn if int(lo) <= int(n) for i in top]
-    return (f"toy (fixed gap {m['toy']['gap']:.2f} nats): leak "
-            + " / ".join(f"{v:.4f}" for v in m["toy"]["leak"].values())
-            + f" at {keys} keys, the seed's values to their printed digits (it rounds the last up); "
-            f"SmolLM2's {len(top)} most sink-heavy layers keep {_span(held, _fixed(2))} of the attention on "
-            f"token 0 from {lo} to {hi} keys, while their implied gap grows "
-            f"{_span([gap[hi][i] - gap[lo][i] for i in top], _fixed(1))} nats over that range "
-            f"({_span([gap[hi][i] - gap[first][i] for i in top], _fixed(1))} from {first} keys) instead of "
-            "staying fixed")
+    return (
+        f"toy (fixed gap {m['toy']['gap']:.2f} nats): leak "
+        + " / ".join(f"{v:.4f}" for v in m["toy"]["leak"].values())
+        + f" at {keys} keys, the seed's values to their printed digits (it rounds the last up); "
+        f"SmolLM2's {len(top)} most sink-heavy layers keep {_span(held, _fixed(2))} of the attention on "
+        f"token 0 from {lo} to {hi} keys, while their implied gap grows "
+        f"{_span([gap[hi][i] - gap[lo][i] for i in top], _fixed(1))} nats over that range "
+        f"({_span([gap[hi][i] - gap[first][i] for i in top], _fixed(1))} from {first} keys) instead of "
+        "staying fixed"
+    )
 
 
 def kv_eviction() -> str:
@@ -243,12 +275,14 @@ def kv_eviction() -> str:
     sink, layer = max((s, i) for i, s in enumerate(plain["first_token_attention"]))
     w = smol["windows"][0]
     twin = [cost(gated, v) for v in gated["windows"]]
-    return (f"window {w} on SmolLM2: ppl {_num(smol['ppl'][f'{w}/0'])} without the first 4 tokens vs "
-            f"{_num(smol['ppl'][f'{w}/4'])} with them ({ratio(smol, w)}; full {_num(smol['ppl']['full'])}); tiny "
-            f"ungated (sink {sink:.2f} in layer {layer}): {ratio(plain, plain['windows'][0])} at window "
-            f"{plain['windows'][0]}; its G1-gated twin: {ratio(gated, gated['windows'][0])} there, "
-            f"{_span([1 + d.value for d in twin], _fixed(2))}x at every window from {gated['windows'][0]} to "
-            f"{gated['windows'][-1]} ({_noise(twin).replace('exclude 0', 'exclude 1')})")
+    return (
+        f"window {w} on SmolLM2: ppl {_num(smol['ppl'][f'{w}/0'])} without the first 4 tokens vs "
+        f"{_num(smol['ppl'][f'{w}/4'])} with them ({ratio(smol, w)}; full {_num(smol['ppl']['full'])}); tiny "
+        f"ungated (sink {sink:.2f} in layer {layer}): {ratio(plain, plain['windows'][0])} at window "
+        f"{plain['windows'][0]}; its G1-gated twin: {ratio(gated, gated['windows'][0])} there, "
+        f"{_span([1 + d.value for d in twin], _fixed(2))}x at every window from {gated['windows'][0]} to "
+        f"{gated['windows'][-1]} ({_noise(twin).replace('exclude 0', 'exclude 1')})"
+    )
 
 
 def context_extension() -> str:
@@ -264,12 +298,14 @@ def context_extension() -> str:
         a, b = plain[key], gated[key]
         return _delta(ex.ppl_change(a["nll"], b["nll"], a["length"] - 1))
 
-    return (f"at {long // n}x the training length ({long} tokens), YaRN: ungated {plain[f'{n}/default']['ppl']:.2f} -> "
-            f"{plain[f'{long}/yarn']['ppl']:.2f} ppl, G1 {gated[f'{n}/default']['ppl']:.2f} -> "
-            f"{gated[f'{long}/yarn']['ppl']:.2f} (G1 vs ungated {gate_change(f'{long}/yarn')}); unscaled RoPE: "
-            f"{plain[f'{long}/default']['ppl']:.2f} vs {gated[f'{long}/default']['ppl']:.2f} "
-            f"({gate_change(f'{long}/default')}), and the ungated sink collapses ({sink[layer]:.2f} -> "
-            f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)")
+    return (
+        f"at {long // n}x the training length ({long} tokens), YaRN: ungated {plain[f'{n}/default']['ppl']:.2f} -> "
+        f"{plain[f'{long}/yarn']['ppl']:.2f} ppl, G1 {gated[f'{n}/default']['ppl']:.2f} -> "
+        f"{gated[f'{long}/yarn']['ppl']:.2f} (G1 vs ungated {gate_change(f'{long}/yarn')}); unscaled RoPE: "
+        f"{plain[f'{long}/default']['ppl']:.2f} vs {gated[f'{long}/default']['ppl']:.2f} "
+        f"({gate_change(f'{long}/default')}), and the ungated sink collapses ({sink[layer]:.2f} -> "
+        f"{plain[f'{long}/default']['first_token_attention_last_quarter'][layer]:.2f} in its sink layer)"
+    )
 
 
 def massive_activation_intervention() -> str:
@@ -284,17 +320,23 @@ def massive_activation_intervention() -> str:
         return ex.ppl_change(r["original"]["nll"], r[label]["nll"], m["tokens_per_sequence"])
 
     zero = r["zero"]["ppl"]
-    return (f"SmolLM2 massive activations (channels {', '.join(map(str, found['channels']))} at token "
-            f"{', '.join(map(str, found['positions']))}, from block {found['layer']}, up to {_num(found['max_abs'])}): "
-            f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M "
-            f"({ex.format_ratio(change_of('zero'), noise=', within noise')}); mean -> {ppl('mean', 4)} "
-            f"({_delta(change_of('mean'))}); zeroing {len(found['channels'])} ordinary channels "
-            f"{_delta(change_of('zero, random channels (control)'))}")
+    return (
+        f"SmolLM2 massive activations (channels {', '.join(map(str, found['channels']))} at token "
+        f"{', '.join(map(str, found['positions']))}, from block {found['layer']}, up to {_num(found['max_abs'])}): "
+        f"zero -> ppl {ppl('original', 4)} to {zero / 1e6:.1f} M "
+        f"({ex.format_ratio(change_of('zero'), noise=', within noise')}); mean -> {ppl('mean', 4)} "
+        f"({_delta(change_of('mean'))}); zeroing {len(found['channels'])} ordinary channels "
+        f"{_delta(change_of('zero, random channels (control)'))}"
+    )
 
 
 def cpu_recipe_search() -> str:
-    runs = {s["name"]: s for s in (json.loads(p.read_text())
-                                   for p in sorted((ROOT / "results/cpu_recipe/search").glob("*/summary.json")))}
+    runs = {
+        s["name"]: s
+        for s in (
+            json.loads(p.read_text()) for p in sorted((ROOT / "results/cpu_recipe/search").glob("*/summary.json"))
+        )
+    }
 
     def setup(s):
         st = s["settings"]
@@ -302,13 +344,19 @@ def cpu_recipe_search() -> str:
 
     grew = max(runs.values(), key=lambda s: s["max_median_ratio"])
     rest = [s for s in runs.values() if s is not grew]
-    return (f"{setup(grew)} grows outliers (max/median {grew['max_median_ratio']:.0f}, max "
-            f"{grew['max_activation']:.0f}) but no lasting sink (max-layer first-token attention "
-            f"{_span([c['max_layer_sink'] for c in grew['curve']], _fixed(2))} over training); "
-            + " and ".join(setup(s) for s in rest) + " grow neither (max/median "
-            + _span([s["max_median_ratio"] for s in rest], _fixed(0)) + ", first-token attention "
-            + _span([s["max_layer_sink"] for s in rest], _fixed(2)) + ") within "
-            + _span([s["tokens"] / 1e6 for s in runs.values()], _fixed(1)) + " M tokens")
+    return (
+        f"{setup(grew)} grows outliers (max/median {grew['max_median_ratio']:.0f}, max "
+        f"{grew['max_activation']:.0f}) but no lasting sink (max-layer first-token attention "
+        f"{_span([c['max_layer_sink'] for c in grew['curve']], _fixed(2))} over training); "
+        + " and ".join(setup(s) for s in rest)
+        + " grow neither (max/median "
+        + _span([s["max_median_ratio"] for s in rest], _fixed(0))
+        + ", first-token attention "
+        + _span([s["max_layer_sink"] for s in rest], _fixed(2))
+        + ") within "
+        + _span([s["tokens"] / 1e6 for s in runs.values()], _fixed(1))
+        + " M tokens"
+    )
 
 
 def cpu_recipe() -> str:
@@ -319,7 +367,7 @@ def cpu_recipe() -> str:
     sinks = [max_layer_sink(c) for c in plain]
     layers = "/".join(map(str, sorted({i for _, i in sinks})))
     big = sum(peak_activation(c)[1] >= RATIO_TARGET for c in plain)
-    (_, widths), = bit_sweeps(metrics.schemes).items()
+    ((_, widths),) = bit_sweeps(metrics.schemes).items()
 
     def w8a8(group) -> tuple[list[Delta], str]:
         deltas = [_change(c, BONDARENKO) for c in group]
@@ -330,7 +378,7 @@ def cpu_recipe() -> str:
         found = [budget([(b, _change(c, s)) for b, s in widths]) for c in group]
         return ", ".join(f"A{f[0]}" if f else f"none (A{widths[0][0]} over)" for f in found)
 
-    (ungated, ungated_text), (twins, twins_text) = w8a8(plain), w8a8(gated)
+    (_, ungated_text), (_, twins_text) = w8a8(plain), w8a8(gated)
     twin_of = {c.seed: c for c in gated}
 
     def paired(scheme: str) -> str:
@@ -343,23 +391,25 @@ def cpu_recipe() -> str:
         below = sum(g.high is not None and g.high < 0 for g in known)
         mean = seed_delta([g.value for g in known], "points")
         points = _span([100 * g.value for g in known], lambda v: f"{v:+.3g}", " to ")
-        return (f"paired gated minus ungated {points} pp per seed "
-                f"({below} of {len(known)} below 0), mean {_delta(mean)}")
+        return f"paired gated minus ungated {points} pp per seed ({below} of {len(known)} below 0), mean {_delta(mean)}"
 
     def narrower(bits: int, scheme: str) -> str:
         u, g = [_change(c, scheme) for c in plain], [_change(c, scheme) for c in gated]
         return f"A{bits} {_changes(u)} vs {_changes(g)} ({paired(scheme)})"
 
-    return (f"{sum(s >= SINK_TARGET for s, _ in sinks)}/{len(plain)} ungated seeds grow a layer-{layers} sink "
-            f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
-            f"{_peaks(plain, _fixed(0))}; their G1 twins stay at "
-            f"{_span([max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
-            f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
-            f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in {big} seed{'s' if big != 1 else ''} of "
-            f"{len(plain)}; W8A8 at Bondarenko's sites {ungated_text} ungated vs {twins_text} gated "
-            f"(t-intervals across {len(plain)} seeds); bit budget (+{BUDGET:.0%}) {budgets(plain)} ungated vs "
-            f"{budgets(gated)} gated; at A8 {paired(BONDARENKO)}"
-            + "; with fewer activation bits, ungated vs gated: " + ", ".join(narrower(b, sch) for b, sch in widths[1:]))
+    return (
+        f"{sum(s >= SINK_TARGET for s, _ in sinks)}/{len(plain)} ungated seeds grow a layer-{layers} sink "
+        f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
+        f"{_peaks(plain, _fixed(0))}; their G1 twins stay at "
+        f"{_span([max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
+        f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
+        f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in {big} seed{'s' if big != 1 else ''} of "
+        f"{len(plain)}; W8A8 at Bondarenko's sites {ungated_text} ungated vs {twins_text} gated "
+        f"(t-intervals across {len(plain)} seeds); bit budget (+{BUDGET:.0%}) {budgets(plain)} ungated vs "
+        f"{budgets(gated)} gated; at A8 {paired(BONDARENKO)}"
+        + "; with fewer activation bits, ungated vs gated: "
+        + ", ".join(narrower(b, sch) for b, sch in widths[1:])
+    )
 
 
 def _experiment(name: str):
@@ -383,25 +433,31 @@ def twins_search() -> str:
         def w8a8(group):
             return _changes([_change(c, search.W8A8) for c in group])
 
-        def copy(group, bits=5):
+        def copy(group, bits=5, widths=widths):
             scheme = dict(widths)[bits]
             return _span([100 * scheme_change(c, scheme, search.COPY).value for c in group], _fixed(1), " to ")
 
         ratios = _span([peak_activation(c)[1] for c in plain], _ratio)
-        copies = (f"; copy accuracy at A5 {copy(plain)} pp ungated vs {copy(gated)} pp gated"
-                  if search.COPY[0] in plain[0].float_results else "")
+        copies = (
+            f"; copy accuracy at A5 {copy(plain)} pp ungated vs {copy(gated)} pp gated"
+            if search.COPY[0] in plain[0].float_results
+            else ""
+        )
         for c in cells:  # --sites: the costliest activation site of each model, where sites.json exists
             found = search.read_sites(c.run_dir).get(c.variant)
             if found:
                 total, row = search.costliest_site(found[search.SITE_SCHEMES[0]])
                 copies += f"; seed {c.seed} " + search.site_sentence(c.variant, total, row)
-        parts.append(f"{name} ({v['seeds']} seed{'s' if v['seeds'] != 1 else ''}): ungated sink >= {search.SINK} in "
-                     f"{v['held']['ungated sink']}, max/median {ratios} (>= {search.RATIO} in "
-                     f"{v['held']['ungated ratio']}); W8A8 {w8a8(plain)} ungated vs {w8a8(gated)} gated, >= "
-                     f"{search.FACTOR}x and apart in {v['held']['W8A8 apart']}; widest width apart in every seed: "
-                     + (f"A{v['widest apart']}" if v["widest apart"] else "none") + copies)
+        parts.append(
+            f"{name} ({v['seeds']} seed{'s' if v['seeds'] != 1 else ''}): ungated sink >= {search.SINK} in "
+            f"{v['held']['ungated sink']}, max/median {ratios} (>= {search.RATIO} in "
+            f"{v['held']['ungated ratio']}); W8A8 {w8a8(plain)} ungated vs {w8a8(gated)} gated, >= "
+            f"{search.FACTOR}x and apart in {v['held']['W8A8 apart']}; widest width apart in every seed: "
+            + (f"A{v['widest apart']}" if v["widest apart"] else "none")
+            + copies
+        )
     met = [n for n, m in results.items() if search.verdict(m.cells, bit_sweeps(m.schemes)[search.W8A8])["met"]]
-    return (f"criterion met by {', '.join(met) if met else 'no candidate'} of {len(results)}: " + "; ".join(parts))
+    return f"criterion met by {', '.join(met) if met else 'no candidate'} of {len(results)}: " + "; ".join(parts)
 
 
 def mitigations() -> str:
@@ -416,18 +472,36 @@ def mitigations() -> str:
         fixed = [r for r in rows if r.verdict == "fixed"]
         text = f"{c.model}: `{reference}` {_delta(changes[c.id, reference])}"
         if fixed:
-            text += (f", within +{within:.0%} (whole interval) with {len(fixed)} of {len(rows)} schemes, best "
-                     + ", ".join(f"`{r.scheme}` {_delta(r.delta)}" for r in fixed[:3]))
+            text += (
+                f", within +{within:.0%} (whole interval) with {len(fixed)} of {len(rows)} schemes, best "
+                + ", ".join(f"`{r.scheme}` {_delta(r.delta)}" for r in fixed[:3])
+            )
         else:
-            text += (f", no scheme within +{within:.0%} (whole interval); best `{rows[0].scheme}` "
-                     f"{_delta(rows[0].delta)}")
+            text += (
+                f", no scheme within +{within:.0%} (whole interval); best `{rows[0].scheme}` {_delta(rows[0].delta)}"
+            )
         parts.append(text + f"; worst `{rows[-1].scheme}` {_delta(rows[-1].delta)}")
     return "; ".join(parts)
 
 
-HEADLINES = {f.__name__: f for f in (quickstart, bondarenko_table2, bondarenko_table2_paper, qiu_table4, hyga_ablation,
-                                     sink_leak_toy, kv_eviction, context_extension, massive_activation_intervention,
-                                     cpu_recipe_search, cpu_recipe, twins_search, mitigations)}
+HEADLINES = {
+    f.__name__: f
+    for f in (
+        quickstart,
+        bondarenko_table2,
+        bondarenko_table2_paper,
+        qiu_table4,
+        hyga_ablation,
+        sink_leak_toy,
+        kv_eviction,
+        context_extension,
+        massive_activation_intervention,
+        cpu_recipe_search,
+        cpu_recipe,
+        twins_search,
+        mitigations,
+    )
+}
 
 
 def render(text: str) -> str:

@@ -14,12 +14,12 @@ from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, set before CUDA starts
 
-import torch  # noqa: E402
-from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState  # noqa: E402
-from accelerate.utils import DistributedType  # noqa: E402
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+from accelerate.utils import DistributedType
 
-import quantgate as qg  # noqa: E402
-import quantgate.train as trainer  # noqa: E402
+import quantgate as qg
+import quantgate.train as trainer
 
 
 class FsdpOnCpu(Accelerator):
@@ -28,7 +28,9 @@ class FsdpOnCpu(Accelerator):
         self.state.distributed_type = DistributedType.FSDP  # as AcceleratorState sets both on GPUs
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         self.state.fsdp_plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"]
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         )
 
 
@@ -37,8 +39,19 @@ if torch.cuda.is_available():
 else:
     trainer.Accelerator = FsdpOnCpu
 out = Path(sys.argv[1])
-settings = dict(steps=8, batch_size=4, seq_len=32, lr=3e-3, seed=0, log_every=1, eval_every=4, observe_every=4,
-                eval_batches=1, checkpoint_every=4, mixed_precision="no")
+settings = {
+    "steps": 8,
+    "batch_size": 4,
+    "seq_len": 32,
+    "lr": 3e-3,
+    "seed": 0,
+    "log_every": 1,
+    "eval_every": 4,
+    "observe_every": 4,
+    "eval_batches": 1,
+    "checkpoint_every": 4,
+    "mixed_precision": "no",
+}
 
 
 def run(name, **kw):

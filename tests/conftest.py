@@ -4,8 +4,8 @@ import os
 # (torch and torchao may import it early), so it is set before any test module loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +26,28 @@ def build_or_refuse(preset, variant, **kw):
             qg.build(preset, variant, **kw)
         return None
     return qg.build(preset, variant, **kw)
-GATED = ["g1-elementwise", "g1-headwise", "g1-headshared", "g1-constant", "g1-ns-sigmoid", "g2-value",
-         "g5-output", "bondarenko", "bondarenko:mode=mlp", "bondarenko:mode=all-heads", "hyga",
-         "hyga:low_rank=4,fusion=product,c_gate=false"]
-ALL_VARIANTS = ["vanilla", "clipped", "clipped:alpha=2", "sink", *GATED, "g1-headwise+clipped+sink",
-                "hyga:low_rank=4+sink"]
+
+
+GATED = [
+    "g1-elementwise",
+    "g1-headwise",
+    "g1-headshared",
+    "g1-constant",
+    "g1-ns-sigmoid",
+    "g2-value",
+    "g5-output",
+    "bondarenko",
+    "bondarenko:mode=mlp",
+    "bondarenko:mode=all-heads",
+    "hyga",
+    "hyga:low_rank=4,fusion=product,c_gate=false",
+]
+ALL_VARIANTS = [
+    "vanilla",
+    "clipped",
+    "clipped:alpha=2",
+    "sink",
+    *GATED,
+    "g1-headwise+clipped+sink",
+    "hyga:low_rank=4+sink",
+]

@@ -12,7 +12,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "quantgate"
 
 def _unannotated(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     a = fn.args
-    out = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.annotation is None and x.arg not in ("self", "cls")]
+    out = [
+        x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.annotation is None and x.arg not in ("self", "cls")
+    ]
     out += [f"*{x.arg}" for x in (a.vararg, a.kwarg) if x is not None and x.annotation is None]
     if fn.returns is None and fn.name != "__init__":
         out.append("return")

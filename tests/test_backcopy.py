@@ -28,7 +28,7 @@ def test_chain_start_draws_the_token_after_bos_from_its_successors():
         for i in range(2, ids.shape[1]):
             prev = ids[:, i - 1]
             copied = torch.isin(prev, task.triggers)
-            chained = (task.successors[prev] == ids[:, i:i + 1]).any(1)
+            chained = (task.successors[prev] == ids[:, i : i + 1]).any(1)
             ok = torch.where(copied, ids[:, i] == ids[:, i - 2], chained | torch.isin(ids[:, i], task.triggers))
             assert ok.all(), i
 
@@ -38,13 +38,16 @@ def test_the_default_task_is_unchanged_by_the_options():
     assert torch.equal(_first("backcopy"), BackcopyBatches(24, 64, seed=3, bos=TOK.bos_token_id).make(0)["input_ids"])
 
 
-@pytest.mark.parametrize("source, message", [
-    ("backcopy:start=sideways", "backcopy: start=sideways is not one of random, chain"),
-    ("backcopy:starts=chain", "backcopy: unknown option 'starts=chain'; valid: start (random, chain)"),
-    ("backcopy:trigger_prob=1.5", "trigger_prob=1.5 is not a probability"),
-    ("backcopy:trigger_prob=often", "backcopy: trigger_prob expects float, got 'often'"),
-    ("backcopy:triggers=0", "triggers=0 needs at least 1 trigger token"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("backcopy:start=sideways", "backcopy: start=sideways is not one of random, chain"),
+        ("backcopy:starts=chain", "backcopy: unknown option 'starts=chain'; valid: start (random, chain)"),
+        ("backcopy:trigger_prob=1.5", "trigger_prob=1.5 is not a probability"),
+        ("backcopy:trigger_prob=often", "backcopy: trigger_prob expects float, got 'often'"),
+        ("backcopy:triggers=0", "triggers=0 needs at least 1 trigger token"),
+    ],
+)
 def test_bad_task_options_name_the_option(source, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         task_options(source)
@@ -58,8 +61,11 @@ def test_trigger_options_reach_the_task():
 
 def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
     model = qg.build("tiny-llama", seed=0)
-    model = train(model, TOK, config=TrainConfig(steps=30, data="backcopy:start=chain", batch_size=8, seq_len=64,
-                                                 lr=1e-2, eval_batches=1))
+    model = train(
+        model,
+        TOK,
+        config=TrainConfig(steps=30, data="backcopy:start=chain", batch_size=8, seq_len=64, lr=1e-2, eval_batches=1),
+    )
     assert model.config.quantgate["task"] == "backcopy:start=chain"
     again = qg.load(qg.save(model, tmp_path / "m"))
     assert again.config.quantgate["task"] == "backcopy:start=chain"
@@ -75,7 +81,8 @@ def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
     ids = next(iter(qg.data.batches(TOK, "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))["input_ids"]
     with torch.no_grad():
         logp = again(input_ids=ids).logits[:, :-1].log_softmax(-1)
-    assert plain["loglikelihood"] == pytest.approx(logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1).tolist(),
-                                                   rel=1e-5)
+    assert plain["loglikelihood"] == pytest.approx(
+        logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1).tolist(), rel=1e-5
+    )
     # it has learnt BOS's successors, so its own task scores better (by more than the tolerance above)
     assert sum(docs["loglikelihood"]) > sum(plain["loglikelihood"]) * (1 - 1e-3)

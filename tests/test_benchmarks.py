@@ -13,8 +13,9 @@ import roundrobin  # noqa: E402
 
 def test_sides_take_turns_and_warmup_rounds_are_not_timed():
     calls = []
-    times = roundrobin.round_robin({"a": lambda i: calls.append(("a", i)), "b": lambda i: calls.append(("b", i))},
-                                   rounds=3, warmup=2)
+    times = roundrobin.round_robin(
+        {"a": lambda i: calls.append(("a", i)), "b": lambda i: calls.append(("b", i))}, rounds=3, warmup=2
+    )
     assert calls == [(s, i) for i in range(5) for s in "ab"]
     assert [len(t) for t in times.values()] == [3, 3]
 
@@ -26,12 +27,35 @@ def test_ratio_is_the_median_of_per_round_ratios_with_its_quartiles():
     assert roundrobin.ratio({"b": [1.0, 2.0], "s": [3.0, 2.0]}, "s", "b") == "2.00x (range 1.00-3.00 over 2 rounds)"
 
 
-@pytest.mark.parametrize("script, args", [
-    ("quant_speed.py", ["--model", "tiny-llama", "--schemes", "w8-int8", "w8a8-int8-static", "--rounds", "2",
-                        "--batches", "1", "--calib", "1", "--batch-size", "2", "--seq-len", "32"]),
-    ("observe_overhead.py", ["--model", "tiny-opt", "--rounds", "2", "--batches", "1", "--batch-size", "2",
-                             "--seq-len", "32"]),
-])
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        (
+            "quant_speed.py",
+            [
+                "--model",
+                "tiny-llama",
+                "--schemes",
+                "w8-int8",
+                "w8a8-int8-static",
+                "--rounds",
+                "2",
+                "--batches",
+                "1",
+                "--calib",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "32",
+            ],
+        ),
+        (
+            "observe_overhead.py",
+            ["--model", "tiny-opt", "--rounds", "2", "--batches", "1", "--batch-size", "2", "--seq-len", "32"],
+        ),
+    ],
+)
 def test_benchmark_scripts_print_their_ratio(script, args):
     run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -39,8 +63,12 @@ def test_benchmark_scripts_print_their_ratio(script, args):
 
 
 def test_interval_width_prints_a_row_per_document_prefix():
-    run = subprocess.run([sys.executable, str(BENCH / "interval_width.py"), "--model", "tiny-llama", "--docs", "2"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "interval_width.py"), "--model", "tiny-llama", "--docs", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "[n/a]" in rows[0] and "[n/a]" not in rows[1]
@@ -58,7 +86,7 @@ def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_pa
     text = capsys.readouterr().out
     cells = {c.model: c for c in read_metrics(tmp_path / "run").cells}
     assert set(cells) == {"float32", "bfloat16"}
-    docs = lambda c, s: (c.float_documents["quantgate_ppl"], c.scheme(s).documents["quantgate_ppl"])  # noqa: E731
+    docs = lambda c, s: (c.float_documents["quantgate_ppl"], c.scheme(s).documents["quantgate_ppl"])
     for scheme in cells["float32"].schemes:
         gap = paired_difference(docs(cells["float32"], scheme), docs(cells["bfloat16"], scheme), "word_perplexity")
         assert f"| `{scheme}` |" in text and f" | {format_delta(gap)} | " in text
@@ -78,8 +106,9 @@ def test_main_job_benchmark_times_a_fresh_run_only(tmp_path):
 def test_main_job_benchmark_prints_the_budget_share(tmp_path, capsys):
     import main_job
 
-    main_job.main(["--study", str(BENCH.parent / "experiments" / "smoke.yaml"), "--out", str(tmp_path / "run"),
-                   "--fresh-cache"])
+    main_job.main(
+        ["--study", str(BENCH.parent / "experiments" / "smoke.yaml"), "--out", str(tmp_path / "run"), "--fresh-cache"]
+    )
     out = capsys.readouterr().out
     assert "x the 10-minute budget (empty quantgate cache" in out and "  tiny/vanilla: " in out
 
@@ -97,8 +126,12 @@ def test_the_scale_fit_recovers_a_and_b_from_points_made_by_hand():
 def test_scale_dry_run_measures_fits_and_extrapolates(tmp_path):
     """The scale benchmark's dry run: every step measured in its own process, the fit, the marked extrapolation,
     and the report rebuilt from the measurements kept in --work."""
-    run = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--dry-run", "--work", str(tmp_path / "w"),
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(BENCH / "scale.py"), "--dry-run", "--work", str(tmp_path / "w"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     text = (tmp_path / "scale-cpu-dry-run.md").read_text()
     assert "test the code path, not the memory model" in text and "## Extrapolation (not measured)" in text
@@ -106,6 +139,18 @@ def test_scale_dry_run_measures_fits_and_extrapolates(tmp_path):
     rows = __import__("json").loads((tmp_path / "scale-dry-run.json").read_text())
     assert len(rows) == 2 * 2 * 3 and not any(r.get("failed") for r in rows)
     assert all(r["peak"] > r["model_bytes"] > 0 for r in rows if r["step"] != "load")
-    again = subprocess.run([sys.executable, str(BENCH / "scale.py"), "--dry-run", "--report-only", "--work",
-                            str(tmp_path / "w"), "--out", str(tmp_path / "again")], capture_output=True, text=True)
+    again = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "scale.py"),
+            "--dry-run",
+            "--report-only",
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "again"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert again.returncode == 0 and "| 70B | forward |" in (tmp_path / "again" / "scale-cpu-dry-run.md").read_text()

@@ -4,12 +4,11 @@ each cell's bit budget (fewest activation bits under a 1% perplexity increase) a
 import pytest
 
 from quantgate.quant.schemes import act_bits
-from quantgate.study import CellRecord
+from quantgate.stats import Delta
+from quantgate.study import CellRecord, StudyError, load_study
 from quantgate.study.measures import bit_sweeps, budget
 from quantgate.study.plots import plot_bit_sweeps
 from quantgate.study.report import _bit_budget
-from quantgate.stats import Delta
-from quantgate.study import StudyError, load_study
 
 STUDY = """name: sweep
 models:
@@ -32,15 +31,21 @@ def _study(tmp_path, entry):
 def test_listed_option_values_expand_to_one_scheme_each(tmp_path):
     study = _study(tmp_path, "{scheme: w8a8-int8-bondarenko, a_bits: [8, 6, 4], estimator: percentile}")
     assert [s["scheme"] for s in study.models[0].schemes] == [
-        "w8a8-int8-bondarenko:estimator=percentile", "w8a8-int8-bondarenko:estimator=percentile,a_bits=6",
-        "w8a8-int8-bondarenko:estimator=percentile,a_bits=4", "w8a8-int8-dynamic"]
+        "w8a8-int8-bondarenko:estimator=percentile",
+        "w8a8-int8-bondarenko:estimator=percentile,a_bits=6",
+        "w8a8-int8-bondarenko:estimator=percentile,a_bits=4",
+        "w8a8-int8-dynamic",
+    ]
 
 
-@pytest.mark.parametrize("entry, fragment", [
-    ("{scheme: w8a8-int8-bondarenko, a_bits: [8, 1]}", "a_bits must be in [2, 8], got 1"),
-    ("{scheme: w8a8-fp8-e4m3, a_bits: [6]}", "a_bits"),
-    ("{scheme: w8a8-int8-bondarenko, bits: [6]}", "unknown key 'bits'"),
-])
+@pytest.mark.parametrize(
+    "entry, fragment",
+    [
+        ("{scheme: w8a8-int8-bondarenko, a_bits: [8, 1]}", "a_bits must be in [2, 8], got 1"),
+        ("{scheme: w8a8-fp8-e4m3, a_bits: [6]}", "a_bits"),
+        ("{scheme: w8a8-int8-bondarenko, bits: [6]}", "unknown key 'bits'"),
+    ],
+)
 def test_bad_sweeps_name_the_line_and_option(tmp_path, entry, fragment):
     with pytest.raises(StudyError, match=r"s\.yaml:7: .*") as e:
         _study(tmp_path, entry)
@@ -48,12 +53,19 @@ def test_bad_sweeps_name_the_line_and_option(tmp_path, entry, fragment):
 
 
 def test_sweeps_group_schemes_that_differ_only_in_activation_bits():
-    schemes = ["w8a8-int8-bondarenko", "w8a8-int8-bondarenko:a_bits=5", "w8a8-int8-static:a_bits=4",
-               "w8a8-int8-static", "w8a8-fp8-e4m3", "w8a8-int8-dynamic"]
+    schemes = [
+        "w8a8-int8-bondarenko",
+        "w8a8-int8-bondarenko:a_bits=5",
+        "w8a8-int8-static:a_bits=4",
+        "w8a8-int8-static",
+        "w8a8-fp8-e4m3",
+        "w8a8-int8-dynamic",
+    ]
     assert act_bits("w8a8-int8-bondarenko:a_bits=5") == ("w8a8-int8-bondarenko", 5)
     assert bit_sweeps(schemes) == {
         "w8a8-int8-bondarenko": [(8, "w8a8-int8-bondarenko"), (5, "w8a8-int8-bondarenko:a_bits=5")],
-        "w8a8-int8-static": [(8, "w8a8-int8-static"), (4, "w8a8-int8-static:a_bits=4")]}
+        "w8a8-int8-static": [(8, "w8a8-int8-static"), (4, "w8a8-int8-static:a_bits=4")],
+    }
 
 
 def _d(value, low=None, high=None):
@@ -69,12 +81,20 @@ def test_budget_is_the_fewest_bits_under_one_percent_at_every_wider_width():
 def test_report_section_and_plot(tmp_path):
     cells = [CellRecord(id="t/vanilla", model="t", variant="vanilla"), CellRecord(id="t/g1", model="t", variant="g1")]
     schemes = ["w8a8-int8-bondarenko", "w8a8-int8-bondarenko:a_bits=6"]
-    changes = {("t/vanilla", schemes[0]): _d(0.003, 0.001, 0.005), ("t/vanilla", schemes[1]): _d(0.09, 0.07, 0.11),
-               ("t/g1", schemes[0]): _d(0.002, -0.001, 0.004), ("t/g1", schemes[1]): _d(0.008, 0.004, 0.013)}
+    changes = {
+        ("t/vanilla", schemes[0]): _d(0.003, 0.001, 0.005),
+        ("t/vanilla", schemes[1]): _d(0.09, 0.07, 0.11),
+        ("t/g1", schemes[0]): _d(0.002, -0.001, 0.004),
+        ("t/g1", schemes[1]): _d(0.008, 0.004, 0.013),
+    }
     text = "\n".join(_bit_budget(cells, schemes, changes))
     assert "| t | vanilla | 0 | A8: +0.30% [+0.10, +0.50] | +0.30% [+0.10, +0.50] | +9.0% [+7.0, +11.0] |" in text
     assert "| t | g1 | 0 | A6: +0.8% [+0.4, +1.3] | +0.20% [-0.10, +0.40] ~ | +0.8% [+0.4, +1.3] |" in text
-    sweeps = {"w8a8-int8-bondarenko": [(8, {c: changes[c, schemes[0]] for c in ("t/vanilla", "t/g1")}),
-                                       (6, {c: changes[c, schemes[1]] for c in ("t/vanilla", "t/g1")})]}
+    sweeps = {
+        "w8a8-int8-bondarenko": [
+            (8, {c: changes[c, schemes[0]] for c in ("t/vanilla", "t/g1")}),
+            (6, {c: changes[c, schemes[1]] for c in ("t/vanilla", "t/g1")}),
+        ]
+    }
     path = plot_bit_sweeps(sweeps, ["t/vanilla", "t/g1"], 0.01, tmp_path / "bits.png")
     assert path.stat().st_size > 10_000

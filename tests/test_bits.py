@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import quantgate as qg
-from quantgate.quant import get_scheme
-from quantgate.quant import quantizers
+from quantgate.quant import get_scheme, quantizers
 from quantgate.quant.quantizers import FP8, fake_quant, int_qparams
 from quantgate.quant.simulate import ActQuant
 
@@ -40,16 +39,19 @@ def test_bits_options_parse_print_and_refuse_what_they_cannot_mean():
     assert (s.act.format, s.weight.format) == ("int6", "int4") and get_scheme(str(s)) == s
     assert str(s) == "w8a8-int8-static:a_bits=6,w_bits=4"
     assert get_scheme("w4-int4-group:w_bits=3").weight.format == "int3"
-    for text, fragment in [("w8a8-fp8-e4m3:a_bits=6", "fp8-e4m3, a float format of fixed width"),
-                           ("w8a8-fp8-e5m2:w_bits=4", "fp8-e5m2, a float format of fixed width"),
-                           ("w8a8-int8-static:a_bits=9", "a_bits must be in [2, 8], got 9"),
-                           ("w8a8-int8-dynamic:w_bits=1", "w_bits must be in [2, 8], got 1"),
-                           ("w8-int8:a_bits=4", "unknown option 'a_bits=4'")]:
+    for text, fragment in [
+        ("w8a8-fp8-e4m3:a_bits=6", "fp8-e4m3, a float format of fixed width"),
+        ("w8a8-fp8-e5m2:w_bits=4", "fp8-e5m2, a float format of fixed width"),
+        ("w8a8-int8-static:a_bits=9", "a_bits must be in [2, 8], got 9"),
+        ("w8a8-int8-dynamic:w_bits=1", "w_bits must be in [2, 8], got 1"),
+        ("w8-int8:a_bits=4", "unknown option 'a_bits=4'"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(fragment)):
             get_scheme(text)
 
 
 # --- library primitives against each other and the formulas ---------------------------------------
+
 
 def _cases():
     g = torch.Generator().manual_seed(0)
@@ -84,7 +86,7 @@ def test_without_torchao_the_written_out_formulas_give_the_same_numbers(monkeypa
     cases = [(x, lo * r, hi * r) for x, lo, hi, _ in _cases() for r in (1.0, 0.5)]  # 0.5: FP8 saturates
     with_torchao = [fake_quant(x, lo, hi, fmt, symmetric) for x, lo, hi in cases]
     monkeypatch.setattr(quantizers, "ao", None)  # as where torchao is missing
-    for (x, lo, hi), (y, overflow) in zip(cases, with_torchao):
+    for (x, lo, hi), (y, overflow) in zip(cases, with_torchao, strict=True):
         y_hand, overflow_hand = fake_quant(x, lo, hi, fmt, symmetric)
         assert torch.equal(y_hand, y) and overflow_hand == overflow
     assert fmt not in FP8 or overflow > 0
@@ -108,8 +110,9 @@ def test_fake_int_equals_pytorchs_fused_fake_quantize(bits, symmetric, dtype):
                 fused = torch.fake_quantize_per_tensor_affine(v.float(), scale.reshape(()), z.reshape(()), qmin, qmax)
             else:
                 axis = 0 if scale.shape[-1] == 1 else 1
-                fused = torch.fake_quantize_per_channel_affine(v.float(), scale.reshape(-1), z.reshape(-1), axis,
-                                                               qmin, qmax)
+                fused = torch.fake_quantize_per_channel_affine(
+                    v.float(), scale.reshape(-1), z.reshape(-1), axis, qmin, qmax
+                )
             ours = fake_int(v, scale, zero, bits, symmetric)
             assert ours.dtype == dtype and torch.equal(ours, fused.to(dtype))
             top = (qmax - torch.round(zero)) * scale  # the grid's largest value

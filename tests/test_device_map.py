@@ -16,8 +16,14 @@ from quantgate.models.io import Placement, offloaded
 from quantgate.models.sources import tokenizer
 
 IDS = torch.randint(5, 8000, (2, 24), generator=torch.Generator().manual_seed(3))
-SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
-         "model.norm": "cpu", "lm_head": "cpu"}
+SPLIT = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.norm": "cpu",
+    "lm_head": "cpu",
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def test_a_block_on_disk_gives_the_whole_models_numbers(checkpoint, tmp_path):
 
 def test_a_placed_model_quantizes_in_place_as_the_whole_one_does(checkpoint, tmp_path):
     """Every module placed explicitly (this machine has one device): quantized in place, the same perplexity."""
-    in_memory = {k: "cpu" for k in SPLIT}
+    in_memory = dict.fromkeys(SPLIT, "cpu")
     results = []
     for placement in (None, Placement(in_memory)):
         model = qg.load(checkpoint, placement=placement)
@@ -61,13 +67,32 @@ def test_a_placed_model_quantizes_in_place_as_the_whole_one_does(checkpoint, tmp
 def test_the_command_line_places_and_refuses_what_cannot_be_placed(checkpoint, tmp_path, capsys):
     split = json.dumps(SPLIT)
     assert main(["eval", str(checkpoint), "--limit", "2", "--batch-size", "1", "--out", str(tmp_path / "whole")]) == 0
-    assert main(["eval", str(checkpoint), "--limit", "2", "--batch-size", "1", "--out", str(tmp_path / "placed"),
-                 "--device-map", split, "--offload-folder", str(tmp_path / "off")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(checkpoint),
+                "--limit",
+                "2",
+                "--batch-size",
+                "1",
+                "--out",
+                str(tmp_path / "placed"),
+                "--device-map",
+                split,
+                "--offload-folder",
+                str(tmp_path / "off"),
+            ]
+        )
+        == 0
+    )
     whole, placed = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("whole", "placed"))
     assert placed["documents"] == whole["documents"]
     capsys.readouterr()
     quantized = tmp_path / "q8"
-    assert main(["quantize", str(checkpoint), "--scheme", "w8a8-int8-dynamic", "--inplace", "--out", str(quantized)]) == 0
+    assert (
+        main(["quantize", str(checkpoint), "--scheme", "w8a8-int8-dynamic", "--inplace", "--out", str(quantized)]) == 0
+    )
     assert "quantized in place" in capsys.readouterr().out
     for args, fragment in (
         (["eval", str(checkpoint), "--max-memory", "cpu=1GiB"], "give --device-map auto"),
@@ -76,10 +101,32 @@ def test_the_command_line_places_and_refuses_what_cannot_be_placed(checkpoint, t
         (["eval", str(checkpoint), "--max-memory", "cpu", "--device-map", "auto"], "give DEVICE=SIZE pairs"),
         (["eval", str(quantized), "--device-map", "auto"], "is a quantized checkpoint, which loads whole"),
         (["eval", "tiny-llama", "--device-map", "auto"], "is a preset, built whole"),
-        (["observe", str(checkpoint), "--variant", "g1-headwise", "--device-map", split, "--offload-folder",
-          str(tmp_path / "off2")], "weights were placed on disk, and the g1-headwise variant's gates"),
-        (["quantize", str(checkpoint), "--scheme", "w8a8-int8-dynamic", "--device-map", split, "--offload-folder",
-          str(tmp_path / "off3")], "placed on disk by its device_map"),
+        (
+            [
+                "observe",
+                str(checkpoint),
+                "--variant",
+                "g1-headwise",
+                "--device-map",
+                split,
+                "--offload-folder",
+                str(tmp_path / "off2"),
+            ],
+            "weights were placed on disk, and the g1-headwise variant's gates",
+        ),
+        (
+            [
+                "quantize",
+                str(checkpoint),
+                "--scheme",
+                "w8a8-int8-dynamic",
+                "--device-map",
+                split,
+                "--offload-folder",
+                str(tmp_path / "off3"),
+            ],
+            "placed on disk by its device_map",
+        ),
     ):
         assert main(args) == 2, args
         assert fragment in capsys.readouterr().err, args
@@ -104,7 +151,7 @@ def test_a_study_places_its_checkpoint_and_quantizes_fresh_loads_in_place(checkp
     def cell(name, **kw):
         return read_metrics(run_study(study(name, **kw), tmp_path / name)).cells[0]
 
-    in_memory = json.dumps({k: "cpu" for k in SPLIT})
+    in_memory = json.dumps(dict.fromkeys(SPLIT, "cpu"))
     whole, placed = cell("whole"), cell("placed", placement=f"    placement: {{device_map: {in_memory}}}\n")
     assert placed.observe == whole.observe and placed.float_documents == whole.float_documents
     for scheme, record in whole.schemes.items():

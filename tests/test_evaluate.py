@@ -66,14 +66,19 @@ def test_computed_tasks_keep_per_sequence_values():
     docs = out["documents"]["quantgate_mlm_ppl"]
     assert len(docs["ids"]) == 16 and all(n > 0 for n in docs["tokens"])  # one batch of 16 sequences
     assert out["results"]["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(
-        math.exp(-sum(docs["loglikelihood"]) / sum(docs["tokens"])), rel=1e-12)
+        math.exp(-sum(docs["loglikelihood"]) / sum(docs["tokens"])), rel=1e-12
+    )
     assert mlm_perplexity(bert, qg.tokenizer(bert), limit=1) == pytest.approx(
-        out["results"]["quantgate_mlm_ppl"]["perplexity"], rel=1e-6)
+        out["results"]["quantgate_mlm_ppl"]["perplexity"], rel=1e-6
+    )
     llama = qg.build("tiny-llama", seed=0).eval()
     out = evaluate(llama, None, ["quantgate_backcopy"], limit=1)
     docs = out["documents"]["quantgate_backcopy"]
-    assert set(docs) == {"ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first",
-                         "copied", "copies"} and len(docs["ids"]) == 16
+    assert (
+        set(docs)
+        == {"ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies"}
+        and len(docs["ids"]) == 16
+    )
     assert out["results"]["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
     # without the first prediction, by hand: each sequence's own loss over targets 2..L-1
     from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED
@@ -86,7 +91,8 @@ def test_computed_tasks_keep_per_sequence_values():
     assert docs["loglikelihood_after_first"] == pytest.approx((-nll).tolist(), rel=1e-5)
     assert docs["tokens_after_first"] == [126] * 16
     assert out["results"]["quantgate_backcopy"]["perplexity_after_first"] == pytest.approx(
-        math.exp(float(nll.sum()) / (126 * 16)), rel=1e-6)
+        math.exp(float(nll.sum()) / (126 * 16)), rel=1e-6
+    )
     assert backcopy_metrics(llama, qg.tokenizer(llama), limit=1) == pytest.approx(out["results"]["quantgate_backcopy"])
 
 
@@ -94,7 +100,8 @@ def test_cloze_and_nextsent_against_direct_scores(tiny):
     tok = qg.tokenizer(tiny)
     from quantgate.evaluate import TASK_DIR
 
-    items = [json.loads(line) for line in open(TASK_DIR / "data" / "quantgate_nextsent.jsonl")][:4]
+    with open(TASK_DIR / "data" / "quantgate_nextsent.jsonl") as f:
+        items = [json.loads(line) for line in f][:4]
     res = evaluate(tiny, tok, ["quantgate_nextsent"], limit=4)["results"]["quantgate_nextsent"]
     correct = 0
     for item in items:
@@ -104,8 +111,8 @@ def test_cloze_and_nextsent_against_direct_scores(tiny):
             full = tok(item["context"] + " " + choice, add_special_tokens=False).input_ids
             with torch.no_grad():
                 logp = tiny(torch.tensor([full])).logits[0, :-1].log_softmax(-1)
-            cont = torch.tensor(full[len(ctx):])
-            scores.append(float(logp[len(ctx) - 1:].gather(1, cont[:, None]).sum()))
+            cont = torch.tensor(full[len(ctx) :])
+            scores.append(float(logp[len(ctx) - 1 :].gather(1, cont[:, None]).sum()))
         correct += int(max(range(4), key=scores.__getitem__) == item["label"])
     assert res["acc"] == pytest.approx(correct / 4)
 

@@ -15,16 +15,26 @@ import yaml
 import quantgate as qg
 from quantgate import experiment as ex
 from quantgate.stats import Delta, format_delta
-from quantgate.study import CellRecord, StudyRecord, load_study, plan, run_study, read_metrics
+from quantgate.study import CellRecord, StudyRecord, load_study, plan, read_metrics, run_study
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
 # committed results come from these; the smoke (first variant of each model) of qiu_table4 and hyga_ablation
 # trains the same tiny models as the others, so CI runs those two only with -m slow
-RUN_HERE = ["bondarenko_table2", "cpu_recipe", pytest.param("qiu_table4", marks=pytest.mark.slow),
-            pytest.param("hyga_ablation", marks=pytest.mark.slow)]
-SCRIPTS = ["sink_leak_toy", "massive_activation_intervention", "kv_eviction", "context_extension",
-           "cpu_recipe_search", "twins_search"]
+RUN_HERE = [
+    "bondarenko_table2",
+    "cpu_recipe",
+    pytest.param("qiu_table4", marks=pytest.mark.slow),
+    pytest.param("hyga_ablation", marks=pytest.mark.slow),
+]
+SCRIPTS = [
+    "sink_leak_toy",
+    "massive_activation_intervention",
+    "kv_eviction",
+    "context_extension",
+    "cpu_recipe_search",
+    "twins_search",
+]
 SLOW_SCRIPTS = {"twins_search"}  # its smoke trains and quantizes a pair six ways: about 1.5 min on two cores
 
 
@@ -74,8 +84,7 @@ def _added_parameters(cell: dict) -> int:
     return count(cell["variant"]) - count("vanilla")
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SCRIPTS else n
-                                  for n in SCRIPTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SCRIPTS else n for n in SCRIPTS])
 def test_script_smoke(name, tmp_path, monkeypatch):
     """Each script's smoke run, and one or more of its figures recomputed independently."""
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--smoke", "--out", str(tmp_path)])
@@ -108,7 +117,7 @@ def _loss_ppl(model, ids, start=1):
 
 def _sequence_nll(model, ids, start=1):
     """Per-sequence summed NLL (nats) of tokens start..L-1, from transformers' own loss of each sequence alone."""
-    return [math.log(_loss_ppl(model, ids[i:i + 1], start)) * (ids.shape[1] - start) for i in range(ids.shape[0])]
+    return [math.log(_loss_ppl(model, ids[i : i + 1], start)) * (ids.shape[1] - start) for i in range(ids.shape[0])]
 
 
 def _metrics(out):
@@ -123,7 +132,7 @@ def _check_sink_leak_toy(out):
     eager = _eager_first_token_attention(model, ex.sequences(qg.tokenizer(model), "test", 64, 2))
     for n, per_layer in m["first_token_attention"].items():
         n = int(n)
-        assert per_layer == pytest.approx(eager[:, :, n - 8:n].mean((1, 2)).tolist(), abs=1e-5)
+        assert per_layer == pytest.approx(eager[:, :, n - 8 : n].mean((1, 2)).tolist(), abs=1e-5)
 
 
 def _check_massive_activation_intervention(out):
@@ -133,7 +142,7 @@ def _check_massive_activation_intervention(out):
     tok = qg.tokenizer(model)
     with torch.no_grad():
         hidden = model.eval()(ex.sequences(tok, "validation", 32, 2), output_hidden_states=True).hidden_states
-    (mean,), = m["mean_value"]  # (positions, channels): block 0's output at token 0, channel 0
+    ((mean,),) = m["mean_value"]  # (positions, channels): block 0's output at token 0, channel 0
     assert mean == pytest.approx(hidden[1][:, 0, 0].mean().item(), abs=1e-6)
     ids, works = ex.document_starts(tok, 2, 32)  # one row per document, from two works
     assert m["works"] == works and len(set(works)) == 2
@@ -156,8 +165,9 @@ def _check_kv_eviction(out):
         second_half = _loss_ppl(model, ids, start=16)
         r = m[f"tiny-llama {variant} (random)"]
         assert r["ppl"]["full"] == pytest.approx(second_half, rel=1e-5)
-        assert r["tokens_per_sequence"] == 16 and r["nll"]["full"] == pytest.approx(_sequence_nll(model, ids, 16),
-                                                                                    rel=1e-5)
+        assert r["tokens_per_sequence"] == 16 and r["nll"]["full"] == pytest.approx(
+            _sequence_nll(model, ids, 16), rel=1e-5
+        )
         assert sorted(r["nll"]) == sorted(["full"] + [f"{w}/{k}" for w in (4, 8) for k in (0, 4)])
         for w in (4, 8):  # the sinks' cost: ppl(w/0) / ppl(w/4) with its paired interval
             cost = ex.ppl_change(r["nll"][f"{w}/4"], r["nll"][f"{w}/0"], 16)
@@ -183,7 +193,8 @@ def _check_context_extension(out):
     config = copy.deepcopy(model.config)  # linear RoPE interpolation set up by transformers itself
     config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": 2.0}
     assert rows["32/linear"]["ppl"] == pytest.approx(
-        _loss_ppl(_eager_twin(model, config), ex.sequences(tok, "backcopy", 32, 2, seed=1_000_003)), rel=1e-5)
+        _loss_ppl(_eager_twin(model, config), ex.sequences(tok, "backcopy", 32, 2, seed=1_000_003)), rel=1e-5
+    )
 
 
 def _check_cpu_recipe_search(out):
@@ -195,15 +206,18 @@ def _check_cpu_recipe_search(out):
         model = qg.load(run / "train" / "model")
         data = qg.data.batches(qg.tokenizer(model), "backcopy", 128, 16, seed=1)
         with torch.no_grad():
-            losses = [model.eval()(**b).loss.item() for _, b in zip(range(2), data)]
+            losses = [model.eval()(**b).loss.item() for _, b in zip(range(2), data, strict=False)]
         assert summary["final_eval_loss"] == pytest.approx(sum(losses) / 2, rel=1e-5)
 
 
 def _check_twins_search(out):
     """Each model's W8A8 change in the table is quantized over float perplexity from its study's metrics."""
     lines = (out / "report.md").read_text().splitlines()
-    rows = {(r[0].lstrip("| "), r[1], r[2]): r for r in (line.split(" | ") for line in lines)
-            if len(r) > 9 and r[2].isdigit()}  # candidate, variant, seed
+    rows = {
+        (r[0].lstrip("| "), r[1], r[2]): r
+        for r in (line.split(" | ") for line in lines)
+        if len(r) > 9 and r[2].isdigit()
+    }  # candidate, variant, seed
     assert rows
     for path in out.glob("*/seed*/metrics.json"):
         for c in _metrics(path.parent)["cells"]:
@@ -217,8 +231,9 @@ def _check_twins_search(out):
     calib = yaml.safe_load((run / "study.yaml").read_text())["calibration"]
     for c in read_metrics(run).cells:
         model = qg.load(c.directory / "train" / "model").eval()
-        data = qg.data.batches(qg.tokenizer(model), calib["data"], calib["seq_len"], calib["batch_size"],
-                               max_batches=4, seed=1_000)
+        data = qg.data.batches(
+            qg.tokenizer(model), calib["data"], calib["seq_len"], calib["batch_size"], max_batches=4, seed=1_000
+        )
         with torch.no_grad():
             loss = sum(model(**b).loss.item() for b in data) / 4
         for scheme in search.SITE_SCHEMES:
@@ -226,10 +241,14 @@ def _check_twins_search(out):
     assert "## Which tensors cost what" in (out / "report.md").read_text()
 
 
-SMOKE_CHECKS = {"sink_leak_toy": _check_sink_leak_toy, "kv_eviction": _check_kv_eviction,
-                "massive_activation_intervention": _check_massive_activation_intervention,
-                "context_extension": _check_context_extension, "cpu_recipe_search": _check_cpu_recipe_search,
-                "twins_search": _check_twins_search}
+SMOKE_CHECKS = {
+    "sink_leak_toy": _check_sink_leak_toy,
+    "kv_eviction": _check_kv_eviction,
+    "massive_activation_intervention": _check_massive_activation_intervention,
+    "context_extension": _check_context_extension,
+    "cpu_recipe_search": _check_cpu_recipe_search,
+    "twins_search": _check_twins_search,
+}
 
 
 def _module(name):
@@ -291,20 +310,31 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     def cell(seed, variant, sink, ratio, change):
         layers = [{"sink_mass": sink, "max_activation": ratio, "max_median_ratio": ratio}]
         changes[f"m/{variant}-seed{seed}"] = change
-        return CellRecord(id=f"m/{variant}-seed{seed}", model="m", variant=variant, seed=seed,
-                          observe={"layers": layers, "summary": {"max_activation": ratio}})
+        return CellRecord(
+            id=f"m/{variant}-seed{seed}",
+            model="m",
+            variant=variant,
+            seed=seed,
+            observe={"layers": layers, "summary": {"max_activation": ratio}},
+        )
 
     gaps = {}  # {(seed, scheme): paired difference, gated minus ungated}
     monkeypatch.setattr(search, "ppl_change", lambda c, s: changes[c.id][s])
     monkeypatch.setattr(search, "change_gap", lambda u, g, s: gaps[u.seed, s])
-    d = lambda v, lo, hi: Delta(v, lo, hi, "perplexity", 100, "")  # noqa: E731
+    d = lambda v, lo, hi: Delta(v, lo, hi, "perplexity", 100, "")
     u8, g8 = d(0.10, 0.08, 0.12), d(0.01, 0.00, 0.02)  # 10x, apart
     u6, g6 = d(0.30, 0.20, 0.40), d(0.10, 0.05, 0.25)  # 3x
     for seed in range(3):
         gaps[seed, widths[0][1]] = Delta(-0.09, -0.11, -0.07, "points", 100, "")  # wholly below 0
         gaps[seed, widths[1][1]] = Delta(-0.20, -0.35, 0.05, "points", 100, "")  # spans 0
-    cells = [c for s in range(3) for c in (cell(s, "vanilla", 0.9, 400, {widths[0][1]: u8, widths[1][1]: u6}),
-                                           cell(s, "g1-elementwise", 0.05, 20, {widths[0][1]: g8, widths[1][1]: g6}))]
+    cells = [
+        c
+        for s in range(3)
+        for c in (
+            cell(s, "vanilla", 0.9, 400, {widths[0][1]: u8, widths[1][1]: u6}),
+            cell(s, "g1-elementwise", 0.05, 20, {widths[0][1]: g8, widths[1][1]: g6}),
+        )
+    ]
     v = search.verdict(cells, widths)
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 3, "gated neither": 3, "W8A8 apart": 3}
     assert v["met"] and v["widest apart"] == 8
@@ -315,7 +345,7 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 1}
     assert not v["met"] and v["widest apart"] is None
     assert not search.verdict(cells[:4], widths)["met"]  # two seeds never meet it
-    with pytest.raises(SystemExit, match="run python experiments/twins_search.py --only d128-2L --seeds 5 first"):
+    with pytest.raises(SystemExit, match=r"run python experiments/twins_search\.py --only d128-2L --seeds 5 first"):
         search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 5)  # never run
     assert len(search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 1)) == 2
 
@@ -329,11 +359,18 @@ def test_retrofit_readout_applies_the_declared_condition_by_hand():
 
     def run(extra_nats_per_token, channels=(507,)):
         zero = original + 255 * rng.uniform(0.8, 1.2, 24) * extra_nats_per_token
-        return {"massive": {"layer": 2, "max_abs": 1000.0, "channels": list(channels)}, "tokens_per_sequence": 255,
-                "results": {"original": {"nll": original.tolist()}, "zero": {"nll": zero.tolist()}}}
+        return {
+            "massive": {"layer": 2, "max_abs": 1000.0, "channels": list(channels)},
+            "tokens_per_sequence": 255,
+            "results": {"original": {"nll": original.tolist()}, "zero": {"nll": zero.tolist()}},
+        }
 
-    runs = {"vanilla": run(1.0), "g1-headwise": run(0.05), "vanilla-block11": run(10.0),
-            "g1-headwise-block11": run(0.5, channels=())}
+    runs = {
+        "vanilla": run(1.0),
+        "g1-headwise": run(0.05),
+        "vanilla-block11": run(10.0),
+        "g1-headwise-block11": run(0.5, channels=()),
+    }
     result = readout(runs)
     first, at11 = result.values()
     for r, (u, g) in ((first, ("vanilla", "g1-headwise")), (at11, ("vanilla-block11", "g1-headwise-block11"))):
@@ -345,4 +382,5 @@ def test_retrofit_readout_applies_the_declared_condition_by_hand():
     assert first["pair"].kind == "points"
     assert not at11["condition"] and not at11["massive_remain"]  # no massive channel left: the condition fails
     assert at11["pair"].kind == "ratio" and at11["pair"].value == pytest.approx(
-        (1 + at11["cost"]["gated"].value) / (1 + at11["cost"]["ungated"].value) - 1, rel=1e-9)
+        (1 + at11["cost"]["gated"].value) / (1 + at11["cost"]["ungated"].value) - 1, rel=1e-9
+    )

@@ -14,13 +14,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out",
-                          str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rec = json.loads((tmp_path / "gpu_check-cpu-dry-run.json").read_text())
-    assert rec["status"] == {"versions": "PASS", "tests": "SKIP", "kernel": "PASS", "training": "PASS",
-                             "benchmark": "PASS", "sharded": "PASS", "ray_study": "SKIP",
-                             "fsdp": "SKIP"}
+    assert rec["status"] == {
+        "versions": "PASS",
+        "tests": "SKIP",
+        "kernel": "PASS",
+        "training": "PASS",
+        "benchmark": "PASS",
+        "sharded": "PASS",
+        "ray_study": "SKIP",
+        "fsdp": "SKIP",
+    }
     assert rec["sharded"]["max_logit_diff"] == 0.0  # a block on disk, read back: the same numbers
     assert len(rec["kernel"]) == 4 and all(e["fwd"] < 1e-5 and e["bwd"] < 1e-5 for e in rec["kernel"].values())
     assert rec["training"]["max_diff"] < 1e-4 and len(rec["training"]["triton"]) == 2
@@ -39,6 +51,7 @@ def test_a_failing_section_does_not_stop_the_others(tmp_path, monkeypatch, capsy
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome
+
         section.__name__ = name
         monkeypatch.setattr(gpu_check, name, section)
 
@@ -52,8 +65,15 @@ def test_a_failing_section_does_not_stop_the_others(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--out", str(tmp_path)])
     assert gpu_check.main() == 1
     rec = json.loads((tmp_path / "gpu_check-cpu-dry-run.json").read_text())
-    assert rec["status"] == {"versions": "PASS", "tests": "FAIL", "kernel": "SKIP", "training": "FAIL",
-                             "benchmark": "PASS", "sharded": "PASS", "ray_study": "PASS",
-                             "fsdp": "PASS"}
+    assert rec["status"] == {
+        "versions": "PASS",
+        "tests": "FAIL",
+        "kernel": "SKIP",
+        "training": "FAIL",
+        "benchmark": "PASS",
+        "sharded": "PASS",
+        "ray_study": "PASS",
+        "fsdp": "PASS",
+    }
     out = capsys.readouterr()
     assert "skipped: needs triton>=9" in out.out and "RuntimeError: boom" in out.err

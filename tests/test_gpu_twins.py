@@ -60,8 +60,9 @@ def test_dry_run_trains_and_observes_both_twins(dry_run):
         assert tr["eval_loss"] and math.isfinite(tr["eval_loss"][-1][1])
         layers = m["observe"]["layers"]
         assert len(layers) == 2  # tiny-llama's blocks
-        assert all(L["max_abs"] > 0 and L["max_median_ratio"] > 1 and 0 <= L["first_token_attention"] <= 1
-                   for L in layers)
+        assert all(
+            L["max_abs"] > 0 and L["max_median_ratio"] > 1 and 0 <= L["first_token_attention"] <= 1 for L in layers
+        )
         assert m["observe"]["summary"]["max_activation"] == max(L["max_abs"] for L in layers)
         assert (m["observe"]["summary"]["gate_mean"] is None) == (variant == "vanilla")
         assert set(m["eval"]) == {"float", *gt.SCHEMES}
@@ -73,14 +74,35 @@ def test_dry_run_trains_and_observes_both_twins(dry_run):
 
 def test_report_and_metrics_are_written(dry_run):
     _, out, rec = dry_run
-    assert {"config", "device", "timings", "parameters", "probe", "documents", "models", "changes",
-            "differences"} <= set(rec)
-    assert len(rec["documents"]["ids"]) == 2 and rec["documents"]["tokens"] == (
-        rec["models"]["vanilla"]["eval"]["float"]["documents"]["tokens"])
+    assert {
+        "config",
+        "device",
+        "timings",
+        "parameters",
+        "probe",
+        "documents",
+        "models",
+        "changes",
+        "differences",
+    } <= set(rec)
+    assert (
+        len(rec["documents"]["ids"]) == 2
+        and rec["documents"]["tokens"] == (rec["models"]["vanilla"]["eval"]["float"]["documents"]["tokens"])
+    )
     assert rec["timings"]["total_s"] > 0 and all(f"train_{v}_s" in rec["timings"] for v in gt.VARIANTS)
     text = (out / "report.md").read_text()
-    for needed in ("# GPU twins", "Dry run", "Device: no GPU (CPU)", "## Training", "## Outliers and sinks",
-                   "## Quantization", "## Reading", "## Timings", "![layers.png](layers.png)", *gt.SCHEMES):
+    for needed in (
+        "# GPU twins",
+        "Dry run",
+        "Device: no GPU (CPU)",
+        "## Training",
+        "## Outliers and sinks",
+        "## Quantization",
+        "## Reading",
+        "## Timings",
+        "![layers.png](layers.png)",
+        *gt.SCHEMES,
+    ):
         assert needed in text, needed
     assert (out / "layers.png").stat().st_size > 10_000
     # what a device run returns: at most 8 files in all (gpu_check writes two), plain names
@@ -122,6 +144,7 @@ def test_paired_difference_is_the_difference_of_the_changes(dry_run):
 
 def test_jackknife_difference_on_known_values():
     """Two models, three documents: the difference of the ratio-of-sums changes and its leave-one-out spread."""
+
     def docs(ll):
         return {"ids": [0, 1, 2], "loglikelihood": ll, "tokens": [10, 20, 30]}
 
@@ -147,8 +170,8 @@ def test_direct_perplexity_is_quantgate_ppl():
         mine = gt.rolling_windows(n, length)
         full = [1, *tokens]
         theirs = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(tokens, 1, length, 1)]
-        assert [full[s + w - k + 1:s + w + 1] for s, w, k in mine] == [cont for _, cont in theirs]  # scored
-        assert [full[s:s + w] for s, w, _ in mine] == [(ctx + cont)[:-1] for ctx, cont in theirs]
+        assert [full[s + w - k + 1 : s + w + 1] for s, w, k in mine] == [cont for _, cont in theirs]  # scored
+        assert [full[s : s + w] for s, w, _ in mine] == [(ctx + cont)[:-1] for ctx, cont in theirs]
     model = qg.build("tiny-llama", "g1-elementwise", seed=0)
     tok = qg.tokenizer(model)
     mine = gt.ppl_documents(model, tok, gt.held_out_documents(qg, 1), 32, 4)  # 177 tokens: 6 windows
@@ -171,8 +194,14 @@ def test_auto_steps_fill_the_budget():
 def test_refuses_the_full_run_without_cuda(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no CUDA here even on a GPU machine
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr[-2000:]
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_twins: no CUDA device") and "--dry-run" in lines[0]

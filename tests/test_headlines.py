@@ -63,16 +63,17 @@ def test_hyga_changes_and_gate_shares_by_hand():
 
 
 def _block(name: str) -> str:
-    return re.search(rf"<!-- headlines:{name} -->(.*?)<!-- /headlines -->",
-                     (ROOT / "experiments" / "README.md").read_text()).group(1)
+    return re.search(
+        rf"<!-- headlines:{name} -->(.*?)<!-- /headlines -->", (ROOT / "experiments" / "README.md").read_text()
+    ).group(1)
 
 
 def test_headline_changes_carry_their_intervals():
     """The quickstart's SmolLM2 change with its paired interval over documents; cpu_recipe's change averaged
     over three seeds (geometric mean of the perplexity ratios) with a t-interval across them, by hand."""
+    from quantgate.stats import format_delta
     from quantgate.study import read_metrics
     from quantgate.study.measures import ppl_change
-    from quantgate.stats import format_delta
 
     smol = next(c for c in read_metrics(ROOT / "results" / "quickstart").cells if c.id == "smollm2-135m/vanilla")
     static = ppl_change(smol, "w8a8-int8-static")
@@ -85,7 +86,7 @@ def test_headline_changes_carry_their_intervals():
             q = c["schemes"]["w8a8-int8-bondarenko"]["results"]["quantgate_backcopy"]["perplexity"]
             logs.append(math.log(q / fp))
     mean = sum(logs) / 3  # geometric mean of the ratios: the t-interval is on their logarithms
-    half = 4.302652729911275 * (sum((x - mean) ** 2 for x in logs) / 2) ** 0.5 / 3 ** 0.5  # t(0.975, 2 dof)
+    half = 4.302652729911275 * (sum((x - mean) ** 2 for x in logs) / 2) ** 0.5 / 3**0.5  # t(0.975, 2 dof)
     pct = [100 * math.expm1(v) for v in (mean, mean - half, mean + half)]
     noise = ", within noise" if pct[1] <= 0 <= pct[2] else ""
     d = 2 if max(abs(pct[1]), abs(pct[2])) < 1 else 1  # format_delta's decimals
@@ -97,5 +98,6 @@ def test_headline_changes_carry_their_intervals():
 def test_headline_maxima_come_with_their_max_over_median():
     assert re.search(r"max activations [\d.]+-[\d.]+, max/median [\d.]+-[\d.]+;", _block("cpu_recipe"))
     assert re.search(r", with max [\d.]+-[\d.]+, max/median [\d.]+-[\d.]+;", _block("qiu_table4"))
-    assert re.search(r"max activation [\d.,]+ \(max/median [\d.]+\) -> [\d.,]+ \(max/median [\d.]+\) -> ",
-                     _block("hyga_ablation"))
+    assert re.search(
+        r"max activation [\d.,]+ \(max/median [\d.]+\) -> [\d.,]+ \(max/median [\d.]+\) -> ", _block("hyga_ablation")
+    )

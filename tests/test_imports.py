@@ -2,9 +2,22 @@
 models, gated_sdpa, the simulated schemes and serial studies work; lm-eval, torchao and Ray features name what
 to install."""
 
+import importlib
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest itself depends on tomli before Python 3.11
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+# distributions whose import name is not their normalized name
+IMPORT_NAMES = {"pyyaml": "yaml"}
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -38,7 +51,7 @@ SCRIPT = textwrap.dedent("""
     assert "perplexity" in qg.evaluate(m, tasks=["quantgate_backcopy"], limit=1)["results"]["quantgate_backcopy"]
     from quantgate.study.executors import run_cells
     assert run_cells([], None, None, "serial") == []  # serial studies need no Ray
-    with pytest.raises(ModuleNotFoundError, match=r"the ray executor needs Ray \(pip install 'ray>=2.60,<3'"):
+    with pytest.raises(ModuleNotFoundError, match=r"the ray executor needs Ray \\(pip install 'ray>=2.60,<3'"):
         run_cells([], None, None, "ray")
     print("ok")
 """)
@@ -48,3 +61,24 @@ def test_quantgate_works_without_lm_eval_torchao_bitsandbytes_and_ray():
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_every_pinned_dependency_and_test_extra_imports():
+    """Each package pyproject.toml pins in [project] dependencies and the ``test`` extra imports here: a missing
+    one fails this test instead of silently skipping the tests that need it (stub-only packages are not
+    importable and are left out)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    names = {
+        r.name.lower(): IMPORT_NAMES.get(r.name.lower(), r.name.lower().replace("-", "_"))
+        for r in requirements
+        if not r.name.lower().startswith("types-") and (r.marker is None or r.marker.evaluate())
+    }
+    assert {"torch", "transformers", "yaml", "pytest"} <= set(names.values())  # the lists were read
+    missing = {}
+    for dist, module in names.items():
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # a broken install (not only a missing one) fails too
+            missing[dist] = f"import {module}: {type(e).__name__}: {e}"
+    assert not missing, "pinned in pyproject.toml but not importable:\n" + "\n".join(missing.values())

@@ -72,18 +72,21 @@ def test_rope_models_run_past_their_nominal_positions():
     assert report.meta["seq_len"] == 32
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    ({"lr": 1e6}, "'lr' is not a OPTConfig field"),
-    ({"num_hidden_layer": 4}, "'num_hidden_layer' is not a OPTConfig field"),
-    ({"num_hidden_layers": "four"}, "num_hidden_layers expects int (default 2), got 'four'"),
-    ({"do_layer_norm_before": 1}, "do_layer_norm_before expects bool"),
-    ({"hidden_size": 64.0}, "hidden_size expects int"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        ({"lr": 1e6}, "'lr' is not a OPTConfig field"),
+        ({"num_hidden_layer": 4}, "'num_hidden_layer' is not a OPTConfig field"),
+        ({"num_hidden_layers": "four"}, "num_hidden_layers expects int (default 2), got 'four'"),
+        ({"do_layer_norm_before": 1}, "do_layer_norm_before expects bool"),
+        ({"hidden_size": 64.0}, "hidden_size expects int"),
+    ],
+)
 def test_preset_overrides_must_be_config_fields_of_their_type(overrides, fragment):
-    with pytest.raises(ValueError, match="valid: |expects") as e:
+    with pytest.raises(ValueError, match=r"valid: |expects") as e:
         preset_config("tiny-opt", overrides)
     assert fragment in str(e.value)
-    with pytest.raises(ValueError, match="is not a|expects"):
+    with pytest.raises(ValueError, match=r"is not a|expects"):
         qg.build("tiny-opt", **overrides)
 
 
@@ -94,8 +97,10 @@ def test_valid_preset_overrides_apply():
 
 
 def test_train_config_typo_is_an_error_listing_the_fields(capsys, tmp_path):
-    assert main(["train", "--preset", "tiny-opt", "--config", "lr=1e6", "--steps", "1", "--out",
-                 str(tmp_path / "run")]) == 2
+    assert (
+        main(["train", "--preset", "tiny-opt", "--config", "lr=1e6", "--steps", "1", "--out", str(tmp_path / "run")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "'lr' is not a OPTConfig field" in err and "num_hidden_layers" in err and "--lr" in err
     assert not (tmp_path / "run").exists()
@@ -108,7 +113,7 @@ def test_offline_text_source_fails_fast_with_the_fix(monkeypatch):
     import datasets
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("datasets must not be asked"))
-    with pytest.raises(OfflineError, match="not reachable. Offline, use the bundled corpus"):
+    with pytest.raises(OfflineError, match=r"not reachable\. Offline, use the bundled corpus"):
         next(corpus("wikitext-2:test"))
 
 
@@ -144,9 +149,8 @@ def test_run_lock_admits_one_writer_and_frees_on_exit(tmp_path):
     holder.start()
     try:
         assert ready.wait(60)
-        with pytest.raises(RunDirectoryBusy, match=f"in use by pid {holder.pid}"):
-            with run_lock(tmp_path):
-                pass
+        with pytest.raises(RunDirectoryBusy, match=f"in use by pid {holder.pid}"), run_lock(tmp_path):
+            pass
     finally:
         release.set()
         holder.join(30)
@@ -175,7 +179,6 @@ def test_eval_mode_restores_each_models_mode_also_on_error():
     with eval_mode(a, b):
         assert not a.training and not b.training
     assert a.training and not b.training
-    with pytest.raises(RuntimeError, match="inside"):
-        with eval_mode(a):
-            raise RuntimeError("inside")
+    with pytest.raises(RuntimeError, match="inside"), eval_mode(a):
+        raise RuntimeError("inside")
     assert a.training

@@ -23,7 +23,7 @@ def _docs(n: int, seed: int, cost: float = 0.1):
     ll = -tokens * rng.uniform(3, 4, n)
     quant = ll - tokens * rng.uniform(0.5 * cost, 1.5 * cost, n)
     ids = list(range(n))
-    as_docs = lambda v: {"ids": ids, "loglikelihood": v.tolist(), "tokens": tokens.tolist()}  # noqa: E731
+    as_docs = lambda v: {"ids": ids, "loglikelihood": v.tolist(), "tokens": tokens.tolist()}
     return as_docs(ll), as_docs(quant), tokens
 
 
@@ -93,7 +93,9 @@ def test_paired_difference_of_two_models_changes_by_hand(n):
         return _ppl_change(cols[2], cols[3], w)(idx) - _ppl_change(cols[0], cols[1], w)(idx)
 
     assert d.value == pytest.approx(gap(list(range(n))), rel=1e-12)
-    assert d.value == pytest.approx(paired_delta(f_g, q_g, "perplexity").value - paired_delta(f_u, q_u, "perplexity").value)
+    assert d.value == pytest.approx(
+        paired_delta(f_g, q_g, "perplexity").value - paired_delta(f_u, q_u, "perplexity").value
+    )
     assert d.kind == "points" and format_delta(d).startswith(f"{100 * d.value:+.1f} pp [")
     if n < MIN_BOOTSTRAP_UNITS:
         assert (d.low, d.high) == pytest.approx(_jackknife_t(gap, n, log=False), rel=1e-9)
@@ -143,7 +145,9 @@ def test_paired_difference_at_ratio_scale_is_a_ratio_of_ratios_by_hand():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED_RUNS = sorted(p.parent for p in (ROOT / "results").rglob("config.yaml") if (p.parent / "metrics.json").is_file())
+COMMITTED_RUNS = sorted(
+    p.parent for p in (ROOT / "results").rglob("config.yaml") if (p.parent / "metrics.json").is_file()
+)
 
 
 def test_the_main_jobs_smollm2_numbers_rest_on_24_documents_from_3_works_with_bca():

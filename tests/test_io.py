@@ -5,11 +5,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import ALL_VARIANTS, build_or_refuse
 
 import quantgate as qg
 from quantgate.models import attention_modules
-
-from conftest import ALL_VARIANTS, build_or_refuse
 
 IDS = torch.randint(5, 8192, (2, 10))
 
@@ -108,8 +107,13 @@ def test_qiu_gated_checkpoint_layout(tmp_path, headwise):
     save_file(_fuse_qiu(model, headwise), str(out / "model.safetensors"))
     config = model.config.to_dict()
     config.pop("quantgate")
-    config.update(headwise_attn_output_gate=headwise, elementwise_attn_output_gate=not headwise,
-                  qkv_bias=False, use_qk_norm=True, architectures=["Qwen3ForCausalLM"])
+    config.update(
+        headwise_attn_output_gate=headwise,
+        elementwise_attn_output_gate=not headwise,
+        qkv_bias=False,
+        use_qk_norm=True,
+        architectures=["Qwen3ForCausalLM"],
+    )
     (out / "config.json").write_text(json.dumps(config))
     loaded = qg.load(out)
     assert str(qg.variant_of(loaded)) == kind
@@ -117,12 +121,12 @@ def test_qiu_gated_checkpoint_layout(tmp_path, headwise):
 
 
 def test_bad_input(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no model '.*nowhere': give a checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match=r"no model '.*nowhere': give a checkpoint directory"):
         qg.load(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="is a preset"):
         qg.load("tiny-opt")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
         qg.load(tmp_path / "empty")
     qg.save(qg.build("tiny-opt", "g1-headwise"), tmp_path / "m")
     weights = tmp_path / "m" / "model.safetensors"
@@ -136,7 +140,7 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="corrupt or truncated"):
         qg.load(tmp_path / "corrupt")
     (tmp_path / "corrupt" / "quantgate.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="quantgate.safetensors is missing"):
+    with pytest.raises(FileNotFoundError, match=r"quantgate\.safetensors is missing"):
         qg.load(tmp_path / "corrupt")
     shutil.copytree(tmp_path / "m", tmp_path / "broken")
     (tmp_path / "broken" / "model.safetensors").write_bytes(data[:100])
@@ -152,8 +156,21 @@ def test_a_train_run_directory_loads_as_its_model(tmp_path, capsys):
     from quantgate.cli import main
 
     run = tmp_path / "run"
-    argv = ["train", "--preset", "tiny-llama", "--variant", "g1-headwise", "--steps", "2", "--batch-size", "2",
-            "--seq-len", "16", "--out", str(run)]
+    argv = [
+        "train",
+        "--preset",
+        "tiny-llama",
+        "--variant",
+        "g1-headwise",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--out",
+        str(run),
+    ]
     assert main(argv) == 0
     model, direct = qg.load(run), qg.load(run / "model")
     assert str(qg.variant_of(model)) == "g1-headwise"
@@ -162,7 +179,7 @@ def test_a_train_run_directory_loads_as_its_model(tmp_path, capsys):
         assert torch.equal(model(ids).logits, direct(ids).logits)
     assert main(["info", str(run)]) == 0 and "g1-headwise" in capsys.readouterr().out
     (tmp_path / "unfinished" / "checkpoints" / "step-1").mkdir(parents=True)
-    with pytest.raises(FileNotFoundError, match="has not finished .* --resume"):
+    with pytest.raises(FileNotFoundError, match=r"has not finished .* --resume"):
         qg.load(tmp_path / "unfinished")
-    with pytest.raises(FileNotFoundError, match="expected a checkpoint directory .* run directory"):
+    with pytest.raises(FileNotFoundError, match=r"expected a checkpoint directory .* run directory"):
         qg.load(tmp_path)

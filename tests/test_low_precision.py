@@ -49,7 +49,7 @@ def test_a_bf16_model_quantizes_like_its_float32_twin(scheme):
     token NLL differs by no more than bf16's own float difference plus 2% (of the quantized NLL)."""
     f32 = qg.build("tiny-llama", seed=0)
     tok = qg.tokenizer(f32)
-    calib = lambda: qg.data.batches(tok, "train", 32, 4, max_batches=2)  # noqa: E731
+    calib = lambda: qg.data.batches(tok, "train", 32, 4, max_batches=2)
     ids = next(iter(qg.data.batches(tok, "validation", 64, 4, max_batches=1)))["input_ids"]
 
     def nll(model):
@@ -84,7 +84,7 @@ def test_a_study_dtype_is_checked_recorded_and_keyed(tmp_path):
     run = run_study(f, tmp_path / "bf16")
     f.write_text(body.format(dtype=""))
     plain = run_study(f, tmp_path / "fp32")
-    cell = lambda r, step: json.loads(next((r / "cells").glob("m--*")).joinpath(f"{step}.json").read_text())  # noqa: E731
+    cell = lambda r, step: json.loads(next((r / "cells").glob("m--*")).joinpath(f"{step}.json").read_text())
     assert cell(run, "eval-float")["key"] != cell(plain, "eval-float")["key"]
     assert json.loads((run / "metrics.json").read_text())["study"]["models"][0]["dtype"] == "bfloat16"
     assert "dtype" not in json.loads((plain / "metrics.json").read_text())["study"]["models"][0]
@@ -96,16 +96,67 @@ def test_the_command_line_loads_observes_quantizes_and_evaluates_in_a_dtype(tmp_
     from quantgate.cli import main
 
     for dtype in ("float32", "bfloat16"):
-        assert main(["eval", "tiny-llama", "--tasks", "quantgate_backcopy", "--limit", "1", "--dtype", dtype,
-                     "--scheme", "w8a8-int8-dynamic", "--out", str(tmp_path / dtype)]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "tiny-llama",
+                    "--tasks",
+                    "quantgate_backcopy",
+                    "--limit",
+                    "1",
+                    "--dtype",
+                    dtype,
+                    "--scheme",
+                    "w8a8-int8-dynamic",
+                    "--out",
+                    str(tmp_path / dtype),
+                ]
+            )
+            == 0
+        )
     runs = {d: json.loads((tmp_path / d / "eval.json").read_text()) for d in ("float32", "bfloat16")}
     assert runs["bfloat16"]["settings"]["dtype"] == "bfloat16" and runs["float32"]["settings"]["dtype"] == "float32"
     ppl = {d: r["results"]["quantgate_backcopy"]["perplexity"] for d, r in runs.items()}
     assert ppl["bfloat16"] == pytest.approx(ppl["float32"], rel=0.02)
-    assert main(["observe", "tiny-llama", "--dtype", "bfloat16", "--max-batches", "1", "--seq-len", "32",
-                 "--batch-size", "2", "--out", str(tmp_path / "obs")]) == 0
-    assert main(["quantize", "tiny-llama", "--dtype", "bfloat16", "--scheme", "w8a8-int8-static", "--calib", "1",
-                 "--seq-len", "32", "--batch-size", "2"]) == 0
+    assert (
+        main(
+            [
+                "observe",
+                "tiny-llama",
+                "--dtype",
+                "bfloat16",
+                "--max-batches",
+                "1",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "2",
+                "--out",
+                str(tmp_path / "obs"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "quantize",
+                "tiny-llama",
+                "--dtype",
+                "bfloat16",
+                "--scheme",
+                "w8a8-int8-static",
+                "--calib",
+                "1",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "logits SQNR" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["eval", "tiny-llama", "--dtype", "bf16"])

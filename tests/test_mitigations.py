@@ -13,7 +13,12 @@ from quantgate.quant.mitigate import massive_ffns, smooth_, smoothing_groups
 from quantgate.quant.quantizers import fake_block, fake_quant
 from quantgate.quant.simulate import KVQuant, act_quantizers
 
-pytest.importorskip("torchao.prototype.mx_formats")
+
+@pytest.fixture
+def mx_formats():
+    """MX, NVFP4 and FP4 round trips are torchao prototype code (torchao.prototype.mx_formats): only the tests
+    that take this fixture skip where it is missing."""
+    return pytest.importorskip("torchao.prototype.mx_formats")
 
 
 def _batches(vocab, n=3, seq=16, batch=2, seed=1):
@@ -56,8 +61,10 @@ def _errors(model, batches, ref, schemes) -> tuple[dict, torch.nn.Module]:
     return err, q
 
 
-@pytest.mark.parametrize("preset,variant", [("tiny-llama", "vanilla"), ("tiny-llama", "g1-elementwise"),
-                                            ("tiny-opt", "vanilla"), ("tiny-qwen3", "vanilla")])
+@pytest.mark.parametrize(
+    "preset,variant",
+    [("tiny-llama", "vanilla"), ("tiny-llama", "g1-elementwise"), ("tiny-opt", "vanilla"), ("tiny-qwen3", "vanilla")],
+)
 def test_smoothquant_scale_is_its_definition_and_the_smoothed_model_is_the_same_function(preset, variant):
     model = _model(preset, variant)
     batches = _batches(model.config.vocab_size)
@@ -70,6 +77,7 @@ def test_smoothquant_scale_is_its_definition_and_the_smoothed_model_is_the_same_
         def hook(module, args):
             x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
             seen[i] = x if seen[i] is None else torch.maximum(seen[i], x)
+
         return hook
 
     handles = [readers[0].register_forward_pre_hook(record(i)) for i, (_, _, readers) in enumerate(groups)]
@@ -79,13 +87,14 @@ def test_smoothquant_scale_is_its_definition_and_the_smoothed_model_is_the_same_
     alpha = 0.5
     w_max = [torch.cat([r.weight.detach() for r in readers]).abs().amax(0) for _, _, readers in groups]
     eps = torch.finfo(torch.float32).eps  # guards channels that never fire (ReLU) or weights that are 0
-    expected = [(x + eps).pow(alpha) / (w + eps).pow(1 - alpha) for x, w in zip(seen, w_max)]
+    expected = [(x + eps).pow(alpha) / (w + eps).pow(1 - alpha) for x, w in zip(seen, w_max, strict=True)]
     weights = [[r.weight.detach().clone() for r in readers] for _, _, readers in groups]
 
     smooth_(model, alpha, lambda m: _logits(m, batches))
-    row_scale = {id(maker): s for (maker, side, _), s in zip(groups, expected) if side == "rows"}
-    for (_, _, readers), s, old in zip(groups, expected, weights):
-        for r, w in zip(readers, old):  # diag(s) W: each input column j scaled by s_j (rows: the next group's 1 / s)
+    row_scale = {id(maker): s for (maker, side, _), s in zip(groups, expected, strict=True) if side == "rows"}
+    for (_, _, readers), s, old in zip(groups, expected, weights, strict=True):
+        # diag(s) W: each input column j scaled by s_j (rows: the next group's 1 / s)
+        for r, w in zip(readers, old, strict=True):
             want = w * s / row_scale[id(r)][:, None] if id(r) in row_scale else w * s
             torch.testing.assert_close(r.weight.detach(), want, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(_logits(model, batches), before, rtol=1e-4, atol=1e-4)
@@ -122,6 +131,7 @@ def test_smoothed_static_int8_runs_end_to_end_and_records_what_it_did():
     assert torch.isfinite(_logits(q, batches)).all()
 
 
+@pytest.mark.usefixtures("mx_formats")
 @pytest.mark.parametrize("fmt,elem,emax", [("mxfp8", torch.float8_e4m3fn, 8), ("mxfp4", torch.float4_e2m1fn_x2, 2)])
 def test_mx_block_scale_is_the_shared_exponent_of_each_block_of_32(fmt, elem, emax):
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
@@ -134,16 +144,17 @@ def test_mx_block_scale_is_the_shared_exponent_of_each_block_of_32(fmt, elem, em
     y = fake_block(x, fmt)
     torch.testing.assert_close(y, t.dequantize(torch.float32))
     # every value lies on the element grid times its block's scale, and within one grid step of x
-    scale = (2.0 ** shared).repeat_interleave(32, dim=1)
-    step = {"mxfp8": 2.0 ** -3, "mxfp4": 2.0 ** -1}[fmt]  # mantissa step relative to a value's binade
+    scale = (2.0**shared).repeat_interleave(32, dim=1)
+    step = {"mxfp8": 2.0**-3, "mxfp4": 2.0**-1}[fmt]  # mantissa step relative to a value's binade
     assert bool(((y - x).abs() <= step * x.abs().clamp_min(scale) + 1e-12).all())
 
 
+@pytest.mark.usefixtures("mx_formats")
 def test_nvfp4_blocks_of_16_use_fp8_scales_and_e2m1_values():
     x = torch.randn(4, 64) * 3
     y = fake_block(x, "nvfp4")
     grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    for row_x, row_y in zip(x.reshape(-1, 16), y.reshape(-1, 16)):
+    for row_y in y.reshape(-1, 16):
         scale = row_y.abs().max() / 6.0  # the block's largest value maps to E2M1's largest, 6
         on_grid = (row_y.abs() / scale)[:, None] - grid[None, :]
         assert float(on_grid.abs().min(dim=1).values.max()) < 0.02  # e4m3 scale rounding shifts it slightly
@@ -152,6 +163,7 @@ def test_nvfp4_blocks_of_16_use_fp8_scales_and_e2m1_values():
         fake_block(torch.randn(2, 24), "nvfp4")
 
 
+@pytest.mark.usefixtures("mx_formats")
 def test_per_tensor_fp4_rounds_to_the_e2m1_grid_and_counts_saturation():
     x = torch.tensor([0.0, 0.26, 0.74, 1.2, 2.6, 3.4, 5.2, 7.0, -9.0])
     y, over = fake_quant(x, torch.tensor(-6.0), torch.tensor(6.0), "fp4-e2m1", True)  # scale 1
@@ -191,7 +203,7 @@ def test_kv_cache_keeps_the_sink_tokens_in_full_precision_and_fp8_saturates_noth
     fp8 = KVQuant(get_scheme("kv8-fp8-e4m3").kv, "cache", "v")
     y = fp8(t)
     assert fp8.quant.overflow == 0
-    assert float(((y - t).abs() / t.abs().amax(-1, keepdim=True)).max()) <= 2.0 ** -4
+    assert float(((y - t).abs() / t.abs().amax(-1, keepdim=True)).max()) <= 2.0**-4
 
 
 def test_kv_scheme_quantizes_only_the_cache_and_sink_tokens_lower_the_error():
@@ -224,11 +236,13 @@ def test_keep_auto_keeps_the_ffn_that_writes_a_planted_massive_activation():
     assert hasattr(q.model.layers[0].mlp.down_proj, "input_quant")
     assert math.isfinite(float(_logits(q, batches).sum()))
     b = quantize(model, "w8a8-int8-bondarenko:keep=auto,calib=3", calibration=batches)  # its sites are skipped too
-    assert not hasattr(b.model.layers[1].mlp, "output_quant") and not hasattr(b.model.layers[1].mlp.down_proj,
-                                                                                   "input_quant")
+    assert not hasattr(b.model.layers[1].mlp, "output_quant") and not hasattr(
+        b.model.layers[1].mlp.down_proj, "input_quant"
+    )
     assert hasattr(b.model.layers[0].mlp, "output_quant") and hasattr(b.model.layers[1], "output_quant")
 
 
+@pytest.mark.usefixtures("mx_formats")
 def test_block_and_fp4_schemes_quantize_every_linear_and_8_bits_beat_4():
     model = _model()
     batches = _batches(model.config.vocab_size)
@@ -258,9 +272,15 @@ def test_scheme_options_refuse_what_the_formats_cannot_do():
     assert get_scheme("w8a8-int8-dynamic:smooth=0.8").needs_calibration
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-int8-static:rotate=online,keep=auto,calib=2",
-                                    "w8a8-int8-static:smooth=0.5,calib=2",
-                                    "w8a8-int8-bondarenko:rotate=residual,calib=2", "kv4-int4:sink=1"])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        "w8a8-int8-static:rotate=online,keep=auto,calib=2",
+        "w8a8-int8-static:smooth=0.5,calib=2",
+        "w8a8-int8-bondarenko:rotate=residual,calib=2",
+        "kv4-int4:sink=1",
+    ],
+)
 def test_mitigated_schemes_save_and_load_to_the_same_logits(tmp_path, scheme):
     from quantgate.quant.checkpoint import load_quantized, save_quantized
 
@@ -274,40 +294,63 @@ def test_mitigated_schemes_save_and_load_to_the_same_logits(tmp_path, scheme):
 
 def test_rotation_makes_static_int8_of_a_massive_channel_model_closer_to_float():
     model, batches, ref = _outlier_model(60.0, ffn=50.0)
-    err, _ = _errors(model, batches, ref, ("w8a8-int8-static:a_bits=6,calib=3",
-                                           "w8a8-int8-static:a_bits=6,calib=3,rotate=online"))
+    err, _ = _errors(
+        model, batches, ref, ("w8a8-int8-static:a_bits=6,calib=3", "w8a8-int8-static:a_bits=6,calib=3,rotate=online")
+    )
     assert err["w8a8-int8-static:a_bits=6,calib=3,rotate=online"] < err["w8a8-int8-static:a_bits=6,calib=3"] / 2
 
 
 def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
     """``report: fixes``: fixed = the whole interval below +1%; not resolved = estimate below, interval past."""
+    from quantgate.stats import Delta, format_delta
     from quantgate.study import CellRecord
     from quantgate.study.fixes import which_fix
-    from quantgate.stats import Delta, format_delta
 
     def d(v, lo, hi):
         return Delta(v, lo, hi, "perplexity", 4, "paired bootstrap")
 
     schemes = ["w8a8-int8-static", "w8a8-int8-static:rotate=online", "w8a8-int8-static:smooth=0.5", "kv4-int4"]
-    cells = [{"id": f"{m}/v", "model": m, "variant": "vanilla", "schemes": {
-        "w8a8-int8-static:rotate=online": {"mitigation": {"rotation": {"extra_params": 0, "extra_ops_per_token": 1792}},
-                                           "quantize_s": 2.5}}} for m in ("big", "twin")]
+    cells = [
+        {
+            "id": f"{m}/v",
+            "model": m,
+            "variant": "vanilla",
+            "schemes": {
+                "w8a8-int8-static:rotate=online": {
+                    "mitigation": {"rotation": {"extra_params": 0, "extra_ops_per_token": 1792}},
+                    "quantize_s": 2.5,
+                }
+            },
+        }
+        for m in ("big", "twin")
+    ]
     cells = [CellRecord.from_json(c) for c in cells]
-    changes = {("big/v", schemes[0]): d(1.07, 0.98, 1.12), ("big/v", schemes[1]): d(0.004, 0.002, 0.006),
-               ("big/v", schemes[2]): d(0.008, 0.003, 0.013), ("big/v", schemes[3]): d(0.03, 0.02, 0.04),
-               ("twin/v", schemes[0]): d(0.002, -0.001, 0.004), ("twin/v", schemes[1]): d(0.001, 0.0, 0.002)}
+    changes = {
+        ("big/v", schemes[0]): d(1.07, 0.98, 1.12),
+        ("big/v", schemes[1]): d(0.004, 0.002, 0.006),
+        ("big/v", schemes[2]): d(0.008, 0.003, 0.013),
+        ("big/v", schemes[3]): d(0.03, 0.02, 0.04),
+        ("twin/v", schemes[0]): d(0.002, -0.001, 0.004),
+        ("twin/v", schemes[1]): d(0.001, 0.0, 0.002),
+    }
     lines = which_fix(cells, schemes, changes, {"reference": "w8a8-int8-static"}, [["big", "twin"]])
     text = "\n".join(lines)
-    assert (f"- **big** (vanilla): `w8a8-int8-static` {format_delta(changes['big/v', schemes[0]])}; fixed by 1 of 3, "
-            f"best first: `w8a8-int8-static:rotate=online` +0.40% [+0.20, +0.60]. Not resolved: "
-            f"`w8a8-int8-static:smooth=0.5` +0.8% [+0.3, +1.3].") in text
-    assert ("- **twin** (vanilla): `w8a8-int8-static` +0.20% [-0.10, +0.40] ~, already within +1%: it needs no "
-            "fix.") in text
-    assert "- **twin** vs its ungated twin **big**: 2 vs 1 of the schemes keep them within +1%; only the gated twin: " \
-           "`w8a8-int8-static`." in text
+    assert (
+        f"- **big** (vanilla): `w8a8-int8-static` {format_delta(changes['big/v', schemes[0]])}; fixed by 1 of 3, "
+        f"best first: `w8a8-int8-static:rotate=online` +0.40% [+0.20, +0.60]. Not resolved: "
+        f"`w8a8-int8-static:smooth=0.5` +0.8% [+0.3, +1.3]."
+    ) in text
+    assert (
+        "- **twin** (vanilla): `w8a8-int8-static` +0.20% [-0.10, +0.40] ~, already within +1%: it needs no fix."
+    ) in text
+    assert (
+        "- **twin** vs its ungated twin **big**: 2 vs 1 of the schemes keep them within +1%; only the gated twin: "
+        "`w8a8-int8-static`." in text
+    )
     rows = [line for line in lines if line.startswith("| `")]
-    assert rows[0].startswith("| `w8a8-int8-static:rotate=online` | per tensor, static | "
-                              "+0.40% [+0.20, +0.60] **fixed**")
+    assert rows[0].startswith(
+        "| `w8a8-int8-static:rotate=online` | per tensor, static | +0.40% [+0.20, +0.60] **fixed**"
+    )
     assert "| `w8a8-int8-static:rotate=online` | 0 | 1,792 | 2.5 | 0 | 1,792 | 2.5 |" in text
     assert rows[3].startswith("| `w8a8-int8-static` |")  # the broken reference ranks last on the first model
 
@@ -330,17 +373,28 @@ def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_han
     def docs(loglik):
         return {"quantgate_backcopy": {"ids": [0, 1, 2], "loglikelihood": loglik, "tokens": [10, 10, 10]}}
 
-    cell = {"id": "t/v", "model": "t", "variant": "vanilla", "float": {"quantgate_backcopy": {"perplexity": 2.0}},
-            "schemes": {"kv4-int4": {"documents": docs([-12.0, -11.0, -13.0])},
-                        "kv4-int4:sink=1": {"documents": docs([-10.0, -10.5, -12.5])}}}
+    cell = {
+        "id": "t/v",
+        "model": "t",
+        "variant": "vanilla",
+        "float": {"quantgate_backcopy": {"perplexity": 2.0}},
+        "schemes": {
+            "kv4-int4": {"documents": docs([-12.0, -11.0, -13.0])},
+            "kv4-int4:sink=1": {"documents": docs([-10.0, -10.5, -12.5])},
+        },
+    }
     cell = CellRecord.from_json(cell)
     assert without_sink("kv4-int4:sink=1") == "kv4-int4" and without_sink("kv4-int4") is None
     d = sink_effect(cell, "kv4-int4", "kv4-int4:sink=1")
     assert d.value == pytest.approx(math.exp(33.0 / 30) / math.exp(36.0 / 30) - 1)  # ppl = exp(-loglik / tokens)
     assert d.low <= d.value <= d.high
     lines = which_fix([cell], ["kv4-int4", "kv4-int4:sink=1"], {}, {"reference": "kv4-int4"}, [])
-    assert any(line.startswith("- KV cache: keeping its first 1 token(s) in full precision (`kv4-int4:sink=1` against "
-                               "`kv4-int4`") for line in lines)
+    assert any(
+        line.startswith(
+            "- KV cache: keeping its first 1 token(s) in full precision (`kv4-int4:sink=1` against `kv4-int4`"
+        )
+        for line in lines
+    )
 
 
 def test_committed_mitigations_report_opens_with_the_ranking_recomputed_from_its_documents():
@@ -358,8 +412,9 @@ def test_committed_mitigations_report_opens_with_the_ranking_recomputed_from_its
     assert sections[0] == "## Which fix?"
     smol = next(c for c in metrics["cells"] if c["model"] == "smollm2-135m")
     docs = smol["float_documents"]["quantgate_ppl"]
-    deltas = {s: paired_delta(docs, r["documents"]["quantgate_ppl"], "word_perplexity")
-              for s, r in smol["schemes"].items()}
+    deltas = {
+        s: paired_delta(docs, r["documents"]["quantgate_ppl"], "word_perplexity") for s, r in smol["schemes"].items()
+    }
     table = report.split("Change of perplexity per model")[1].split("\n\n")[1].splitlines()[2:]
     assert [row.split(" | ")[0][3:-1] for row in table] == sorted(deltas, key=lambda s: deltas[s].value)
     for row in table:

@@ -18,7 +18,9 @@ def test_presets_are_dense_mla_with_different_qk_and_v_head_dims():
     assert c.model_type == "deepseek_v3" and c.first_k_dense_replace == c.num_hidden_layers
     assert c.qk_nope_head_dim + c.qk_rope_head_dim != c.v_head_dim
     attn = attention_modules(model)[0]
-    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= {n for n, _ in attn.named_children()}
+    assert {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"} <= {
+        n for n, _ in attn.named_children()
+    }
     assert qg.build("small-mla").config.v_head_dim == 64
 
 
@@ -63,8 +65,11 @@ def test_gate_costs_count_value_head_channels():
 def test_quantize_evaluate_and_train_unchanged(tmp_path):
     model = qg.build("tiny-mla", "g1-elementwise")
     tok = qg.tokenizer(model)
-    out = train(model, tok, config=TrainConfig(steps=3, batch_size=2, seq_len=32, log_every=1, eval_batches=1,
-                                                out=str(tmp_path / "run")))
+    out = train(
+        model,
+        tok,
+        config=TrainConfig(steps=3, batch_size=2, seq_len=32, log_every=1, eval_batches=1, out=str(tmp_path / "run")),
+    )
     q = qg.quantize(out, "w8a8-int8-dynamic")
     with torch.no_grad():
         assert torch.isfinite(q(IDS).logits).all()

@@ -2,13 +2,12 @@
 
 import pytest
 import torch
+from conftest import ALL_VARIANTS, FAMILY_PRESETS, GATED, build_or_refuse
 
 import quantgate as qg
 from quantgate.attention.gates import Gate
 from quantgate.models import attention_modules, family_of
 from quantgate.models.families import get_family
-
-from conftest import ALL_VARIANTS, FAMILY_PRESETS, GATED, build_or_refuse
 
 IDS = torch.randint(5, 8192, (2, 11))
 
@@ -74,12 +73,14 @@ def _capture(module, store, key, use_input=False):
             store[key] = (args[0] if args else kwargs["hidden_states"]).detach()
         else:
             store[key] = (output[0] if isinstance(output, tuple) else output).detach()
+
     return module.register_forward_hook(hook, with_kwargs=True)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-bert", "tiny-opt"])
-@pytest.mark.parametrize("variant", ["g1-elementwise", "g1-headwise", "g1-headshared", "bondarenko", "g2-value",
-                                     "g5-output", "hyga"])
+@pytest.mark.parametrize(
+    "variant", ["g1-elementwise", "g1-headwise", "g1-headshared", "bondarenko", "g2-value", "g5-output", "hyga"]
+)
 def test_gate_sits_where_the_variant_says(preset, variant):
     """Same weights with and without the gate: the tensor at the gate's position is the ungated one
     times the gate computed by hand from the attention input x."""
@@ -91,10 +92,12 @@ def test_gate_sits_where_the_variant_says(preset, variant):
     attn = g_block.get_submodule(family.attention)
     seen = {}
     hooks = [_capture(g_block.get_submodule(family.attention), seen, "x_g", use_input=True)]
-    for name, model, block in (("b", base, b_block), ("g", gated, g_block)):
-        hooks += [_capture(block.get_submodule(family.v_proj), seen, f"v_{name}"),
-                  _capture(block.get_submodule(family.o_proj), seen, f"o_in_{name}", use_input=True),
-                  _capture(block.get_submodule(family.o_proj), seen, f"o_out_{name}")]
+    for name, block in (("b", b_block), ("g", g_block)):
+        hooks += [
+            _capture(block.get_submodule(family.v_proj), seen, f"v_{name}"),
+            _capture(block.get_submodule(family.o_proj), seen, f"o_in_{name}", use_input=True),
+            _capture(block.get_submodule(family.o_proj), seen, f"o_out_{name}"),
+        ]
     with torch.no_grad():
         base(IDS), gated(IDS)
         x = seen["x_g"]
@@ -130,7 +133,7 @@ def test_padded_batch_equals_unpadded_sequences(preset, variant, backend):
     with torch.no_grad():
         batch = model(ids_padded, attention_mask=mask).logits
         for i, n in enumerate(lengths):
-            alone = model(ids[i:i + 1, :n]).logits[0]
+            alone = model(ids[i : i + 1, :n]).logits[0]
             assert (batch[i, :n] - alone).abs().max() < 1e-4, (i, n)
 
 
@@ -197,7 +200,9 @@ def test_gate_cost_against_a_hand_count():
     multiply-add per weight per token; headwise: 64 x 4 + 4; input-independent: no per-token matmul."""
     from quantgate.models.cost import gate_cost
 
-    cost = {v: gate_cost(qg.build("tiny-llama", v)) for v in ("vanilla", "g1-elementwise", "g1-headwise", "g1-constant")}
+    cost = {
+        v: gate_cost(qg.build("tiny-llama", v)) for v in ("vanilla", "g1-elementwise", "g1-headwise", "g1-constant")
+    }
     assert cost["vanilla"] == {"gate_params": 0, "gate_flops_per_token": 0.0}
     assert cost["g1-elementwise"] == {"gate_params": 2 * (64 * 64 + 64), "gate_flops_per_token": 2 * 2 * 64 * 64}
     assert cost["g1-headwise"] == {"gate_params": 2 * (64 * 4 + 4), "gate_flops_per_token": 2 * 2 * 64 * 4}

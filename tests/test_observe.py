@@ -9,12 +9,11 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import FAMILY_PRESETS
 
 import quantgate as qg
 from quantgate.data import batches
 from quantgate.observe import MassiveActivations, ObserveReport, TensorStats, UnitStats, observe
-
-from conftest import FAMILY_PRESETS
 
 ob = importlib.import_module("quantgate.observe")  # the module (quantgate.observe is the function)
 
@@ -33,7 +32,9 @@ def test_planted_outlier_channel_and_token():
     assert s["max_tokens"] == [[1, 6]]
     assert s["top_channels"][0]["channel"] == 7 and s["top_channels"][0]["max_abs"] == pytest.approx(500.0)
     # channel 7 holds the token max only at token 0; elsewhere the largest |x| is spread over channels
-    assert s["top_channels"][0]["share_of_token_max"] == pytest.approx((6 + (x[:, 1:].abs().argmax(-1) == 7).sum().item()) / 120)
+    assert s["top_channels"][0]["share_of_token_max"] == pytest.approx(
+        (6 + (x[:, 1:].abs().argmax(-1) == 7).sum().item()) / 120
+    )
     flat = x.reshape(6, -1).numpy().astype(np.float64)
     centred = flat - flat.mean(1, keepdims=True)
     kurt = ((centred**4).mean(1) / (centred**2).mean(1) ** 2).mean()  # mu4 / sigma^4 per sequence, averaged
@@ -110,7 +111,7 @@ def test_sink_mass_per_head_equals_eager_attention_probabilities():
     ids[:, 0] = 1
     report = observe(model, [{"input_ids": ids}], progress=False)
     expected = _eager_first_key_attention(_plain(model), ids)
-    for layer, want in zip(report.layers, expected):
+    for layer, want in zip(report.layers, expected, strict=True):
         assert layer["sink"]["per_head"] == pytest.approx(want.tolist(), abs=1e-5)
     assert report.summary["sink_mass"] == pytest.approx(float(torch.stack(expected).mean()), abs=1e-5)
     assert report.summary["sink_mass"] > 0.1  # well above uniform (1/24): the planted sink is seen
@@ -127,8 +128,15 @@ def _plain(model):
     return plain
 
 
-@pytest.mark.parametrize("preset, variant", [("tiny-opt", "g1-headwise:pi_init=0.3"), ("tiny-llama", "g2-value"),
-                                             ("tiny-bert", "g1-elementwise:pi_init=0.7"), ("tiny-qwen3-next", None)])
+@pytest.mark.parametrize(
+    "preset, variant",
+    [
+        ("tiny-opt", "g1-headwise:pi_init=0.3"),
+        ("tiny-llama", "g2-value"),
+        ("tiny-bert", "g1-elementwise:pi_init=0.7"),
+        ("tiny-qwen3-next", None),
+    ],
+)
 def test_gate_statistics(preset, variant):
     model = qg.build(preset, variant)
     obj = "mlm" if preset == "tiny-bert" else "clm"
@@ -144,8 +152,17 @@ def test_ungated_model_reports_no_gate_and_every_tensor():
     report = observe(model, batches(qg.tokenizer(model), "validation", 32, 2), max_batches=2, progress=False)
     assert report.summary["gate_mean"] is None
     names = set(report.layers[0]["tensors"])
-    assert {"block_out", "attn_pre_o", "attn_out", "ffn_out", "linear_in.self_attn.q_proj", "linear_in.fc1",
-            "linear_in.fc2", "norm_in.self_attn_layer_norm", "norm_in.final_layer_norm"} <= names
+    assert {
+        "block_out",
+        "attn_pre_o",
+        "attn_out",
+        "ffn_out",
+        "linear_in.self_attn.q_proj",
+        "linear_in.fc1",
+        "linear_in.fc2",
+        "norm_in.self_attn_layer_norm",
+        "norm_in.final_layer_norm",
+    } <= names
     assert report.meta["sequences"] == 4 and report.summary["tokens"] == 128
     assert report.summary["loss"] == pytest.approx(math.log(8192), abs=0.2)
 
@@ -215,18 +232,19 @@ def test_padded_batch_matches_the_sequences_run_one_at_a_time(preset):
     ids = ids.masked_fill(mask == 0, 0)
     blocks = qg.models.families.family_of(model).blocks(model)
     outs = []
-    hooks = [b.register_forward_hook(lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o)[0]))
-             for b in blocks]
+    hooks = [
+        b.register_forward_hook(lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o)[0])) for b in blocks
+    ]
     for i, n in enumerate(lengths):
         with torch.no_grad():
-            model(ids[i:i + 1, :n])
+            model(ids[i : i + 1, :n])
     for h in hooks:
         h.remove()
-    alone = [observe(model, [{"input_ids": ids[i:i + 1, :n]}], progress=False) for i, n in enumerate(lengths)]
-    per_block = [outs[i::len(blocks)] for i in range(len(blocks))]  # [block][sequence] (n, d)
+    alone = [observe(model, [{"input_ids": ids[i : i + 1, :n]}], progress=False) for i, n in enumerate(lengths)]
+    per_block = [outs[i :: len(blocks)] for i in range(len(blocks))]  # [block][sequence] (n, d)
     report = observe(model, [{"input_ids": ids, "attention_mask": mask}], progress=False)
     assert report.summary["tokens"] == sum(lengths)
-    for layer, seqs in zip(report.layers, per_block):
+    for layer, seqs in zip(report.layers, per_block, strict=True):
         res = layer["tensors"]["block_out"]
         assert res["max_abs"] == pytest.approx(max(float(s.abs().max()) for s in seqs), rel=1e-4)
         assert res["inf_norm"] == pytest.approx(sum(float(s.abs().max()) for s in seqs) / 3, rel=1e-4)
@@ -241,8 +259,10 @@ def test_padded_batch_matches_the_sequences_run_one_at_a_time(preset):
             assert t["inf_norm"] == pytest.approx(sum(e["inf_norm"] for e in each) / 3, rel=1e-4), name
             assert t["kurtosis"] == pytest.approx(sum(e["kurtosis"] for e in each) / 3, rel=1e-3), name
         queries = [n - causal for n in lengths]  # query 0 sees only the sink key under a causal mask
-        sink = [sum(r["sink"]["per_head"][h] * q for r, q in zip(ref, queries)) / sum(queries)
-                for h in range(len(ref[0]["sink"]["per_head"]))]
+        sink = [
+            sum(r["sink"]["per_head"][h] * q for r, q in zip(ref, queries, strict=True)) / sum(queries)
+            for h in range(len(ref[0]["sink"]["per_head"]))
+        ]
         assert layer["sink"]["per_head"] == pytest.approx(sink, abs=1e-5)
 
 
@@ -335,11 +355,26 @@ def test_logits_only_for_the_loss(preset):
 
 # Bondarenko et al.'s tensors, written out by hand from the reference code (validate_mlm.py, run_clm.py)
 PAPER_TENSORS = {
-    "tiny-opt": (["decoder.layers.{j}", "decoder.layers.{j}.fc2", "decoder.layers.{j}.self_attn.out_proj",
-                  "decoder.layers.{j}.self_attn_layer_norm", "decoder.layers.{j}.final_layer_norm"],
-                 ["decoder.final_layer_norm"]),
-    "tiny-llama": (["layers.{j}", "layers.{j}.mlp", "layers.{j}.self_attn.o_proj", "layers.{j}.input_layernorm",
-                    "layers.{j}.post_attention_layernorm"], ["norm"]),
+    "tiny-opt": (
+        [
+            "decoder.layers.{j}",
+            "decoder.layers.{j}.fc2",
+            "decoder.layers.{j}.self_attn.out_proj",
+            "decoder.layers.{j}.self_attn_layer_norm",
+            "decoder.layers.{j}.final_layer_norm",
+        ],
+        ["decoder.final_layer_norm"],
+    ),
+    "tiny-llama": (
+        [
+            "layers.{j}",
+            "layers.{j}.mlp",
+            "layers.{j}.self_attn.o_proj",
+            "layers.{j}.input_layernorm",
+            "layers.{j}.post_attention_layernorm",
+        ],
+        ["norm"],
+    ),
     "tiny-bert": (["encoder.layer.{j}.output.dense", "encoder.layer.{j}.output.LayerNorm"], []),
 }
 
@@ -364,8 +399,9 @@ def test_kurtosis_and_inf_norm_over_the_papers_tensors(preset):
         if preset == "tiny-bert" and n.endswith("LayerNorm"):
             ln_in.setdefault(n, []).append(a[0].reshape(rows, -1))
 
-    handles = [model.base_model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n))
-               for n in names]
+    handles = [
+        model.base_model.get_submodule(n).register_forward_hook(lambda m, a, o, n=n: hook(m, a, o, n)) for n in names
+    ]
     model.eval()
     with torch.no_grad():
         for b in data:
@@ -385,4 +421,5 @@ def test_kurtosis_and_inf_norm_over_the_papers_tensors(preset):
     report = observe(model, data, progress=False)
     assert report.summary["kurtosis"] == pytest.approx(sum(kurt(seen[n]) for n in names) / len(names), rel=1e-4)
     assert report.summary["max_inf_norm"] == pytest.approx(
-        max(inf(r) for r in [*seen.values(), *ln_in.values()]), rel=1e-5)
+        max(inf(r) for r in [*seen.values(), *ln_in.values()]), rel=1e-5
+    )

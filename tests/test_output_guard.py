@@ -198,8 +198,9 @@ def test_a_study_name_must_stay_inside_results(name, tmp_path, monkeypatch, caps
 
 def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones(tmp_path, monkeypatch, capsys):
     """A full disk at a checkpoint (not the final model save) was a SafetensorError traceback."""
-    import quantgate.train as train_module
     from safetensors import SafetensorError
+
+    import quantgate.train as train_module
 
     real, written = train_module.save_file, []
 
@@ -211,8 +212,21 @@ def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones
 
     monkeypatch.setattr(train_module, "save_file", fills_up)
     out = tmp_path / "run"
-    argv = ["train", "--preset", "tiny-llama", "--steps", "3", "--batch-size", "2", "--seq-len", "16",
-            "--checkpoint-every", "1", "--out", str(out)]
+    argv = [
+        "train",
+        "--preset",
+        "tiny-llama",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 2
     err = _error(capsys, "train")
     assert f"cannot write the checkpoint {out / 'checkpoints' / 'step-2'}: Error while serializing" in err

@@ -38,7 +38,7 @@ def test_smollm2_generates_english(smollm2):
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         out = smollm2.generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:])
+    text = tok.decode(out[0, ids.shape[1] :])
     words = [w.strip(".,;:!?\"'").lower() for w in text.split()]
     assert "paris" in words, text
 
@@ -65,7 +65,7 @@ def test_observe_finds_smollm2_massive_activations_by_hand(smollm2):
     from quantgate.observe import observe
 
     tok = qg.tokenizer(smollm2)
-    data = [b for _, b in zip(range(1), batches(tok, "validation", 128, 4))]  # Persuasion comes first
+    data = [b for _, b in zip(range(1), batches(tok, "validation", 128, 4), strict=False)]  # Persuasion comes first
     report = observe(smollm2, data, progress=False)
     with torch.no_grad():
         hidden = smollm2(data[0]["input_ids"], output_hidden_states=True).hidden_states  # [embeddings, block 0, ...]
@@ -93,8 +93,10 @@ def smollm2_quantized(smollm2):
 
     tok = qg.tokenizer(smollm2)
     calib = batches(tok, "train", 128, 8)
-    return {"static": qg.quantize(smollm2, "w8a8-int8-static", calibration=calib, calib=4),
-            "dynamic": qg.quantize(smollm2, "w8a8-int8-dynamic")}
+    return {
+        "static": qg.quantize(smollm2, "w8a8-int8-static", calibration=calib, calib=4),
+        "dynamic": qg.quantize(smollm2, "w8a8-int8-dynamic"),
+    }
 
 
 def test_smollm2_static_w8a8_degrades_far_more_than_per_token(smollm2, smollm2_quantized):
@@ -120,7 +122,11 @@ def test_smollm2_quantgate_ppl_through_lm_eval(smollm2, smollm2_quantized):
     def word_ppl(model):
         return qg.evaluate(model, tok, ["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]["word_perplexity"]
 
-    fp, static, dynamic = word_ppl(smollm2), word_ppl(smollm2_quantized["static"]), word_ppl(smollm2_quantized["dynamic"])
+    fp, static, dynamic = (
+        word_ppl(smollm2),
+        word_ppl(smollm2_quantized["static"]),
+        word_ppl(smollm2_quantized["dynamic"]),
+    )
     assert static > 1.3 * fp and dynamic < 1.1 * fp
 
 
@@ -163,11 +169,15 @@ def test_every_listed_name_has_a_tokenizer_that_round_trips(capsys):
     from quantgate.models import PRESETS
 
     names = _listed_names(capsys)
-    assert set(names["presets"]) == set(PRESETS) and names["packaged checkpoints"] == ["smollm2-135m", "minilm-l6",
-                                                                                         "twin-vanilla", "twin-g1"]
+    assert set(names["presets"]) == set(PRESETS) and names["packaged checkpoints"] == [
+        "smollm2-135m",
+        "minilm-l6",
+        "twin-vanilla",
+        "twin-g1",
+    ]
     assert names["bundled tokenizers"] == ["bpe-8192", "wordpiece-8192"]
     sentence = "It is a truth universally acknowledged"
-    for name in sum(names.values(), []):
+    for name in [n for group in names.values() for n in group]:
         try:
             tok = qg.tokenizer(name)
         except FileNotFoundError as e:  # a hub tokenizer with no network

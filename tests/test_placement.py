@@ -15,21 +15,52 @@ IDS = torch.randint(5, 8000, (2, 16), generator=torch.Generator().manual_seed(1)
 ATTENTION = ("q", "k", "v", "scores", "probs")
 
 # the reference's sites in one block (quantgate/quant/simulate.py), as the quantizers name them
-OPT = {"self_attn_layer_norm output", *(f"self_attn {t}" for t in ATTENTION), "self_attn.out_proj input",
-       "self_attn.out_proj output", "final_layer_norm input", "final_layer_norm output", "fc2 input", "fc2 output",
-       "output"}
-LLAMA = {"input_layernorm output", *(f"self_attn {t}" for t in ATTENTION), "self_attn.o_proj input",
-         "self_attn.o_proj output", "post_attention_layernorm input", "post_attention_layernorm output",
-         "mlp.down_proj input", "mlp output", "output"}
-BERT = {*(f"attention.self {t}" for t in ATTENTION), "attention.output.dense input", "attention.output.dense output",
-        "attention.output.LayerNorm input", "attention.output.LayerNorm output", "output.dense input",
-        "output.dense output", "output.LayerNorm input", "output.LayerNorm output"}
+OPT = {
+    "self_attn_layer_norm output",
+    *(f"self_attn {t}" for t in ATTENTION),
+    "self_attn.out_proj input",
+    "self_attn.out_proj output",
+    "final_layer_norm input",
+    "final_layer_norm output",
+    "fc2 input",
+    "fc2 output",
+    "output",
+}
+LLAMA = {
+    "input_layernorm output",
+    *(f"self_attn {t}" for t in ATTENTION),
+    "self_attn.o_proj input",
+    "self_attn.o_proj output",
+    "post_attention_layernorm input",
+    "post_attention_layernorm output",
+    "mlp.down_proj input",
+    "mlp output",
+    "output",
+}
+BERT = {
+    *(f"attention.self {t}" for t in ATTENTION),
+    "attention.output.dense input",
+    "attention.output.dense output",
+    "attention.output.LayerNorm input",
+    "attention.output.LayerNorm output",
+    "output.dense input",
+    "output.dense output",
+    "output.LayerNorm input",
+    "output.LayerNorm output",
+}
 OPT_POST_LN = OPT - {"output"} | {"self_attn_layer_norm input"}  # OPT-350m: norms after the residual sums
 MLA_DENSE = LLAMA | {"self_attn.q_b_proj input", "self_attn.kv_b_proj input"}
 MLA_MOE = MLA_DENSE - {"mlp.down_proj input"} | {"mlp.shared_experts.down_proj input"}
-NEXT_LINEAR = {"input_layernorm output", "linear_attn.out_proj input", "linear_attn.out_proj output",
-               "post_attention_layernorm input", "post_attention_layernorm output",
-               "mlp.shared_expert.down_proj input", "mlp output", "output"}
+NEXT_LINEAR = {
+    "input_layernorm output",
+    "linear_attn.out_proj input",
+    "linear_attn.out_proj output",
+    "post_attention_layernorm input",
+    "post_attention_layernorm output",
+    "mlp.shared_expert.down_proj input",
+    "mlp output",
+    "output",
+}
 
 
 def _calib(n=2):
@@ -44,25 +75,35 @@ def _sites(q):
     for quant in act_quantizers(q):
         owner, _, tensor = quant.name.rpartition(" ")
         i = next((i for i, b in enumerate(blocks) if owner == b or owner.startswith(b + ".")), None)
-        rel = owner[len(blocks[i]) + 1:] if i is not None else owner
+        rel = owner[len(blocks[i]) + 1 :] if i is not None else owner
         out.setdefault(i, Counter())[f"{rel} {tensor}".strip()] += 1
     return out
 
 
-@pytest.mark.parametrize("preset, per_block, outside, block0_extra", [
-    ("tiny-opt", [OPT, OPT], {"model.decoder.final_layer_norm output"}, {"input"}),  # input: the embedding sum
-    ("tiny-opt-post-ln", [OPT_POST_LN, OPT_POST_LN], set(), {"input"}),
-    ("tiny-llama", [LLAMA, LLAMA], {"model.norm output"}, set()),
-    ("tiny-bert", [BERT, BERT], {"bert.embeddings.LayerNorm input", "bert.embeddings.LayerNorm output"}, set()),
-    ("tiny-mla", [MLA_DENSE, MLA_MOE], {"model.norm output"}, set()),
-    ("tiny-qwen3-next", [NEXT_LINEAR, LLAMA], {"model.norm output"}, set()),
-])
+@pytest.mark.parametrize(
+    "preset, per_block, outside, block0_extra",
+    [
+        ("tiny-opt", [OPT, OPT], {"model.decoder.final_layer_norm output"}, {"input"}),  # input: the embedding sum
+        ("tiny-opt-post-ln", [OPT_POST_LN, OPT_POST_LN], set(), {"input"}),
+        ("tiny-llama", [LLAMA, LLAMA], {"model.norm output"}, set()),
+        ("tiny-bert", [BERT, BERT], {"bert.embeddings.LayerNorm input", "bert.embeddings.LayerNorm output"}, set()),
+        ("tiny-mla", [MLA_DENSE, MLA_MOE], {"model.norm output"}, set()),
+        ("tiny-qwen3-next", [NEXT_LINEAR, LLAMA], {"model.norm output"}, set()),
+    ],
+)
 def test_bondarenko_sites_per_block_match_the_reference_list(preset, per_block, outside, block0_extra):
-    overrides = {"tiny-opt-post-ln": dict(do_layer_norm_before=False),
-                 "tiny-mla": dict(first_k_dense_replace=1),  # block 1 MoE
-                 "tiny-qwen3-next": dict(layer_types=["linear_attention", "full_attention"], mlp_only_layers=[1],
-                                         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                                         linear_value_head_dim=16)}  # block 0 linear attention and MoE
+    overrides = {
+        "tiny-opt-post-ln": {"do_layer_norm_before": False},
+        "tiny-mla": {"first_k_dense_replace": 1},  # block 1 MoE
+        "tiny-qwen3-next": {  # block 0 linear attention and MoE
+            "layer_types": ["linear_attention", "full_attention"],
+            "mlp_only_layers": [1],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+        },
+    }
     model = qg.build(preset.removesuffix("-post-ln"), **overrides.get(preset, {})).eval()
     q = qg.quantize(model, "w8a8-int8-bondarenko", calibration=_calib(1))
     sites = _sites(q)
@@ -75,13 +116,23 @@ def test_bondarenko_sites_per_block_match_the_reference_list(preset, per_block, 
 
 def test_linear_inputs_is_exactly_the_inputs_of_the_quantized_linears():
     q = qg.quantize(qg.build("tiny-llama"), "w8a8-int8-static", calibration=_calib(1))
-    assert _sites(q)[0] == Counter(f"{p} input" for p in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-        "mlp.up_proj", "mlp.down_proj"))
+    assert _sites(q)[0] == Counter(
+        f"{p} input"
+        for p in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    )
     assert None not in _sites(q)  # nothing outside the blocks: the LM head is kept
 
 
 # --- one block quantized by hand ----------------------------------------------------------------
+
 
 def fq(x, site):
     """The reference's asymmetric 8-bit quantizer (uniform_quantizers.py) with a site's calibrated range."""
@@ -139,8 +190,10 @@ def _llama_block(b, x, kw):
     h = fq(rms(x, ln1), ln1.output_quant)
     q, k, v = (_heads(_linear(h, p), a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
     cos, sin = (t.unsqueeze(1) for t in kw["position_embeddings"])
-    ctx = fq(_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, a.qg_fake_quant, a.head_dim**-0.5, True),
-             a.o_proj.input_quant)
+    ctx = fq(
+        _attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, a.qg_fake_quant, a.head_dim**-0.5, True),
+        a.o_proj.input_quant,
+    )
     s1 = fq(x + fq(_linear(ctx, a.o_proj), a.o_proj.output_quant), ln2.input_quant)
     h = fq(rms(s1, ln2), ln2.output_quant)
     m = fq(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj.input_quant)
@@ -158,14 +211,17 @@ def _bert_block(b, x, kw):
     return fq(_layer_norm(s2, out2.LayerNorm), out2.LayerNorm.output_quant)
 
 
-@pytest.mark.parametrize("preset, by_hand", [("tiny-opt", _opt_block), ("tiny-llama", _llama_block),
-                                             ("tiny-bert", _bert_block)])
+@pytest.mark.parametrize(
+    "preset, by_hand", [("tiny-opt", _opt_block), ("tiny-llama", _llama_block), ("tiny-bert", _bert_block)]
+)
 def test_one_block_quantized_by_hand_matches_the_simulation(preset, by_hand):
     q = qg.quantize(qg.build(preset, seed=2).eval(), "w8a8-int8-bondarenko", calibration=_calib())
     block = family_of(q).blocks(q)[1]
     seen = {}
-    hooks = [block.register_forward_pre_hook(lambda m, a, kw: seen.update(x=a[0], kw=kw), with_kwargs=True),
-             block.register_forward_hook(lambda m, a, o: seen.update(out=o))]
+    hooks = [
+        block.register_forward_pre_hook(lambda m, a, kw: seen.update(x=a[0], kw=kw), with_kwargs=True),
+        block.register_forward_hook(lambda m, a, o: seen.update(out=o)),
+    ]
     with torch.no_grad():
         q(IDS)
         for h in hooks:
@@ -176,6 +232,7 @@ def test_one_block_quantized_by_hand_matches_the_simulation(preset, by_hand):
 
 
 # --- what stays in full precision ---------------------------------------------------------------
+
 
 @pytest.mark.parametrize("acts", ["linear-inputs", "bondarenko"])
 def test_attention_gates_stay_in_full_precision_unless_asked(acts):
@@ -199,8 +256,12 @@ def test_bondarenko_weights_embeddings_and_norms_but_not_the_head():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     q = qg.quantize(model, "w8a8-int8-bondarenko", calibration=_calib(1))
     after = q.state_dict()
-    for name in ("bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
-                 "bert.encoder.layer.0.output.LayerNorm.weight", "bert.encoder.layer.1.attention.self.query.weight"):
+    for name in (
+        "bert.embeddings.word_embeddings.weight",
+        "bert.embeddings.position_embeddings.weight",
+        "bert.encoder.layer.0.output.LayerNorm.weight",
+        "bert.encoder.layer.1.attention.self.query.weight",
+    ):
         assert len(torch.unique(after[name])) <= 255 and not torch.equal(after[name], before[name]), name
     for name, value in after.items():  # BERT's whole MLM head stays in float, as the reference keeps it
         if name.startswith("cls."):

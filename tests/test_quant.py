@@ -9,12 +9,20 @@ import torch
 import quantgate as qg
 from quantgate.quant import get_scheme
 from quantgate.quant.error import sqnr_db
+from quantgate.quant.quantizers import (
+    FP8,
+    RangeObserver,
+    fake_fp8,
+    fake_int,
+    fake_quant,
+    int_grid,
+    int_qparams,
+    quantize_weight,
+)
 from quantgate.quant.simulate import act_quantizers
-from quantgate.quant.quantizers import (FP8, RangeObserver, fake_fp8, fake_int, fake_quant, int_grid, int_qparams,
-                                        quantize_weight)
-
 
 # --- quantizers by definition -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bits, symmetric", [(8, True), (8, False), (4, False)])
 def test_int_round_trip_within_half_a_step_inside_the_range(bits, symmetric):
@@ -113,10 +121,10 @@ def test_weight_granularities():
     per_tensor = quantize_weight(w, "int8", "tensor")
     per_channel = quantize_weight(w, "int8", "channel")
     assert (per_channel - w).square().sum() < (per_tensor - w).square().sum()
-    for row_q, row in zip(per_channel, w):  # each channel's largest |w| sits exactly on the grid's end
+    for row_q, row in zip(per_channel, w, strict=True):  # each channel's largest |w| sits exactly on the grid's end
         assert row_q.abs().max() == pytest.approx(row.abs().max().item(), rel=1e-6)
     grouped = quantize_weight(w, "int4", "group", symmetric=False, group_size=8)
-    for g_q, g in zip(grouped.reshape(-1, 8), w.reshape(-1, 8)):
+    for g_q, g in zip(grouped.reshape(-1, 8), w.reshape(-1, 8), strict=True):
         assert len(torch.unique(g_q)) <= 16
         assert (g_q - g).abs().max() <= (g.max() - g.min()) / 15 / 2 + 1e-5
     with pytest.raises(ValueError, match="does not divide"):
@@ -130,6 +138,7 @@ def test_sqnr_definition():
 
 
 # --- schemes on models ----------------------------------------------------------------------------
+
 
 def _planted_outlier_model():
     """tiny-llama whose first MLP turns the BOS token into a massive down_proj input (~250 vs ~0.005)."""
@@ -148,15 +157,23 @@ def _planted_outlier_model():
 
 def _bos_batches(n, b=4, t=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.cat([torch.ones(b, 1, dtype=torch.long), torch.randint(5, 8192, (b, t - 1), generator=g)],
-                                    1)} for _ in range(n)]
+    return [
+        {
+            "input_ids": torch.cat(
+                [torch.ones(b, 1, dtype=torch.long), torch.randint(5, 8192, (b, t - 1), generator=g)], 1
+            )
+        }
+        for _ in range(n)
+    ]
 
 
 def test_planted_outlier_breaks_static_int8_not_per_token_or_llm_int8():
     model = _planted_outlier_model()
     calib, held_out = _bos_batches(4), _bos_batches(2, seed=1)
-    sqnr = {s: qg.quant_error(model, qg.quantize(model, s, calibration=calib), held_out)["logits_sqnr_db"]
-            for s in ("w8a8-int8-static", "w8a8-int8-dynamic", "llm-int8", "w8a8-fp8-e4m3")}
+    sqnr = {
+        s: qg.quant_error(model, qg.quantize(model, s, calibration=calib), held_out)["logits_sqnr_db"]
+        for s in ("w8a8-int8-static", "w8a8-int8-dynamic", "llm-int8", "w8a8-fp8-e4m3")
+    }
     assert sqnr["w8a8-int8-dynamic"] > sqnr["w8a8-int8-static"] + 15  # per-tensor static error >> per-token
     assert sqnr["llm-int8"] > sqnr["w8a8-int8-static"] + 15  # the outlier decomposition recovers it
     assert sqnr["w8a8-int8-static"] < sqnr["w8a8-fp8-e4m3"] < sqnr["w8a8-int8-dynamic"]  # FP8 in between
@@ -166,8 +183,9 @@ def test_site_sensitivity_measures_each_site_alone():
     model = qg.load("twin-vanilla")  # trained (backcopy), so a broken tensor shows in its loss
     tok = qg.tokenizer(model)
     held_out = list(qg.data.batches(tok, "backcopy", 64, 4, max_batches=2, seed=7))
-    q = qg.quantize(model, "w16a8-int8-bondarenko", calibration=qg.data.batches(tok, "backcopy", 64, 4, seed=3),
-                    calib=2)
+    q = qg.quantize(
+        model, "w16a8-int8-bondarenko", calibration=qg.data.batches(tok, "backcopy", 64, 4, seed=3), calib=2
+    )
 
     def loss(m):
         with torch.no_grad():
@@ -189,16 +207,31 @@ def test_site_sensitivity_measures_each_site_alone():
     with pytest.raises(ValueError, match="activation quantizers"):
         qg.quant.site_sensitivity(qg.quantize(model, "w8-int8"), held_out)
     site.hi.fill_(float("nan"))  # a broken range: a clear error, not a NaN change (its NaN reaches the loss)
-    with pytest.raises(ValueError, match="loss is not finite with .* quantizers on \\(model.layers.0 output"):
+    with pytest.raises(ValueError, match=r"loss is not finite with .* quantizers on \(model\.layers\.0 output"):
         qg.quant.site_sensitivity(q, held_out)
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w8a8-fp8-e5m2",
-                                    "w8-int8", "w4-int4-group", "w8a8-int8-static:acts=everything",
-                                    "w8a8-int8-static:estimator=mse", "w8a8-int8-static:estimator=percentile",
-                                    "w8a8-int8-static:a_granularity=channel,w_granularity=channel",
-                                    "w8a8-fp8-e4m3:dynamic=true", "torchao-int8-dynamic", "torchao-int8-weight-only",
-                                    "torchao-int8-static", "torchao-fp8-weight-only", "llm-int8"])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        "w8a8-int8-static",
+        "w8a8-int8-dynamic",
+        "w8a8-fp8-e4m3",
+        "w8a8-fp8-e5m2",
+        "w8-int8",
+        "w4-int4-group",
+        "w8a8-int8-static:acts=everything",
+        "w8a8-int8-static:estimator=mse",
+        "w8a8-int8-static:estimator=percentile",
+        "w8a8-int8-static:a_granularity=channel,w_granularity=channel",
+        "w8a8-fp8-e4m3:dynamic=true",
+        "torchao-int8-dynamic",
+        "torchao-int8-weight-only",
+        "torchao-int8-static",
+        "torchao-fp8-weight-only",
+        "llm-int8",
+    ],
+)
 @pytest.mark.parametrize("variant", ["g5-output", "hyga+sink"])
 def test_every_cpu_scheme_runs_and_reloads_bit_exactly(tmp_path, scheme, variant):
     model = qg.build("tiny-llama", variant, seed=1).eval()
@@ -239,20 +272,29 @@ def test_inplace_and_manifest(tmp_path):
 
 
 def test_scheme_strings_round_trip():
-    for text in ["w8a8-int8-static", "w8a8-int8-static:estimator=percentile,percentile=99.9,acts=everything",
-                 "w4-int4-group:group_size=64", "llm-int8:threshold=4.0", "torchao-int8-static:calib=4",
-                 "w8a8-fp8-e5m2:dynamic=true,a_granularity=token", "w8-int8:keep=model.layers.0.*|lm_head"]:
+    for text in [
+        "w8a8-int8-static",
+        "w8a8-int8-static:estimator=percentile,percentile=99.9,acts=everything",
+        "w4-int4-group:group_size=64",
+        "llm-int8:threshold=4.0",
+        "torchao-int8-static:calib=4",
+        "w8a8-fp8-e5m2:dynamic=true,a_granularity=token",
+        "w8-int8:keep=model.layers.0.*|lm_head",
+    ]:
         s = get_scheme(text)
         assert get_scheme(str(s)) == s
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("w9a9", "unknown quantization scheme 'w9a9'; valid: w8a8-int8-static"),
-    ("w8-int8:estimator=mse", "unknown option 'estimator=mse'; valid:"),
-    ("w8a8-int8-static:estimator=magic", "estimator must be one of"),
-    ("w8a8-int8-static:a_granularity=token", "per-token activation ranges are dynamic"),
-    ("llm-int8:threshold=high", "threshold expects float"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("w9a9", "unknown quantization scheme 'w9a9'; valid: w8a8-int8-static"),
+        ("w8-int8:estimator=mse", "unknown option 'estimator=mse'; valid:"),
+        ("w8a8-int8-static:estimator=magic", "estimator must be one of"),
+        ("w8a8-int8-static:a_granularity=token", "per-token activation ranges are dynamic"),
+        ("llm-int8:threshold=high", "threshold expects float"),
+    ],
+)
 def test_bad_schemes(text, fragment):
     with pytest.raises(ValueError) as err:
         get_scheme(text)

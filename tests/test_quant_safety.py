@@ -30,23 +30,28 @@ def _logits(model):
 
 # --- 1. non-finite calibration data and weights ------------------------------------------------
 
+
 def _poison_fc1_input(model, value):
     """A float model whose first fc1 input holds one non-finite value (as an overflowing model would)."""
+
     def hook(module, args):
         x = args[0].clone()
         x.view(-1)[0] = value
         return (x,)
+
     model.model.decoder.layers[0].fc1.register_forward_pre_hook(hook)
     return model
 
 
-@pytest.mark.parametrize("scheme", ["w8a8-int8-static", "w8a8-fp8-e4m3:estimator=percentile",
-                                   "torchao-int8-static"])
+@pytest.mark.parametrize("scheme", ["w8a8-int8-static", "w8a8-fp8-e4m3:estimator=percentile", "torchao-int8-static"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_calibration_names_the_quantizer(scheme, value):
     model = _poison_fc1_input(qg.build("tiny-opt"), value)
-    with pytest.raises(ValueError, match=r"model\.decoder\.layers\.0\.fc1 input: the calibration activations "
-                                         r"hold NaN or inf"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.decoder\.layers\.0\.fc1 input: the calibration activations "
+        r"hold NaN or inf",
+    ):
         qg.quantize(model, scheme, calibration=_batches())
     assert qg.quantization_of(model) is None
 
@@ -63,8 +68,11 @@ def test_bondarenko_quantizers_are_named_by_module_and_tensor():
 def test_save_refuses_non_finite_ranges_and_writes_nothing(tmp_path):
     q = qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static", calibration=_batches())
     q.model.decoder.layers[1].fc2.input_quant.hi.fill_(float("nan"))
-    with pytest.raises(ValueError, match=r"model\.decoder\.layers\.1\.fc2 input: its range \[.*, nan\] is not "
-                                         r"finite"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.decoder\.layers\.1\.fc2 input: its range \[.*, nan\] is not "
+        r"finite",
+    ):
         qg.save(q, tmp_path / "q")
     assert not (tmp_path / "q").exists()
 
@@ -74,12 +82,16 @@ def test_non_finite_weights_are_refused_before_quantizing(scheme):
     model = qg.build("tiny-opt")
     with torch.no_grad():
         model.model.decoder.layers[1].self_attn.v_proj.weight[3, 2] = float("nan")
-    with pytest.raises(ValueError, match=r"model\.decoder\.layers\.1\.self_attn\.v_proj\.weight holds 1 NaN or "
-                                         r"inf value"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.decoder\.layers\.1\.self_attn\.v_proj\.weight holds 1 NaN or "
+        r"inf value",
+    ):
         qg.quantize(model, scheme, calibration=_batches())
 
 
 # --- 2. the manifest is checked against its schema, config.json and the weights ----------------
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -108,11 +120,14 @@ def test_the_saved_checkpoint_loads_identically_and_records_its_weights_hash(sav
     assert torch.equal(_logits(qg.load(path)), saved[1])
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("{not json", r"quantization\.json is not valid JSON .*save the quantized model again"),
-    ("[]", r"quantization\.json must hold a JSON object, got list"),
-    ("{}", r"quantization\.json: field 'scheme' is missing"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("{not json", r"quantization\.json is not valid JSON .*save the quantized model again"),
+        ("[]", r"quantization\.json must hold a JSON object, got list"),
+        ("{}", r"quantization\.json: field 'scheme' is missing"),
+    ],
+)
 def test_garbage_manifest_names_the_file(saved, tmp_path, text, fragment):
     path = _copy(saved, tmp_path)
     (path / "quantization.json").write_text(text)
@@ -120,15 +135,22 @@ def test_garbage_manifest_names_the_file(saved, tmp_path, text, fragment):
         qg.load(path)
 
 
-@pytest.mark.parametrize("field, value, fragment", [
-    ("aliases", [], r"field 'aliases' must be an object, got list"),
-    ("scheme", 8, r"field 'scheme' must be a string, got int"),
-    ("scheme", "w9a9", r"field 'scheme' is not a valid scheme: unknown quantization scheme 'w9a9'"),
-    ("scheme", "w8a8-fp8-e4m3", r"field 'scheme' \('w8a8-fp8-e4m3'\) disagrees with .*config\.json "
-                                r"\('w8a8-int8-static'\)"),
-    ("variant", "g1-headwise", r"field 'variant' \('g1-headwise'\) disagrees with .*config\.json \('vanilla'\)"),
-    ("family", "llama", r"field 'family' \('llama'\) disagrees with .*config\.json \('opt'\)"),
-])
+@pytest.mark.parametrize(
+    "field, value, fragment",
+    [
+        ("aliases", [], r"field 'aliases' must be an object, got list"),
+        ("scheme", 8, r"field 'scheme' must be a string, got int"),
+        ("scheme", "w9a9", r"field 'scheme' is not a valid scheme: unknown quantization scheme 'w9a9'"),
+        (
+            "scheme",
+            "w8a8-fp8-e4m3",
+            r"field 'scheme' \('w8a8-fp8-e4m3'\) disagrees with .*config\.json "
+            r"\('w8a8-int8-static'\)",
+        ),
+        ("variant", "g1-headwise", r"field 'variant' \('g1-headwise'\) disagrees with .*config\.json \('vanilla'\)"),
+        ("family", "llama", r"field 'family' \('llama'\) disagrees with .*config\.json \('opt'\)"),
+    ],
+)
 def test_edited_manifest_field_is_named(saved, tmp_path, field, value, fragment):
     path = _copy(saved, tmp_path)
     _edit_json(path / "quantization.json", **{field: value})
@@ -143,12 +165,16 @@ def test_changed_weights_do_not_match_the_manifest(saved, tmp_path):
     key = next(k for k in state if k.endswith("fc1.weight"))
     state[key] = state[key] * 2
     save_file(state, weights)  # a valid file with other values
-    with pytest.raises(ValueError, match=r"model\.safetensors does not match the sha256 recorded in .*"
-                                         r"quantization\.json \(field 'weights_sha256'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors does not match the sha256 recorded in .*"
+        r"quantization\.json \(field 'weights_sha256'\)",
+    ):
         qg.load(path)
 
 
 # --- 3. weights the model built from config.json does not use ----------------------------------
+
 
 def test_gated_checkpoint_edited_to_vanilla_refuses_its_gate_weights(tmp_path):
     qg.save(qg.build("tiny-opt", "g1-headwise"), tmp_path / "m")
@@ -156,8 +182,11 @@ def test_gated_checkpoint_edited_to_vanilla_refuses_its_gate_weights(tmp_path):
     data = json.loads(config.read_text())
     data["quantgate"]["variant"] = "vanilla"
     config.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"quantgate\.safetensors holds \d+ tensors the model built from "
-                                         r"config\.json does not use \(.*self_attn\.gate\.proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"quantgate\.safetensors holds \d+ tensors the model built from "
+        r"config\.json does not use \(.*self_attn\.gate\.proj",
+    ):
         qg.load(tmp_path / "m")
 
 
@@ -167,25 +196,32 @@ def test_base_weights_the_config_does_not_use_are_refused(tmp_path):
     data = json.loads(config.read_text())
     data["num_hidden_layers"] = 1
     config.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"model\.safetensors holds \d+ tensors the model built from config\.json "
-                                         r"does not use \(.*layers\.1\."):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors holds \d+ tensors the model built from config\.json "
+        r"does not use \(.*layers\.1\.",
+    ):
         qg.load(tmp_path / "m")
 
 
 # --- 4. options outside their valid range --------------------------------------------------------
 
-@pytest.mark.parametrize("text, fragment", [
-    ("w8a8-int8-static:percentile=150", "w8a8-int8-static: percentile must be in (50, 100], got 150"),
-    ("w8a8-int8-static:percentile=-1", "percentile must be in (50, 100], got -1"),
-    ("w8a8-int8-static:percentile=50", "percentile must be in (50, 100], got 50"),
-    ("w8a8-int8-static:percentile=nan", "percentile must be a finite number, got nan"),
-    ("w8a8-int8-static:momentum=5", "momentum must be in [0, 1), got 5"),
-    ("w8a8-int8-static:momentum=1", "momentum must be in [0, 1), got 1"),
-    ("w8a8-int8-static:momentum=inf", "momentum must be a finite number, got inf"),
-    ("llm-int8:threshold=-1", "llm-int8: threshold must be >= 0, got -1"),
-    ("llm-int8:threshold=nan", "threshold must be a finite number, got nan"),
-    ("w8-int8:group_size=0", "w8-int8: group_size must be >= 1, got 0"),
-])
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("w8a8-int8-static:percentile=150", "w8a8-int8-static: percentile must be in (50, 100], got 150"),
+        ("w8a8-int8-static:percentile=-1", "percentile must be in (50, 100], got -1"),
+        ("w8a8-int8-static:percentile=50", "percentile must be in (50, 100], got 50"),
+        ("w8a8-int8-static:percentile=nan", "percentile must be a finite number, got nan"),
+        ("w8a8-int8-static:momentum=5", "momentum must be in [0, 1), got 5"),
+        ("w8a8-int8-static:momentum=1", "momentum must be in [0, 1), got 1"),
+        ("w8a8-int8-static:momentum=inf", "momentum must be a finite number, got inf"),
+        ("llm-int8:threshold=-1", "llm-int8: threshold must be >= 0, got -1"),
+        ("llm-int8:threshold=nan", "threshold must be a finite number, got nan"),
+        ("w8-int8:group_size=0", "w8-int8: group_size must be >= 1, got 0"),
+    ],
+)
 def test_scheme_options_outside_their_range(text, fragment):
     with pytest.raises(ValueError) as err:
         get_scheme(text)
@@ -204,16 +240,19 @@ def test_scheme_ranges_hold_for_the_python_api():
         dataclasses.replace(s, act=dataclasses.replace(s.act, granularity="token"))
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("clipped:gamma=nan", "clipped: gamma must be a finite number, got nan"),
-    ("clipped:gamma=-inf", "clipped: gamma must be a finite number, got -inf"),
-    ("clipped:zeta=nan", "clipped: zeta must be a finite number, got nan"),
-    ("clipped:zeta=inf", "clipped: zeta must be a finite number, got inf"),
-    ("clipped:alpha=nan", "clipped: alpha must be a finite number, got nan"),
-    ("clipped:alpha=inf", "clipped: alpha must be a finite number, got inf"),
-    ("sink:init=nan", "sink: init must be a finite number, got nan"),
-    ("sink:init=-inf", "sink: init must be a finite number, got -inf"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("clipped:gamma=nan", "clipped: gamma must be a finite number, got nan"),
+        ("clipped:gamma=-inf", "clipped: gamma must be a finite number, got -inf"),
+        ("clipped:zeta=nan", "clipped: zeta must be a finite number, got nan"),
+        ("clipped:zeta=inf", "clipped: zeta must be a finite number, got inf"),
+        ("clipped:alpha=nan", "clipped: alpha must be a finite number, got nan"),
+        ("clipped:alpha=inf", "clipped: alpha must be a finite number, got inf"),
+        ("sink:init=nan", "sink: init must be a finite number, got nan"),
+        ("sink:init=-inf", "sink: init must be a finite number, got -inf"),
+    ],
+)
 def test_variant_parameters_must_be_finite(text, fragment):
     with pytest.raises(ValueError) as err:
         AttentionVariant.parse(text)
@@ -227,15 +266,30 @@ def test_variant_ranges_hold_for_the_python_api():
         SinkSpec(float("inf"))
 
 
-@pytest.mark.parametrize("text", ["w8a8-int8-static:estimator=percentile,percentile=100",
-                                  "w8a8-int8-static:momentum=0", "llm-int8:threshold=0", "w4-int4-group:group_size=1",
-                                  "torchao-int8-static:calib=1"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "w8a8-int8-static:estimator=percentile,percentile=100",
+        "w8a8-int8-static:momentum=0",
+        "llm-int8:threshold=0",
+        "w4-int4-group:group_size=1",
+        "torchao-int8-static:calib=1",
+    ],
+)
 def test_valid_scheme_edges_parse(text):
     assert get_scheme(str(get_scheme(text))) == get_scheme(text)
 
 
-@pytest.mark.parametrize("text", ["clipped:gamma=0", "clipped:gamma=-0.5,zeta=1", "clipped:alpha=0,zeta=1.2",
-                                  "sink:init=-5.5", "g1-headwise:pi_init=0.999"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "clipped:gamma=0",
+        "clipped:gamma=-0.5,zeta=1",
+        "clipped:alpha=0,zeta=1.2",
+        "sink:init=-5.5",
+        "g1-headwise:pi_init=0.999",
+    ],
+)
 def test_valid_variant_edges_parse(text):
     v = AttentionVariant.parse(text)
     assert AttentionVariant.parse(str(v)) == v

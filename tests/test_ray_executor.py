@@ -103,7 +103,7 @@ def test_a_worker_killed_mid_cell_is_replaced_and_the_study_ends_the_same(study,
     def go():
         try:
             run_study(study, out)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+        except BaseException as e:  # handed to the test thread
             errors.append(e)
 
     driver = threading.Thread(target=go)
@@ -146,7 +146,7 @@ def test_a_killed_ray_study_run_again_ends_as_the_serial_run(study, serial, tmp_
 def test_a_worker_that_cannot_see_the_run_directory_is_refused(study, tmp_path):
     cell = load_study(study).cells()[0]
     (tmp_path / RUN_ID).write_text("another run's token")
-    with pytest.raises(StudyDirectoryNotShared, match="cannot see the study's run directory .* every worker shares"):
+    with pytest.raises(StudyDirectoryNotShared, match=r"cannot see the study's run directory .* every worker shares"):
         _cell_task(lambda c, d: None, cell, tmp_path / "cells" / "x", tmp_path, "this run's token", 1)
     with pytest.raises(StudyDirectoryNotShared, match="give --out a path every node mounts"):
         _cell_task(lambda c, d: None, cell, tmp_path / "cells" / "x", tmp_path / "elsewhere", "token", 1)

@@ -63,12 +63,22 @@ def test_rotation_keeps_the_logits(preset, online):
     assert info["extra_params"] == (VOCAB if preset == "tiny-opt" else 0)
 
 
-@pytest.mark.parametrize("preset, variant", [
-    ("tiny-llama", "g1-elementwise"), ("tiny-llama", "g1-headwise"), ("tiny-llama", "g1-elementwise:low_rank=8"),
-    ("tiny-llama", "g1-ns-sigmoid"), ("tiny-llama", "g1-headshared"),
-    ("tiny-llama", "g2-value"), ("tiny-llama", "hyga:low_rank=4"), ("tiny-llama", "bondarenko:mode=all-heads"),
-    ("tiny-opt", "g1-headwise"), ("tiny-opt", "hyga"), ("tiny-opt", "g1-constant+sink"),
-])
+@pytest.mark.parametrize(
+    "preset, variant",
+    [
+        ("tiny-llama", "g1-elementwise"),
+        ("tiny-llama", "g1-headwise"),
+        ("tiny-llama", "g1-elementwise:low_rank=8"),
+        ("tiny-llama", "g1-ns-sigmoid"),
+        ("tiny-llama", "g1-headshared"),
+        ("tiny-llama", "g2-value"),
+        ("tiny-llama", "hyga:low_rank=4"),
+        ("tiny-llama", "bondarenko:mode=all-heads"),
+        ("tiny-opt", "g1-headwise"),
+        ("tiny-opt", "hyga"),
+        ("tiny-opt", "g1-constant+sink"),
+    ],
+)
 def test_rotation_keeps_the_logits_of_gated_models(preset, variant):
     assert_same_function(tiny(preset, variant))
 
@@ -106,8 +116,8 @@ def test_later_pre_hooks_see_the_rotated_ffn_input():
 
     model = tiny()
     seen = {}
-    down = lambda m: m.base_model.layers[0].mlp.down_proj  # noqa: E731
-    hook = lambda key: lambda mod, args: seen.__setitem__(key, args[0])  # noqa: E731
+    down = lambda m: m.base_model.layers[0].mlp.down_proj
+    hook = lambda key: lambda mod, args: seen.__setitem__(key, args[0])
     x = ids()
     handle = down(model).register_forward_pre_hook(hook("before"))
     logits(model, x)
@@ -122,7 +132,8 @@ def test_rotation_spreads_a_massive_channel():
     def peak_over_rms(model):
         seen = []
         handle = model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(
-            lambda mod, args: seen.append(args[0]))
+            lambda mod, args: seen.append(args[0])
+        )
         logits(model, ids(4, 16))
         handle.remove()
         x = seen[0].flatten(0, 1)
@@ -137,22 +148,28 @@ def test_rotation_spreads_a_massive_channel():
     assert before > 8 * after, (before, after)  # ~16 (of at most sqrt(256)) -> ~1.1
 
 
-@pytest.mark.parametrize("preset, overrides, match", [
-    ("tiny-bert", {}, "cannot rotate a bert model: post-LN"),
-    ("tiny-opt", {"do_layer_norm_before": False}, r"post-LN opt model \(do_layer_norm_before=False\)"),
-    ("tiny-opt", {"word_embed_proj_dim": 32}, "project_in/project_out"),
-    ("tiny-mla", {}, "cannot rotate a mla model: the attention reads the stream through latent"),
-    ("tiny-qwen3-next", {}, "cannot rotate a qwen3-next model: linear-attention blocks"),
-])
+@pytest.mark.parametrize(
+    "preset, overrides, match",
+    [
+        ("tiny-bert", {}, "cannot rotate a bert model: post-LN"),
+        ("tiny-opt", {"do_layer_norm_before": False}, r"post-LN opt model \(do_layer_norm_before=False\)"),
+        ("tiny-opt", {"word_embed_proj_dim": 32}, "project_in/project_out"),
+        ("tiny-mla", {}, "cannot rotate a mla model: the attention reads the stream through latent"),
+        ("tiny-qwen3-next", {}, "cannot rotate a qwen3-next model: linear-attention blocks"),
+    ],
+)
 def test_refuses_families(preset, overrides, match):
     with pytest.raises(ValueError, match=match):
         rotate_(qg.build(preset, vocab_size=VOCAB, **overrides))
 
 
-@pytest.mark.parametrize("variant, match", [
-    ("g5-output", "g5-output: it multiplies o_proj's output"),
-    ("bondarenko", "bondarenko: it reads x in per-head slices"),
-])
+@pytest.mark.parametrize(
+    "variant, match",
+    [
+        ("g5-output", "g5-output: it multiplies o_proj's output"),
+        ("bondarenko", "bondarenko: it reads x in per-head slices"),
+    ],
+)
 def test_refuses_gates_that_do_not_commute(variant, match):
     with pytest.raises(ValueError, match=match):
         rotate_(tiny("tiny-llama", variant))
@@ -193,5 +210,5 @@ def test_the_online_transform_is_x_times_the_hadamard_matrix_in_each_dtype(n, dt
     assert ((y.double() - exact).abs() <= tol * exact.abs() + 1e-6).all()
     if dtype == torch.bfloat16:  # and it beats the butterfly, which rounds at each of its stages
         butterfly = matmul_hadU_slow(x.contiguous(), hadK, K)
-        rms = lambda t: (t.double() - exact).square().mean().sqrt()  # noqa: E731
+        rms = lambda t: (t.double() - exact).square().mean().sqrt()
         assert rms(y) < rms(butterfly)

@@ -8,8 +8,16 @@ import torch
 
 import quantgate as qg
 from quantgate.quant import schemes
-from quantgate.quant.schemes import (SCHEMES, BnbScheme, Scheme, SimulatedScheme, TorchaoScheme, TorchaoStaticScheme,
-                                     get_scheme, handler_for)
+from quantgate.quant.schemes import (
+    SCHEMES,
+    BnbScheme,
+    Scheme,
+    SimulatedScheme,
+    TorchaoScheme,
+    TorchaoStaticScheme,
+    get_scheme,
+    handler_for,
+)
 
 
 def _batches(n, seed=0):
@@ -17,18 +25,29 @@ def _batches(n, seed=0):
     return [{"input_ids": torch.randint(5, 8192, (2, 16), generator=g)} for _ in range(n)]
 
 
-@pytest.mark.parametrize("text, cls", [("w8a8-int8-bondarenko:a_bits=5,gates=true", SimulatedScheme),
-                                       ("torchao-int8-dynamic:keep=model.layers.0*", TorchaoScheme),
-                                       ("torchao-int8-static:calib=3", TorchaoStaticScheme),
-                                       ("llm-int8:threshold=0.0", BnbScheme)])
+@pytest.mark.parametrize(
+    "text, cls",
+    [
+        ("w8a8-int8-bondarenko:a_bits=5,gates=true", SimulatedScheme),
+        ("torchao-int8-dynamic:keep=model.layers.0*", TorchaoScheme),
+        ("torchao-int8-static:calib=3", TorchaoStaticScheme),
+        ("llm-int8:threshold=0.0", BnbScheme),
+    ],
+)
 def test_a_string_parses_to_its_backends_config_and_prints_back(text, cls):
     s = get_scheme(text)
     assert type(s) is cls and str(s) == text and get_scheme(str(s)) == s
 
 
-@pytest.mark.parametrize("text, option", [("llm-int8:calib=4", "calib"), ("torchao-int8-dynamic:rotate=online", "rotate"),
-                                          ("torchao-int8-static:a_bits=6", "a_bits"),
-                                          ("w8a8-int8-static:threshold=3", "threshold")])
+@pytest.mark.parametrize(
+    "text, option",
+    [
+        ("llm-int8:calib=4", "calib"),
+        ("torchao-int8-dynamic:rotate=online", "rotate"),
+        ("torchao-int8-static:a_bits=6", "a_bits"),
+        ("w8a8-int8-static:threshold=3", "threshold"),
+    ],
+)
 def test_each_config_takes_only_its_own_options(text, option):
     with pytest.raises(ValueError, match=f"unknown option '{option}="):
         get_scheme(text)
@@ -36,8 +55,15 @@ def test_each_config_takes_only_its_own_options(text, option):
 
 def test_calibration_is_the_configs_to_say():
     need = {name for name, s in SCHEMES.items() if s.needs_calibration}
-    assert need == {"w8a8-int8-static", "w8a8-int8-bondarenko", "w16a8-int8-bondarenko", "w8a8-fp8-e4m3",
-                    "w8a8-fp8-e5m2", "w4a4-fp4-e2m1", "torchao-int8-static"}
+    assert need == {
+        "w8a8-int8-static",
+        "w8a8-int8-bondarenko",
+        "w16a8-int8-bondarenko",
+        "w8a8-fp8-e4m3",
+        "w8a8-fp8-e5m2",
+        "w4a4-fp4-e2m1",
+        "torchao-int8-static",
+    }
     assert not get_scheme("w8a8-fp8-e4m3:dynamic=true").needs_calibration
     # SmoothQuant and keep=auto read calibration batches even where the activation ranges are dynamic
     assert get_scheme("torchao-int8-dynamic:smooth=0.5").needs_calibration
@@ -47,8 +73,9 @@ def test_calibration_is_the_configs_to_say():
 def test_a_new_torchao_config_is_one_row(monkeypatch, tmp_path):
     """A scheme added to SCHEMES with any torchao.quantization config class quantizes, saves and loads
     through the registered torchao handler, with no other change."""
-    row = TorchaoScheme("my-int8-weights", "torchao Int8WeightOnlyConfig under another name",
-                        config="Int8WeightOnlyConfig")
+    row = TorchaoScheme(
+        "my-int8-weights", "torchao Int8WeightOnlyConfig under another name", config="Int8WeightOnlyConfig"
+    )
     monkeypatch.setitem(SCHEMES, row.name, row)
     model = qg.build("tiny-llama", seed=0).eval()
     q = qg.quantize(model, "my-int8-weights:keep=model.layers.1*")

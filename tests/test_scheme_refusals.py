@@ -377,8 +377,20 @@ def test_lm_evals_own_cli_refuses_a_nan_model_and_writes_nothing(task, monkeypat
     monkeypatch.setattr(lm_eval_models, "_load", lambda *a, **k: _nan_model())
     # lm-eval's log handlers can outlive an earlier test's captured stream: not this command's output
     monkeypatch.setattr(logging, "raiseExceptions", False)
-    argv = ["lm-eval", "run", "--model", "quantgate", "--model_args", "pretrained=tiny-llama", "--tasks", task,
-            "--limit", "2", "--output_path", str(tmp_path / "out")]
+    argv = [
+        "lm-eval",
+        "run",
+        "--model",
+        "quantgate",
+        "--model_args",
+        "pretrained=tiny-llama",
+        "--tasks",
+        task,
+        "--limit",
+        "2",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     kind = "loglikelihood_rolling" if task == "quantgate_ppl" else "loglikelihood"

@@ -67,8 +67,9 @@ def test_sink_mass_from_lse_equals_eager_probabilities(causal, sink_tokens, sink
     probs = scores.softmax(-1)
     expected = probs[..., :sink_tokens].sum(-1)
     for backend in ("eager", "sdpa"):
-        out, mass = gated_sdpa(q, k, v, attn_mask=m, is_causal=causal, sinks=s, backend=backend,
-                               sink_tokens=sink_tokens)
+        out, mass = gated_sdpa(
+            q, k, v, attn_mask=m, is_causal=causal, sinks=s, backend=backend, sink_tokens=sink_tokens
+        )
         assert mass.shape == (B, HQ, N)
         assert (mass - expected).abs().max() < 1e-5, backend
     ref = probs[..., :N] @ v.repeat_interleave(HQ // HKV, 1)
@@ -83,7 +84,7 @@ def test_sink_mass_path_keeps_gradients_of_the_output():
         res = gated_sdpa(q, k, v, g, is_causal=True, backend=backend, sink_tokens=tokens)
         out = res[0] if tokens else res
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, g)))
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert (a - b).abs().max() < 1e-4
 
 
@@ -96,7 +97,7 @@ def test_gradients_match_eager(causal):
     for backend in ("eager", "sdpa"):
         out = gated_sdpa(q, k, v, g, attn_mask=m, is_causal=causal, backend=backend)
         grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, D)).sum(), (q, k, v, g)))
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         assert (a - b).abs().max() < 1e-4
 
 
@@ -142,10 +143,13 @@ def test_cross_lengths_and_dropout_shapes():
     assert dropped.shape == ref.shape and not torch.allclose(dropped, ref)
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(backend="cuda-magic"), "unknown gated_sdpa backend"),
-    (dict(sinks=torch.zeros(5)), "sinks must have shape"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"backend": "cuda-magic"}, "unknown gated_sdpa backend"),
+        ({"sinks": torch.zeros(5)}, "sinks must have shape"),
+    ],
+)
 def test_bad_arguments(kwargs, fragment):
     q, k, v = _inputs()
     with pytest.raises(ValueError, match=fragment):

@@ -68,14 +68,17 @@ def test_coverage_on_synthetic_data_with_a_known_delta():
 
 def test_mismatched_documents_are_refused(float_docs):
     fewer = {k: v[:-1] for k, v in float_docs.items()}
-    with pytest.raises(ValueError, match="cover different documents \\(30 vs 29 ids.*same tasks with the same limit"):
+    with pytest.raises(ValueError, match=r"cover different documents \(30 vs 29 ids.*same tasks with the same limit"):
         paired_delta(float_docs, fewer, "word_perplexity")
     moved = {**float_docs, "ids": [1, 0, *float_docs["ids"][2:]]}
     with pytest.raises(ValueError, match="first difference at position 0"):
         paired_delta(float_docs, moved, "word_perplexity")
     with pytest.raises(ValueError, match="hold no words column"):
-        paired_delta({"ids": [0, 1], "loglikelihood": [-1.0, -2.0]}, {"ids": [0, 1], "loglikelihood": [-1.0, -2.0]},
-                     "word_perplexity")
+        paired_delta(
+            {"ids": [0, 1], "loglikelihood": [-1.0, -2.0]},
+            {"ids": [0, 1], "loglikelihood": [-1.0, -2.0]},
+            "word_perplexity",
+        )
 
 
 def test_one_document_has_no_interval():
@@ -99,8 +102,9 @@ def test_seed_perplexity_ratios_average_geometrically():
     mean, sd = sum(logs) / 3, float(np.std(logs, ddof=1))
     half = 4.302652729911275 * sd / math.sqrt(3)
     d = seed_delta([1.0, 9.0, 499.0], "perplexity")
-    assert (d.value, d.low, d.high) == pytest.approx((math.exp(mean) - 1, math.exp(mean - half) - 1,
-                                                      math.exp(mean + half) - 1))
+    assert (d.value, d.low, d.high) == pytest.approx(
+        (math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1)
+    )
     assert 1 + d.value == pytest.approx(10000 ** (1 / 3))  # (2 x 10 x 500) ** (1/3) = 21.5
     assert d.low > -1  # a ratio's interval stays above 0x (the arithmetic one here reached below -300x)
     assert format_delta(d) == "22x [0.019, 24,937] ~"  # spans 1x: within noise
@@ -113,8 +117,10 @@ def test_format():
     assert format_delta(Delta(0.0024, 0.0011, 0.0037, "perplexity", 9, "")) == "+0.24% [+0.11, +0.37]"
     assert format_delta(Delta(-0.015, -0.03, 0.005, "accuracy", 9, "")) == "-1.5 pp [-3.0, +0.5] ~"
     assert format_delta(Delta(0.0123, 0.0101, 0.0147, "bits", 9, "")) == "+0.0123 [+0.0101, +0.0147]"
-    assert format_delta(Delta(0.05, -0.01, 0.1, "perplexity", 9, ""), noise=", within noise") == \
-        "+5.0% [-1.0, +10.0], within noise"
+    assert (
+        format_delta(Delta(0.05, -0.01, 0.1, "perplexity", 9, ""), noise=", within noise")
+        == "+5.0% [-1.0, +10.0], within noise"
+    )
     assert format_delta(None) == "-"
 
 

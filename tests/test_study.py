@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantgate.study import CellRecord, StudyRecord
-from quantgate.study.measures import peak_activation
-from quantgate.study.report import pearson, spearman, write_study_report
-from quantgate.study.report import study_markdown
 from quantgate.stats import fmt
-from quantgate.study import StudyError, load_study, run_study
+from quantgate.study import CellRecord, StudyError, StudyRecord, load_study, run_study
+from quantgate.study.measures import peak_activation
+from quantgate.study.report import pearson, spearman, study_markdown, write_study_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
@@ -35,9 +33,17 @@ def smoke_run(tmp_path_factory):
 def _numbers(run: Path) -> dict:
     """Every number a study produced, cell by cell (timings aside)."""
     metrics = json.loads((run / "metrics.json").read_text())
-    return {c["id"]: {"float": c["float"], "observe": c["observe"], "schemes": {
-        s: {k: v for k, v in r.items() if k not in ("seconds", "quantize_s")} for s, r in c["schemes"].items()},
-        "trained": c["trained"]} for c in metrics["cells"]}
+    return {
+        c["id"]: {
+            "float": c["float"],
+            "observe": c["observe"],
+            "schemes": {
+                s: {k: v for k, v in r.items() if k not in ("seconds", "quantize_s")} for s, r in c["schemes"].items()
+            },
+            "trained": c["trained"],
+        }
+        for c in metrics["cells"]
+    }
 
 
 def test_study_produces_metrics_report_and_plots(smoke_run):
@@ -45,8 +51,14 @@ def test_study_produces_metrics_report_and_plots(smoke_run):
     assert [c["id"] for c in metrics["cells"]] == ["tiny/vanilla", "tiny/g1-headwise"]
     assert metrics["schemes"] == ["w8a8-int8-static", "w8a8-int8-dynamic"]
     report = (smoke_run / "report.md").read_text()
-    for section in ("Bondarenko et al.'s table", "Qiu et al.'s table", "Correlations", "Where quantization hurts",
-                    "## Training", "the numbers test the pipeline"):
+    for section in (
+        "Bondarenko et al.'s table",
+        "Qiu et al.'s table",
+        "Correlations",
+        "Where quantization hurts",
+        "## Training",
+        "the numbers test the pipeline",
+    ):
         assert section in report
     for png in ("study_layers.png", "study_quant.png", "study_training.png"):
         assert (smoke_run / png).stat().st_size > 0
@@ -132,8 +144,9 @@ def test_bad_study_files_are_rejected_before_any_work(tmp_path):
 def test_correlations_against_hand_computation():
     x, y = [1.0, 2.0, 3.0, 4.0], [2.0, 4.1, 5.9, 8.2]
     mx, my = sum(x) / 4, sum(y) / 4
-    hand = sum((a - mx) * (b - my) for a, b in zip(x, y)) / math.sqrt(
-        sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y))
+    hand = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / math.sqrt(
+        sum((a - mx) ** 2 for a in x) * sum((b - my) ** 2 for b in y)
+    )
     assert pearson(x, y) == pytest.approx(hand)
     assert spearman([1, 5, 2, 8], [10, 30, 20, 25]) == pytest.approx(0.8)  # ranks 1,3,2,4 vs 1,4,2,3
     assert spearman([1, 1, 2], [3, 4, 5]) == pytest.approx(0.8660254)  # ties take average ranks
@@ -158,11 +171,17 @@ def test_cells_keep_per_document_values_and_the_report_shows_their_intervals(smo
     assert one.low is None and f"| {ppl:.4g} | {format_delta(one)}" in report  # one perplexity document: no interval
     # with more documents, the perplexity change of the table carries its paired interval
     words = [100, 200, 300]
-    cell["float_documents"]["quantgate_ppl"] = {"ids": [0, 1, 2], "loglikelihood": [-3.0 * w for w in words],
-                                                "words": words}
+    cell["float_documents"]["quantgate_ppl"] = {
+        "ids": [0, 1, 2],
+        "loglikelihood": [-3.0 * w for w in words],
+        "words": words,
+    }
     for scheme, loss in (("w8a8-int8-static", 3.1), ("w8a8-int8-dynamic", 3.0)):
         cell["schemes"][scheme]["documents"]["quantgate_ppl"] = {
-            "ids": [0, 1, 2], "loglikelihood": [-loss * w for w in words], "words": words}
+            "ids": [0, 1, 2],
+            "loglikelihood": [-loss * w for w in words],
+            "words": words,
+        }
     report = _report(metrics)
     assert "| +10.5% [+10.5, +10.5] |" in report and "| +0.00% [+0.00, +0.00] ~ |" in report  # on every resample
     del cell["schemes"]["w8a8-int8-dynamic"]["documents"]["quantgate_ppl"]["ids"][-1]
@@ -177,9 +196,13 @@ def _report(metrics: dict) -> str:
 
 def _without_documents(metrics: dict) -> dict:
     """A committed run as it would be without per-document values (the runs made before they were kept)."""
-    cells = [{**{k: v for k, v in c.items() if k != "float_documents"},
-              "schemes": {s: {k: v for k, v in r.items() if k != "documents"} for s, r in c["schemes"].items()}}
-             for c in metrics["cells"]]
+    cells = [
+        {
+            **{k: v for k, v in c.items() if k != "float_documents"},
+            "schemes": {s: {k: v for k, v in r.items() if k != "documents"} for s, r in c["schemes"].items()},
+        }
+        for c in metrics["cells"]
+    ]
     return {**metrics, "cells": cells}
 
 
@@ -236,8 +259,11 @@ def test_compare_matches_each_seed_with_its_own_float_run():
     cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]
     seed1 = next(c for c in cells if c["id"] == "tiny/vanilla-seed1")
     q = seed1["schemes"]["w8a8-int8-static"]["results"]["quantgate_backcopy"]["perplexity"]
-    row = next(line for line in compare([ROOT / "results" / "cpu_recipe"]).splitlines()
-               if line.startswith("| cpu_recipe:tiny | vanilla | 1 | w8a8-int8-static |"))
+    row = next(
+        line
+        for line in compare([ROOT / "results" / "cpu_recipe"]).splitlines()
+        if line.startswith("| cpu_recipe:tiny | vanilla | 1 | w8a8-int8-static |")
+    )
     assert f"| {q:.4g} | {100 * _change(seed1, 'w8a8-int8-static'):+.2f}% [" in row  # against seed 1's float run
 
 
@@ -254,6 +280,7 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
     def fail(error):
         def quantize(*args, **kwargs):
             raise error
+
         monkeypatch.setattr(steps, "quantize", quantize)  # the name the study step calls
 
     fail(HardwareUnavailable("w8-int8 cannot run here: no such GPU"))
@@ -266,22 +293,31 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
 def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     """``report: baseline``: a variant's float perplexity relative to the baseline's (same model and seed)
     with the paired bootstrap over the documents both read, and its gate parameters as a multiple."""
-    from quantgate.study.report import _against_baseline
     from quantgate.stats import format_delta, paired_delta
+    from quantgate.study.report import _against_baseline
 
     def cell(variant, loglik, params):
         docs = {"ids": [0, 1, 2, 3], "loglikelihood": loglik, "tokens": [10, 10, 10, 10]}
         ppl = math.exp(-sum(loglik) / 40)
-        return {"id": f"m/{variant}", "model": "m", "variant": variant, "seed": 0, "schemes": {},
-                "float": {"quantgate_backcopy": {"perplexity": ppl}}, "float_documents": {"quantgate_backcopy": docs},
-                "cost": {"gate_params": params}, "observe": {"layers": [{"sink_mass": 0.5}, {"sink_mass": 0.07}]}}
+        return {
+            "id": f"m/{variant}",
+            "model": "m",
+            "variant": variant,
+            "seed": 0,
+            "schemes": {},
+            "float": {"quantgate_backcopy": {"perplexity": ppl}},
+            "float_documents": {"quantgate_backcopy": docs},
+            "cost": {"gate_params": params},
+            "observe": {"layers": [{"sink_mass": 0.5}, {"sink_mass": 0.07}]},
+        }
 
     base, low = cell("g1-elementwise", [-12.0, -15.0, -9.0, -14.0], 800), cell("hyga", [-11.0, -15.5, -8.0, -13.0], 200)
     records = [CellRecord.from_json(c) for c in (base, low)]
     lines = _against_baseline(records, [], {}, "g1-elementwise")
     row = next(line for line in lines if line.startswith("| m | hyga |"))
-    expected = paired_delta(base["float_documents"]["quantgate_backcopy"], low["float_documents"]["quantgate_backcopy"],
-                            "perplexity")
+    expected = paired_delta(
+        base["float_documents"]["quantgate_backcopy"], low["float_documents"]["quantgate_backcopy"], "perplexity"
+    )
     assert expected.value == pytest.approx(math.exp((50 - 47.5) / -40) - 1)  # ppl ratio by hand: exp(-2.5 / 40) - 1
     assert f"| {format_delta(expected)} | 200 (0.25x) | 0.50 (0) |" in row
     assert "| m | g1-elementwise | 0 | - | 800 (1.00x) |" in "\n".join(lines)

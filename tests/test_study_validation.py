@@ -25,54 +25,114 @@ BAD = {
     "mixed-precision": (TINY + "    train: {mixed_precision: bf17}\n", 5, "mixed_precision must be one of auto, no"),
     "eval-data": (TINY + "    train: {eval_data: validaton}\n", 5, "unknown data source 'validaton'"),
     "hf-source": (TINY + "calibration: {data: 'hf:wikitext'}\n", 5, "hf sources are hf:<dataset>"),
-    "backcopy-mlm": ("name: x\nmodels:\n  - preset: tiny-bert\n    train: {data: backcopy}\n", 4,
-                     "data source 'backcopy' is a causal-LM task"),
-    "backcopy-option": (TINY + "    train: {data: 'backcopy:start=sideways'}\n", 5,
-                        "backcopy: start=sideways is not one of random, chain"),
-    "calibration-backcopy-option": (TINY + "calibration: {data: 'backcopy:trigger=0.1'}\n", 5,
-                                    "backcopy: unknown option 'trigger=0.1'"),
+    "backcopy-mlm": (
+        "name: x\nmodels:\n  - preset: tiny-bert\n    train: {data: backcopy}\n",
+        4,
+        "data source 'backcopy' is a causal-LM task",
+    ),
+    "backcopy-option": (
+        TINY + "    train: {data: 'backcopy:start=sideways'}\n",
+        5,
+        "backcopy: start=sideways is not one of random, chain",
+    ),
+    "calibration-backcopy-option": (
+        TINY + "calibration: {data: 'backcopy:trigger=0.1'}\n",
+        5,
+        "backcopy: unknown option 'trigger=0.1'",
+    ),
     "sink-tokens-0": (TINY + "observe: {sink_tokens: 0}\n", 5, "sink_tokens must be int, >= 1; got 0"),
-    "sink-tokens-all": (TINY + "    observe: {seq_len: 16, sink_tokens: 16}\n", 5,
-                        "sink_tokens (16) must be fewer than observe's seq_len (16)"),
+    "sink-tokens-all": (
+        TINY + "    observe: {seq_len: 16, sink_tokens: 16}\n",
+        5,
+        "sink_tokens (16) must be fewer than observe's seq_len (16)",
+    ),
     "calibration-batches": (TINY + "calibration:\n  batches: 0\n", 6, "batches must be int, >= 1; got 0"),
     "report-pair": (TINY + "report:\n  pairs: [[tiny, tiny-g1]]\n", 6, "names 'tiny-g1', not a model of this study"),
-    "report-baseline": (TINY + "report:\n  baseline: g1-elementwise\n", 6,
-                        "baseline 'g1-elementwise' is not a variant of any model; variants: vanilla"),
-    "report-fixes-scheme": (TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-dynamic}\n", 7,
-                            "reference 'w8a8-int8-dynamic' is not a scheme of this study; schemes: w8a8-int8-static"),
-    "report-fixes-within": (TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static, "
-                            "within: 5}\n", 7, "within must be a fraction in (0, 1) (0.01: within 1% of float), got 5"),
-    "report-fixes-key": (TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static, "
-                         "target: 1}\n", 7, "unknown key(s) target; valid: reference, within"),
+    "report-baseline": (
+        TINY + "report:\n  baseline: g1-elementwise\n",
+        6,
+        "baseline 'g1-elementwise' is not a variant of any model; variants: vanilla",
+    ),
+    "report-fixes-scheme": (
+        TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-dynamic}\n",
+        7,
+        "reference 'w8a8-int8-dynamic' is not a scheme of this study; schemes: w8a8-int8-static",
+    ),
+    "report-fixes-within": (
+        TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static, within: 5}\n",
+        7,
+        "within must be a fraction in (0, 1) (0.01: within 1% of float), got 5",
+    ),
+    "report-fixes-key": (
+        TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static, target: 1}\n",
+        7,
+        "unknown key(s) target; valid: reference, within",
+    ),
     "model-calibration-batches": (TINY + "    calibration: {batches: 0}\n", 5, "batches must be int, >= 1; got 0"),
-    "model-calibration-backcopy-mlm": ("name: x\nmodels:\n  - preset: tiny-bert\n    calibration: {data: backcopy}\n",
-                                       4, "data source 'backcopy' is a causal-LM task"),
-    "eval-limit": (TINY + "eval:\n  limit: 0\n", 6,
-                   "limit must be a number of documents (>= 1) or a fraction in (0, 1), got 0"),
-    "eval-limit-fraction": (TINY + "eval:\n  limit: 2.5\n", 6,
-                            "limit 2.5 is neither a whole number of documents nor a fraction below 1"),
-    "eval-limit-task": (TINY + "eval:\n  tasks: [quantgate_ppl]\n  limit: {quantgate_pl: 2}\n", 7,
-                        "limit names 'quantgate_pl', not among the evaluated tasks"),
+    "model-calibration-backcopy-mlm": (
+        "name: x\nmodels:\n  - preset: tiny-bert\n    calibration: {data: backcopy}\n",
+        4,
+        "data source 'backcopy' is a causal-LM task",
+    ),
+    "eval-limit": (
+        TINY + "eval:\n  limit: 0\n",
+        6,
+        "limit must be a number of documents (>= 1) or a fraction in (0, 1), got 0",
+    ),
+    "eval-limit-fraction": (
+        TINY + "eval:\n  limit: 2.5\n",
+        6,
+        "limit 2.5 is neither a whole number of documents nor a fraction below 1",
+    ),
+    "eval-limit-task": (
+        TINY + "eval:\n  tasks: [quantgate_ppl]\n  limit: {quantgate_pl: 2}\n",
+        7,
+        "limit names 'quantgate_pl', not among the evaluated tasks",
+    ),
     "eval-batch-size": (TINY + "    eval: {batch_size: big}\n", 5, "batch_size must be int | str, 'auto' or >= 1"),
     "eval-max-length": (TINY + "    eval: {max_length: 0}\n", 5, "max_length must be int, >= 1; got 0"),
     "seed": (TINY + "seed: abc\n", 5, "seed must be int, >= 0; got 'abc'"),
-    "g2-value-on-mla": ("name: x\nmodels:\n  - preset: tiny-mla\n    variants: [vanilla, g2-value]\n", 4,
-                        "variant 'g2-value': mla: g2-value gates each key token's values"),
-    "vanilla-qwen3-next": ("name: x\nmodels:\n  - preset: tiny-qwen3-next\n", 3,
-                           "variant 'vanilla': qwen3-next has a built-in g1-elementwise gate"),
-    "train-seq-len-opt": ("name: x\nmodels:\n  - preset: tiny-opt\n    train: {steps: 2, seq_len: 4096}\n", 4,
-                          "train seq_len: seq_len 4096 is longer than this opt model's 2048 positions"),
-    "observe-seq-len-opt": ("name: x\nmodels:\n  - preset: tiny-opt\nobserve:\n  seq_len: 4096\n", 5,
-                            "observe seq_len: seq_len 4096 is longer than this opt model's 2048 positions"),
-    "positions-override": ("name: x\nmodels:\n  - preset: tiny-opt\n    config: {max_position_embeddings: 64}\n", 3,
-                           "observe seq_len: seq_len 128 is longer than this opt model's 64 positions"),
-    "config-unknown-key": (TINY + "    config: {num_hidden_layer: 4}\n", 5,
-                           "'num_hidden_layer' is not a LlamaConfig field (training settings"),
-    "config-type": (TINY + "    config:\n      num_hidden_layers: four\n", 6,
-                    "config: tiny-llama: num_hidden_layers expects int (default 2), got 'four'"),
+    "g2-value-on-mla": (
+        "name: x\nmodels:\n  - preset: tiny-mla\n    variants: [vanilla, g2-value]\n",
+        4,
+        "variant 'g2-value': mla: g2-value gates each key token's values",
+    ),
+    "vanilla-qwen3-next": (
+        "name: x\nmodels:\n  - preset: tiny-qwen3-next\n",
+        3,
+        "variant 'vanilla': qwen3-next has a built-in g1-elementwise gate",
+    ),
+    "train-seq-len-opt": (
+        "name: x\nmodels:\n  - preset: tiny-opt\n    train: {steps: 2, seq_len: 4096}\n",
+        4,
+        "train seq_len: seq_len 4096 is longer than this opt model's 2048 positions",
+    ),
+    "observe-seq-len-opt": (
+        "name: x\nmodels:\n  - preset: tiny-opt\nobserve:\n  seq_len: 4096\n",
+        5,
+        "observe seq_len: seq_len 4096 is longer than this opt model's 2048 positions",
+    ),
+    "positions-override": (
+        "name: x\nmodels:\n  - preset: tiny-opt\n    config: {max_position_embeddings: 64}\n",
+        3,
+        "observe seq_len: seq_len 128 is longer than this opt model's 64 positions",
+    ),
+    "config-unknown-key": (
+        TINY + "    config: {num_hidden_layer: 4}\n",
+        5,
+        "'num_hidden_layer' is not a LlamaConfig field (training settings",
+    ),
+    "config-type": (
+        TINY + "    config:\n      num_hidden_layers: four\n",
+        6,
+        "config: tiny-llama: num_hidden_layers expects int (default 2), got 'four'",
+    ),
     "load-missing": ("name: x\nmodels:\n  - load: ./no-such-model\n", 3, "cannot load './no-such-model'"),
-    "name-separator": ("name: x\nmodels:\n  - name: a/b\n    preset: tiny-llama\n", 3,
-                       "name must be str, without / or \\, not '.' or '..' (it names a folder); got 'a/b'"),
+    "name-separator": (
+        "name: x\nmodels:\n  - name: a/b\n    preset: tiny-llama\n",
+        3,
+        "name must be str, without / or \\, not '.' or '..' (it names a folder); got 'a/b'",
+    ),
 }
 
 
@@ -97,12 +157,13 @@ def test_load_directory_without_a_checkpoint(tmp_path):
 
 def test_names_sharing_a_folder_are_named_with_their_lines(tmp_path):
     f = tmp_path / "bad.yaml"
-    f.write_text("name: x\nmodels:\n  - name: tiny a\n    preset: tiny-llama\n"
-                 "  - name: tiny_a\n    preset: tiny-opt\n")
+    f.write_text("name: x\nmodels:\n  - name: tiny a\n    preset: tiny-llama\n  - name: tiny_a\n    preset: tiny-opt\n")
     with pytest.raises(StudyError) as err:
         load_study(f)
-    assert ("bad.yaml:5: cells 'tiny a/vanilla' (line 3) and 'tiny_a/vanilla' (line 5) would share the folder "
-            "cells/tiny_a--vanilla") in str(err.value)
+    assert (
+        "bad.yaml:5: cells 'tiny a/vanilla' (line 3) and 'tiny_a/vanilla' (line 5) would share the folder "
+        "cells/tiny_a--vanilla"
+    ) in str(err.value)
 
 
 def test_dry_run_of_an_untrained_preset(tmp_path):
@@ -122,9 +183,8 @@ def test_default_study_is_found_from_any_directory(tmp_path, monkeypatch, capsys
 
 def test_a_second_run_on_a_busy_directory_stops_before_writing(tmp_path):
     out = tmp_path / "run"
-    with run_lock(out):
-        with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
-            run_study(ROOT / "experiments" / "smoke.yaml", out)
+    with run_lock(out), pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
+        run_study(ROOT / "experiments" / "smoke.yaml", out)
     assert sorted(p.name for p in out.iterdir()) == [".quantgate.lock"]
 
 
@@ -134,12 +194,14 @@ def test_models_trained_here_are_evaluated_within_their_training_length(tmp_path
     an explicit max_length wins."""
     from quantgate.study.steps import _eval_settings
 
-    text = ("name: x\nmodels:\n  - name: trained\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
-            "  - name: explicit\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
-            "    eval: {max_length: 256}\n"
-            "  - name: backcopy\n    preset: tiny-llama\n    train: {steps: 2, data: backcopy}\n"
-            "    eval: {tasks: [quantgate_backcopy]}\n"
-            "  - name: loaded\n    load: smollm2-135m\n")
+    text = (
+        "name: x\nmodels:\n  - name: trained\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
+        "  - name: explicit\n    preset: tiny-llama\n    train: {steps: 2, seq_len: 64}\n"
+        "    eval: {max_length: 256}\n"
+        "  - name: backcopy\n    preset: tiny-llama\n    train: {steps: 2, data: backcopy}\n"
+        "    eval: {tasks: [quantgate_backcopy]}\n"
+        "  - name: loaded\n    load: smollm2-135m\n"
+    )
     (tmp_path / "s.yaml").write_text(text)
     models = {m.name: m for m in load_study(tmp_path / "s.yaml").models}
     settings = {name: _eval_settings(m).as_dict() for name, m in models.items()}  # as the step keys hash them
@@ -149,8 +211,9 @@ def test_models_trained_here_are_evaluated_within_their_training_length(tmp_path
 
 
 def test_a_model_overrides_the_studys_calibration_key_by_key(tmp_path):
-    (tmp_path / "s.yaml").write_text(TINY + "    calibration: {data: backcopy}\n  - name: other\n    preset: tiny-llama\n"
-                                     "calibration: {batches: 3}\n")
+    (tmp_path / "s.yaml").write_text(
+        TINY + "    calibration: {data: backcopy}\n  - name: other\n    preset: tiny-llama\ncalibration: {batches: 3}\n"
+    )
     tiny, other = load_study(tmp_path / "s.yaml").models
     assert tiny.calibration.as_dict() == {"data": "backcopy", "batches": 3, "seq_len": 128, "batch_size": 8}
     assert other.calibration.as_dict() == {"data": "train", "batches": 3, "seq_len": 128, "batch_size": 8}

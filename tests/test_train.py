@@ -13,19 +13,24 @@ from safetensors.torch import load_file
 import quantgate as qg
 from quantgate.train import TrainConfig, TrainingDiverged, train
 
-FAST = dict(batch_size=8, seq_len=64, lr=3e-3, eval_batches=2, log_every=5)
+FAST = {"batch_size": 8, "seq_len": 64, "lr": 3e-3, "eval_batches": 2, "log_every": 5}
 
 
 def _records(out, event):
-    return [json.loads(line) for line in (Path(out) / "log.jsonl").read_text().splitlines()
-            if json.loads(line)["event"] == event]
+    return [
+        json.loads(line)
+        for line in (Path(out) / "log.jsonl").read_text().splitlines()
+        if json.loads(line)["event"] == event
+    ]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "run"
     model = qg.build("tiny-llama", "g1-headwise", seed=0)
-    train(model, qg.tokenizer(model), config=TrainConfig(steps=40, eval_every=20, observe_every=20, out=str(out), **FAST))
+    train(
+        model, qg.tokenizer(model), config=TrainConfig(steps=40, eval_every=20, observe_every=20, out=str(out), **FAST)
+    )
     return model, out
 
 
@@ -59,7 +64,7 @@ def test_resume_continues_exactly(tmp_path, preset, objective_kw):
     run(tmp_path / "b", stop_after=6)
     assert not (tmp_path / "b" / "model").exists() and (tmp_path / "b" / "checkpoints" / "step-6").is_dir()
     resumed = run(tmp_path / "b", resume=True)
-    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     lrs_a = [r["lr"] for r in _records(tmp_path / "a", "train")]
     lrs_b = [r["lr"] for r in _records(tmp_path / "b", "train")]
@@ -80,8 +85,9 @@ def test_two_process_ddp_matches_one_process(tmp_path):
 
     def run(name, launcher, rows_per_process):
         out = tmp_path / f"{name}.safetensors"
-        subprocess.run([*launcher, str(script), str(out), str(rows_per_process)], check=True, capture_output=True,
-                       timeout=600)
+        subprocess.run(
+            [*launcher, str(script), str(out), str(rows_per_process)], check=True, capture_output=True, timeout=600
+        )
         return load_file(out)
 
     one = run("one", [sys.executable], 8)
@@ -89,9 +95,11 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     assert moved > 1.0  # training really changed the weights (measured: 8.6 over 0.6 M weights)
     ddp = run("ddp", _two_processes(), 4)
     assert _distance(ddp, one) < 1e-3 * moved, _distance(ddp, one) / moved
-    first_half = ("import runpy, sys, quantgate.train as t; shard = t._shard; "  # every rank takes rank 0's rows
-                  "t._shard = lambda batch, rank, world, device: shard(batch, 0, world, device); "
-                  "runpy.run_path(sys.argv.pop(1), run_name='__main__')")
+    first_half = (
+        "import runpy, sys, quantgate.train as t; shard = t._shard; "  # every rank takes rank 0's rows
+        "t._shard = lambda batch, rank, world, device: shard(batch, 0, world, device); "
+        "runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+    )
     wrong = run("wrong", _two_processes("-c", first_half), 4)
     assert _distance(wrong, one) > 0.1 * moved, _distance(wrong, one) / moved
 
@@ -103,8 +111,18 @@ def _two_processes(*code):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-            "--no-python", sys.executable, *code]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(port),
+        "--no-python",
+        sys.executable,
+        *code,
+    ]
 
 
 def test_fsdp_training_resumes_bit_for_bit(tmp_path):
@@ -115,19 +133,42 @@ def test_fsdp_training_resumes_bit_for_bit(tmp_path):
     run trains what one process with the same global batch trains: weights within 1e-3 of the distance training
     moved them, the criterion of the DDP test above (measured: 2.8e-6). Without the optimizer state restored
     the resumed run differs (checked by hand)."""
-    subprocess.run([*_two_processes(str(Path(__file__).with_name("_fsdp_train.py")), str(tmp_path))], check=True,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [*_two_processes(str(Path(__file__).with_name("_fsdp_train.py")), str(tmp_path))],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    for name in ("model/model.safetensors", "model/quantgate.safetensors", "checkpoints/step-8/model.safetensors",
-                 "checkpoints/step-8/optimizer.safetensors", "checkpoints/step-8/rng-1.safetensors"):
+    for name in (
+        "model/model.safetensors",
+        "model/quantgate.safetensors",
+        "checkpoints/step-8/model.safetensors",
+        "checkpoints/step-8/optimizer.safetensors",
+        "checkpoints/step-8/rng-1.safetensors",
+    ):
         a, b = load_file(straight / name), load_file(resumed / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     assert {p.suffix for p in (resumed / "checkpoints").rglob("*") if p.is_file()} == {".safetensors", ".json"}
 
     model = qg.build("tiny-llama", "g1-headwise", seed=0)
-    train(model, qg.tokenizer(model), config=TrainConfig(
-        out=str(tmp_path / "one"), steps=8, batch_size=8, seq_len=32, lr=3e-3, seed=0, log_every=1, eval_every=4,
-        observe_every=4, eval_batches=1, checkpoint_every=4))
+    train(
+        model,
+        qg.tokenizer(model),
+        config=TrainConfig(
+            out=str(tmp_path / "one"),
+            steps=8,
+            batch_size=8,
+            seq_len=32,
+            lr=3e-3,
+            seed=0,
+            log_every=1,
+            eval_every=4,
+            observe_every=4,
+            eval_batches=1,
+            checkpoint_every=4,
+        ),
+    )
     for name in ("model.safetensors", "optimizer.safetensors"):
         a, b = load_file(tmp_path / "one/checkpoints/step-4" / name), load_file(resumed / "checkpoints/step-4" / name)
         assert {k: a[k].shape for k in a} == {k: b[k].shape for k in b}, name
@@ -142,7 +183,7 @@ def _distance(a, b):
 
 
 def test_gate_added_to_a_trained_model_starts_close_to_it(trained, tmp_path):
-    model, out = trained
+    model, _ = trained
     plain = qg.build("tiny-llama", seed=0)
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if ".gate." not in k}, strict=False)
     qg.save(plain, tmp_path / "ungated")
@@ -181,8 +222,11 @@ def test_divergence_stops_and_names_the_layer(tmp_path):
     model = qg.build("tiny-llama", seed=0)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
-    with pytest.raises(TrainingDiverged, match="step 1; the first non-finite activation is the output of layer 1; "
-                                               "the weights were already non-finite, so no last-good-model"):
+    with pytest.raises(
+        TrainingDiverged,
+        match="step 1; the first non-finite activation is the output of layer 1; "
+        "the weights were already non-finite, so no last-good-model",
+    ):
         train(model, qg.tokenizer(model), config=TrainConfig(steps=5, out=str(tmp_path), **FAST))
     assert not (tmp_path / "last-good-model").exists()
 
@@ -192,7 +236,7 @@ def test_bad_input(tmp_path):
     tok = qg.tokenizer(model)
     train(model, tok, config=TrainConfig(steps=2, checkpoint_every=2, eval_data=None, out=str(tmp_path / "a"), **FAST))
     other = qg.build("tiny-llama", "g1-headwise", seed=0)
-    with pytest.raises(ValueError, match="belongs to another model .*variant vanilla.* than this one .*g1-headwise"):
+    with pytest.raises(ValueError, match=r"belongs to another model .*variant vanilla.* than this one .*g1-headwise"):
         train(other, tok, config=TrainConfig(steps=4, resume=True, out=str(tmp_path / "a"), **FAST))
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         train(other, tok, config=TrainConfig(steps=4, resume=True, out=str(tmp_path / "b"), **FAST))
@@ -208,7 +252,9 @@ def test_masked_only_mlm_loss_equals_the_heads_loss():
     model = qg.build("tiny-bert", seed=2).eval()
     batch = next(iter(qg.data.batches(qg.tokenizer(model), "validation", 32, 8, "mlm")))
     with torch.no_grad():
-        assert family_of(model).masked_lm_loss(model, batch).item() == pytest.approx(model(**batch).loss.item(), abs=1e-5)
+        assert family_of(model).masked_lm_loss(model, batch).item() == pytest.approx(
+            model(**batch).loss.item(), abs=1e-5
+        )
 
 
 def test_log_with_tensorboard_writes_the_logs_numbers_as_events(tmp_path):
@@ -218,8 +264,9 @@ def test_log_with_tensorboard_writes_the_logs_numbers_as_events(tmp_path):
 
     out = tmp_path / "run"
     model = qg.build("tiny-llama", "g1-elementwise", seed=0)
-    config = TrainConfig(steps=4, observe_every=2, eval_every=2, out=str(out), log_with="tensorboard",
-                         **{**FAST, "log_every": 1})
+    config = TrainConfig(
+        steps=4, observe_every=2, eval_every=2, out=str(out), log_with="tensorboard", **{**FAST, "log_every": 1}
+    )
     train(model, qg.tokenizer(model), config=config)
     records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(out / "tensorboard")).Reload()
@@ -229,9 +276,13 @@ def test_log_with_tensorboard_writes_the_logs_numbers_as_events(tmp_path):
         rows = [r for r in records if r["event"] == event]
         return [(r["step"], (r["layers"][layer] if layer is not None else r)[key]) for r in rows]
 
-    for event, key, layer, tag in (("train", "loss", None, "train/loss"), ("train", "lr", None, "train/lr"),
-                                   ("eval", "loss", None, "eval/loss"), ("observe", "sink_mass", None, "observe/sink_mass"),
-                                   ("observe", "gate_mean", 1, "observe/layer_1/gate_mean")):
+    for event, key, layer, tag in (
+        ("train", "loss", None, "train/loss"),
+        ("train", "lr", None, "train/lr"),
+        ("eval", "loss", None, "eval/loss"),
+        ("observe", "sink_mass", None, "observe/sink_mass"),
+        ("observe", "gate_mean", 1, "observe/layer_1/gate_mean"),
+    ):
         assert tag in tags
         got = [(e.step, e.value) for e in events.Scalars(tag)]
         want = logged(event, key, layer)
@@ -252,10 +303,10 @@ def test_a_mixed_precision_run_returns_the_model_without_its_autocast_wrapper():
     """train() under bf16 returned the model still wrapped in accelerate's autocast: whatever observed,
     quantized or evaluated it next ran in bf16 without a word."""
     import torch
+    from accelerate.state import AcceleratorState
+
     import quantgate as qg
     from quantgate.train import TrainConfig, train
-
-    from accelerate.state import AcceleratorState
 
     model = qg.build("tiny-llama", seed=0)
     cfg = TrainConfig(steps=1, batch_size=2, seq_len=16, mixed_precision="bf16", eval_data=None)

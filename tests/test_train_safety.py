@@ -17,7 +17,7 @@ import quantgate as qg
 from quantgate.runlock import RunDirectoryBusy, run_lock
 from quantgate.train import TrainConfig, TrainingDiverged, train
 
-TINY = dict(batch_size=2, seq_len=16, lr=3e-3, eval_data=None, log_every=100, seed=3)
+TINY = {"batch_size": 2, "seq_len": 16, "lr": 3e-3, "eval_data": None, "log_every": 100, "seed": 3}
 
 
 def _train(out, preset="tiny-llama", **kw):
@@ -26,16 +26,17 @@ def _train(out, preset="tiny-llama", **kw):
 
 
 def _assert_same_weights(a, b):
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(x, y), name
 
 
 def test_an_interrupted_checkpoint_write_is_skipped_and_resume_ends_where_a_straight_run_does(
-        tmp_path, monkeypatch, caplog):
+    tmp_path, monkeypatch, caplog
+):
     """Ctrl-C in the middle of writing step-4 (after the weights, before the optimizer state): resume
     goes back to step-2, skipping the leftovers with a warning, and ends bit for bit where an
     uninterrupted run ends."""
-    cfg = dict(steps=6, checkpoint_every=2)
+    cfg = {"steps": 6, "checkpoint_every": 2}
     straight = _train(tmp_path / "a", **cfg)
     state_dict = torch.optim.AdamW.state_dict
 
@@ -71,13 +72,22 @@ class _Exploit:
 
 
 def test_resume_never_unpickles(tmp_path):
-    cfg = dict(steps=4, checkpoint_every=2)
+    cfg = {"steps": 4, "checkpoint_every": 2}
     _train(tmp_path, stop_after=2, **cfg)
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Exploit(marker))
     ckpt = tmp_path / "checkpoints" / "step-2"
-    for name in ("custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl", "custom_checkpoint_2.pkl", "optimizer.bin",
-                 "scheduler.bin", "random_states_0.pkl", "pytorch_model.bin", "scaler.pt", "model.bin"):
+    for name in (
+        "custom_checkpoint_0.pkl",
+        "custom_checkpoint_1.pkl",
+        "custom_checkpoint_2.pkl",
+        "optimizer.bin",
+        "scheduler.bin",
+        "random_states_0.pkl",
+        "pytorch_model.bin",
+        "scaler.pt",
+        "model.bin",
+    ):
         (ckpt / name).write_bytes(payload)
     _train(tmp_path, resume=True, **cfg)
     assert not marker.exists()
@@ -105,10 +115,13 @@ def test_divergence_keeps_the_last_finite_weights(tmp_path):
 
 
 def test_resume_refuses_settings_that_change_the_run(tmp_path):
-    cfg = dict(steps=4, checkpoint_every=2)
+    cfg = {"steps": 4, "checkpoint_every": 2}
     _train(tmp_path, stop_after=2, **cfg)
-    with pytest.raises(ValueError, match=r"step-2 with changed settings: batch_size 2 -> 4, lr 0.003 -> 0.001\. .*"
-                                         r"resume with the saved values, or train into a new --out"):
+    with pytest.raises(
+        ValueError,
+        match=r"step-2 with changed settings: batch_size 2 -> 4, lr 0.003 -> 0.001\. .*"
+        r"resume with the saved values, or train into a new --out",
+    ):
         _train(tmp_path, resume=True, **{**cfg, "batch_size": 4, "lr": 1e-3})
     with pytest.raises(ValueError, match="changed settings: seq_len 16 -> 32"):
         _train(tmp_path, resume=True, **{**cfg, "seq_len": 32})
@@ -117,9 +130,9 @@ def test_resume_refuses_settings_that_change_the_run(tmp_path):
 
 
 def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
-    with run_lock(tmp_path):  # flock is per open file: this process's own train() conflicts with it
-        with pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
-            _train(tmp_path, steps=1)
+    # flock is per open file: this process's own train() conflicts with the lock taken here
+    with run_lock(tmp_path), pytest.raises(RunDirectoryBusy, match=f"pid {os.getpid()}"):
+        _train(tmp_path, steps=1)
     assert not (tmp_path / "log.jsonl").exists()
 
 
@@ -128,22 +141,26 @@ def test_checkpoints_refuse_state_they_cannot_save(tmp_path):
 
     from quantgate.train import _check_checkpointable
 
-    with pytest.raises(ValueError, match="not supported under DEEPSPEED.*use DDP or FSDP version 2"):
+    with pytest.raises(ValueError, match=r"not supported under DEEPSPEED.*use DDP or FSDP version 2"):
         _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), None)
     with pytest.raises(ValueError, match="need FSDP version 2"):
         _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False), None)
     model = qg.build("tiny-llama", seed=1)
     batch = next(iter(qg.data.batches(qg.tokenizer(model), "validation", 16, 2)))
     with pytest.raises(ValueError, match="need data that can resume: list has no state_dict"):
-        train(model, qg.tokenizer(model), data=[batch] * 4,
-              config=TrainConfig(out=str(tmp_path), steps=4, checkpoint_every=2, **TINY))
+        train(
+            model,
+            qg.tokenizer(model),
+            data=[batch] * 4,
+            config=TrainConfig(out=str(tmp_path), steps=4, checkpoint_every=2, **TINY),
+        )
 
 
 def test_a_resumed_log_has_each_step_once(tmp_path):
     """Steps logged after the checkpoint a resume starts from are dropped, then logged again as retrained."""
     import json
 
-    cfg = dict(steps=6, checkpoint_every=2, log_every=1)
+    cfg = {"steps": 6, "checkpoint_every": 2, "log_every": 1}
     _train(tmp_path, stop_after=4, **cfg)
     shutil.rmtree(tmp_path / "checkpoints" / "step-4")  # killed after logging step 4, before its checkpoint
     with open(tmp_path / "log.jsonl", "a") as fh:

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("triton")
 
-import quantgate as qg  # noqa: E402
-from quantgate.attention import sdpa, triton_sdpa  # noqa: E402
-from quantgate.attention.sdpa import gated_sdpa  # noqa: E402
+import quantgate as qg
+from quantgate.attention import sdpa, triton_sdpa
+from quantgate.attention.sdpa import gated_sdpa
 
 pytestmark = pytest.mark.skipif(not triton_sdpa.INTERPRET, reason="triton was imported before TRITON_INTERPRET=1")
 
@@ -47,14 +47,14 @@ CASES = {
 def _inputs(case, seed):
     hq, hkv, n, m, d, dv, causal, gate_kind, with_sinks, padded = case
     g = torch.Generator().manual_seed(seed)
-    leaf = lambda *shape: torch.randn(*shape, generator=g).requires_grad_()  # noqa: E731
+    leaf = lambda *shape: torch.randn(*shape, generator=g).requires_grad_()
     q, k, v = leaf(B, hq, n, d), leaf(B, hkv, m, d), leaf(B, hkv, m, dv)
     gate_shape = {"elementwise": (B, hq, n, dv), "headwise": (B, hq, n, 1), "constant": (1, hq, 1, dv)}.get(gate_kind)
     gate = torch.rand(*gate_shape, generator=g).requires_grad_() if gate_shape else None
     sinks = leaf(hq) if with_sinks else None
     kp = torch.ones(B, m, dtype=torch.bool)
     if padded:  # batch 1: right padding; batch 0: left padding, so some causal rows see no key at all
-        kp[1, m - 7:] = False
+        kp[1, m - 7 :] = False
         kp[0, :3] = False
     return q, k, v, gate, sinks, kp, causal
 
@@ -67,11 +67,12 @@ def test_forward_lse_mass_and_gradients_match_eager(name):
     leaves = [t for t in (q, k, v, gate, sinks) if t is not None]
     results = {}
     for backend in ("eager", "triton"):
-        out, mass = gated_sdpa(q, k, v, gate, attn_mask=mask, is_causal=causal, sinks=sinks, backend=backend,
-                               sink_tokens=3)
+        out, mass = gated_sdpa(
+            q, k, v, gate, attn_mask=mask, is_causal=causal, sinks=sinks, backend=backend, sink_tokens=3
+        )
         grads = torch.autograd.grad((out * probe).sum(), leaves)
         results[backend] = (out, mass, *grads)
-    for ref, got in zip(results["eager"], results["triton"]):
+    for ref, got in zip(results["eager"], results["triton"], strict=True):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     assert results["eager"][1].min() < 0.9  # the mass is not trivially all on the first keys
     _, lse, _ = triton_sdpa.flash_gated_sdpa(q, k, v, gate, key_padding=kp, is_causal=causal, sinks=sinks)
@@ -80,7 +81,7 @@ def test_forward_lse_mass_and_gradients_match_eager(name):
 
 
 def test_transformers_padded_causal_mask_is_recognised():
-    q, k, v, gate, sinks, kp, causal = _inputs(CASES["padded-causal-constant-gate-dv-differs"], seed=3)
+    q, k, v, gate, sinks, kp, _ = _inputs(CASES["padded-causal-constant-gate-dv-differs"], seed=3)
     n = q.shape[2]
     full = kp[:, None, None, :] & torch.ones(n, n, dtype=torch.bool).tril()  # what sdpa_mask builds
     assert sdpa._key_padding(full, False, n, n)[1] is True
@@ -94,7 +95,7 @@ def test_transformers_padded_causal_mask_is_recognised():
 
 
 def test_unsupported_calls_fall_back_with_a_warning(caplog):
-    q, k, v, gate, sinks, kp, causal = _inputs(CASES["causal-gqa-odd-elementwise-sinks"], seed=5)
+    q, k, v, gate, _, _, _ = _inputs(CASES["causal-gqa-odd-elementwise-sinks"], seed=5)
     with torch.no_grad():
         ref = gated_sdpa(q, k, v, gate, is_causal=True, clip=(-0.02, 1.0), backend="eager")
         with caplog.at_level("WARNING", logger="quantgate"):
@@ -144,8 +145,13 @@ def test_benchmark_dry_run(tmp_path):
     """benchmarks/gated_sdpa.py end to end on the interpreter, so the GPU script cannot rot."""
     out = tmp_path / "gated_sdpa.md"
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, str(root / "benchmarks" / "gated_sdpa.py"), "--dry-run", "--out", str(out)],
-                   check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gated_sdpa.py"), "--dry-run", "--out", str(out)],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=600,
+    )
     text = out.read_text()
     for method in ("(a) sdpa, ungated", "(b) sdpa * gate", "(c) compiled (b)", "(d) fused triton"):
         assert text.count(method) == 1

@@ -18,10 +18,19 @@ def test_packaged_twins_load_offline_and_reproduce_their_search_numbers(name, va
     assert str(variant_of(model)) == variant and qg.tokenizer(model).name_or_path
     card = (Path(qg.__file__).parent / "models" / "checkpoints" / name / "README.md").read_text()
     candidate, seed = re.search(r"search's (\S+) pair, seed (\d+)", card).groups()
-    metrics = json.loads((Path(__file__).resolve().parents[1] / "results" / "twins_search" / candidate / f"seed{seed}"
-                          / "metrics.json").read_text())
+    metrics = json.loads(
+        (
+            Path(__file__).resolve().parents[1]
+            / "results"
+            / "twins_search"
+            / candidate
+            / f"seed{seed}"
+            / "metrics.json"
+        ).read_text()
+    )
     cell = next(c for c in metrics["cells"] if c["variant"] == variant)
     settings = metrics["study"]["models"][0]["eval"]
     got = qg.evaluate(model, tasks=["quantgate_backcopy"], limit=settings["limit"]["quantgate_backcopy"])
     assert got["results"]["quantgate_backcopy"]["perplexity"] == pytest.approx(
-        cell["float"]["quantgate_backcopy"]["perplexity"], rel=1e-5)
+        cell["float"]["quantgate_backcopy"]["perplexity"], rel=1e-5
+    )

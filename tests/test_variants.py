@@ -2,14 +2,14 @@ import math
 
 import pytest
 import torch
+from conftest import ALL_VARIANTS
 
 import quantgate as qg
 from quantgate.attention.gates import Gate
 from quantgate.variants import GATE_KINDS, AttentionVariant, ClipSpec, GateSpec, SinkSpec
 
-from conftest import ALL_VARIANTS
-
-TEXTS = ALL_VARIANTS + [
+TEXTS = [
+    *ALL_VARIANTS,
     "g1-elementwise:pi_init=0.25,low_rank=16",
     "bondarenko:mode=mlp,pi_init=0.1",
     "hyga:d_int=32,c_gate=false+sink:init=-1.5",
@@ -45,21 +45,24 @@ def test_defaults_and_bias_init():
     assert 0.5 + 0.5 / (1 + math.exp(-ns.bias_init)) == pytest.approx(0.9)
 
 
-@pytest.mark.parametrize("text, fragment", [
-    ("g9-magic", "valid: vanilla, g1-elementwise"),
-    ("g1-elementwise:mode=mlp", "valid: pi_init, low_rank"),
-    ("g1-constant:low_rank=4", "low_rank"),
-    ("bondarenko:mode=deep", "mode must be one of"),
-    ("hyga:fusion=max", "fusion must be one of"),
-    ("g1-headwise:pi_init=1.5", "pi_init must lie in"),
-    ("g1-ns-sigmoid:pi_init=0.3", "pi_init must lie in (0.5, 1)"),
-    ("clipped:gamma=0.1", "gamma must be in [-10000, 0]"),
-    ("clipped:gamma=-0.1,alpha=2", "exactly one of gamma"),
-    ("g1-headwise+g2-value", "more than one gate"),
-    ("vanilla+sink", "combines with nothing"),
-    ("sink:init=abc", "init expects float"),
-    ("hyga:c_gate=maybe", "c_gate expects bool"),
-])
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("g9-magic", "valid: vanilla, g1-elementwise"),
+        ("g1-elementwise:mode=mlp", "valid: pi_init, low_rank"),
+        ("g1-constant:low_rank=4", "low_rank"),
+        ("bondarenko:mode=deep", "mode must be one of"),
+        ("hyga:fusion=max", "fusion must be one of"),
+        ("g1-headwise:pi_init=1.5", "pi_init must lie in"),
+        ("g1-ns-sigmoid:pi_init=0.3", "pi_init must lie in (0.5, 1)"),
+        ("clipped:gamma=0.1", "gamma must be in [-10000, 0]"),
+        ("clipped:gamma=-0.1,alpha=2", "exactly one of gamma"),
+        ("g1-headwise+g2-value", "more than one gate"),
+        ("vanilla+sink", "combines with nothing"),
+        ("sink:init=abc", "init expects float"),
+        ("hyga:c_gate=maybe", "c_gate expects bool"),
+    ],
+)
 def test_bad_variants_name_the_problem(text, fragment):
     with pytest.raises(ValueError) as err:
         AttentionVariant.parse(text)
@@ -109,8 +112,8 @@ def test_a_new_gate_kind_is_one_decorated_class():
 
     import quantgate as qg
     from quantgate.attention.gates import Gate, _heads, _proj
-    from quantgate.variants import GATE_KINDS, gate_kind
     from quantgate.quant.rotate import rotate_
+    from quantgate.variants import GATE_KINDS, gate_kind
 
     @gate_kind("tanh-test", "test: (1 + tanh(x W)) / 2 per (head, channel)", pi_init=0.3)
     class TanhGate(Gate):

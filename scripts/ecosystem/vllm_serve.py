@@ -7,8 +7,8 @@
 2. the checkpoint folders: SmolLM2-135M float saved by ``quantgate.save``, the llm-compressor W8A8
    folder of llmcompressor_roundtrip.py when present, and quantgate's own exports made by
    ``quantgate quantize smollm2-135m --scheme S [--calib 2] --out D`` (S = w8a8-int8-dynamic,
-   w8a8-int8-static, w8a8-fp8-e4m3; --calib where S calibrates); an export that is not a compressed-tensors folder (config.json
-   without quantization_config.quant_method == "compressed-tensors") is skipped, saying so;
+   w8a8-int8-static, w8a8-fp8-e4m3; --calib where S calibrates); an export that is not a compressed-tensors
+   folder (config.json without quantization_config.quant_method == "compressed-tensors") is skipped, saying so;
 3. a fixed set of documents of quantgate's bundled test split, each cut to <= --max-tokens tokens with
    SmolLM2's tokenizer (BOS first, as quantgate's eval scores a window);
 4. per checkpoint, in the venv (its own process): ``LLM(model=DIR, dtype="float32", max_model_len=512,
