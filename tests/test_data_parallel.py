@@ -45,6 +45,7 @@ def test_a_lone_process_is_no_rank_and_processes_must_be_counted(monkeypatch, ca
         parallel.relaunch(["eval", "tiny-llama"], 10_000)
 
 
+@pytest.mark.slow  # a minute or more: study runs in subprocesses or twice
 def test_a_study_in_two_processes_ends_as_one_process_does(tmp_path):
     """``quantgate study --processes 2``: both ranks run every cell, each evaluation split between them, rank 0
     alone writing. metrics.json holds the one-process run's observe statistics, quantization errors and every

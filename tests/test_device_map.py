@@ -132,6 +132,7 @@ def test_the_command_line_places_and_refuses_what_cannot_be_placed(checkpoint, t
         assert fragment in capsys.readouterr().err, args
 
 
+@pytest.mark.slow  # a minute or more: study runs in subprocesses or twice
 def test_a_study_places_its_checkpoint_and_quantizes_fresh_loads_in_place(checkpoint, tmp_path):
     """A study model with ``placement:`` loads through the device_map; each scheme quantizes a fresh load in place
     (the float model is loaded again for the next), and every number equals the same study without placement:
