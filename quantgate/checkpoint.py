@@ -23,14 +23,13 @@ from .models.sources import PACKAGED, resolve
 from .quant.checkpoint import MANIFEST, load_quantized, save_quantized
 from .variants import VariantLike
 
-__all__ = ["save", "load", "load_or_build", "QUANTIZED_MANIFEST"]
+__all__ = ["save", "load", "load_or_build"]
 
-QUANTIZED_MANIFEST = MANIFEST  # its presence marks a quantized checkpoint
 # the files a checkpoint folder consists of (float or quantized, any layout): a save replaces them all
 CHECKPOINT_FILES = (
     "config.json",
     "generation_config.json",
-    QUANTIZED_MANIFEST,
+    MANIFEST,
     "*.safetensors",
     "*.safetensors.index.json",
     "pytorch_model*.bin",
@@ -90,7 +89,7 @@ def load(
     """Load a float or quantized model (see :func:`quantgate.models.io.load` for the sources); ``placement``
     shards a float one over devices, CPU and disk as it loads (:class:`~quantgate.models.io.Placement`)."""
     path = resolve(source)
-    if (path / QUANTIZED_MANIFEST).is_file():
+    if (path / MANIFEST).is_file():
         if placement is not None:
             raise ValueError(
                 f"{path} is a quantized checkpoint, which loads whole: load it without --device-map, or load its "

@@ -46,12 +46,13 @@ from .export import (
     from_compressed_tensors,
     hf_quantization_config,
 )
+from .imported import SIDECAR
 from .schemes import SimulatedScheme, get_scheme, handler_for
 from .simulate import check_ranges
 
 __all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS", "ECOSYSTEM_WEIGHTS"]
 
-MANIFEST = "quantization.json"  # quantgate's manifest: its presence marks a quantized checkpoint
+MANIFEST = SIDECAR  # quantgate's manifest: its presence marks a quantized checkpoint
 WEIGHTS = "quantized.safetensors"  # quantgate's own layout
 ECOSYSTEM_WEIGHTS = (
     "model.safetensors"  # compressed-tensors', torchao's or bitsandbytes' layout, as transformers names it

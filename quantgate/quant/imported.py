@@ -41,7 +41,7 @@ __all__ = [
     "dequantize_",
 ]
 
-SIDECAR = "quantization.json"  # quantgate's manifest / provenance sidecar (quantgate.checkpoint.QUANTIZED_MANIFEST)
+SIDECAR = "quantization.json"  # quantgate's manifest / provenance sidecar (quantgate.quant.checkpoint.MANIFEST)
 # per quant_method: the packages (module: pip name) transformers needs to load it, and the pip command
 INSTALL: dict[str, tuple[dict[str, str], str]] = {
     "compressed-tensors": (

@@ -244,7 +244,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         path = cdir / f"{name}.json"
         version = STEP_FORMATS[step_kind(name)]
         key = key if version == 1 else _key(key, "format", version)
-        done = from_first(_done(path, key, needs))  # in a data-parallel run, rank 0's reading for every rank
+        done = from_first(_done(path, key, needs) if is_first() else None)  # rank 0 reads; every rank gets it
         if done is not None:
             seconds += done.get("seconds", 0.0)
             return done
