@@ -25,6 +25,7 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 DRY = "--dry-run" in sys.argv
 if DRY:
@@ -159,6 +160,7 @@ def training(args, rec):
     """A few AdamW steps of a small gated Llama on a padded batch, backend "sdpa" vs "triton" (float32)."""
     import quantgate as qg
 
+    shape: dict[str, Any]  # config overrides of the preset
     preset, shape, batch, seq, steps, tol = (
         ("tiny-llama", {"num_hidden_layers": 1}, 1, 16, 2, 1e-4)
         if args.dry_run
@@ -167,7 +169,7 @@ def training(args, rec):
     ids = torch.randint(5, 8000, (batch, seq), generator=torch.Generator().manual_seed(0)).to(args.device)
     attn = torch.ones_like(ids)
     attn[-1, seq // 2 :] = 0
-    losses = {}
+    losses: dict[str, list[float]] = {}
     for backend in ("sdpa", "triton"):
         model = qg.build(preset, "g1-elementwise", backend=backend, seed=0, **shape).to(args.device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -324,9 +326,12 @@ def main() -> int:
     args.dtypes = [torch.float32] if args.dry_run else [torch.float32, torch.bfloat16, torch.float16]
     args.slug = "cpu-dry-run" if args.dry_run else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower())
     signal.signal(signal.SIGALRM, _timeout)
-    rec, status, deadline = {}, {}, time.monotonic() + BUDGET_S
+    rec: dict[str, Any] = {}
+    status: dict[str, str] = {}
+    deadline = time.monotonic() + BUDGET_S
     for section in (versions, tests, kernel, training, benchmark, sharded, ray_study, fsdp):
         name, t0 = section.__name__, time.monotonic()
+        assert section.__doc__ is not None  # each section says what it checks
         print(f"\n== {name}: {section.__doc__.splitlines()[0]}", flush=True)
         signal.alarm(max(1, int(min(LIMITS_S[name], deadline - t0))))
         try:

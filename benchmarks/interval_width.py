@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     for k in (k for k in PREFIXES if k <= len(runs["float"]["ids"])):
         first = {name: {c: v[:k] for c, v in docs.items()} for name, docs in runs.items()}
         word, byte = (paired_delta(first["float"], first["quant"], m) for m in ("word_perplexity", "byte_perplexity"))
-        width = "-" if word.low is None else f"{100 * (word.high - word.low):.2f}"
+        width = "-" if word.low is None or word.high is None else f"{100 * (word.high - word.low):.2f}"
         print(
             f"| {k} | {len(set(first['float']['works']))} | {sum(first['float']['tokens']):,} | {word} | {width} | "
             f"{interval_method(k)} | {byte} |"

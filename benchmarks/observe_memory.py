@@ -29,6 +29,7 @@ import math
 import subprocess
 import sys
 import time
+from typing import Any, cast
 
 
 def kib(field: str, path: str = "/proc/self/status") -> int:
@@ -43,11 +44,12 @@ def kib(field: str, path: str = "/proc/self/status") -> int:
 def measure(mode: str, model_name: str, n: int) -> dict:
     """Peak RSS growth (MiB) of one forward pass at length n, and its seconds (runs in this process)."""
     import torch
+    from transformers import PreTrainedModel
 
     from quantgate.checkpoint import load_or_build
     from quantgate.observe import observe
 
-    model = load_or_build(model_name, None).eval()
+    model = cast(PreTrainedModel, load_or_build(model_name, None).eval())  # a transformers model
     if mode == "eager":
         model.set_attn_implementation("eager")
 
@@ -84,7 +86,7 @@ def main() -> None:
         print(json.dumps(measure(mode, model_name, int(n))))
         return
     t0 = time.perf_counter()
-    rows = {}
+    rows: dict[tuple[int, str], dict[str, Any] | None] = {}
     for n in args.lengths:
         for mode in args.modes:
             out = subprocess.run(
@@ -120,6 +122,7 @@ def main() -> None:
         e1, e2 = rows[n1, "eager"], rows[n2, "eager"]
         a = (e2["mib"] - e1["mib"]) / (n2**2 - n1**2) if e1 and e2 else 0.0  # eager grows as a * N^2
         if a > 0:
+            assert e2 is not None  # a > 0 only where both lengths ran
             limit = math.sqrt(max(total - e2["mib"] + a * n2**2, 0) / a)
             print(
                 f"eager grows ~{a * 1024**2:.0f} MiB per (1k tokens)^2: it would exceed {total:.0f} MiB near "

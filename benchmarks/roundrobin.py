@@ -18,7 +18,7 @@ __all__ = ["round_robin", "ratio", "median_time"]
 def round_robin(sides: dict[str, Callable[[int], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
     """Seconds per call of each side, ``rounds`` rounds after ``warmup`` untimed ones; a side is called
     with the round's index (to pick that round's batch, say)."""
-    times = {name: [] for name in sides}
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(warmup + rounds):
         for name, fn in sides.items():
             t0 = time.perf_counter()

@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from observe_memory import kib  # a kB field of /proc/self/status
@@ -57,7 +58,7 @@ MODELS = {  # name: (preset, config overrides)
     "qwen3-0.6b": ("qwen3-0.6b", {}),
     "qwen3-1.7b": ("qwen3-0.6b", {"hidden_size": 2048, "intermediate_size": 6144}),
 }
-DRY_MODELS = {"tiny-llama": ("tiny-llama", {}), "tiny-qwen3": ("tiny-qwen3", {})}
+DRY_MODELS: dict[str, tuple[str, dict[str, int]]] = {"tiny-llama": ("tiny-llama", {}), "tiny-qwen3": ("tiny-qwen3", {})}
 SCHEMES = ["w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "torchao-int8-dynamic"]
 STEPS = ["load", "forward", "eval", "observe"] + [f"quantize {s} {how}" for s in SCHEMES for how in ("copy", "inplace")]
 H200_GB = 141
@@ -91,6 +92,7 @@ def measure(step: str, path: str, dtype: str, tokens: int) -> dict:
     import torch
 
     import quantgate as qg
+    from quantgate.models.families import config_of
 
     torch.manual_seed(0)
 
@@ -107,7 +109,7 @@ def measure(step: str, path: str, dtype: str, tokens: int) -> dict:
     loaded_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.parameters())
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = torch.randint(5, model.config.vocab_size, (1, tokens))
+    ids = torch.randint(5, config_of(model).vocab_size, (1, tokens))
     out = {"params": params, "model_bytes": model_bytes}
     if step == "load":
         return {**out, "peak": (kib("VmHWM") - base) * 1024, "s": loaded_s}
@@ -148,7 +150,7 @@ def cached(root: Path, name: str, dtype: str, tokens: int, step: str) -> Path:
     return root / "measured" / f"{name}-{dtype}-{tokens}-{step.replace(' ', '_')}.json"
 
 
-def fit(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+def fit(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares of peak = a x model_bytes + b x tokens over (model_bytes, tokens, peak); (a, b, worst
     relative residual)."""
     sxx = sum(m * m for m, _, _ in points)
@@ -226,7 +228,7 @@ def report(rows: dict, dtypes: list[str], tokens: list[int], models: list[str], 
         "| dtype | step | a | b (MB per 1k tokens) | worst residual |",
         "|---|---|---|---|---|",
     ]
-    fits = {}
+    fits: dict[tuple[str, str], tuple[float, float]] = {}
     for dtype in dtypes:
         for s in steps:
             pts = [
@@ -254,7 +256,7 @@ def report(rows: dict, dtypes: list[str], tokens: list[int], models: list[str], 
     return "\n".join(lines) + "\n"
 
 
-def _extrapolation(fits: dict) -> list[str]:
+def _extrapolation(fits: dict[tuple[str, str], tuple[float, float]]) -> list[str]:
     """What the fit predicts for 8B and 70B in bf16 on H200s: an extrapolation, marked as one."""
     if not any(d == "bfloat16" for d, _ in fits):
         return []

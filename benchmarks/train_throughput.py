@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     args = ap.parse_args()
     config = TrainConfig(lr=1e-3).resolved(qg.models.get_family(qg.models.PRESETS[args.preset].family).name)
+    assert config.lr is not None and config.betas is not None  # resolved() fills them
     runs = {}
     for v in args.variants:
         model = qg.build(args.preset, v, seed=0).train()

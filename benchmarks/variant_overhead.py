@@ -17,6 +17,7 @@ import time
 import torch
 
 import quantgate as qg
+from quantgate.models.families import config_of
 
 VARIANTS = [
     "vanilla",
@@ -42,7 +43,7 @@ def step(model, ids):
 
 def bench(preset: str, variants: list[str], batch: int, seq: int, rounds: int, backend: str) -> dict[str, float]:
     models = {v: qg.build(preset, v, backend=backend).train() for v in variants}
-    ids = torch.randint(5, models[variants[0]].config.vocab_size, (batch, seq))
+    ids = torch.randint(5, config_of(models[variants[0]]).vocab_size, (batch, seq))
     times: dict[str, list[float]] = {v: [] for v in variants}
     for v in variants:  # warm-up
         step(models[v], ids)

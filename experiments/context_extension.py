@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ def main() -> None:
     args = ex.script_args(__doc__, "results/context_extension", **ex.PAIR)
     t0 = time.perf_counter()
     out = Path(args.out)
+    factors: tuple[int, ...]  # context lengths, in trained lengths
     if args.smoke:
         models, trained_len, factors, n = (
             {v: qg.build("tiny-llama", v) for v in ("vanilla", "g1-elementwise")},
@@ -46,7 +48,8 @@ def main() -> None:
         )
     else:
         models, trained_len, factors, n = ex.trained_models(args.pair), 128, (1, 2, 4, 8), 8
-    results, held_out = {}, {}
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    held_out: dict[int, torch.Tensor] = {}
     for variant, model in models.items():
         tok = qg.tokenizer(model)
         for factor in factors:

@@ -16,12 +16,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import quantgate as qg
 from quantgate.train import TrainConfig, train
 
-COMMON = {"data": "backcopy", "batch_size": 16, "seq_len": 128, "eval_batches": 2, "log_every": 25}
-CANDIDATES = {
+COMMON: dict[str, Any] = {"data": "backcopy", "batch_size": 16, "seq_len": 128, "eval_batches": 2, "log_every": 25}
+CANDIDATES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {  # name: (preset, overrides, settings)
     "tiny-2L-cosine": ("tiny-llama", {}, {"steps": 800, "lr": 3e-3, "observe_every": 100}),
     "small-4L-cosine": ("small-llama", {}, {"steps": 400, "lr": 1e-3, "observe_every": 50}),
     "tiny-2L-constant-hi": ("tiny-llama", {}, {"steps": 800, "lr": 1e-2, "schedule": "constant", "observe_every": 100}),

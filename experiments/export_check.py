@@ -37,10 +37,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import quantgate as qg
 from quantgate.provenance import versions
@@ -62,7 +63,10 @@ def folder_bytes(path: Path) -> int:
 def plain(path: Path) -> tuple[torch.nn.Module | None, dict]:
     """transformers alone; the error it raises, if it refuses."""
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype="auto")
+        model, info = cast(  # output_loading_info: (model, loading info), which transformers' hints do not say
+            tuple[PreTrainedModel, dict[str, Any]],
+            AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype="auto"),
+        )
     except (ValueError, OSError, RuntimeError) as e:
         return None, {"refused": str(e).splitlines()[0]}
     return model.eval(), {"missing": len(info["missing_keys"]), "unexpected": len(info["unexpected_keys"])}
@@ -129,7 +133,8 @@ def main() -> None:
         calib = qg.data.batches(tok, "train", seq_len=128, batch_size=8)
         t0 = time.perf_counter()
         calibrates = get_scheme(scheme).needs_calibration or get_scheme(scheme).export_calibration
-        q = qg.quantize(model, scheme, calibration=calib, **({"calib": 2} if calibrates else {}))
+        options: dict[str, Any] = {"calib": 2} if calibrates else {}
+        q = qg.quantize(model, scheme, calibration=calib, **options)
         path = work / scheme
         dtype = getattr(torch, args.save_dtype)
         fmt = export_format(q, get_scheme(scheme))[0]

@@ -69,6 +69,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     import quantgate as qg  # after the check: the refusal needs no quantgate import
     from quantgate import experiment as ex
 
-    cfg = dict(DRY if args.dry_run else FULL)
+    cfg: dict[str, Any] = dict(DRY if args.dry_run else FULL)
     cfg.update({k: v for k, v in (("lr", args.lr), ("seq_len", args.seq_len), ("limit", args.limit)) if v is not None})
     cfg["budget_s"] = args.budget_s if args.budget_s is not None else (60.0 if args.dry_run else 270.0)
     cfg["seed"] = args.seed
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             rec["models"][variant]["observe"] = observe_record(qg, m, observe_data, tok)
             timings[f"observe_{variant}_s"] = time.perf_counter() - t
-            evals = rec["models"][variant]["eval"] = {}
+            evals: dict[str, dict[str, Any]] = {}
+            rec["models"][variant]["eval"] = evals
             for setting in ("float", *SCHEMES):
                 t = time.perf_counter()
                 try:
@@ -376,11 +378,11 @@ def observe_record(qg, model, data: list[dict], tok) -> dict:
     report = qg.observe(model, data, tokenizer=tok)
     layers = [
         {
-            "max_abs": L["max_activation"],
-            "max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"],
-            "first_token_attention": L["sink_mass"],
-            "gate_mean": L["gate_mean"],
-            "massive_activations": L["massive_activations"],
+            "max_abs": L.max_activation,
+            "max_median_ratio": L.tensors["block_out"].max_median_ratio,
+            "first_token_attention": L.sink_mass,
+            "gate_mean": L.gate_mean,
+            "massive_activations": L.massive_activations,
         }
         for L in report.layers
     ]
@@ -393,9 +395,9 @@ def observe_record(qg, model, data: list[dict], tok) -> dict:
         "massive_activations",
         "gate_mean",
     )
-    summary = {k: report.summary[k] for k in keys}
+    summary = {k: getattr(report.summary, k) for k in keys}
     summary["max_layer_first_token_attention"] = max((L["first_token_attention"] or 0.0) for L in layers)
-    return {"summary": summary, "layers": layers, "tokens": report.summary["tokens"]}
+    return {"summary": summary, "layers": layers, "tokens": report.summary.tokens}
 
 
 def quantized(qg, model, scheme: str, calibration: list[dict], calib: int):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def main() -> None:
     else:
         runs = {"smollm2-135m": (qg.load("smollm2-135m"), "test", 1024, 24, [16, 32, 64, 128, 256, 512])}
         runs |= {name: (qg.load(name), "backcopy", 128, 16, [4, 8, 16, 32, 64]) for name in ("twin-vanilla", "twin-g1")}
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, (model, source, length, n, windows) in runs.items():
         if source == "backcopy":  # independent sequences of the task's generator
             ids, works = ex.sequences(qg.tokenizer(model), source, length, n, seed=1_000_003), None

@@ -28,7 +28,7 @@ import torch
 
 import quantgate as qg
 from quantgate import experiment as ex
-from quantgate.models.families import family_of
+from quantgate.models.families import config_of, family_of
 from quantgate.observe import observe
 from quantgate.stats import format_delta
 
@@ -38,22 +38,22 @@ def find_massive(model, tok, seq_len: int, n: int, block: int | None = None) -> 
     observe)."""
     data = qg.data.batches(tok, "validation", seq_len, 2, "clm", max_batches=max(1, n // 2))
     report = observe(model, data, progress=False)
-    layers = [i for i, L in enumerate(report.layers) if L["massive"]]
+    layers = [i for i, L in enumerate(report.layers) if L.massive]
     first = layers[0] if layers and block is None else block
-    if first is None or not report.layers[first]["massive"]:
+    if first is None or not report.layers[first].massive:
         return {
             "layer": first,
             "channels": [],
             "positions": [],
-            "max_abs": report.summary["max_activation"],
+            "max_abs": report.summary.max_activation,
             "layers_with_massive": layers,
         }
-    entries = report.layers[first]["massive"]
+    entries = report.layers[first].massive
     return {
         "layer": first,
-        "channels": sorted({e["channel"] for e in entries}),
-        "positions": sorted({p for e in entries for p, _ in e["positions"]}),
-        "max_abs": max(e["max_abs"] for e in entries),
+        "channels": sorted({e.channel for e in entries}),
+        "positions": sorted({p for e in entries for p, _ in e.positions}),
+        "max_abs": max(e.max_abs for e in entries),
         "layers_with_massive": layers,
     }
 
@@ -123,7 +123,7 @@ def main() -> None:
     run(model, hooked, calib, probe)
     mean = torch.cat(probe.captured).float().mean(0)  # (positions, channels)
     g = torch.Generator().manual_seed(0)
-    width = model.config.hidden_size
+    width = config_of(model).hidden_size
     ordinary = [c for c in torch.randperm(width, generator=g).tolist() if c not in found["channels"]]
     settings = {
         "original": None,
@@ -132,6 +132,7 @@ def main() -> None:
         "zero, random channels (control)": ("control", ordinary[: len(found["channels"])]),
     }
     results = {}
+    hook: Intervention | None
     for label, value in settings.items():
         if isinstance(value, tuple):
             hook = Intervention(found["positions"], value[1], 0.0)
@@ -201,7 +202,7 @@ def main() -> None:
         + (
             "As Sun et al. report, the values matter only as a near-constant bias: the mean keeps the model "
             "intact (its interval stays under +10%) and zero breaks it (its interval lies above 2x)."
-            if z.low is not None and z.low > 1 and m.high < 0.1
+            if z.low is not None and z.low > 1 and m.high is not None and m.high < 0.1
             else "This does not match Sun et al.'s pattern (zero breaks, mean keeps) within the intervals; see the "
             "table."
         ),

@@ -52,9 +52,8 @@ def readout(runs: dict[str, dict]) -> dict:
             who: paired_delta(_documents(r, "original"), _documents(r, "zero"), "perplexity")
             for who, r in found.items()
         }
-        pair = paired_difference(
-            *((_documents(found[w], "original"), _documents(found[w], "zero")) for w in COPIES), "perplexity"
-        )
+        ungated, gated = ((_documents(found[w], "original"), _documents(found[w], "zero")) for w in COPIES)
+        pair = paired_difference(ungated, gated, "perplexity")
         remain = bool(found["gated"]["massive"]["channels"])
         out[place] = {
             "block": {w: r["massive"]["layer"] for w, r in found.items()},

@@ -18,6 +18,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def main() -> None:
     measured = measure(model, tok, length, n_seqs, probes)
     layers = len(next(iter(measured.values())))
     top = sorted(range(layers), key=lambda i: -measured[probes[-1]][i])[:4]
-    metrics = {
+    metrics: dict[str, Any] = {
         "toy": {"gap": gap, "leak": toy, "gap_for_5pct": {n: toy_gap(n) for n in TOY_NS}},
         "model": name,
         "length": length,

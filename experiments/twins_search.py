@@ -29,6 +29,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -86,7 +87,7 @@ def _backcopy(steps: int, lr: float, source: str = "backcopy") -> dict:
 
 
 # name: (why, model entry of the study, the study's data settings)
-CANDIDATES = {
+CANDIDATES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "d64-2L": (
         "cpu_recipe's setup (2 M tokens), the baseline: sinks in every ungated seed, max/median 40-88",
         {"preset": "tiny-llama", "train": _backcopy(1000, 1e-2)},
@@ -185,7 +186,7 @@ def study_file(name: str, seed: int, out: Path, smoke: bool) -> Path:
 def collect(out: Path) -> dict[str, StudyRecord]:
     """``{candidate: its seeds' runs as one record}``: the first seed's study and schemes, every seed's cells
     (each knows its run directory)."""
-    results = {}
+    results: dict[str, StudyRecord] = {}
     for name in CANDIDATES:
         for path in sorted((out / name).glob("seed*/metrics.json")):
             metrics = read_metrics(path.parent)
@@ -219,6 +220,21 @@ def _pairs(cells: list[CellRecord]) -> list[dict[str, CellRecord]]:
     return [p for p in seeds.values() if set(p) == set(VARIANTS)]
 
 
+def _outlier_ratio(c: CellRecord) -> float:
+    """The max / median |x| of the block that holds a cell's largest residual activation (the search observes
+    every model)."""
+    ratio = peak_activation(c)[1]
+    assert ratio is not None, f"{c.id}: no residual statistics"
+    return ratio
+
+
+def _change(c: CellRecord, scheme: str) -> Delta:
+    """The perplexity change ``scheme`` causes in ``c`` (the search evaluates every scheme on every model)."""
+    d = ppl_change(c, scheme)
+    assert d is not None, f"{c.id}: no perplexity change under {scheme}"
+    return d
+
+
 def verdict(cells: list[CellRecord], widths: list[tuple[int, str]]) -> dict:
     """The criterion, part by part, over the seeds a candidate has: ``{part: seeds where it holds}`` and
     the widest activation width at which the quantization part holds in every seed."""
@@ -227,8 +243,8 @@ def verdict(cells: list[CellRecord], widths: list[tuple[int, str]]) -> dict:
     for p in pairs:
         u, g = p["vanilla"], p["g1-elementwise"]
         held["ungated sink"] += max_layer_sink(u)[0] >= SINK
-        held["ungated ratio"] += peak_activation(u)[1] >= RATIO
-        held["gated neither"] += max_layer_sink(g)[0] < SINK and peak_activation(g)[1] < RATIO
+        held["ungated ratio"] += _outlier_ratio(u) >= RATIO
+        held["gated neither"] += max_layer_sink(g)[0] < SINK and _outlier_ratio(g) < RATIO
         held["W8A8 apart"] += _apart(p, W8A8)
 
     def holds(scheme: str) -> bool:
@@ -304,7 +320,7 @@ def table(results: dict[str, StudyRecord]) -> list[str]:
                         name,
                         c.variant,
                         str(c.seed),
-                        f"{c.trained['tokens'] / 1e6:.1f} M",
+                        f"{c.trained.tokens / 1e6:.1f} M",
                         f"{ppl_of(c.float_results):.3g}",
                         f"{sink:.2f} ({layer})",
                         f"{peak:,.0f}",
@@ -356,7 +372,7 @@ def _curve(cell: CellRecord) -> list[tuple[float, float, float]]:
     """(M tokens, max-layer first-token attention, residual max / median) at each observe pass of training."""
     log = cell.directory / "train" / "log.jsonl"
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
-    per_step = cell.trained["tokens"] / cell.trained["steps"] / 1e6
+    per_step = cell.trained.tokens / cell.trained.steps / 1e6
     return [
         (r["step"] * per_step, max(L["sink_mass"] for L in r["layers"]), r["max_median_ratio"])
         for r in records
@@ -380,7 +396,7 @@ def plot(results: dict[str, StudyRecord], out: Path) -> None:
                 "marker": "osD^v"[c.seed % 5],
                 "label": f"{c.variant} s{c.seed}",
             }
-            top.plot([b for b, _ in widths], [1 + ppl_change(c, s).value for _, s in widths], **look)
+            top.plot([b for b, _ in widths], [1 + _change(c, s).value for _, s in widths], **look)
             curve = _curve(c)
             bottom.plot([t for t, _, _ in curve], [r for _, _, r in curve], ms=4, **look)
         top.axhline(1 + BUDGET, color="grey", lw=0.8)
@@ -423,9 +439,11 @@ def sites(results: dict[str, StudyRecord], name: str, seed: int) -> None:
     from quantgate.quant.simulate import act_quantizers
 
     cells = _pair(results, name, seed)
-    study = yaml.safe_load((cells[0].run_dir / "study.yaml").read_text())
+    run_dir = cells[0].run_dir
+    assert run_dir is not None  # read_metrics sets it
+    study = yaml.safe_load((run_dir / "study.yaml").read_text())
     calib = study["calibration"]
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for c in cells:
         model = qg.load(c.directory / "train" / "model")
         tok = qg.tokenizer(model)
@@ -458,7 +476,7 @@ def sites(results: dict[str, StudyRecord], name: str, seed: int) -> None:
             for row in found["sites"]:
                 row["first_token_max"], row["other_tokens_max"] = peaks.get(row["name"], [None, None])
             out.setdefault(c.variant, {})[scheme] = found
-    (cells[0].run_dir / "sites.json").write_text(json.dumps(out, indent=1))
+    (run_dir / "sites.json").write_text(json.dumps(out, indent=1))
 
 
 def _num(x: float | None) -> str:
@@ -549,8 +567,8 @@ def package(results: dict[str, StudyRecord], name: str, seed: int) -> None:
                     "",
                     f"{CANDIDATES[name][1]['preset']} ({model.get('config') or 'preset shape'}), attention variant "
                     f"`{variant}`, trained from scratch on the synthetic bigram-backcopy task (token ids 5-516 of the "
-                    f"bundled bpe-8192 tokenizer; it reads no text): {c.trained['steps']} steps, "
-                    f"{c.trained['tokens']:,} tokens, seed {seed}, settings `{model['train']}`.",
+                    f"bundled bpe-8192 tokenizer; it reads no text): {c.trained.steps} steps, "
+                    f"{c.trained.tokens:,} tokens, seed {seed}, settings `{model['train']}`.",
                     "",
                     "Measured on held-out backcopy sequences (results/twins_search/report.md):",
                     f"- float perplexity {ppl_of(c.float_results):.4g}; first-token attention {sink:.2f} "

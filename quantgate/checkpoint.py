@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from .files import refuse_same, staged_dir, write_failure
 from .models import io as model_io
 from .models.presets import PRESETS
+from .models.record import record_of
 from .models.sources import PACKAGED, resolve
 from .quant.checkpoint import MANIFEST, load_quantized, save_quantized
 from .variants import VariantLike
@@ -58,7 +59,7 @@ def save(
     (:data:`CHECKPOINT_FILES`; other files stay), so a float model saved where a quantized one was leaves
     no manifest or quantized weights behind. A save that fails (a full disk) leaves ``path`` as it was and
     says so in one line. A quantized model is not saved over the float checkpoint it was quantized from."""
-    quantization = (getattr(model.config, "quantgate", None) or {}).get("quantization")
+    quantization = record_of(model).quantization
     if dtype is not None and not quantization:
         raise ValueError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
     if weights is not None and quantization:

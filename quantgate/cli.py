@@ -27,8 +27,9 @@ from .evaluate import (
 )
 from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
-from .models.io import DTYPES, Placement
+from .models.io import DTYPES, Placement, read_config
 from .models.presets import preset_config
+from .models.record import record_of
 from .models.sources import resolve
 from .observe import observe
 from .options import check_range
@@ -36,8 +37,9 @@ from .parallel import is_first, joined, relaunch
 from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
 from .runlock import RunDirectoryBusy, run_lock
 from .study import DEFAULT_STUDY, plan, run_study
+from .study.compare import compare
 from .study.executors import EXECUTORS
-from .study.report import compare, write_study_report
+from .study.report import write_study_report
 from .study.schema import SECTION_RULES
 from .train import TrainConfig, TrainingDiverged, train
 from .variants import AttentionVariant
@@ -209,7 +211,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.out:
         save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
         fmt = read_json(Path(args.out) / "quantization.json").get("format")
-        why = (read_json(Path(args.out) / "config.json").get("quantgate") or {}).get("load_with")
+        why = record_of(read_config(Path(args.out))).load_with
         print(f"wrote {args.out} ({fmt} format: " + (why or "transformers, lm-eval and vLLM load it") + ")")
     return 0
 

@@ -59,6 +59,7 @@ from .data.synthetic import BackcopyBatches
 from .models.families import config_of, family_of
 from .models.io import Placement
 from .models.modes import eval_mode
+from .models.record import record_of
 from .models.sources import check_vocabulary
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
@@ -605,7 +606,7 @@ def _backcopy_documents(
     """Per held-out sequence: summed log-likelihood and count of its predicted tokens, the same without the
     first prediction (the token after BOS: on backcopy a uniformly random one, whose prediction must come out
     flat), greedy hits on and count of its copied tokens."""
-    task = (getattr(model.config, "quantgate", None) or {}).get("task", "backcopy")  # recorded by train
+    task = record_of(model).task or "backcopy"  # recorded by train
     data = batches(
         tokenizer,
         task,

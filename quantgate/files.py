@@ -92,6 +92,12 @@ def json_kind(value: object) -> str:
     return next((name for typ, name in kinds if isinstance(value, typ)), "null")
 
 
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a value read from a file can be of any size)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: int = JSON_LIMIT, fix: str = "") -> Any:
     """The JSON value in file ``path`` (UTF-8, at most ``limit`` bytes), which must be of type ``kind``
     (``dict``: an object; ``list``: an array; ``object``: any value). Anything else, a missing, unreadable,

@@ -51,13 +51,24 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .files import write_text_atomic
+from .massive import Decode, MassiveActivations
+from .measurements import (
+    LayerSummary,
+    NonFinite,
+    ObserveMeta,
+    ObserveSummary,
+    TensorSummary,
+    TopChannel,
+    UnitSummary,
+)
 from .models.families import Family, config_of, family_of, is_norm
 from .models.modes import eval_mode
 from .models.swap import VariantAttention, apply_variant, attention_modules, variant_of
 from .options import AT_LEAST_1, check_range
+from .quant import quantization_of
 from .stats import fmt
 
-__all__ = ["observe", "ObserveReport", "TensorStats"]
+__all__ = ["observe", "ObserveReport", "TensorStats", "UnitStats", "MassiveActivations"]
 
 log = logging.getLogger("quantgate")
 
@@ -65,8 +76,6 @@ LOG_LO, LOG_HI, LOG_BINS = -10.0, 10.0, 2000  # |x| histogram over 1e-10 .. 1e10
 HIST_SAMPLE = 1 << 16  # elements per update that feed the |x| histogram (median); the rest is exact
 CHUNK = 1 << 22  # elements of a tensor folded in at a time: bounds TensorStats' temporaries (~50 MB)
 UNIT_BINS = 20  # histograms of values in [0, 1] (gates, sink mass)
-
-Decode = Callable[[int], str | list[str]]  # a token id -> its text, for the reports (the tokenizer's)
 
 
 def paper_tensors(family: Family) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -179,36 +188,28 @@ class TensorStats:
         idx = int(torch.searchsorted(self.hist.cumsum(0), torch.tensor(total / 2, dtype=torch.float64)))
         return 10 ** (LOG_LO + (idx + 0.5) * (LOG_HI - LOG_LO) / LOG_BINS)
 
-    def summary(self, decode: Decode | None = None, top: int = 5) -> dict:
+    def summary(self, decode: Decode | None = None, top: int = 5) -> TensorSummary:
         n = max(self.sequences, 1)
         med = self.median_abs
-        out: dict[str, Any] = {
-            "inf_norm": self.inf_norm_sum / n,
-            "max_abs": self.max_abs,
-            "kurtosis": self.kurtosis_sum / self.kurtosis_n if self.kurtosis_n else None,
-            "median_abs": med,
-            "max_median_ratio": self.max_abs / med if med > 0 else None,
-            "sequences": self.sequences,
-            "max_at_token0": self.max_positions.get(0, 0) / n,
-            "max_positions": [[p, c] for p, c in self.max_positions.most_common(top)],
-        }
+        channels = None
         channel_top, channel_max = self.channel_top, self.channel_max
         if channel_top is not None and channel_max is not None:  # set together by the first update
             tokens = float(channel_top.sum())
             order = torch.argsort(channel_max, descending=True)[:top]  # the largest-magnitude channels
-            out["top_channels"] = [
-                {
-                    "channel": int(ch),
-                    "share_of_token_max": float(channel_top[ch]) / tokens,
-                    "max_abs": float(channel_max[ch]),
-                }
-                for ch in order
-            ]
-        if self.max_tokens:
-            out["max_tokens"] = [[decode(t) if decode else t, c] for t, c in self.max_tokens.most_common(top)]
-        if self.nonfinite:
-            out["nonfinite"] = self.nonfinite
-        return out
+            channels = [TopChannel(int(ch), float(channel_top[ch]) / tokens, float(channel_max[ch])) for ch in order]
+        return TensorSummary(
+            inf_norm=self.inf_norm_sum / n,
+            max_abs=self.max_abs,
+            kurtosis=self.kurtosis_sum / self.kurtosis_n if self.kurtosis_n else None,
+            median_abs=med,
+            max_median_ratio=self.max_abs / med if med > 0 else None,
+            sequences=self.sequences,
+            max_at_token0=self.max_positions.get(0, 0) / n,
+            max_positions=[[p, c] for p, c in self.max_positions.most_common(top)],
+            top_channels=channels,
+            max_tokens=[[decode(t) if decode else t, c] for t, c in self.max_tokens.most_common(top)] or None,
+            nonfinite=self.nonfinite or None,
+        )
 
 
 def _tokens(
@@ -222,46 +223,6 @@ def _tokens(
         return xc, None
     k = keep[rows, tokens, None]
     return xc.masked_fill(~k, 0.0), k
-
-
-class MassiveActivations:
-    """Sun et al.'s massive activations: |x| > 100 and > 1000 x the sequence's median |x|."""
-
-    def __init__(self, absolute: float = 100.0, relative: float = 1000.0) -> None:
-        self.absolute, self.relative = absolute, relative
-        self.count = 0
-        self.by_channel: dict[int, dict] = {}
-
-    @torch.no_grad()
-    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> None:
-        a = x.detach().float().abs().nan_to_num_(0.0)  # one full-size copy
-        b, t = a.shape[:2]
-        a = a.reshape(b, t, -1)
-        med = a.reshape(b, -1).median(dim=1).values.view(b, 1, 1)
-        hits = ((a > self.absolute) & (a > self.relative * med)).nonzero().tolist()
-        self.count += len(hits)
-        for i, pos, ch in hits:
-            entry = self.by_channel.setdefault(
-                ch, {"channel": ch, "count": 0, "max_abs": 0.0, "positions": Counter(), "tokens": Counter()}
-            )
-            entry["count"] += 1
-            entry["max_abs"] = max(entry["max_abs"], float(a[i, pos, ch]))
-            entry["positions"][pos] += 1
-            if input_ids is not None and input_ids.shape[1] == t:
-                entry["tokens"][int(input_ids[i, pos])] += 1
-
-    def summary(self, decode: Decode | None = None, top: int = 5) -> list[dict]:
-        rows = sorted(self.by_channel.values(), key=lambda e: -e["max_abs"])[:top]
-        return [
-            {
-                "channel": e["channel"],
-                "count": e["count"],
-                "max_abs": e["max_abs"],
-                "positions": [[p, c] for p, c in e["positions"].most_common(3)],
-                "tokens": [[decode(t) if decode else t, c] for t, c in e["tokens"].most_common(3)],
-            }
-            for e in rows
-        ]
 
 
 class UnitStats:
@@ -285,17 +246,16 @@ class UnitStats:
         self.below += float((v < 0.1).sum())
         self.hist += torch.histc(v.clamp(0, 1), bins=UNIT_BINS, min=0.0, max=1.0).double()
 
-    def summary(self) -> dict | None:
+    def summary(self) -> UnitSummary | None:
         if self.sum is None or self.count is None:
             return None
-        per_head = (self.sum / self.count).tolist()
         total = float(self.count.sum())
-        return {
-            "mean": float(self.sum.sum()) / total,
-            "below_0.1": self.below / total,
-            "per_head": per_head,
-            "hist": (self.hist / self.hist.sum()).tolist(),
-        }
+        return UnitSummary(
+            mean=float(self.sum.sum()) / total,
+            below_0_1=self.below / total,
+            per_head=(self.sum / self.count).tolist(),
+            hist=(self.hist / self.hist.sum()).tolist(),
+        )
 
 
 def _gate_rows(values: torch.Tensor, position: str, heads: int) -> torch.Tensor:
@@ -451,12 +411,16 @@ def _by_token(x: torch.Tensor, b: int, t: int) -> torch.Tensor | None:
 class ObserveReport:
     """What observe measured: ``summary`` (headline numbers), ``layers`` (per block), ``meta``."""
 
-    summary: dict
-    layers: list[dict]
-    meta: dict
+    summary: ObserveSummary
+    layers: list[LayerSummary]
+    meta: ObserveMeta
 
-    def to_dict(self) -> dict:
-        return {"summary": self.summary, "layers": self.layers, "meta": self.meta}
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "summary": self.summary.to_json(),
+            "layers": [L.to_json() for L in self.layers],
+            "meta": self.meta.to_json(),
+        }
 
     def save(self, out: str | Path) -> Path:
         """Write observe.json, observe.md and PNG plots into directory ``out``."""
@@ -472,44 +436,46 @@ class ObserveReport:
     def load(cls, path: str | Path) -> ObserveReport:
         path = Path(path)
         data = json.loads((path / "observe.json" if path.is_dir() else path).read_text())
-        return cls(data["summary"], data["layers"], data["meta"])
+        return cls(
+            ObserveSummary.from_json(data["summary"]),
+            [LayerSummary.from_json(L) for L in data["layers"]],
+            ObserveMeta.from_json(data["meta"]),
+        )
 
     def markdown(self) -> str:
         s, m = self.summary, self.meta
         lines = [
-            f"# Observe: {m.get('model', 'model')} ({m.get('variant')}"
-            + (f", quantized {m['quantization']})" if m.get("quantization") else ")"),
+            f"# Observe: {m.model} ({m.variant}" + (f", quantized {m.quantization})" if m.quantization else ")"),
             "",
-            f"{m['sequences']} sequences x {m['seq_len']} tokens from `{m.get('data')}`; sink = first "
-            f"{m['sink_tokens']} key(s).",
+            f"{m.sequences} sequences x {m.seq_len} tokens from `{m.data}`; sink = first {m.sink_tokens} key(s).",
             "",
             "| metric | value |",
             "|---|---|",
         ]
-        for key in (
-            "max_inf_norm",
-            "kurtosis",
-            "max_activation",
-            "max_median_ratio",
-            "sink_mass",
-            "gate_mean",
-            "gate_below_0.1",
-            "massive_activations",
-            "loss",
-        ):
-            lines.append(f"| {key} | {fmt(s.get(key))} |")
+        headline = {
+            "max_inf_norm": s.max_inf_norm,
+            "kurtosis": s.kurtosis,
+            "max_activation": s.max_activation,
+            "max_median_ratio": s.max_median_ratio,
+            "sink_mass": s.sink_mass,
+            "gate_mean": s.gate_mean,
+            "gate_below_0.1": s.gate_below_0_1,
+            "massive_activations": s.massive_activations,
+            "loss": s.loss,
+        }
+        lines += [f"| {key} | {fmt(value)} |" for key, value in headline.items()]
         lines += [
             "",
             "| layer | residual max abs | max / median | kurtosis (mean) | sink mass | gate mean | massive |",
             "|---|---|---|---|---|---|---|",
         ]
         for i, L in enumerate(self.layers):
-            res = L["tensors"]["block_out"]
+            res = L.tensors["block_out"]
             lines.append(
-                f"| {i} | {fmt(res['max_abs'])} | {fmt(res['max_median_ratio'])} | {fmt(L['kurtosis'])} | "
-                f"{fmt(L['sink_mass'])} | {fmt(L['gate_mean'])} | {L['massive_activations']} |"
+                f"| {i} | {fmt(res.max_abs)} | {fmt(res.max_median_ratio)} | {fmt(L.kurtosis)} | "
+                f"{fmt(L.sink_mass)} | {fmt(L.gate_mean)} | {L.massive_activations} |"
             )
-        massive = [(i, e) for i, L in enumerate(self.layers) for e in L["massive"]]
+        massive = [(i, e) for i, L in enumerate(self.layers) for e in L.massive]
         if massive:
             lines += [
                 "",
@@ -518,15 +484,13 @@ class ObserveReport:
                 "| layer | channel | max abs | count | positions | tokens |",
                 "|---|---|---|---|---|---|",
             ]
-            for i, e in sorted(massive, key=lambda t: -t[1]["max_abs"])[:10]:
-                lines.append(
-                    f"| {i} | {e['channel']} | {fmt(e['max_abs'])} | {e['count']} | {e['positions']} | {e['tokens']} |"
-                )
-        if s.get("nonfinite"):
+            for i, e in sorted(massive, key=lambda t: -t[1].max_abs)[:10]:
+                lines.append(f"| {i} | {e.channel} | {fmt(e.max_abs)} | {e.count} | {e.positions} | {e.tokens} |")
+        if s.nonfinite:
             lines += [
                 "",
                 "**Non-finite activations** (layer, tensor, count): "
-                + ", ".join(f"({n['layer']}, {n['tensor']}, {n['count']})" for n in s["nonfinite"]),
+                + ", ".join(f"({n.layer}, {n.tensor}, {n.count})" for n in s.nonfinite),
             ]
         return "\n".join(lines) + "\n"
 
@@ -589,68 +553,60 @@ def observe(
     kurt_set, inf_extra = paper_tensors(family)
     layers = [_layer_summary(L, decode, kurt_set, inf_extra) for L in obs.layers]
     nonfinite = [
-        {"layer": i, "tensor": name, "count": t["nonfinite"]}
-        for i, L in enumerate(layers)
-        for name, t in L["tensors"].items()
-        if t.get("nonfinite")
+        NonFinite(i, name, t.nonfinite) for i, L in enumerate(layers) for name, t in L.tensors.items() if t.nonfinite
     ]
     if nonfinite:
         log.warning("observe: non-finite activations (excluded from the statistics): %s", nonfinite[:5])
-    res = [L["tensors"]["block_out"] for L in layers]
-    gate_means = [L["gate_mean"] for L in layers if L["gate_mean"] is not None]
+    res = [L.tensors["block_out"] for L in layers]
+    gate_means = [L.gate_mean for L in layers if L.gate_mean is not None]
     final_out = obs.final_out.summary(decode) if obs.final_out.sequences and family.objective == "clm" else None
     outer = [final_out] if final_out else []
-    paper = [L["tensors"][n] for L in layers for n in kurt_set if n in L["tensors"]] + outer
-    summary = {
-        "max_inf_norm": max([L["max_inf_norm"] for L in layers] + [t["inf_norm"] for t in outer]),
-        "kurtosis": _mean(t["kurtosis"] for t in paper),  # over tensors, as the reference code averages
-        "max_activation": max(r["max_abs"] for r in res),
-        "max_median_ratio": max((r["max_median_ratio"] or 0.0) for r in res),
-        "sink_mass": _mean(L["sink_mass"] for L in layers),
-        "gate_mean": _mean(gate_means) if gate_means else None,
-        "gate_below_0.1": _mean(L["gate"]["below_0.1"] for L in layers if L["gate"]) if gate_means else None,
-        "massive_activations": sum(L["massive_activations"] for L in layers),
-        "loss": _mean(losses) if losses else None,
-        "tokens": tokens,
-        "nonfinite": nonfinite,
-    }
-    if obs.final.sequences:
-        summary["final_norm_in"] = obs.final.summary(decode)
-    if final_out:
-        summary["final_norm_out"] = final_out
-    meta = {
-        "variant": str(variant_of(model)),
-        "family": family.name,
-        "sink_tokens": sink_tokens,
-        "sequences": sequences,
-        "seq_len": seq_len,
-        "batches": n_batches,
-        "data": getattr(batches, "split", None),
-        "model": getattr(model.config, "_name_or_path", "") or None,
-        "quantization": (_quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
-    }
+    paper = [L.tensors[n] for L in layers for n in kurt_set if n in L.tensors] + outer
+    summary = ObserveSummary(
+        max_inf_norm=max([L.max_inf_norm for L in layers] + [t.inf_norm for t in outer]),
+        kurtosis=_mean(t.kurtosis for t in paper),  # over tensors, as the reference code averages
+        max_activation=max(r.max_abs for r in res),
+        max_median_ratio=max((r.max_median_ratio or 0.0) for r in res),
+        sink_mass=_mean(L.sink_mass for L in layers),
+        gate_mean=_mean(gate_means) if gate_means else None,
+        gate_below_0_1=_mean(L.gate.below_0_1 for L in layers if L.gate) if gate_means else None,
+        massive_activations=sum(L.massive_activations for L in layers),
+        loss=_mean(losses) if losses else None,
+        tokens=tokens,
+        max_at_token0=max(res, key=lambda r: r.max_abs).max_at_token0,
+        nonfinite=nonfinite,
+        final_norm_in=obs.final.summary(decode) if obs.final.sequences else None,
+        final_norm_out=final_out,
+    )
+    meta = ObserveMeta(
+        variant=str(variant_of(model)),
+        family=family.name,
+        sink_tokens=sink_tokens,
+        sequences=sequences,
+        seq_len=seq_len,
+        batches=n_batches,
+        data=getattr(batches, "split", None),
+        model=getattr(model.config, "_name_or_path", "") or None,
+        quantization=(quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
+    )
     return ObserveReport(summary, layers, meta)
 
 
-def _quantization_of(model: nn.Module) -> dict | None:
-    from .quant import quantization_of  # import cycle: quant.mitigate imports this module
-
-    return quantization_of(model)
-
-
-def _layer_summary(layer: _Layer, decode: Decode | None, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]) -> dict:
+def _layer_summary(
+    layer: _Layer, decode: Decode | None, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]
+) -> LayerSummary:
     tensors = {name: t.summary(decode) for name, t in layer.tensors.items()}
     paper = [tensors[n] for n in kurt_set if n in tensors]
     sink, gate = layer.sink.summary(), layer.gate.summary()
-    return {
-        "max_inf_norm": max(t["inf_norm"] for t in paper + [tensors[n] for n in inf_extra if n in tensors]),
-        "kurtosis": _mean(t["kurtosis"] for t in paper),
-        "max_activation": tensors["block_out"]["max_abs"],
-        "sink_mass": sink["mean"] if sink else None,
-        "gate_mean": gate["mean"] if gate else None,
-        "massive_activations": layer.massive.count,
-        "tensors": tensors,
-        "sink": sink,
-        "gate": gate,
-        "massive": layer.massive.summary(decode),
-    }
+    return LayerSummary(
+        max_inf_norm=max(t.inf_norm for t in paper + [tensors[n] for n in inf_extra if n in tensors]),
+        kurtosis=_mean(t.kurtosis for t in paper),
+        max_activation=tensors["block_out"].max_abs,
+        sink_mass=sink.mean if sink else None,
+        gate_mean=gate.mean if gate else None,
+        massive_activations=layer.massive.count,
+        tensors=tensors,
+        sink=sink,
+        gate=gate,
+        massive=layer.massive.summary(decode),
+    )

@@ -25,15 +25,13 @@ def plot_observe(report: ObserveReport, out: Path) -> list[Path]:
     layers = report.layers
     idx = list(range(len(layers)))
     paths = []
-    title = f"{report.meta.get('model') or report.meta['family']} ({report.meta['variant']})"
+    title = f"{report.meta.model or report.meta.family} ({report.meta.variant})"
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name in ("block_out", "attn_out", "ffn_out"):
-        if all(name in L["tensors"] for L in layers):
-            ax1.plot(idx, [L["tensors"][name]["max_abs"] for L in layers], marker="o", ms=3, label=name)
-            ax2.plot(
-                idx, [L["tensors"][name]["kurtosis"] or float("nan") for L in layers], marker="o", ms=3, label=name
-            )
+        if all(name in L.tensors for L in layers):
+            ax1.plot(idx, [L.tensors[name].max_abs for L in layers], marker="o", ms=3, label=name)
+            ax2.plot(idx, [L.tensors[name].kurtosis or float("nan") for L in layers], marker="o", ms=3, label=name)
     ax1.set(yscale="log", xlabel="layer", ylabel="max |x|", title="largest activation")
     ax2.set(yscale="log", xlabel="layer", ylabel="kurtosis (Gaussian = 3)", title="kurtosis")
     ax2.axhline(3, color="grey", lw=0.8, ls="--")
@@ -42,24 +40,24 @@ def plot_observe(report: ObserveReport, out: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(save_png(fig, out / "observe_layers.png"))
 
-    sinks = [L["sink"]["per_head"] for L in layers if L.get("sink")]
+    sinks = [L.sink.per_head for L in layers if L.sink]
     if sinks:
         fig, ax = plt.subplots(figsize=(max(4, 0.35 * len(sinks[0]) + 2), max(3, 0.25 * len(sinks) + 1.5)))
         im = ax.imshow(sinks, vmin=0, vmax=1, cmap="magma", aspect="auto")
-        ax.set(xlabel="head", ylabel="layer", title=f"attention on the first {report.meta['sink_tokens']} key(s)")
+        ax.set(xlabel="head", ylabel="layer", title=f"attention on the first {report.meta.sink_tokens} key(s)")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
         paths.append(save_png(fig, out / "observe_sink.png"))
 
-    gates = [(i, L["gate"]) for i, L in enumerate(layers) if L.get("gate")]
+    gates = [(i, L.gate) for i, L in enumerate(layers) if L.gate]
     if gates:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         cmap = plt.get_cmap("viridis")
         for i, g in gates:
-            bins = len(g["hist"])
+            bins = len(g.hist)
             ax.plot(
                 [(b + 0.5) / bins for b in range(bins)],
-                g["hist"],
+                g.hist,
                 color=cmap(i / max(len(layers) - 1, 1)),
                 label=f"layer {i}" if len(gates) <= 8 else None,
             )

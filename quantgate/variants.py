@@ -92,6 +92,7 @@ class GateLike(Protocol):
     subclass (a protocol, so that this module imports nothing above it)."""
 
     floor: ClassVar[float]
+    position: ClassVar[str]  # where it multiplies: "sdpa" (G1), "value" (G2), "output" (G5)
 
     @classmethod
     def bias_for(cls, pi_init: float) -> float: ...
@@ -105,14 +106,16 @@ _G = TypeVar("_G", bound=GateLike)
 @dataclass(frozen=True)
 class GateKind:
     """A registered gate kind: its Gate class (:mod:`quantgate.attention.gates`), description, default
-    initial value, whether its projection can be factorised, and its own options (name -> (type,
-    default, choices)), which :class:`AttentionVariant` parses and prints."""
+    initial value, whether its projection can be factorised, its own options (name -> (type,
+    default, choices)), which :class:`AttentionVariant` parses and prints, and other names its paper
+    gives the common parameters (``{"d_int": "low_rank"}``), which parse as those."""
 
     gate: type[GateLike]
     description: str
     pi_init: float
     low_rank: bool
     options: dict[str, tuple[type, object, tuple]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):  # every gate can start as the identity for fine-tuning a pretrained model
         self.options.setdefault("finetune", (bool, False, (True, False)))
@@ -130,6 +133,7 @@ def gate_kind(
     pi_init: float = 0.5,
     low_rank: bool = True,
     options: dict[str, tuple[type, object, tuple]] | None = None,
+    aliases: dict[str, str] | None = None,
 ) -> Callable[[type[_G]], type[_G]]:
     """Class decorator: register a Gate subclass as the gate kind ``name``: a new gate is one decorated
     class (its position, activation, bias initialisation and x readers are class attributes and methods)."""
@@ -139,7 +143,7 @@ def gate_kind(
             raise ValueError(
                 f"gate kind {name!r} is registered twice ({GATE_KINDS[name].gate.__name__}, {cls.__name__})"
             )
-        GATE_KINDS[name] = GateKind(cls, description, pi_init, low_rank, dict(options or {}))
+        GATE_KINDS[name] = GateKind(cls, description, pi_init, low_rank, dict(options or {}), dict(aliases or {}))
         return cls
 
     return register
@@ -149,7 +153,6 @@ def logit(p: float) -> float:
     return math.log(p / (1.0 - p))
 
 
-_ALIASES = {"d_int": "low_rank"}  # HyGA's name for the gate rank
 _SLOTS = {"clipped": "clip"}  # the AttentionVariant field of a component, where it is not the component's name
 
 
@@ -280,10 +283,11 @@ class AttentionVariant:
                 what = "more than one gate" if slot == "gate" else f"{name} twice"
                 raise ValueError(f"variant {text!r} names {what}; give each component once")
             if name in GATE_KINDS:
-                both = [k for k, alias in _ALIASES.items() if k in params and alias in params]
+                aliases = GATE_KINDS[name].aliases
+                both = [k for k, alias in aliases.items() if k in params and alias in params]
                 if both:
-                    raise ValueError(f"{name}: {both[0]} is another name for {_ALIASES[both[0]]}; give one of them")
-                params = {_ALIASES.get(k, k): v for k, v in params.items()}
+                    raise ValueError(f"{name}: {both[0]} is another name for {aliases[both[0]]}; give one of them")
+                params = {aliases.get(k, k): v for k, v in params.items()}
                 pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
                 low_rank = params.pop("low_rank", None)
                 parts["gate"] = GateSpec(
@@ -341,14 +345,14 @@ _TYPES = {"pi_init": float, "low_rank": int, "gamma": float, "zeta": float, "alp
 def _parse_params(name: str, arg: str) -> dict[str, Any]:  # a value per key, of the type type_of gives it
     if name not in _names():
         raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
-    valid = [p.strip() for p in _param_names(name).split(",")]
-    if name == "hyga":
-        valid.append("d_int")
-    kind_opts = GATE_KINDS[name].options if name in GATE_KINDS else {}
+    kind = GATE_KINDS.get(name)
+    aliases = kind.aliases if kind else {}
+    valid = [p.strip() for p in _param_names(name).split(",")] + list(aliases)
+    kind_opts = kind.options if kind else {}
 
     def type_of(key: str) -> type | None:
         if key not in valid:
             return None
-        return kind_opts[key][0] if key in kind_opts else _TYPES[_ALIASES.get(key, key)]
+        return kind_opts[key][0] if key in kind_opts else _TYPES[aliases.get(key, key)]
 
     return dict(key_values(name, arg, type_of, valid=", ".join(valid), noun="parameter"))

@@ -46,6 +46,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # --------------------------------------------------------------------------
 # Pinned sources
@@ -341,7 +342,7 @@ def read_r_lazyload(data_dir: Path) -> dict[str, list[str]]:
     understands the serialization format; we only do the framing here.
     """
     try:
-        import rdata
+        import rdata  # type: ignore[import-not-found, unused-ignore]  # this script's own dependency, not quantgate's
     except ImportError:
         raise SystemExit(f"this script needs the 'rdata' package: pip install {RDATA_REQUIREMENT}") from None
     with warnings.catch_warnings():
@@ -709,10 +710,10 @@ def devil_paragraphs(text: str) -> list[str]:
     prose have an 8-space first line and 4-space continuation lines;
     attributions are right-aligned and kept as their own line.
     """
-    paras: list[list] = []  # each: list of segments [kind, [lines]]
+    paras: list[list[list[Any]]] = []  # each: list of segments [kind, [lines]]
     for block in re.split(r"\n[ \t]*\n", text.replace("\r", "")):
         lines = [ln.rstrip().replace("\t", "    ") for ln in block.split("\n") if ln.strip()]
-        cur = None  # current paragraph (list of segments)
+        cur: list[list[Any]] | None = None  # current paragraph (list of segments)
         for i, ln in enumerate(lines):
             ind = indent_of(ln)
             nxt = indent_of(lines[i + 1]) if i + 1 < len(lines) else None
@@ -741,7 +742,7 @@ def devil_paragraphs(text: str) -> list[str]:
                     paras.append(cur)
     out = []
     for segs in paras:
-        parts = []
+        parts: list[str] = []
         for kind, lines in segs:
             if kind == "verse":
                 parts.extend(squeeze(ln) for ln in lines)
@@ -759,8 +760,8 @@ def devil_docs(dict_dz: Path, index: Path) -> list[Doc]:
     entries: dict[int, tuple[int, str]] = {}  # offset -> (length, headword)
     preface = None
     for line in index.read_text(encoding="utf-8").splitlines():
-        head, off, length = line.split("\t")
-        off, length = dictd_number(off), dictd_number(length)
+        head, off_text, length_text = line.split("\t")
+        off, length = dictd_number(off_text), dictd_number(length_text)
         if head.startswith("00database") or head.startswith("00-database"):
             if head in ("00databaseinfo", "00-database-info"):
                 info = data[off : off + length].decode("utf-8")
@@ -850,7 +851,7 @@ def write_split(path: Path, docs: list[Doc]) -> bytes:
 
 def stats_table(splits: dict[str, list[Doc]]) -> tuple[str, dict]:
     rows = []
-    totals = collections.Counter()
+    totals: collections.Counter[tuple[str, str]] = collections.Counter()
     header = "| source | " + " | ".join(f"{s} docs | {s} chars" for s in SPLITS) + " | total docs | total chars |"
     sep = "|---" * (2 + 2 * len(SPLITS) + 1) + "|"
     rows.append(header)
@@ -907,7 +908,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    splits = {s: [] for s in SPLITS}
+    splits: dict[str, list[Doc]] = {s: [] for s in SPLITS}
     for d in docs:  # docs are already in source / work / document order
         splits[assign_split(d)].append(d)
     check_docs(docs, splits)

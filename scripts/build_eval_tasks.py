@@ -46,7 +46,7 @@ _FUNCTION_WORDS = {
 
 def sentences(text: str) -> list[str]:
     """Sentences of a text: split after . ! ? before a capital, not after Mr. / Mrs. and the like."""
-    out = []
+    out: list[str] = []
     for para in text.split("\n\n"):
         pieces = [p.strip() for p in _SENTENCE.split(" ".join(para.split())) if p.strip()]
         for piece in pieces:
@@ -68,6 +68,7 @@ def _target(words: list[str]) -> str | None:
 
 def cloze_items(doc) -> list[dict]:
     sents, items, i = sentences(doc.text), [], 0
+    j: int | None  # where the next passage starts; None: after this sentence
     while i < len(sents):
         for j in range(i + 1, len(sents) + 1):
             passage = " ".join(sents[i:j])
@@ -115,7 +116,8 @@ def spread(per_doc: list[list[dict]], n: int, rng: random.Random) -> list[dict]:
     """Take n items evenly across documents (round robin), in a fixed order."""
     for items in per_doc:
         rng.shuffle(items)
-    out, k = [], 0
+    out: list[dict] = []
+    k = 0
     while len(out) < n and any(k < len(items) for items in per_doc):
         out += [items[k] for items in per_doc if k < len(items)]
         k += 1

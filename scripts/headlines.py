@@ -18,11 +18,13 @@ import importlib.util
 import json
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from quantgate import experiment as ex
 from quantgate.models.presets import preset_config
-from quantgate.stats import Delta, format_delta, seed_delta
+from quantgate.stats import Delta, format_delta, seed_delta, spearman
 from quantgate.study import CellRecord, StudyRecord, load_study, read_metrics
 from quantgate.study.fixes import fix_rows
 from quantgate.study.measures import (
@@ -37,7 +39,6 @@ from quantgate.study.measures import (
     ppl_of,
     scheme_change,
 )
-from quantgate.study.report import spearman
 from quantgate.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +56,7 @@ SCHEMES = {
     "torchao-int8-dynamic": "torchao INT8",
 }
 KURTOSIS = "kurtosis (Bondarenko et al.'s tensors)"
+T = TypeVar("T")
 
 
 def _metrics(name: str) -> dict:
@@ -95,23 +97,29 @@ def _span(values, fmt=_num, sep: str = "-") -> str:
     return lo if lo == hi else f"{lo}{sep}{hi}"
 
 
-def _change(cell: dict, scheme: str) -> Delta:
+def _known(x: T | None) -> T:
+    """A value the headline cannot do without (a change, a measure, a match): None is an error in the results."""
+    assert x is not None, "a value the headline needs is missing"
+    return x
+
+
+def _change(cell: CellRecord, scheme: str) -> Delta | None:
     """The perplexity change that ``scheme`` causes in ``cell``, with its interval where there is one."""
     return ppl_change(cell, scheme)
 
 
-def _delta(d: Delta) -> str:
+def _delta(d: Delta | None) -> str:
     return format_delta(d, noise=", within noise")
 
 
-def _changes(deltas: list[Delta]) -> str:
+def _changes(deltas: Sequence[Delta | None]) -> str:
     """The span of several changes (%)."""
-    return _span([100 * d.value for d in deltas], _pct, " to ")
+    return _span([100 * _known(d).value for d in deltas], _pct, " to ")
 
 
-def _noise(deltas: list[Delta]) -> str:
+def _noise(deltas: Sequence[Delta | None]) -> str:
     """What the intervals of ``deltas`` say: how many exclude 0, or that there are none."""
-    known = [d for d in deltas if d.low is not None]
+    known = [d for d in map(_known, deltas) if d.low is not None]
     if not known:
         return NO_DOCUMENTS
     missing = f", {len(deltas) - len(known)} without one" if len(known) < len(deltas) else ""
@@ -124,12 +132,8 @@ def _peaks(cells, fmt) -> str:
     return f"{_span([p for p, _ in pairs], fmt)}, max/median {_span([r for _, r in pairs], _ratio)}"
 
 
-def _summary(cell: CellRecord, key: str):
-    return cell.summary[key]
-
-
 def _steps_tokens(cells) -> str:
-    ((steps, tokens),) = {(c.trained["steps"], c.trained["tokens"]) for c in cells}
+    ((steps, tokens),) = {(c.trained.steps, c.trained.tokens) for c in cells}
     return f"{steps} steps ({tokens / 1e6:.1f} M tokens)"
 
 
@@ -137,7 +141,7 @@ def quickstart() -> str:
     metrics = _study("quickstart")
     cells = {c.id: c for c in metrics.cells}
     smol = cells["smollm2-135m/vanilla"]
-    fp, static = ppl_of(smol.float_results), ppl_of(smol.schemes["w8a8-int8-static"].results)
+    fp, static = _known(ppl_of(smol.float_results)), _known(ppl_of(smol.schemes["w8a8-int8-static"].results))
     others = ", ".join(
         f"{label} {_delta(_change(smol, s))}"
         for s, label in SCHEMES.items()
@@ -164,8 +168,8 @@ def bondarenko_table2() -> str:
     rest = [_change(c, s) for c in cells for s in c.schemes if s != BONDARENKO]
     return (
         f"{_steps_tokens(cells)} grow no outliers: max inf-norm "
-        f"{_span([_summary(c, 'max_inf_norm') for c in cells], _fixed(1))}, largest residual activation "
-        f"{_peaks(cells, _fixed(1))}, {KURTOSIS} {_span([_summary(c, 'kurtosis') for c in cells], _fixed(1))}; "
+        f"{_span([c.summary.max_inf_norm for c in cells], _fixed(1))}, largest residual activation "
+        f"{_peaks(cells, _fixed(1))}, {KURTOSIS} {_span([c.summary.kurtosis for c in cells], _fixed(1))}; "
         f"W8A8 at the paper's sites changes {_changes(paper)} ({_noise(paper)}), static and dynamic INT8 at the "
         f"Linear inputs {_changes(rest)} ({_noise(rest)}); far from the paper's BERT-base outliers: the pipeline "
         "and definitions, not the effect"
@@ -176,7 +180,7 @@ def bondarenko_table2_paper() -> str:
     study = load_study(ROOT / "experiments" / "bondarenko_table2_paper.yaml")
     tokens = []
     for m in study.models:
-        c = TrainConfig(**m.train)
+        c = TrainConfig(**_known(m.train))
         tokens.append(f"{c.steps * c.batch_size * c.grad_accum * c.seq_len / 1e9:.1f} B tokens per {m.name} run")
     return f"validated by `--dry-run` in CI: {len(study.cells())} cells, {' and '.join(tokens)}"
 
@@ -189,9 +193,9 @@ def _sink(c: CellRecord) -> float:
 def qiu_table4() -> str:
     cells = list(_cells("qiu_table4").values())
     plain = next(c for c in cells if c.variant == "vanilla")
-    gated = [c for c in cells if _summary(c, "gate_mean") is not None]
-    ns = [_summary(c, "gate_mean") for c in gated if c.variant == "g1-ns-sigmoid"]
-    rho = spearman([_summary(c, "gate_mean") for c in gated], [_summary(c, "sink_mass") for c in gated])
+    gated = [c for c in cells if c.summary.gate_mean is not None]
+    ns = [c.summary.gate_mean for c in gated if c.variant == "g1-ns-sigmoid"]
+    rho = spearman([_known(c.summary.gate_mean) for c in gated], [_known(c.summary.sink_mass) for c in gated])
     ((_, a6),) = [(b, s) for b, s in bit_sweeps(_study("qiu_table4").schemes)[BONDARENKO] if b == 6]
     sink, layer = max_layer_sink(plain)
     paper = [_change(c, BONDARENKO) for c in gated]
@@ -200,7 +204,7 @@ def qiu_table4() -> str:
         f"{_steps_tokens(cells)} of backcopy: the ungated model grows a first-token sink of {sink:.2f} (layer "
         f"{layer}) and max {_peaks([plain], _fixed(1))}; the gated rows' first-token attention spans "
         f"{_span([_sink(c) for c in gated], _fixed(2))} (max layer), with max {_peaks(gated, _fixed(1))}; mean "
-        f"gates {_span([_summary(c, 'gate_mean') for c in gated if c.variant != 'g1-ns-sigmoid'], _fixed(2))}"
+        f"gates {_span([c.summary.gate_mean for c in gated if c.variant != 'g1-ns-sigmoid'], _fixed(2))}"
         f" (NS-sigmoid {_span(ns, _fixed(2))}); W8A8 at Bondarenko's sites: ungated "
         f"{_delta(_change(plain, BONDARENKO))}, gated {_changes(paper)} ({_noise(paper)}); at A6 ungated "
         f"{_delta(_change(plain, a6))}, gated {_changes(narrow)} ({_noise(narrow)}); gate mean vs sink mass "
@@ -212,24 +216,24 @@ def hyga_ablation() -> str:
     cells = _cells("hyga_ablation")
     g1 = cells["gqa/g1-elementwise"]
     low = sorted(
-        (c for c in cells.values() if c.model == "gqa" and "low_rank" in c.variant), key=lambda c: c.cost["gate_params"]
+        (c for c in cells.values() if c.model == "gqa" and "low_rank" in c.variant),
+        key=lambda c: _known(c.cost).gate_params,
     )
 
     def trio(model: str, fmt) -> str:
         return " -> ".join(fmt(cells[f"{model}/{v}"]) for v in ("vanilla", "g1-elementwise", "hyga"))
 
     def activation(c):
-        return f"{_num(peak_activation(c)[0])} (max/median {_ratio(peak_activation(c)[1])})"
+        peak, ratio = peak_activation(c)
+        return f"{_num(_known(peak))} (max/median {_ratio(_known(ratio))})"
 
     def sink(c):
         return f"{_sink(c):.2f}"
 
     def rank(c) -> str:
-        r = re.search(r"low_rank=(\d+)", c.variant).group(1)
-        return (
-            f"d_int {r} ({c.cost['gate_params'] / g1.cost['gate_params']:.2f}x G1's gate parameters) "
-            f"{_delta(float_change(g1, c))}"
-        )
+        r = _known(re.search(r"low_rank=(\d+)", c.variant)).group(1)
+        share = _known(c.cost).gate_params / _known(g1.cost).gate_params
+        return f"d_int {r} ({share:.2f}x G1's gate parameters) {_delta(float_change(g1, c))}"
 
     paper = [_change(c, BONDARENKO) for c in cells.values()]
     width = preset_config(g1.source["preset"], g1.source["config"]).hidden_size
@@ -366,11 +370,11 @@ def cpu_recipe() -> str:
     gated = [c for c in cells if c.variant != "vanilla"]
     sinks = [max_layer_sink(c) for c in plain]
     layers = "/".join(map(str, sorted({i for _, i in sinks})))
-    big = sum(peak_activation(c)[1] >= RATIO_TARGET for c in plain)
+    big = sum(_known(peak_activation(c)[1]) >= RATIO_TARGET for c in plain)
     ((_, widths),) = bit_sweeps(metrics.schemes).items()
 
     def w8a8(group) -> tuple[list[Delta], str]:
-        deltas = [_change(c, BONDARENKO) for c in group]
+        deltas = [_known(_change(c, BONDARENKO)) for c in group]
         mean = seed_delta([d.value for d in deltas], "perplexity")
         return deltas, f"{_changes(deltas)} per seed ({_noise(deltas)}; geometric mean {_delta(mean)})"
 
@@ -402,7 +406,7 @@ def cpu_recipe() -> str:
         f"({', '.join(f'{s:.2f}' for s, _ in sinks)}) and max activations "
         f"{_peaks(plain, _fixed(0))}; their G1 twins stay at "
         f"{_span([max_layer_sink(c)[0] for c in gated], _fixed(2))} with mean gate "
-        f"{_span([_summary(c, 'gate_mean') for c in gated], _fixed(3))} and max "
+        f"{_span([c.summary.gate_mean for c in gated], _fixed(3))} and max "
         f"{_peaks(gated, _fixed(0))}; max/median >= {RATIO_TARGET} in {big} seed{'s' if big != 1 else ''} of "
         f"{len(plain)}; W8A8 at Bondarenko's sites {ungated_text} ungated vs {twins_text} gated "
         f"(t-intervals across {len(plain)} seeds); bit budget (+{BUDGET:.0%}) {budgets(plain)} ungated vs "
@@ -415,6 +419,7 @@ def cpu_recipe() -> str:
 def _experiment(name: str):
     """An experiment script as a module (for its own criterion code)."""
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -435,7 +440,7 @@ def twins_search() -> str:
 
         def copy(group, bits=5, widths=widths):
             scheme = dict(widths)[bits]
-            return _span([100 * scheme_change(c, scheme, search.COPY).value for c in group], _fixed(1), " to ")
+            return _span([100 * _known(scheme_change(c, scheme, search.COPY)).value for c in group], _fixed(1), " to ")
 
         ratios = _span([peak_activation(c)[1] for c in plain], _ratio)
         copies = (

@@ -20,6 +20,7 @@ from accelerate.utils import DistributedType
 
 import quantgate as qg
 import quantgate.train as trainer
+import quantgate.train.loop as loop  # train() makes its Accelerator there
 
 
 class FsdpOnCpu(Accelerator):
@@ -37,7 +38,7 @@ class FsdpOnCpu(Accelerator):
 if torch.cuda.is_available():
     torch.use_deterministic_algorithms(True, warn_only=True)  # the runs are compared bit for bit
 else:
-    trainer.Accelerator = FsdpOnCpu
+    loop.Accelerator = FsdpOnCpu
 out = Path(sys.argv[1])
 settings = {
     "steps": 8,
@@ -57,7 +58,7 @@ settings = {
 def run(name, **kw):
     model = qg.build("tiny-llama", "g1-headwise", seed=0)
     trainer.train(model, qg.tokenizer(model), config=trainer.TrainConfig(out=str(out / name), **{**settings, **kw}))
-    assert trainer.Accelerator().is_fsdp2, "the run was not sharded: launch with accelerate's FSDP version 2 config"
+    assert loop.Accelerator().is_fsdp2, "the run was not sharded: launch with accelerate's FSDP version 2 config"
 
 
 run("straight")

@@ -7,6 +7,7 @@ import torch
 import quantgate as qg
 from quantgate.data.synthetic import BackcopyBatches, task_options
 from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED, evaluate
+from quantgate.models.families import config_of
 from quantgate.train import TrainConfig, train
 
 TOK = qg.tokenizer("tiny-llama")
@@ -56,7 +57,7 @@ def test_bad_task_options_name_the_option(source, message):
 def test_trigger_options_reach_the_task():
     assert task_options("backcopy:trigger_prob=0.2,triggers=5") == {"trigger_prob": 0.2, "triggers": 5}
     task = qg.data.batches(TOK, "backcopy:triggers=5,trigger_prob=0.2", 24, 64)
-    assert len(task.triggers) == 5 and task.trigger_prob == 0.2
+    assert isinstance(task, BackcopyBatches) and len(task.triggers) == 5 and task.trigger_prob == 0.2
 
 
 def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
@@ -66,9 +67,9 @@ def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
         TOK,
         config=TrainConfig(steps=30, data="backcopy:start=chain", batch_size=8, seq_len=64, lr=1e-2, eval_batches=1),
     )
-    assert model.config.quantgate["task"] == "backcopy:start=chain"
+    assert config_of(model).quantgate["task"] == "backcopy:start=chain"
     again = qg.load(qg.save(model, tmp_path / "m"))
-    assert again.config.quantgate["task"] == "backcopy:start=chain"
+    assert config_of(again).quantgate["task"] == "backcopy:start=chain"
     docs = evaluate(again, None, ["quantgate_backcopy"], limit=1)["documents"]["quantgate_backcopy"]
     # by hand: the held-out stream of the chain-start task, next-token log-likelihood per sequence
     ids = next(iter(qg.data.batches(TOK, "backcopy:start=chain", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))["input_ids"]
@@ -76,7 +77,7 @@ def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
         logp = again(input_ids=ids).logits[:, :-1].log_softmax(-1)
     by_hand = logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1)
     assert docs["loglikelihood"] == pytest.approx(by_hand.tolist(), rel=1e-5)
-    del again.config.quantgate["task"]  # a model with no recorded task is scored on the default one
+    del config_of(again).quantgate["task"]  # a model with no recorded task is scored on the default one
     plain = evaluate(again, None, ["quantgate_backcopy"], limit=1)["documents"]["quantgate_backcopy"]
     ids = next(iter(qg.data.batches(TOK, "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))["input_ids"]
     with torch.no_grad():

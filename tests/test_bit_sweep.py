@@ -5,10 +5,10 @@ import pytest
 
 from quantgate.quant.schemes import act_bits
 from quantgate.stats import Delta
-from quantgate.study import CellRecord, StudyError, load_study
+from quantgate.study import CellRecord, StudyError, StudyRecord, load_study
 from quantgate.study.measures import bit_sweeps, budget
 from quantgate.study.plots import plot_bit_sweeps
-from quantgate.study.report import _bit_budget
+from quantgate.study.report import Report, bit_budget
 
 STUDY = """name: sweep
 models:
@@ -87,7 +87,7 @@ def test_report_section_and_plot(tmp_path):
         ("t/g1", schemes[0]): _d(0.002, -0.001, 0.004),
         ("t/g1", schemes[1]): _d(0.008, 0.004, 0.013),
     }
-    text = "\n".join(_bit_budget(cells, schemes, changes))
+    text = bit_budget(Report(StudyRecord({}, cells, schemes), changes))
     assert "| t | vanilla | 0 | A8: +0.30% [+0.10, +0.50] | +0.30% [+0.10, +0.50] | +9.0% [+7.0, +11.0] |" in text
     assert "| t | g1 | 0 | A6: +0.8% [+0.4, +1.3] | +0.20% [-0.10, +0.40] ~ | +0.8% [+0.4, +1.3] |" in text
     sweeps = {

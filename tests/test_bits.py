@@ -8,13 +8,16 @@ import torch
 import quantgate as qg
 from quantgate.quant import get_scheme, quantizers
 from quantgate.quant.quantizers import FP8, fake_quant, int_qparams
+from quantgate.quant.schemes import SimulatedScheme
 from quantgate.quant.simulate import ActQuant
 
 
 @pytest.mark.parametrize("bits", range(2, 9))
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_a_bits_gives_the_grid_of_that_width(bits, symmetric):
-    spec = get_scheme(f"w8a8-int8-static:a_bits={bits},a_symmetric={str(symmetric).lower()},estimator=minmax").act
+    scheme = get_scheme(f"w8a8-int8-static:a_bits={bits},a_symmetric={str(symmetric).lower()},estimator=minmax")
+    assert isinstance(scheme, SimulatedScheme) and scheme.act is not None
+    spec = scheme.act
     ramp = torch.linspace(-2.0, 2.0, 20_001) if symmetric else torch.linspace(-1.0, 3.0, 20_001)
     quant = ActQuant(spec, "ramp")
     quant(ramp)  # calibration
@@ -29,16 +32,21 @@ def test_a_bits_gives_the_grid_of_that_width(bits, symmetric):
 @pytest.mark.parametrize("bits", [2, 3, 5, 7])
 def test_w_bits_gives_the_grid_of_that_width(bits):
     q = qg.quantize(qg.build("tiny-llama"), f"w8-int8:w_bits={bits}")
-    for row in q.model.layers[0].mlp.down_proj.weight:  # per output channel, symmetric: 2^b - 1 levels
+    weight = q.get_submodule("model.layers.0.mlp.down_proj").weight
+    assert isinstance(weight, torch.Tensor)
+    for row in weight:  # per output channel, symmetric: 2^b - 1 levels
         assert len(torch.unique(row)) <= 2**bits - 1
-    assert qg.quantization_of(q)["scheme"] == f"w8-int8:w_bits={bits}"
+    record = qg.quantization_of(q)
+    assert record is not None and record["scheme"] == f"w8-int8:w_bits={bits}"
 
 
 def test_bits_options_parse_print_and_refuse_what_they_cannot_mean():
     s = get_scheme("w8a8-int8-static:a_bits=6,w_bits=4")
+    assert isinstance(s, SimulatedScheme) and s.act is not None and s.weight is not None
     assert (s.act.format, s.weight.format) == ("int6", "int4") and get_scheme(str(s)) == s
     assert str(s) == "w8a8-int8-static:a_bits=6,w_bits=4"
-    assert get_scheme("w4-int4-group:w_bits=3").weight.format == "int3"
+    w3 = get_scheme("w4-int4-group:w_bits=3")
+    assert isinstance(w3, SimulatedScheme) and w3.weight is not None and w3.weight.format == "int3"
     for text, fragment in [
         ("w8a8-fp8-e4m3:a_bits=6", "fp8-e4m3, a float format of fixed width"),
         ("w8a8-fp8-e5m2:w_bits=4", "fp8-e5m2, a float format of fixed width"),

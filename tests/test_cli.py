@@ -46,6 +46,7 @@ def test_variant_overhead_benchmark_smoke():
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "variant_overhead.py"
     spec = importlib.util.spec_from_file_location("variant_overhead", path)
+    assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     ms = bench.bench("tiny-llama", ["vanilla", "g1-headwise"], batch=1, seq=8, rounds=1, backend="auto")

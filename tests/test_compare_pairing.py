@@ -10,7 +10,7 @@ import pytest
 import quantgate as qg
 from quantgate.cli import main
 from quantgate.stats import change, format_delta, paired_delta
-from quantgate.study.report import collect_evals, compare
+from quantgate.study.compare import collect_evals, compare
 
 TASK = "quantgate_ppl"
 METRIC = "word_perplexity"
@@ -124,7 +124,7 @@ def test_reads_lm_eval_results_with_stderr_and_samples(tmp_path):
         os.remove(samples)
     table = compare([file], baseline=tmp_path / "qg" / "eval.json")
     point = change(METRIC, ours["results"][TASK][METRIC], data["results"][TASK][f"{METRIC},none"])
-    assert point.low is None and format_delta(point).endswith("[n/a]")
+    assert point is not None and point.low is None and format_delta(point).endswith("[n/a]")
     assert f"| {format_delta(point)} |" in _row(table, "(--baseline)")
     assert f"{TASK}/{METRIC}: point change [n/a], no interval: one run kept per-document values" in table
 

@@ -77,7 +77,13 @@ def test_replacing_a_load_checkpoint_reruns_its_steps(study, tmp_path, monkeypat
     before, ppl0 = _steps(run), _ppl(run)
     hashed = []
     real = getattr(files, "file_sha256", None)
-    monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(p) or real(p), raising=False)
+
+    def recording(p):
+        hashed.append(p)
+        assert real is not None
+        return real(p)
+
+    monkeypatch.setattr(files, "file_sha256", recording, raising=False)
     run_study(f, run)  # nothing changed: every step reused, no weights read again to key them
     assert _steps(run) == before and hashed == []
     shutil.rmtree(ckpt)
@@ -154,7 +160,12 @@ def test_content_sha256_reads_a_file_again_only_when_it_changes(tmp_path, monkey
     (folder / ".lock").write_text("ignored")
     hashed = []
     real = files.file_sha256
-    monkeypatch.setattr(files, "file_sha256", lambda p: hashed.append(p.name) or real(p))
+
+    def recording(p):
+        hashed.append(p.name)
+        return real(p)
+
+    monkeypatch.setattr(files, "file_sha256", recording)
     first = files.content_sha256(folder, memo=memo)
     assert files.content_sha256(folder, memo=memo) == first and hashed == ["a.safetensors"]
     (folder / "a.safetensors").write_bytes(b"y" * 100)  # same size, rewritten in place
@@ -173,13 +184,13 @@ def test_compare_never_pairs_two_models_that_share_a_label(tmp_path, monkeypatch
     assert main(["eval", "model", "--scheme", "w8-int8", "--limit", "2", "--out", str(tmp_path / "ev_b")]) == 0
     a, b = (json.loads((tmp_path / d / "eval.json").read_text())["settings"] for d in ("ev_a", "ev_b"))
     assert a["model"] == b["model"] == "model"
-    table = qg.study.report.compare([tmp_path / "ev_a", tmp_path / "ev_b"])
+    table = qg.study.compare.compare([tmp_path / "ev_a", tmp_path / "ev_b"])
     [row] = [line for line in table.splitlines() if "| w8-int8 |" in line]
     assert "none: no float run has sha256" in row and row.endswith("| - |")  # no change reported
     # the same quantization of a's own model pairs with it, by hash
     monkeypatch.chdir(tmp_path / "a")
     assert main(["eval", "model", "--scheme", "w8-int8", "--limit", "2", "--out", str(tmp_path / "ev_a_q")]) == 0
-    table = qg.study.report.compare([tmp_path / "ev_a", tmp_path / "ev_a_q"])
+    table = qg.study.compare.compare([tmp_path / "ev_a", tmp_path / "ev_a_q"])
     [row] = [line for line in table.splitlines() if "| w8-int8 |" in line]
     assert f"(source sha256 {a['model_sha256'][:12]})" in row
 

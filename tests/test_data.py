@@ -5,6 +5,7 @@ import torch
 
 import quantgate as qg
 from quantgate.data import BUNDLED_SPLITS, Batches, OfflineError, batches, bundled_tokenizer, corpus
+from quantgate.models.families import config_of
 
 BPE = bundled_tokenizer("bpe-8192")
 WP = bundled_tokenizer("wordpiece-8192")
@@ -41,7 +42,8 @@ def test_special_token_ids_match_the_presets():
     assert enc[0] == WP.cls_token_id and enc[-1] == WP.sep_token_id
     for preset in ("tiny-opt", "tiny-bert"):
         model, tok = qg.build(preset), qg.tokenizer(preset)
-        assert model.config.vocab_size == len(tok) and model.config.pad_token_id == tok.pad_token_id
+        config = config_of(model)
+        assert config.vocab_size == len(tok) and config.pad_token_id == tok.pad_token_id
         assert qg.tokenizer(model).get_vocab() == tok.get_vocab()
 
 
@@ -74,7 +76,8 @@ def test_clm_labels_are_shifted_by_the_model():
 
 def test_mlm_masking_follows_80_10_10():
     b = batches(WP, "validation", 128, 64, "mlm", seed=3, max_batches=20)
-    sel = mask = same = rnd = maskable = 0
+    assert isinstance(b, Batches)
+    sel = mask = same = rnd = maskable = 0.0
     for x, raw in zip(b, (b.rows[i * 64 : (i + 1) * 64] for i in range(20)), strict=True):
         s = x["labels"] != -100
         special = torch.isin(raw, torch.tensor(WP.all_special_ids))
@@ -190,13 +193,14 @@ def test_document_starts_take_one_row_per_document_in_turn_from_each_work():
     """Definition: the first n test documents (each work's first, then each work's second, ...) holding at
     least ``length`` tokens, their first ``length`` tokens each; a document too short is passed over."""
     from quantgate import experiment as ex
-    from quantgate.data.corpus import corpus
+    from quantgate.data.corpus import Document, corpus
 
     model = qg.build("tiny-llama")
     tok = qg.tokenizer(model)
     ids, works = ex.document_starts(tok, 12, 400)
     docs = list(corpus("test"))
-    order, seen = [], {}
+    order: list[Document] = []
+    seen: dict[str, list[Document]] = {}
     for d in docs:  # in turn from each work, by hand
         seen.setdefault(d.work, []).append(d)
     for i in range(max(len(v) for v in seen.values())):

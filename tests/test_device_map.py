@@ -16,7 +16,7 @@ from quantgate.models.io import Placement, offloaded
 from quantgate.models.sources import tokenizer
 
 IDS = torch.randint(5, 8000, (2, 24), generator=torch.Generator().manual_seed(3))
-SPLIT = {
+SPLIT: dict[str, str | int] = {  # module: device (Placement's device_map)
     "model.embed_tokens": "cpu",
     "model.rotary_emb": "cpu",
     "model.layers.0": "cpu",
@@ -52,7 +52,7 @@ def test_a_block_on_disk_gives_the_whole_models_numbers(checkpoint, tmp_path):
 
 def test_a_placed_model_quantizes_in_place_as_the_whole_one_does(checkpoint, tmp_path):
     """Every module placed explicitly (this machine has one device): quantized in place, the same perplexity."""
-    in_memory = dict.fromkeys(SPLIT, "cpu")
+    in_memory: dict[str, str | int] = dict.fromkeys(SPLIT, "cpu")
     results = []
     for placement in (None, Placement(in_memory)):
         model = qg.load(checkpoint, placement=placement)

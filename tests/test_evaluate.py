@@ -3,13 +3,14 @@
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import quantgate as qg
 from quantgate.data import corpus
-from quantgate.data.corpus import OfflineError
+from quantgate.data.corpus import Document, OfflineError
 from quantgate.evaluate import evaluate, mlm_perplexity
 from quantgate.stats import aggregate
 
@@ -47,7 +48,7 @@ def test_per_document_values_recompute_lm_evals_metrics(tiny):
                 assert aggregate(docs, metric) == pytest.approx(value, rel=1e-12), (task, metric)
     ppl = out["documents"]["quantgate_ppl"]
     assert set(ppl) == {"ids", "loglikelihood", "words", "bytes", "tokens", "works"}
-    first_of_each = {}  # the task takes the test split's documents in turn from each work
+    first_of_each: dict[str, Document] = {}  # the task takes the test split's documents in turn from each work
     for d in corpus("test"):
         first_of_each.setdefault(d.work, d)
     docs = list(first_of_each.values())[:3]
@@ -83,8 +84,8 @@ def test_computed_tasks_keep_per_sequence_values():
     # without the first prediction, by hand: each sequence's own loss over targets 2..L-1
     from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED
 
-    ids = next(iter(qg.data.batches(qg.tokenizer(llama), "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))
-    ids = ids["input_ids"]
+    batch = next(iter(qg.data.batches(qg.tokenizer(llama), "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))
+    ids = batch["input_ids"]
     with torch.no_grad():
         logits = llama(input_ids=ids).logits.float()
     nll = torch.nn.functional.cross_entropy(logits[:, 1:-1].transpose(1, 2), ids[:, 2:], reduction="none").sum(1)
@@ -122,9 +123,11 @@ def test_quantized_models_evaluate_through_the_same_call(tiny):
     ref = evaluate(tiny, tok, ["quantgate_cloze"], limit=8)["results"]["quantgate_cloze"]["perplexity"]
     calib = qg.data.batches(tok, "train", 64, 4)
     for scheme in ("w8a8-int8-static", "torchao-int8-weight-only", "llm-int8"):
-        q = qg.quantize(tiny, scheme, calibration=calib, **({"calib": 2} if scheme == "w8a8-int8-static" else {}))
+        options: dict[str, Any] = {"calib": 2} if scheme == "w8a8-int8-static" else {}
+        q = qg.quantize(tiny, scheme, calibration=calib, **options)
         out = evaluate(q, tok, ["quantgate_cloze"], limit=8)
-        assert out["settings"]["quantization"] == qg.quantization_of(q)["scheme"]
+        record = qg.quantization_of(q)
+        assert record is not None and out["settings"]["quantization"] == record["scheme"]
         assert out["results"]["quantgate_cloze"]["perplexity"] == pytest.approx(ref, rel=0.2)
 
 

@@ -1,6 +1,7 @@
 """Every experiment under experiments/ validates and runs end to end at a tiny budget."""
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -14,6 +15,8 @@ import yaml
 
 import quantgate as qg
 from quantgate import experiment as ex
+from quantgate.measurements import CellObserve, CellSummary, LayerRow
+from quantgate.models.families import config_of
 from quantgate.stats import Delta, format_delta
 from quantgate.study import CellRecord, StudyRecord, load_study, plan, read_metrics, run_study
 
@@ -190,7 +193,7 @@ def _check_context_extension(out):
         assert f"| g1-elementwise | {length} | {rope} | {rows[key]['ppl']:.3f} | {r['ppl']:.3f} | {gated} |" in text
     vs_default = format_delta(ex.ppl_change(rows["32/default"]["nll"], rows["32/yarn"]["nll"], 31))
     assert f"| vanilla | 32 | yarn | {rows['32/yarn']['ppl']:.3f} | {vs_default} |" in text
-    config = copy.deepcopy(model.config)  # linear RoPE interpolation set up by transformers itself
+    config = copy.deepcopy(config_of(model))  # linear RoPE interpolation set up by transformers itself
     config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": 2.0}
     assert rows["32/linear"]["ppl"] == pytest.approx(
         _loss_ppl(_eager_twin(model, config), ex.sequences(tok, "backcopy", 32, 2, seed=1_000_003)), rel=1e-5
@@ -253,6 +256,7 @@ SMOKE_CHECKS = {
 
 def _module(name):
     spec = importlib.util.spec_from_file_location(name, ROOT / "experiments" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -307,18 +311,17 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
 
     changes = {}  # {cell id: {scheme: Delta}}
 
+    def observed(sink, ratio):
+        row = LayerRow(ratio, None, ratio, sink, None, 0, max_median_ratio=ratio)
+        return CellObserve(CellSummary(ratio, None, ratio, ratio, sink, None), [row])
+
     def cell(seed, variant, sink, ratio, change):
-        layers = [{"sink_mass": sink, "max_activation": ratio, "max_median_ratio": ratio}]
         changes[f"m/{variant}-seed{seed}"] = change
         return CellRecord(
-            id=f"m/{variant}-seed{seed}",
-            model="m",
-            variant=variant,
-            seed=seed,
-            observe={"layers": layers, "summary": {"max_activation": ratio}},
+            id=f"m/{variant}-seed{seed}", model="m", variant=variant, seed=seed, observe=observed(sink, ratio)
         )
 
-    gaps = {}  # {(seed, scheme): paired difference, gated minus ungated}
+    gaps: dict[tuple[int, str], Delta] = {}  # {(seed, scheme): paired difference, gated minus ungated}
     monkeypatch.setattr(search, "ppl_change", lambda c, s: changes[c.id][s])
     monkeypatch.setattr(search, "change_gap", lambda u, g, s: gaps[u.seed, s])
     d = lambda v, lo, hi: Delta(v, lo, hi, "perplexity", 100, "")
@@ -339,7 +342,8 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 3, "gated neither": 3, "W8A8 apart": 3}
     assert v["met"] and v["widest apart"] == 8
     changes[cells[1].id][widths[0][1]] = d(0.03, 0.02, 0.04)  # seed 0's gated twin: only 3.3x below
-    cells[2].layers[0]["max_median_ratio"] = 149  # seed 1's ungated ratio just under 150
+    just_under = [dataclasses.replace(cells[2].layers[0], max_median_ratio=149)]  # seed 1's ungated ratio
+    cells[2] = dataclasses.replace(cells[2], observe=CellObserve(cells[2].summary, just_under))
     gaps[2, widths[0][1]] = Delta(-0.09, -0.2, 0.01, "points", 100, "")  # seed 2: 10x, but within noise, paired
     v = search.verdict(cells, widths)
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 1}

@@ -6,11 +6,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import quantgate as qg
 
@@ -51,7 +52,10 @@ def _logits(model):
 
 def _plain(path):
     """transformers alone, as lm-eval's hf model and every other reader load it."""
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype="auto")
+    model, info = cast(  # output_loading_info: (model, loading info), which transformers' hints do not say
+        tuple[PreTrainedModel, dict[str, Any]],
+        AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, dtype="auto"),
+    )
     return model.eval(), info
 
 

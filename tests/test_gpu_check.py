@@ -42,6 +42,7 @@ def test_gpu_check_dry_run(tmp_path):
 
 def test_a_failing_section_does_not_stop_the_others(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
 

@@ -23,6 +23,7 @@ SCRIPT = ROOT / "experiments" / "gpu_twins.py"
 
 def _script():
     spec = importlib.util.spec_from_file_location("gpu_twins", SCRIPT)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -137,7 +138,8 @@ def test_paired_difference_is_the_difference_of_the_changes(dry_run):
         assert fallback.value == pytest.approx(d["value"], rel=1e-9, abs=1e-12)
         assert fallback.low <= fallback.value <= fallback.high
         if hasattr(stats, "paired_difference"):
-            theirs = stats.paired_difference(*pairs, "perplexity")
+            base, other = pairs
+            theirs = stats.paired_difference(base, other, "perplexity")
             if theirs.method.startswith("jackknife t-interval") and "log" not in theirs.method:
                 assert (fallback.low, fallback.high) == pytest.approx((theirs.low, theirs.high), rel=1e-9)
 

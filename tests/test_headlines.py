@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def headlines():
     spec = importlib.util.spec_from_file_location("headlines", ROOT / "scripts" / "headlines.py")
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -63,9 +64,11 @@ def test_hyga_changes_and_gate_shares_by_hand():
 
 
 def _block(name: str) -> str:
-    return re.search(
+    found = re.search(
         rf"<!-- headlines:{name} -->(.*?)<!-- /headlines -->", (ROOT / "experiments" / "README.md").read_text()
-    ).group(1)
+    )
+    assert found is not None, name
+    return found.group(1)
 
 
 def test_headline_changes_carry_their_intervals():
@@ -77,7 +80,11 @@ def test_headline_changes_carry_their_intervals():
 
     smol = next(c for c in read_metrics(ROOT / "results" / "quickstart").cells if c.id == "smollm2-135m/vanilla")
     static = ppl_change(smol, "w8a8-int8-static")
-    assert static.low is not None and f"({format_delta(static, noise=', within noise')})" in _block("quickstart")
+    assert (
+        static is not None
+        and static.low is not None
+        and f"({format_delta(static, noise=', within noise')})" in _block("quickstart")
+    )
     cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]
     logs = []
     for c in cells:

@@ -12,6 +12,7 @@ import torch
 
 import quantgate as qg
 from quantgate.cli import main
+from quantgate.models.families import config_of
 from quantgate.quant.imported import check_installed, dequantize_, describe
 from quantgate.stats import format_delta, paired_delta
 
@@ -45,6 +46,7 @@ def _write_compressed_tensors(float_dir, out):
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
+        assert isinstance(module.weight, torch.Tensor)
         w = module.weight.detach()
         scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), scheme.weights)
         update_offload_parameter(module, "weight_scale", scale)
@@ -119,7 +121,7 @@ def test_info_eval_and_compare_name_the_scheme_and_pair_with_baseline(ckpts, cap
     assert main(["compare", str(ev), "--baseline", str(ckpts["fp_eval"]), "--out", str(cmp)]) == 0
     table = (cmp / "compare.md").read_text()
     paired = paired_delta(fp["documents"]["quantgate_ppl"], q["documents"]["quantgate_ppl"], "word_perplexity")
-    assert paired.low is not None and paired.low < paired.high and paired.value != 0
+    assert paired.low is not None and paired.high is not None and paired.low < paired.high and paired.value != 0
     row = next(line for line in table.splitlines() if label in line)
     assert f"(--baseline) | {q['results']['quantgate_ppl']['word_perplexity']:.4g} | {format_delta(paired)} |" in row
     assert table.splitlines()[2].startswith(f"| {ckpts['float']} | vanilla | - | float | baseline |")
@@ -132,7 +134,8 @@ def test_info_eval_and_compare_name_the_scheme_and_pair_with_baseline(ckpts, cap
 @pytest.mark.parametrize("kind, label", [("ct", CT_LABEL), ("ao", AO_LABEL), ("bnb", BNB_LABEL)])
 def test_quantize_refuses_a_quantized_checkpoint(ckpts, kind, label):
     model = qg.load(ckpts[kind])
-    assert qg.quantization_of(model)["scheme"] == label
+    record = qg.quantization_of(model)
+    assert record is not None and record["scheme"] == label
     for scheme in ("w8-int8", "torchao-int8-weight-only"):
         with pytest.raises(ValueError) as err:
             qg.quantize(model, scheme)
@@ -152,8 +155,9 @@ def test_quantgate_records_refuse_too():
     with pytest.raises(ValueError, match=r"already quantized \(w8-int8\); .* float source \(tiny-llama\)"):
         qg.quantize(q, "w8a8-int8-static", calibration=[])
     ao = qg.quantize(qg.build("tiny-llama"), "torchao-int8-weight-only")
-    ao.config.quantgate.pop("quantization")  # the record gone: its torchao tensors still say it
-    assert qg.quantization_of(ao)["scheme"] == "torchao:Int8Tensor (quantized tensors, no quantization_config)"
+    config_of(ao).quantgate.pop("quantization")  # the record gone: its torchao tensors still say it
+    record = qg.quantization_of(ao)
+    assert record is not None and record["scheme"] == "torchao:Int8Tensor (quantized tensors, no quantization_config)"
     with pytest.raises(ValueError, match=r"already quantized .*from its tensors"):
         qg.quantize(ao, "w8-int8")
     with pytest.raises(ValueError, match="not quantized; leave dequantize out"):
@@ -170,19 +174,21 @@ def test_dequantize_gives_the_stored_int8_times_scale(ckpts):
     model = qg.load(ckpts["ct"])
     q = qg.quantize(model, "w8-int8", dequantize=True)
     record = qg.quantization_of(q)
-    assert record["origin"] == "quantgate" and record["dequantized_from"] == CT_LABEL
-    assert qg.quantization_of(model)["scheme"] == CT_LABEL  # the source model is untouched
+    assert record is not None and record["origin"] == "quantgate" and record["dequantized_from"] == CT_LABEL
+    source = qg.quantization_of(model)
+    assert source is not None and source["scheme"] == CT_LABEL  # the source model is untouched
     float_model = dequantize_(qg.load(ckpts["ct"]))
     assert qg.quantization_of(float_model) is None
-    assert torch.equal(float_model.get_submodule(key).weight, expected)
+    weight = float_model.get_submodule(key).weight
+    assert isinstance(weight, torch.Tensor) and torch.equal(weight, expected)
     assert not any(hasattr(m, "quantization_scheme") for m in float_model.modules())
-    bnb = qg.quantize(qg.load(ckpts["bnb"]), "w8-int8", dequantize=True)
-    assert qg.quantization_of(bnb)["dequantized_from"] == BNB_LABEL
+    bnb = qg.quantization_of(qg.quantize(qg.load(ckpts["bnb"]), "w8-int8", dequantize=True))
+    assert bnb is not None and bnb["dequantized_from"] == BNB_LABEL
 
 
 def test_records_and_observe_name_the_fields(ckpts):
     ct = qg.quantization_of(qg.load(ckpts["ct"]))
-    assert ct["weights"] == {
+    assert ct is not None and ct["weights"] == {
         "num_bits": 8,
         "type": "int",
         "strategy": "channel",
@@ -192,12 +198,13 @@ def test_records_and_observe_name_the_fields(ckpts):
     }
     assert ct["input_activations"]["strategy"] == "token" and ct["input_activations"]["dynamic"] is True
     assert ct["ignore"] == ["lm_head"] and ct["format"] == "int-quantized" and ct["kv_cache_scheme"] is None
-    assert qg.quantization_of(qg.load(ckpts["ao"]))["config"] == "Int8WeightOnlyConfig"
+    ao = qg.quantization_of(qg.load(ckpts["ao"]))
+    assert ao is not None and ao["config"] == "Int8WeightOnlyConfig"
     bnb = qg.quantization_of(qg.load(ckpts["bnb"]))
-    assert (bnb["bits"], bnb["threshold"], bnb["has_fp16_weight"]) == (8, 6.0, False)
+    assert bnb is not None and (bnb["bits"], bnb["threshold"], bnb["has_fp16_weight"]) == (8, 6.0, False)
     model = qg.load(ckpts["ct"])
     report = qg.observe(model, qg.data.batches(qg.tokenizer(model), "validation", 16, 2, max_batches=1), progress=False)
-    assert report.meta["quantization"] == CT_LABEL and f"quantized {CT_LABEL})" in report.markdown()
+    assert report.meta.quantization == CT_LABEL and f"quantized {CT_LABEL})" in report.markdown()
 
 
 def test_labels_of_other_configs():
@@ -281,12 +288,16 @@ def test_a_sidecar_source_hash_pairs_a_foreign_checkpoint_with_its_float_run(ckp
     (folder / "quantization.json").write_text(json.dumps(sidecar))
     model = AutoModelForCausalLM.from_pretrained(folder)
     record = qg.quantization_of(model)
-    assert record["scheme"] == CT_LABEL and record["source_sha256"] == fp["settings"]["model_sha256"]
+    assert (
+        record is not None
+        and record["scheme"] == CT_LABEL
+        and record["source_sha256"] == fp["settings"]["model_sha256"]
+    )
     out = qg.evaluate(model, qg.tokenizer(folder), "quantgate_ppl", limit=3)
     assert out["settings"]["source_sha256"] == fp["settings"]["model_sha256"]
     (ckpts["root"] / "ev_sidecar").mkdir()
     (ckpts["root"] / "ev_sidecar" / "eval.json").write_text(json.dumps(out))
-    from quantgate.study.report import compare
+    from quantgate.study.compare import compare
 
     table = compare([ckpts["fp_eval"], ckpts["root"] / "ev_sidecar"])
     row = next(line for line in table.splitlines() if CT_LABEL in line)

@@ -13,7 +13,7 @@ from packaging.requirements import Requirement
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pytest itself depends on tomli before Python 3.11
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]  # mypy checks as 3.10; absent on 3.11+
 
 ROOT = Path(__file__).resolve().parents[1]
 # distributions whose import name is not their normalized name

@@ -13,6 +13,7 @@ from quantgate.cli import main
 from quantgate.data import batches, corpus
 from quantgate.data.corpus import OfflineError, hub_reachable
 from quantgate.evaluate import check_limit
+from quantgate.models.families import config_of
 from quantgate.models.presets import preset_config
 from quantgate.runlock import RunDirectoryBusy, run_lock
 
@@ -47,7 +48,7 @@ def test_observe_refuses_a_sink_as_long_as_the_sequence():
     data = batches(qg.tokenizer(model), "validation", 16, 2, max_batches=1)
     with pytest.raises(ValueError, match="leaves no other key in 16-token"):
         qg.observe(model, data, sink_tokens=16, progress=False)
-    assert qg.observe(model, data, sink_tokens=15, progress=False).meta["sink_tokens"] == 15
+    assert qg.observe(model, data, sink_tokens=15, progress=False).meta.sink_tokens == 15
 
 
 @pytest.mark.parametrize("preset, limit", [("tiny-opt", 2048), ("tiny-bert", 1024)])
@@ -69,7 +70,7 @@ def test_cli_refuses_seq_len_past_positions(capsys):
 def test_rope_models_run_past_their_nominal_positions():
     model = qg.build("tiny-llama", max_position_embeddings=16)
     report = qg.observe(model, [{"input_ids": torch.ones(1, 32, dtype=torch.long)}], progress=False)
-    assert report.meta["seq_len"] == 32
+    assert report.meta.seq_len == 32
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,7 @@ def test_preset_overrides_must_be_config_fields_of_their_type(overrides, fragmen
 def test_valid_preset_overrides_apply():
     config = preset_config("tiny-opt", {"num_hidden_layers": 3, "dropout": 0})  # an int where a float goes
     assert config.num_hidden_layers == 3 and config.dropout == 0
-    assert qg.build("tiny-bert", hidden_dropout_prob=0.0).config.hidden_dropout_prob == 0.0
+    assert config_of(qg.build("tiny-bert", hidden_dropout_prob=0.0)).hidden_dropout_prob == 0.0
 
 
 def test_train_config_typo_is_an_error_listing_the_fields(capsys, tmp_path):

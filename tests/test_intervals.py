@@ -51,7 +51,7 @@ def test_a_change_over_few_documents_gets_the_jackknife_t_interval(n):
     assert d.value == pytest.approx(change(list(range(n))), rel=1e-12)
     assert (d.low, d.high) == pytest.approx(_jackknife_t(change, n, log=True), rel=1e-9)
     assert d.method.startswith(f"jackknife t-interval over {n} documents ({n - 1} df, on the log ratio")
-    assert d.low > -1  # a log-ratio interval never reaches a perplexity of 0
+    assert d.low is not None and d.low > -1  # a log-ratio interval never reaches a perplexity of 0
 
 
 def test_from_the_minimum_on_the_interval_is_bca():
@@ -75,6 +75,7 @@ def test_at_four_documents_the_interval_is_wider_than_bca():
         n_resamples=1000,
         rng=0,
     )
+    assert t.high is not None and t.low is not None
     assert t.high - t.low > res.confidence_interval.high - res.confidence_interval.low
 
 
@@ -101,7 +102,7 @@ def test_paired_difference_of_two_models_changes_by_hand(n):
         assert (d.low, d.high) == pytest.approx(_jackknife_t(gap, n, log=False), rel=1e-9)
     else:
         assert "BCa" in d.method
-    assert d.high < 0  # the gated twin loses less on every document here
+    assert d.high is not None and d.high < 0  # the gated twin loses less on every document here
 
 
 def test_a_paired_difference_refuses_documents_that_differ():
@@ -139,7 +140,7 @@ def test_paired_difference_at_ratio_scale_is_a_ratio_of_ratios_by_hand():
     assert d.value == pytest.approx(math.expm1(-shift.sum() / w.sum()), rel=1e-9)
     assert d.value == pytest.approx(ratio_of_ratios(list(range(n))), rel=1e-9)
     assert (d.low, d.high) == pytest.approx(_jackknife_t(ratio_of_ratios, n, log=True), rel=1e-9)
-    assert d.high < 0 and format_delta(d).startswith(f"{1 + d.value:.2f}x [")
+    assert d.high is not None and d.high < 0 and format_delta(d).startswith(f"{1 + d.value:.2f}x [")
     small = paired_difference(_docs(n, seed=2, cost=0.1)[:2], _docs(n, seed=2, cost=0.1)[:2], "perplexity")
     assert small.kind == "points"  # below 10x the difference stays in points
 
@@ -159,7 +160,8 @@ def test_the_main_jobs_smollm2_numbers_rest_on_24_documents_from_3_works_with_bc
     assert len(docs["ids"]) >= 24 and len(set(docs["works"])) >= 3
     for scheme, record in smol.schemes.items():
         assert record.documents["quantgate_ppl"]["ids"] == docs["ids"], scheme
-        assert ppl_change(smol, scheme).method.startswith(f"paired bootstrap over {len(docs['ids'])} documents")
+        change = ppl_change(smol, scheme)
+        assert change is not None and change.method.startswith(f"paired bootstrap over {len(docs['ids'])} documents")
 
 
 @pytest.mark.parametrize("run", COMMITTED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "results")))

@@ -9,6 +9,7 @@ from conftest import ALL_VARIANTS, build_or_refuse
 
 import quantgate as qg
 from quantgate.models import attention_modules
+from quantgate.models.families import config_of
 
 IDS = torch.randint(5, 8192, (2, 10))
 
@@ -44,7 +45,7 @@ def test_save_load_other_families(tmp_path, preset):
 
 def _plain_checkpoint(path, preset="tiny-llama"):
     """A checkpoint written by transformers alone, as downloaded models are."""
-    config = qg.build(preset).config.to_dict()
+    config = config_of(qg.build(preset)).to_dict()
     config.pop("quantgate")
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -63,8 +64,8 @@ def test_plain_transformers_checkpoint_loads_with_and_without_variant(tmp_path):
     for name, p in gated.named_parameters():  # every original weight loaded unchanged
         if "gate" not in name:
             assert torch.equal(p, hf.get_parameter(name)), name
-    gate = attention_modules(gated)[0].gate
-    assert torch.allclose(gate.proj.bias, torch.full((4,), torch.logit(torch.tensor(0.9)).item()))
+    bias = attention_modules(gated)[0].get_parameter("gate.proj.bias")
+    assert torch.allclose(bias, torch.full((4,), torch.logit(torch.tensor(0.9)).item()))
     # saving the gated model and loading it again keeps the gate, and the plain dir stays loadable
     qg.save(gated, tmp_path / "gated")
     assert torch.equal(_logits(qg.load(tmp_path / "gated")), _logits(gated))
@@ -99,13 +100,13 @@ def test_qiu_gated_checkpoint_layout(tmp_path, headwise):
     model = qg.build("tiny-qwen3", kind, seed=5).eval()
     with torch.no_grad():
         for attn in attention_modules(model):
-            attn.gate.proj.bias.zero_()  # their q_proj has no bias (attention_bias false)
+            attn.get_parameter("gate.proj.bias").zero_()  # their q_proj has no bias (attention_bias false)
     from safetensors.torch import save_file
 
     out = tmp_path / "qiu"
     out.mkdir()
     save_file(_fuse_qiu(model, headwise), str(out / "model.safetensors"))
-    config = model.config.to_dict()
+    config = config_of(model).to_dict()
     config.pop("quantgate")
     config.update(
         headwise_attn_output_gate=headwise,

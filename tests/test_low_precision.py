@@ -3,6 +3,7 @@ dtype, a study's ``dtype:`` runs its model in that dtype under keys of their own
 perplexity matches its float32 twin's within bf16's own error."""
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +59,9 @@ def test_a_bf16_model_quantizes_like_its_float32_twin(scheme):
         return float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:]))
 
     bf16 = qg.build("tiny-llama", seed=0, dtype=torch.bfloat16)
-    options = {"calibration": calib(), "calib": 2} if qg.quant.get_scheme(scheme).needs_calibration else {}
+    options: dict[str, Any] = (
+        {"calibration": calib(), "calib": 2} if qg.quant.get_scheme(scheme).needs_calibration else {}
+    )
     q32 = qg.quantize(f32, scheme, **options)
     options = {"calibration": calib(), "calib": 2} if options else {}
     q16 = qg.quantize(bf16, scheme, **options)

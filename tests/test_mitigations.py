@@ -3,14 +3,17 @@ equivalence, MX / NVFP4 block scales against torchao's own casts, per-tensor FP4
 round trip and its kept sink tokens, keep=auto finding a planted massive activation."""
 
 import math
+from typing import cast
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 import quantgate as qg
 from quantgate.quant import get_scheme, quantize
 from quantgate.quant.mitigate import massive_ffns, smooth_, smoothing_groups
 from quantgate.quant.quantizers import fake_block, fake_quant
+from quantgate.quant.schemes import SimulatedScheme, TensorQuant
 from quantgate.quant.simulate import KVQuant, act_quantizers
 
 
@@ -71,12 +74,13 @@ def test_smoothquant_scale_is_its_definition_and_the_smoothed_model_is_the_same_
     before = _logits(model, batches)
     groups = smoothing_groups(model)
     # by hand: max |X_j| over the calibration batches at each group's input, and max |W_ij| over the group
-    seen = [None] * len(groups)
+    seen: list[torch.Tensor | None] = [None] * len(groups)
 
     def record(i):
         def hook(module, args):
             x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
-            seen[i] = x if seen[i] is None else torch.maximum(seen[i], x)
+            prev = seen[i]
+            seen[i] = x if prev is None else torch.maximum(prev, x)
 
         return hook
 
@@ -87,7 +91,8 @@ def test_smoothquant_scale_is_its_definition_and_the_smoothed_model_is_the_same_
     alpha = 0.5
     w_max = [torch.cat([r.weight.detach() for r in readers]).abs().amax(0) for _, _, readers in groups]
     eps = torch.finfo(torch.float32).eps  # guards channels that never fire (ReLU) or weights that are 0
-    expected = [(x + eps).pow(alpha) / (w + eps).pow(1 - alpha) for x, w in zip(seen, w_max, strict=True)]
+    maxima = [x for x in seen if x is not None]  # every group's input was seen (zip's strict checks the count)
+    expected = [(x + eps).pow(alpha) / (w + eps).pow(1 - alpha) for x, w in zip(maxima, w_max, strict=True)]
     weights = [[r.weight.detach().clone() for r in readers] for _, _, readers in groups]
 
     smooth_(model, alpha, lambda m: _logits(m, batches))
@@ -105,7 +110,7 @@ def test_smoothquant_flattens_a_planted_outlier_channel_at_the_linear_input():
     with torch.no_grad():
         model.model.layers[0].input_layernorm.weight[5] = 60.0  # one channel 60x the others at q/k/v's input
     batches = _batches(model.config.vocab_size)
-    seen = {}
+    seen: dict[str, torch.Tensor] = {}
     q_proj = model.model.layers[0].self_attn.q_proj
     h = q_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0].detach().abs().amax((0, 1))))
     _logits(model, batches)
@@ -126,6 +131,7 @@ def test_smoothed_static_int8_runs_end_to_end_and_records_what_it_did():
     batches = _batches(model.config.vocab_size)
     q = quantize(model, "w8a8-int8-static:smooth=0.5,calib=3", calibration=batches)
     record = qg.quantization_of(q)
+    assert record is not None
     assert record["scheme"] == "w8a8-int8-static:calib=3,smooth=0.5"
     assert record["mitigation"]["smooth"]["groups"] == 3 * len(model.model.layers)
     assert torch.isfinite(_logits(q, batches)).all()
@@ -171,11 +177,18 @@ def test_per_tensor_fp4_rounds_to_the_e2m1_grid_and_counts_saturation():
     assert over == 2
 
 
+def _kv_spec(text: str) -> TensorQuant:
+    """The KV cache's quantization of a (simulated) KV scheme."""
+    scheme = get_scheme(text)
+    assert isinstance(scheme, SimulatedScheme) and scheme.kv is not None
+    return scheme.kv
+
+
 @pytest.mark.parametrize("fmt,bits", [("int8", 8), ("int4", 4)])
 @pytest.mark.parametrize("granularity", ["token", "group", "channel"])
 def test_kv_cache_round_trip_is_within_a_step_of_each_range(fmt, bits, granularity):
     group = ",kv_group=8" if granularity != "token" else ""  # per token, kv_group is read by nothing: refused
-    spec = get_scheme(f"kv4-int4:kv_bits={bits},kv_granularity={granularity}{group}").kv
+    spec = _kv_spec(f"kv4-int4:kv_bits={bits},kv_granularity={granularity}{group}")
     t = torch.randn(2, 3, 21, 16) * torch.linspace(0.1, 10, 16)
     for role in ("k", "v"):
         q = KVQuant(spec, "cache", role)(t)
@@ -195,12 +208,12 @@ def test_kv_cache_round_trip_is_within_a_step_of_each_range(fmt, bits, granulari
 
 
 def test_kv_cache_keeps_the_sink_tokens_in_full_precision_and_fp8_saturates_nothing():
-    spec = get_scheme("kv4-int4").kv
+    spec = _kv_spec("kv4-int4")
     t = torch.randn(1, 2, 10, 16)
     t[:, :, 0] *= 100  # a sink token with a huge key
     q = KVQuant(spec, "cache", "k", sink=2)(t)
     assert torch.equal(q[:, :, :2], t[:, :, :2]) and not torch.equal(q[:, :, 2:], t[:, :, 2:])
-    fp8 = KVQuant(get_scheme("kv8-fp8-e4m3").kv, "cache", "v")
+    fp8 = KVQuant(_kv_spec("kv8-fp8-e4m3"), "cache", "v")
     y = fp8(t)
     assert fp8.quant.overflow == 0
     assert float(((y - t).abs() / t.abs().amax(-1, keepdim=True)).max()) <= 2.0**-4
@@ -230,12 +243,14 @@ def test_keep_auto_keeps_the_ffn_that_writes_a_planted_massive_activation():
         down.bias[3] = 1e4
     batches = _batches(model.config.vocab_size)
     assert massive_ffns(model, lambda m: _logits(m, batches)) == ["model.layers.1.mlp"]
-    q = quantize(model, "w8a8-int8-static:keep=auto,calib=3", calibration=batches)
-    assert qg.quantization_of(q)["mitigation"]["keep"] == ["model.layers.1.mlp"]
+    q = cast(LlamaForCausalLM, quantize(model, "w8a8-int8-static:keep=auto,calib=3", calibration=batches))
+    record = qg.quantization_of(q)
+    assert record is not None and record["mitigation"]["keep"] == ["model.layers.1.mlp"]
     assert not hasattr(q.model.layers[1].mlp.down_proj, "input_quant")
     assert hasattr(q.model.layers[0].mlp.down_proj, "input_quant")
     assert math.isfinite(float(_logits(q, batches).sum()))
-    b = quantize(model, "w8a8-int8-bondarenko:keep=auto,calib=3", calibration=batches)  # its sites are skipped too
+    # its sites are skipped too
+    b = cast(LlamaForCausalLM, quantize(model, "w8a8-int8-bondarenko:keep=auto,calib=3", calibration=batches))
     assert not hasattr(b.model.layers[1].mlp, "output_quant") and not hasattr(
         b.model.layers[1].mlp.down_proj, "input_quant"
     )
@@ -249,7 +264,7 @@ def test_block_and_fp4_schemes_quantize_every_linear_and_8_bits_beat_4():
     ref = _logits(model, batches)
     err = {}
     for scheme in ("w8a8-mxfp8", "w4a4-mxfp4", "w4a4-nvfp4", "w4a4-fp4-e2m1"):
-        q = quantize(model, scheme, calibration=batches)
+        q = cast(LlamaForCausalLM, quantize(model, scheme, calibration=batches))
         assert not torch.equal(q.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
         assert len(act_quantizers(q)) == 7 * len(model.model.layers)  # q, k, v, o, gate, up, down inputs
         err[scheme] = float((_logits(q, batches) - ref).norm() / ref.norm())
@@ -310,7 +325,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
         return Delta(v, lo, hi, "perplexity", 4, "paired bootstrap")
 
     schemes = ["w8a8-int8-static", "w8a8-int8-static:rotate=online", "w8a8-int8-static:smooth=0.5", "kv4-int4"]
-    cells = [
+    raw = [
         {
             "id": f"{m}/v",
             "model": m,
@@ -324,7 +339,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
         }
         for m in ("big", "twin")
     ]
-    cells = [CellRecord.from_json(c) for c in cells]
+    cells = [CellRecord.from_json(c) for c in raw]
     changes = {
         ("big/v", schemes[0]): d(1.07, 0.98, 1.12),
         ("big/v", schemes[1]): d(0.004, 0.002, 0.006),
@@ -360,7 +375,8 @@ def test_smoothquant_on_torchaos_real_int8_static_path_lowers_the_error_of_an_ou
 
     model, batches, ref = _outlier_model(80.0)
     err, q = _errors(model, batches, ref, ("torchao-int8-static:calib=2", "torchao-int8-static:smooth=0.5,calib=2"))
-    assert qg.quantization_of(q)["mitigation"]["smooth"]["groups"] == 3 * len(model.model.layers)
+    record = qg.quantization_of(q)
+    assert record is not None and record["mitigation"]["smooth"]["groups"] == 3 * len(model.model.layers)
     assert err["torchao-int8-static:smooth=0.5,calib=2"] < 0.75 * err["torchao-int8-static:calib=2"]
     save_quantized(q, tmp_path / "q")
     torch.testing.assert_close(_logits(load_quantized(tmp_path / "q"), batches), _logits(q, batches))
@@ -373,7 +389,7 @@ def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_han
     def docs(loglik):
         return {"quantgate_backcopy": {"ids": [0, 1, 2], "loglikelihood": loglik, "tokens": [10, 10, 10]}}
 
-    cell = {
+    raw = {
         "id": "t/v",
         "model": "t",
         "variant": "vanilla",
@@ -383,9 +399,10 @@ def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_han
             "kv4-int4:sink=1": {"documents": docs([-10.0, -10.5, -12.5])},
         },
     }
-    cell = CellRecord.from_json(cell)
+    cell = CellRecord.from_json(raw)
     assert without_sink("kv4-int4:sink=1") == "kv4-int4" and without_sink("kv4-int4") is None
     d = sink_effect(cell, "kv4-int4", "kv4-int4:sink=1")
+    assert d is not None and d.low is not None and d.high is not None
     assert d.value == pytest.approx(math.exp(33.0 / 30) / math.exp(36.0 / 30) - 1)  # ppl = exp(-loglik / tokens)
     assert d.low <= d.value <= d.high
     lines = which_fix([cell], ["kv4-int4", "kv4-int4:sink=1"], {}, {"reference": "kv4-int4"}, [])
@@ -420,4 +437,4 @@ def test_committed_mitigations_report_opens_with_the_ranking_recomputed_from_its
     for row in table:
         assert row.split(" | ")[2].startswith(format_delta(deltas[row.split(" | ")[0][3:-1]]))
     static = deltas["w8a8-int8-static"]
-    assert static.low > 0.5  # the broken reference: over +50% with its whole interval
+    assert static.low is not None and static.low > 0.5  # the broken reference: over +50% with its whole interval

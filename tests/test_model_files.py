@@ -101,6 +101,13 @@ CORRUPT = {
         "info",
         "config.json: field 'quantgate.variant' must be a string, got a JSON number",
     ),
+    "record-unknown-field": (  # a misspelt or newer field is not silently dropped
+        "vanilla",
+        _edit_config(**{"quantgate.variants": "g1-elementwise"}),
+        "info",
+        "config.json: field 'quantgate.variants' is not one quantgate writes; restore the config.json saved with "
+        "the model",
+    ),
     "record-lacks-model-type": (
         "gated",
         _drop_quantgate_model_type,

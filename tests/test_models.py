@@ -1,5 +1,7 @@
 """Variants swapped into real transformers models: forward/backward, gate placement, padding."""
 
+from typing import cast
+
 import pytest
 import torch
 from conftest import ALL_VARIANTS, FAMILY_PRESETS, GATED, build_or_refuse
@@ -43,7 +45,7 @@ def test_qwen3_next_builtin_gate(variant):
     out = model(IDS, labels=IDS)
     out.loss.backward()
     assert torch.isfinite(out.loss)
-    q_proj = attention_modules(model)[0].q_proj
+    q_proj = cast(torch.nn.Linear, attention_modules(model)[0].q_proj)
     assert q_proj.out_features == 2 * 4 * 16  # queries and the built-in gate
     with pytest.raises(ValueError, match="built-in g1-elementwise gate"):
         qg.build("tiny-qwen3-next", "g1-headwise")
@@ -90,7 +92,7 @@ def test_gate_sits_where_the_variant_says(preset, variant):
     family = family_of(base)
     b_block, g_block = family.blocks(base)[0], family.blocks(gated)[0]  # same input x in both
     attn = g_block.get_submodule(family.attention)
-    seen = {}
+    seen: dict[str, torch.Tensor] = {}
     hooks = [_capture(g_block.get_submodule(family.attention), seen, "x_g", use_input=True)]
     for name, block in (("b", b_block), ("g", g_block)):
         hooks += [
@@ -101,7 +103,7 @@ def test_gate_sits_where_the_variant_says(preset, variant):
     with torch.no_grad():
         base(IDS), gated(IDS)
         x = seen["x_g"]
-        gate = attn.gate
+        gate = cast(Gate, attn.gate)
         if gate.position == "value":
             assert torch.allclose(seen["v_g"], seen["v_b"] * gate(x), atol=1e-6)
         elif gate.position == "output":
@@ -160,10 +162,10 @@ def test_gate_parameters_exclude_routers_and_mlp_gates():
 
 def test_gate_initialisation_follows_pi_init():
     model = qg.build("tiny-llama", "g1-headwise:pi_init=0.25")
-    gate = attention_modules(model)[0].gate
+    gate = cast(Gate, attention_modules(model)[0].gate)
     x = torch.zeros(1, 3, 64)
     assert torch.allclose(gate(x), torch.full((1, 4, 3, 1), 0.25))
-    ns = attention_modules(qg.build("tiny-llama", "g1-ns-sigmoid"))[0].gate
+    ns = cast(Gate, attention_modules(qg.build("tiny-llama", "g1-ns-sigmoid"))[0].gate)
     assert torch.allclose(ns(x), torch.full((1, 4, 3, 16), 0.75))
 
 
@@ -189,21 +191,23 @@ def test_bondarenko_needs_divisible_slices():
     from quantgate.attention.gates import AttentionDims, build_gate
 
     spec = qg.AttentionVariant.parse("bondarenko").gate
+    assert spec is not None
     with pytest.raises(ValueError, match="mode=all-heads"):
         build_gate(spec, AttentionDims(d_model=64, n_heads=3, n_kv_heads=1, head_dim=16))
     wide = qg.AttentionVariant.parse("bondarenko:mode=all-heads").gate
+    assert wide is not None
     assert build_gate(wide, AttentionDims(64, 3, 1, 16))(torch.zeros(2, 5, 64)).shape == (2, 3, 5, 1)
 
 
 def test_gate_cost_against_a_hand_count():
     """tiny-llama: 2 layers, d=64, 4 heads x 16. G1 elementwise: W (64 x 64) + b (64) per layer, one
     multiply-add per weight per token; headwise: 64 x 4 + 4; input-independent: no per-token matmul."""
-    from quantgate.models.cost import gate_cost
+    from quantgate.models.cost import GateCost, gate_cost
 
     cost = {
         v: gate_cost(qg.build("tiny-llama", v)) for v in ("vanilla", "g1-elementwise", "g1-headwise", "g1-constant")
     }
-    assert cost["vanilla"] == {"gate_params": 0, "gate_flops_per_token": 0.0}
-    assert cost["g1-elementwise"] == {"gate_params": 2 * (64 * 64 + 64), "gate_flops_per_token": 2 * 2 * 64 * 64}
-    assert cost["g1-headwise"] == {"gate_params": 2 * (64 * 4 + 4), "gate_flops_per_token": 2 * 2 * 64 * 4}
-    assert cost["g1-constant"] == {"gate_params": 2 * 64, "gate_flops_per_token": 0.0}
+    assert cost["vanilla"] == GateCost(0, 0.0)
+    assert cost["g1-elementwise"] == GateCost(2 * (64 * 64 + 64), 2 * 2 * 64 * 64)
+    assert cost["g1-headwise"] == GateCost(2 * (64 * 4 + 4), 2 * 2 * 64 * 4)
+    assert cost["g1-constant"] == GateCost(2 * 64, 0.0)

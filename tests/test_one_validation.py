@@ -4,12 +4,14 @@ definition (quantgate.options, quantgate.train.TRAIN_RANGES, the study schema's 
 quantgate.models.presets.CONFIG_RANGES), so the doors cannot drift apart."""
 
 import json
+from typing import Any
 
 import pytest
 import yaml
 
 import quantgate as qg
 from quantgate.cli import main
+from quantgate.models.families import config_of
 from quantgate.study import StudyError, load_study
 from quantgate.train import TrainConfig
 
@@ -18,7 +20,7 @@ TRAIN = ["train", "--preset", "tiny-llama", "--steps", "2", "--batch-size", "2",
 
 # (command line, its error, the same value in a study file or None where a study has no such setting,
 #  what the study's error says, the TrainConfig field and value the Python API refuses alike or None)
-BAD_OPTIONS = {
+BAD_OPTIONS: dict[str, tuple[list[str], str, str | None, str | None, tuple[str, Any] | None]] = {
     "steps-0": (
         [*TRAIN, "--steps", "0"],
         "--steps must be >= 1; got 0",
@@ -186,6 +188,7 @@ def test_the_command_line_and_a_study_refuse_the_same_values(case, tmp_path, cap
     assert err.count("\n") == 1 and message in err, err
     assert not out.exists() or not any(out.iterdir())  # refused before any work
     if study is not None:
+        assert study_message is not None  # a study's setting comes with the error it gives
         f = tmp_path / "study.yaml"
         f.write_text(STUDY + study)
         with pytest.raises(StudyError) as caught:
@@ -233,7 +236,7 @@ def test_the_values_in_range_are_accepted_by_both_doors(tmp_path, capsys):
 
 # (preset, config field, a value out of its range, what every door's error says). The command line gets it as
 # --config field=<JSON>, a study file as YAML, qg.build as a keyword
-BAD_CONFIGS = {
+BAD_CONFIGS: dict[str, tuple[str, str, Any, str]] = {
     "hidden-size-63": ("tiny-llama", "hidden_size", 63, "hidden_size 63 is not a multiple of num_attention_heads 4"),
     "heads-3": ("tiny-llama", "num_attention_heads", 3, "hidden_size 64 is not a multiple of num_attention_heads 3"),
     "heads-3-gqa": (
@@ -285,9 +288,9 @@ def test_model_config_overrides_are_checked_at_every_door(case, tmp_path, capsys
 def test_model_config_overrides_that_fit_are_kept():
     """A head size given explicitly frees hidden_size from the heads (Qwen3), and MLA's latent attention has its
     own head sizes: neither is refused."""
-    assert qg.build("tiny-qwen3", hidden_size=48).config.hidden_size == 48
-    assert qg.build("tiny-mla", num_attention_heads=3).config.num_attention_heads == 3
-    assert qg.build("tiny-llama", hidden_act="gelu", rms_norm_eps=0.1).config.hidden_act == "gelu"
+    assert config_of(qg.build("tiny-qwen3", hidden_size=48)).hidden_size == 48
+    assert config_of(qg.build("tiny-mla", num_attention_heads=3)).num_attention_heads == 3
+    assert config_of(qg.build("tiny-llama", hidden_act="gelu", rms_norm_eps=0.1)).hidden_act == "gelu"
 
 
 def test_the_python_api_checks_the_same_ranges():

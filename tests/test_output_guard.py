@@ -33,7 +33,7 @@ COMMANDS = {
     "train": (["train", "--preset", "tiny-llama", "--steps", "1", "--out", "OUT"], "quantgate.cli.build"),
     "study": (["study", "STUDY", "--out", "OUT"], "quantgate.study.steps._run_cell"),
     "observe": (["observe", "tiny-llama", "--out", "OUT"], "quantgate.cli._load_or_build"),
-    "compare": (["compare", "RUNS", "--out", "OUT"], "quantgate.study.report.collect_evals"),
+    "compare": (["compare", "RUNS", "--out", "OUT"], "quantgate.study.compare.collect_evals"),
 }
 
 
@@ -200,9 +200,12 @@ def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones
     """A full disk at a checkpoint (not the final model save) was a SafetensorError traceback."""
     from safetensors import SafetensorError
 
-    import quantgate.train as train_module
+    import quantgate.train.checkpoint
+    import quantgate.train.rng
 
-    real, written = train_module.save_file, []
+    # a checkpoint's safetensors: the RNG states (written first), the weights and the optimizer state
+    writers = (quantgate.train.rng, quantgate.train.checkpoint)
+    real, written = quantgate.train.checkpoint.save_file, []
 
     def fills_up(tensors, filename, *args, **kwargs):
         if "step-2" in filename:
@@ -210,7 +213,8 @@ def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones
         written.append(filename)
         return real(tensors, filename, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "save_file", fills_up)
+    for module in writers:
+        monkeypatch.setattr(module, "save_file", fills_up)
     out = tmp_path / "run"
     argv = [
         "train",
@@ -232,5 +236,6 @@ def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones
     assert f"cannot write the checkpoint {out / 'checkpoints' / 'step-2'}: Error while serializing" in err
     assert "the earlier ones are kept (step-1)" in err and "continue with --resume" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]  # no half-written step-2
-    monkeypatch.setattr(train_module, "save_file", real)
+    for module in writers:
+        monkeypatch.setattr(module, "save_file", real)
     assert main([*argv, "--resume"]) == 0 and (out / "model" / "config.json").is_file()

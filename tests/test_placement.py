@@ -2,6 +2,7 @@
 site per family, one block quantized by hand against the simulation, and the attention gates."""
 
 from collections import Counter
+from typing import Any, cast
 
 import pytest
 import torch
@@ -71,7 +72,7 @@ def _calib(n=2):
 def _sites(q):
     """{block index or None (outside the blocks): Counter of site names relative to the block}."""
     blocks = [n for n, m in q.named_modules() if any(m is b for b in family_of(q).blocks(q))]
-    out = {}
+    out: dict[int | None, Counter[str]] = {}
     for quant in act_quantizers(q):
         owner, _, tensor = quant.name.rpartition(" ")
         i = next((i for i, b in enumerate(blocks) if owner == b or owner.startswith(b + ".")), None)
@@ -92,7 +93,7 @@ def _sites(q):
     ],
 )
 def test_bondarenko_sites_per_block_match_the_reference_list(preset, per_block, outside, block0_extra):
-    overrides = {
+    overrides: dict[str, dict[str, Any]] = {
         "tiny-opt-post-ln": {"do_layer_norm_before": False},
         "tiny-mla": {"first_k_dense_replace": 1},  # block 1 MoE
         "tiny-qwen3-next": {  # block 0 linear attention and MoE
@@ -217,7 +218,7 @@ def _bert_block(b, x, kw):
 def test_one_block_quantized_by_hand_matches_the_simulation(preset, by_hand):
     q = qg.quantize(qg.build(preset, seed=2).eval(), "w8a8-int8-bondarenko", calibration=_calib())
     block = family_of(q).blocks(q)[1]
-    seen = {}
+    seen: dict[str, Any] = {}  # the block's input, its keyword arguments and its output
     hooks = [
         block.register_forward_pre_hook(lambda m, a, kw: seen.update(x=a[0], kw=kw), with_kwargs=True),
         block.register_forward_hook(lambda m, a, o: seen.update(out=o)),
@@ -238,12 +239,12 @@ def test_one_block_quantized_by_hand_matches_the_simulation(preset, by_hand):
 def test_attention_gates_stay_in_full_precision_unless_asked(acts):
     model = qg.build("tiny-llama", "g1-elementwise", seed=0).eval()
     proj = "model.layers.0.self_attn.gate.proj"
-    w = model.get_submodule(proj).weight.detach().clone()
+    w = cast(torch.Tensor, model.get_submodule(proj).weight).detach().clone()
     for gates, quantized in ((False, False), (True, True)):
         q = qg.quantize(model, f"w8a8-int8-static:acts={acts},gates={str(gates).lower()}", calibration=_calib(1))
         gate_sites = {x.name for x in act_quantizers(q) if ".gate." in x.name}
         assert bool(gate_sites) == quantized
-        assert (not torch.equal(q.get_submodule(proj).weight, w)) == quantized
+        assert (not torch.equal(cast(torch.Tensor, q.get_submodule(proj).weight), w)) == quantized
     assert gate_sites >= {f"{proj} input"} | ({f"{proj} output"} if acts == "bondarenko" else set())
 
 

@@ -2,9 +2,11 @@
 kernels, checkpoints and bad input."""
 
 import math
+from typing import cast
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 import quantgate as qg
 from quantgate.quant import get_scheme
@@ -142,7 +144,7 @@ def test_sqnr_definition():
 
 def _planted_outlier_model():
     """tiny-llama whose first MLP turns the BOS token into a massive down_proj input (~250 vs ~0.005)."""
-    model = qg.build("tiny-llama", seed=0).eval()
+    model = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0).eval())
     with torch.no_grad():
         emb = model.model.embed_tokens.weight
         emb[:, 3] = 0.0
@@ -244,7 +246,8 @@ def test_every_cpu_scheme_runs_and_reloads_bit_exactly(tmp_path, scheme, variant
     assert 10 < err["logits_sqnr_db"] < math.inf  # quantized, and still the same model (the gates survive)
     qg.save(q, tmp_path / "q")
     again = qg.load(tmp_path / "q")
-    assert qg.quantization_of(again)["scheme"] == str(get_scheme(scheme))
+    record = qg.quantization_of(again)
+    assert record is not None and record["scheme"] == str(get_scheme(scheme))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, q(ids).logits)
 
@@ -259,9 +262,11 @@ def test_gpu_only_scheme_names_the_simulated_one():
 def test_inplace_and_manifest(tmp_path):
     model = qg.build("tiny-opt")
     same = qg.quantize(model, "w8-int8", inplace=True)
-    assert same is model and qg.quantization_of(model)["scheme"] == "w8-int8"
+    record = qg.quantization_of(model)
+    assert same is model and record is not None and record["scheme"] == "w8-int8"
     q = qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static", calibration=_bos_batches(3), calib=2, estimator="minmax")
     rec = qg.quantization_of(q)
+    assert rec is not None
     assert rec["scheme"] == "w8a8-int8-static:estimator=minmax,calib=2"
     assert rec["calibration"]["batches"] == 2 and rec["source_model"] == "tiny-opt" and len(rec["source_sha256"]) == 64
     qg.save(q, tmp_path / "q")

@@ -5,13 +5,16 @@ import dataclasses
 import hashlib
 import json
 import shutil
+from typing import cast
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import OPTForCausalLM
 
 import quantgate as qg
 from quantgate.quant import get_scheme
+from quantgate.quant.schemes import SimulatedScheme
 from quantgate.quant.simulate import act_quantizers
 from quantgate.variants import AttentionVariant, ClipSpec, SinkSpec
 
@@ -66,7 +69,7 @@ def test_bondarenko_quantizers_are_named_by_module_and_tensor():
 
 
 def test_save_refuses_non_finite_ranges_and_writes_nothing(tmp_path):
-    q = qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static", calibration=_batches())
+    q = cast(OPTForCausalLM, qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static", calibration=_batches()))
     q.model.decoder.layers[1].fc2.input_quant.hi.fill_(float("nan"))
     with pytest.raises(
         ValueError,
@@ -79,7 +82,7 @@ def test_save_refuses_non_finite_ranges_and_writes_nothing(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["w8-int8", "w8a8-int8-dynamic", "llm-int8"])
 def test_non_finite_weights_are_refused_before_quantizing(scheme):
-    model = qg.build("tiny-opt")
+    model = cast(OPTForCausalLM, qg.build("tiny-opt"))
     with torch.no_grad():
         model.model.decoder.layers[1].self_attn.v_proj.weight[3, 2] = float("nan")
     with pytest.raises(
@@ -230,6 +233,7 @@ def test_scheme_options_outside_their_range(text, fragment):
 
 def test_scheme_ranges_hold_for_the_python_api():
     s = get_scheme("w8a8-int8-static")
+    assert isinstance(s, SimulatedScheme) and s.act is not None
     with pytest.raises(ValueError, match=r"percentile must be in \(50, 100\], got 150"):
         dataclasses.replace(s, act=dataclasses.replace(s.act, percentile=150.0))
     with pytest.raises(ValueError, match="calib must be >= 1, got 0"):

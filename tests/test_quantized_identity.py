@@ -6,9 +6,11 @@ schemes that now run on MLA and on short sequences reload bit-identical logits."
 
 import json
 import shutil
+from typing import cast
 
 import pytest
 import torch
+from transformers import OPTForCausalLM
 
 import quantgate as qg
 
@@ -158,7 +160,9 @@ def test_a_manifest_alias_to_another_tensor_is_refused(tmp_path):
 def test_schemes_that_crashed_save_and_reload_bit_identical(preset, scheme, tmp_path):
     model = qg.build(preset, seed=0).eval()
     if preset == "tiny-opt":  # a site that sees only zeros calibrates by percentile
-        model.model.decoder.layers[0].fc1.register_forward_pre_hook(lambda m, args: (torch.zeros_like(args[0]),))
+        cast(OPTForCausalLM, model).model.decoder.layers[0].fc1.register_forward_pre_hook(
+            lambda m, args: (torch.zeros_like(args[0]),)
+        )
     q = (
         qg.quantize(model, scheme, calibration=_batches(), calib=2)
         if ":estimator" in scheme
@@ -167,5 +171,7 @@ def test_schemes_that_crashed_save_and_reload_bit_identical(preset, scheme, tmp_
     qg.save(q, tmp_path / "q")
     again = qg.load(tmp_path / "q")
     if preset == "tiny-opt":
-        again.model.decoder.layers[0].fc1.register_forward_pre_hook(lambda m, args: (torch.zeros_like(args[0]),))
+        cast(OPTForCausalLM, again).model.decoder.layers[0].fc1.register_forward_pre_hook(
+            lambda m, args: (torch.zeros_like(args[0]),)
+        )
     assert torch.equal(_logits(again), _logits(q))

@@ -15,7 +15,7 @@ import pytest
 import ray
 import torch
 
-from quantgate.study import run_study
+from quantgate.study import Cell, CellRecord, run_study
 from quantgate.study.executors import RUN_ID, StudyDirectoryNotShared, _cell_task
 from quantgate.study.schema import load_study
 
@@ -146,7 +146,11 @@ def test_a_killed_ray_study_run_again_ends_as_the_serial_run(study, serial, tmp_
 def test_a_worker_that_cannot_see_the_run_directory_is_refused(study, tmp_path):
     cell = load_study(study).cells()[0]
     (tmp_path / RUN_ID).write_text("another run's token")
+
+    def never_run(cell: Cell, cdir: Path) -> CellRecord:
+        raise AssertionError("refused before the cell runs")
+
     with pytest.raises(StudyDirectoryNotShared, match=r"cannot see the study's run directory .* every worker shares"):
-        _cell_task(lambda c, d: None, cell, tmp_path / "cells" / "x", tmp_path, "this run's token", 1)
+        _cell_task(never_run, cell, tmp_path / "cells" / "x", tmp_path, "this run's token", 1)
     with pytest.raises(StudyDirectoryNotShared, match="give --out a path every node mounts"):
-        _cell_task(lambda c, d: None, cell, tmp_path / "cells" / "x", tmp_path / "elsewhere", "token", 1)
+        _cell_task(never_run, cell, tmp_path / "cells" / "x", tmp_path / "elsewhere", "token", 1)

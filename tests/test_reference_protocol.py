@@ -5,16 +5,18 @@ the first K positions of each sequence), and a calibration record that counts th
 
 import logging
 import re
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 import quantgate as qg
 from quantgate.models.swap import apply_variant
 from quantgate.quant import SCHEMES, get_scheme, quantization_of
 from quantgate.quant.quantizers import RangeObserver, percentile_range, quantize_weight_qparams
-from quantgate.quant.schemes import TensorQuant
+from quantgate.quant.schemes import SimulatedScheme, TensorQuant
 from quantgate.quant.simulate import ActQuant, act_quantizers
 
 BOS = 1
@@ -61,6 +63,7 @@ def test_mse_weight_range_is_the_brute_force_grid_optimum(bits, granularity, sym
     w[3, 7] = 1.5  # one outlier row
     group = 16
     q, scale, _ = quantize_weight_qparams(w, f"int{bits}", granularity, symmetric, group, estimator="mse")
+    assert scale is not None  # integer formats have one
     rows = {"tensor": w.reshape(1, -1), "channel": w, "group": w.reshape(-1, group)}[granularity]
     best_err, best_q, best_scale = [], [], []
     for row in rows:
@@ -85,9 +88,9 @@ def test_mse_weight_range_is_the_brute_force_grid_optimum(bits, granularity, sym
 
 def test_mse_weight_ranges_reach_every_quantized_weight():
     """w_estimator=mse on a model: each quantized Linear's weight is the grid optimum of its own values."""
-    model = qg.build("tiny-llama", seed=0).eval()
+    model = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0).eval())
     float_w = model.model.layers[0].mlp.down_proj.weight.detach().clone()
-    q = qg.quantize(model, "w8-int8:w_estimator=mse,w_bits=4")
+    q = cast(LlamaForCausalLM, qg.quantize(model, "w8-int8:w_estimator=mse,w_bits=4"))
     expected, _, _ = quantize_weight_qparams(float_w, "int4", "channel", True, estimator="mse")
     assert torch.equal(q.model.layers[0].mlp.down_proj.weight, expected)
     assert not torch.equal(expected, quantize_weight_qparams(float_w, "int4", "channel", True)[0])  # it clips
@@ -221,7 +224,7 @@ def _sites(q):
 def _capture(model, batches, names):
     """The tensors each ``<module> input|output`` site sees in a float forward of ``batches``."""
     apply_variant(model)
-    seen = {n: [] for n in names}
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     modules = dict(model.named_modules())
     for name in names:
         path, _, where = name.rpartition(" ")
@@ -330,8 +333,12 @@ def test_the_new_options_print_back(text):
 
 def test_the_record_names_the_options_that_ran():
     q = qg.quantize(qg.build("tiny-llama", seed=0).eval(), "w8a8-int8-static", calibration=_batches(1), calib_skip=1)
-    scheme = quantization_of(q)["scheme"]
-    assert scheme == "w8a8-int8-static:calib_skip=1" and get_scheme(scheme).act.calib_skip == 1
+    record = quantization_of(q)
+    assert record is not None
+    scheme = record["scheme"]
+    assert scheme == "w8a8-int8-static:calib_skip=1"
+    parsed = get_scheme(scheme)
+    assert isinstance(parsed, SimulatedScheme) and parsed.act is not None and parsed.act.calib_skip == 1
 
 
 # --- the calibration count ----------------------------------------------------------------------------
@@ -350,7 +357,9 @@ def test_the_calibration_record_counts_the_batches_that_ran(given, calib, used, 
     options = {} if calib is None else {"calib": calib}
     with caplog.at_level(logging.WARNING, logger="quantgate"):
         q = qg.quantize(model, "w8a8-int8-static", calibration=iter(_batches(given)), **options)
-    record = quantization_of(q)["calibration"]
+    quantization = quantization_of(q)
+    assert quantization is not None
+    record = quantization["calibration"]
     requested = 16 if calib is None else calib
     assert record["batches"] == used and record["requested"] == requested and record["tokens"] == used * 2 * 16
     short = [r.getMessage() for r in caplog.records if "calibration:" in r.getMessage()]

@@ -18,6 +18,7 @@ import pytest
 
 import quantgate as qg
 from quantgate.cli import main
+from quantgate.models.families import config_of
 
 PACKAGE = Path(qg.__file__).parent
 EVIL = """\
@@ -42,7 +43,7 @@ def plain(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = tmp_path_factory.mktemp("plain") / "model"
-    config = qg.build("tiny-llama").config.to_dict()
+    config = config_of(qg.build("tiny-llama")).to_dict()
     config.pop("quantgate")
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).save_pretrained(path)
     qg.tokenizer("bpe-8192").save_pretrained(path)
@@ -104,8 +105,13 @@ def test_a_planted_auto_map_is_refused_in_one_line_without_asking(
     plain, tmp_path, monkeypatch, capsys, door, file, fragment
 ):
     folder, marker = _plant(plain, tmp_path, file)
-    asked = []
-    monkeypatch.setattr(builtins, "input", lambda prompt="": asked.append(prompt) or "y")  # a user who says yes
+    asked: list[str] = []
+
+    def says_yes(prompt=""):  # a user who says yes
+        asked.append(prompt)
+        return "y"
+
+    monkeypatch.setattr(builtins, "input", says_yes)
     monkeypatch.chdir(tmp_path)
     try:
         DOORS[door](folder, tmp_path)
@@ -175,7 +181,7 @@ def _calls():
     """(file, line, call name, keywords) of every call of interest under quantgate/."""
     for file in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(file.read_text(), str(file))
-        hflm_inits = set()
+        hflm_inits: set[int] = set()
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             if any(isinstance(b, ast.Name) and b.id == "HFLM" for b in cls.bases):
                 hflm_inits.update(

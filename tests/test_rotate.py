@@ -3,9 +3,11 @@ and what cannot be rotated exactly is refused."""
 
 import copy
 import math
+from typing import cast
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 import quantgate as qg
 from quantgate.models.swap import gate_parameters
@@ -25,7 +27,9 @@ def tiny(preset="tiny-llama", variant=None, **overrides):
             p.copy_((1 + torch.randn_like(p) * 0.3) * (1.0 if "layers" in name else 4.0))
     for p in gate_parameters(model).values():
         p.normal_(std=0.3)
-    model.get_input_embeddings().weight[:, 5] *= 20  # a planted outlier channel in the stream
+    embeddings = cast(PreTrainedModel, model).get_input_embeddings()
+    assert isinstance(embeddings, torch.nn.Embedding)
+    embeddings.weight[:, 5] *= 20  # a planted outlier channel in the stream
     return model
 
 
@@ -115,7 +119,7 @@ def test_later_pre_hooks_see_the_rotated_ffn_input():
     from torchao.prototype.spinquant.hadamard_utils import hadamard_matrix
 
     model = tiny()
-    seen = {}
+    seen: dict[str, torch.Tensor] = {}
     down = lambda m: m.base_model.layers[0].mlp.down_proj
     hook = lambda key: lambda mod, args: seen.__setitem__(key, args[0])
     x = ids()

@@ -2,9 +2,11 @@
 strings parse to a config and print back; a new torchao config is one row."""
 
 import dataclasses
+from typing import cast
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 import quantgate as qg
 from quantgate.quant import schemes
@@ -78,7 +80,7 @@ def test_a_new_torchao_config_is_one_row(monkeypatch, tmp_path):
     )
     monkeypatch.setitem(SCHEMES, row.name, row)
     model = qg.build("tiny-llama", seed=0).eval()
-    q = qg.quantize(model, "my-int8-weights:keep=model.layers.1*")
+    q = cast(LlamaForCausalLM, qg.quantize(model, "my-int8-weights:keep=model.layers.1*"))
     reference = qg.quantize(model, "torchao-int8-weight-only:keep=model.layers.1*")
     ids = _batches(1)[0]["input_ids"]
     with torch.no_grad():
@@ -87,7 +89,8 @@ def test_a_new_torchao_config_is_one_row(monkeypatch, tmp_path):
         assert type(q.model.layers[1].mlp.up_proj.weight) is torch.nn.Parameter  # kept in float
     qg.save(q, tmp_path / "q")
     again = qg.load(tmp_path / "q")
-    assert qg.quantization_of(again)["scheme"] == "my-int8-weights:keep=model.layers.1*"
+    record = qg.quantization_of(again)
+    assert record is not None and record["scheme"] == "my-int8-weights:keep=model.layers.1*"
     with torch.no_grad():
         assert torch.equal(again(ids).logits, q(ids).logits)
 

@@ -7,15 +7,18 @@ import dataclasses
 import importlib
 import json
 import logging
+from typing import Any, cast
 
 import pytest
 import torch
 from conftest import FAMILY_PRESETS
+from transformers import BertForMaskedLM, LlamaForCausalLM, OPTForCausalLM
 
 import quantgate as qg
 from quantgate.cli import main
 from quantgate.quant import get_scheme
 from quantgate.quant.quantizers import RangeObserver
+from quantgate.quant.schemes import SimulatedScheme, TorchaoScheme
 from quantgate.variants import AttentionVariant
 
 
@@ -132,10 +135,11 @@ def test_a_scheme_built_in_python_with_an_unread_option_is_refused_too():
     """parse(str(s)) == s holds for every scheme that can be built: one that str() would print with an
     option that parse() refuses cannot be built either."""
     s = get_scheme("w8a8-int8-dynamic")
+    assert isinstance(s, SimulatedScheme) and s.act is not None
     with pytest.raises(ValueError, match="estimator=mse does nothing here"):
         dataclasses.replace(s, act=dataclasses.replace(s.act, estimator="mse"))
     with pytest.raises(ValueError, match=r"smooth=0\.5 does nothing here"):
-        dataclasses.replace(get_scheme("torchao-int8-weight-only"), smooth=0.5)
+        dataclasses.replace(cast(TorchaoScheme, get_scheme("torchao-int8-weight-only")), smooth=0.5)
 
 
 def test_keyword_options_go_through_the_same_checks():
@@ -176,8 +180,8 @@ def test_a_keep_pattern_matching_no_module_is_refused_with_real_names(scheme):
 
 
 def test_a_keep_pattern_that_matches_is_accepted():
-    q = qg.quantize(qg.build("tiny-llama", seed=0), "w8-int8:keep=model.layers.1*|lm_head")
-    float_weight = qg.build("tiny-llama", seed=0).model.layers[1].mlp.up_proj.weight
+    q = cast(LlamaForCausalLM, qg.quantize(qg.build("tiny-llama", seed=0), "w8-int8:keep=model.layers.1*|lm_head"))
+    float_weight = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0)).model.layers[1].mlp.up_proj.weight
     assert torch.equal(q.model.layers[1].mlp.up_proj.weight, float_weight)
 
 
@@ -213,8 +217,9 @@ def test_kv_channel_keys_under_one_block_stay_in_full_precision():
     channel = qg.quantize(model, "kv4-int4:kv_granularity=channel")
     values = qg.quantize(model, "kv4-int4")
     for attn in values.modules():
-        if hasattr(attn, "qg_fake_quant") and attn.qg_fake_quant is not None:
-            attn.qg_fake_quant["k"] = torch.nn.Identity()
+        fake_quant = getattr(attn, "qg_fake_quant", None)
+        if fake_quant is not None:
+            fake_quant["k"] = torch.nn.Identity()
     with torch.no_grad():
         assert torch.equal(channel(ids).logits, values(ids).logits)
 
@@ -228,7 +233,7 @@ def test_a_quantizer_that_saw_only_zeros_gets_the_range_zero(estimator):
 
 
 def test_percentile_calibration_of_a_zero_site_quantizes():
-    model = qg.build("tiny-opt", seed=0).eval()
+    model = cast(OPTForCausalLM, qg.build("tiny-opt", seed=0).eval())
     fc1 = model.model.decoder.layers[0].fc1
     fc1.register_forward_pre_hook(lambda m, args: (torch.zeros_like(args[0]),))
     q = qg.quantize(model, "w8a8-int8-static:estimator=percentile", calibration=_batches(2), calib=2)
@@ -271,13 +276,16 @@ def quantized_dir(tmp_path_factory):
 @pytest.mark.parametrize("how", ["twice", "inplace", "dequantize", "loaded"])
 def test_quantize_refuses_a_model_quantgate_quantized(how, quantized_dir):
     model = qg.load(quantized_dir) if how == "loaded" else qg.quantize(qg.build("tiny-llama", seed=0), "w8-int8")
-    kwargs = {"inplace": True} if how == "inplace" else {"dequantize": True} if how == "dequantize" else {}
+    kwargs: dict[str, Any] = (
+        {"inplace": True} if how == "inplace" else {"dequantize": True} if how == "dequantize" else {}
+    )
     with pytest.raises(ValueError) as err:
         qg.quantize(model, "w8a8-int8-dynamic", **kwargs)
     assert "already quantized (w8-int8)" in str(err.value) and "(tiny-llama)" in str(err.value)
     if how == "dequantize":
         assert "cannot be dequantized" in str(err.value)
-    assert qg.quantization_of(model)["scheme"] == "w8-int8"
+    record = qg.quantization_of(model)
+    assert record is not None and record["scheme"] == "w8-int8"
 
 
 @pytest.mark.parametrize("command", ["quantize", "eval"])
@@ -306,7 +314,7 @@ def test_eval_names_the_scheme_option_it_refuses(quantized_dir):
 
 
 def _nan_model():
-    model = qg.build("tiny-llama", seed=0).eval()
+    model = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0).eval())
     model.model.norm.register_forward_hook(lambda m, args, out: out * float("nan"))
     return model
 
@@ -324,11 +332,16 @@ def test_evaluate_refuses_non_finite_outputs_naming_task_and_document(task):
 
 def _nan_after_the_first_task(monkeypatch, evaluate):
     """tiny-llama, finite for the lm-eval task, NaN from quantgate_backcopy (a computed task run after it)."""
-    model = qg.build("tiny-llama", seed=0).eval()
-    poisoned = []
+    model = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0).eval())
+    poisoned: list[int] = []
     model.model.norm.register_forward_hook(lambda m, args, out: out * float("nan") if poisoned else out)
     backcopy = evaluate._backcopy_documents
-    monkeypatch.setattr(evaluate, "_backcopy_documents", lambda *a, **k: poisoned.append(1) or backcopy(*a, **k))
+
+    def poisoning_backcopy(*a, **k):
+        poisoned.append(1)
+        return backcopy(*a, **k)
+
+    monkeypatch.setattr(evaluate, "_backcopy_documents", poisoning_backcopy)
     return model
 
 
@@ -402,7 +415,7 @@ def test_the_pll_model_refuses_a_nan_score_too():
     from quantgate.evaluate import NonFiniteOutputs
     from quantgate.lm_eval_models import PseudoLogLikelihoodLM
 
-    model = qg.build("tiny-bert", seed=0).eval()
+    model = cast(BertForMaskedLM, qg.build("tiny-bert", seed=0).eval())
     model.get_output_embeddings().register_forward_hook(lambda m, args, out: out * float("nan"))
     lm = PseudoLogLikelihoodLM(model, qg.tokenizer(model))
     request = type("Request", (), {"args": ("The cat sat on the mat.",), "doc_id": 7})()

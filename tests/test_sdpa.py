@@ -42,10 +42,12 @@ GATES = {
 @pytest.mark.parametrize("gate", list(GATES))
 def test_sdpa_matches_eager(hkv, causal, mask, gate):
     q, k, v = _inputs(hkv)
-    g = torch.rand(GATES[gate]) if GATES[gate] else None
+    shape = GATES[gate]
+    g = torch.rand(shape) if shape else None
     m = _masks()[mask]
     ref = gated_sdpa(q, k, v, g, attn_mask=m, is_causal=causal, backend="eager")
     out = gated_sdpa(q, k, v, g, attn_mask=m, is_causal=causal, backend="sdpa")
+    assert isinstance(ref, torch.Tensor) and isinstance(out, torch.Tensor)  # no sink_tokens: no mass
     assert out.shape == (B, HQ, N, D)
     assert (out - ref).abs().max() < 1e-5
 
@@ -63,6 +65,7 @@ def test_sink_mass_from_lse_equals_eager_probabilities(causal, sink_tokens, sink
     allowed = m & (torch.ones(N, N, dtype=torch.bool).tril() if causal else True)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks:
+        assert s is not None
         scores = torch.cat([scores, s.view(1, HQ, 1, 1).expand(B, HQ, N, 1)], -1)
     probs = scores.softmax(-1)
     expected = probs[..., :sink_tokens].sum(-1)
@@ -83,6 +86,7 @@ def test_sink_mass_path_keeps_gradients_of_the_output():
     for backend, tokens in (("eager", 0), ("sdpa", 2)):
         res = gated_sdpa(q, k, v, g, is_causal=True, backend=backend, sink_tokens=tokens)
         out = res[0] if tokens else res
+        assert isinstance(out, torch.Tensor)
         grads.append(torch.autograd.grad(out.square().sum(), (q, k, v, g)))
     for a, b in zip(*grads, strict=True):
         assert (a - b).abs().max() < 1e-4
@@ -96,6 +100,7 @@ def test_gradients_match_eager(causal):
     grads = []
     for backend in ("eager", "sdpa"):
         out = gated_sdpa(q, k, v, g, attn_mask=m, is_causal=causal, backend=backend)
+        assert isinstance(out, torch.Tensor)
         grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, D)).sum(), (q, k, v, g)))
     for a, b in zip(*grads, strict=True):
         assert (a - b).abs().max() < 1e-4
@@ -117,10 +122,12 @@ def test_learned_sinks_train_through_eager_fallback():
     q, k, v = _inputs(grad=True)
     s = torch.zeros(HQ, requires_grad=True)
     out = gated_sdpa(q, k, v, sinks=s, is_causal=True, backend="sdpa")
+    assert isinstance(out, torch.Tensor)
     out.sum().backward()
     assert s.grad is not None and s.grad.abs().sum() > 0
     with torch.no_grad():  # without autograd the O(N) sdpa path runs and agrees
         fast = gated_sdpa(q, k, v, sinks=s, is_causal=True, backend="sdpa")
+    assert isinstance(fast, torch.Tensor)
     assert (fast - out).abs().max() < 1e-5
 
 
@@ -137,9 +144,12 @@ def test_fully_masked_rows_attend_to_nothing():
 def test_cross_lengths_and_dropout_shapes():
     q, k, v = _inputs(m=N + 5)
     ref = gated_sdpa(q, k, v, backend="eager")
-    assert (gated_sdpa(q, k, v, backend="sdpa") - ref).abs().max() < 1e-5
+    out = gated_sdpa(q, k, v, backend="sdpa")
+    assert isinstance(ref, torch.Tensor) and isinstance(out, torch.Tensor)
+    assert (out - ref).abs().max() < 1e-5
     torch.manual_seed(1)
     dropped = gated_sdpa(q, k, v, backend="eager", dropout_p=0.5)
+    assert isinstance(dropped, torch.Tensor)
     assert dropped.shape == ref.shape and not torch.allclose(dropped, ref)
 
 

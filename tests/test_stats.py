@@ -47,6 +47,7 @@ def test_accuracy_delta_is_a_difference_with_a_seeded_interval():
     q = {"ids": list(range(40)), "acc": [1] * 12 + [0] * 28}  # 8 of the 20 right answers lost
     d = paired_delta(f, q, "acc")
     assert d.value == pytest.approx(-0.2) and d.kind == "accuracy"
+    assert d.low is not None and d.high is not None
     assert -0.4 < d.low < -0.2 < d.high < -0.05  # 8 discordant items of 40: se ~ 0.063
     assert paired_delta(f, q, "acc") == d  # seeded: the same interval every time
     assert paired_delta(f, q, "acc", seed=1) != d
@@ -62,6 +63,7 @@ def test_coverage_on_synthetic_data_with_a_known_delta():
         loglik = -words * rng.normal(3.0, 0.3, 40)
         shifted = loglik - words * (0.02 + rng.normal(0, 0.05, 40))
         d = paired_delta(_docs(loglik, words), _docs(shifted, words), "word_perplexity", seed=i)
+        assert d.low is not None and d.high is not None
         hits += d.low <= truth <= d.high
     assert 0.88 <= hits / trials <= 0.99  # measured: 0.90 (BCa at n = 40 runs slightly short)
 
@@ -106,6 +108,7 @@ def test_seed_perplexity_ratios_average_geometrically():
         (math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1)
     )
     assert 1 + d.value == pytest.approx(10000 ** (1 / 3))  # (2 x 10 x 500) ** (1/3) = 21.5
+    assert d.low is not None
     assert d.low > -1  # a ratio's interval stays above 0x (the arithmetic one here reached below -300x)
     assert format_delta(d) == "22x [0.019, 24,937] ~"  # spans 1x: within noise
     assert d.method == "geometric mean of the perplexity ratios over 3 seeds, t-interval across seeds on log ratios"
@@ -126,8 +129,9 @@ def test_format():
 
 def test_change_without_documents_is_a_point_value():
     d = change("word_perplexity", 100.0, 125.0)
-    assert d.value == pytest.approx(0.25) and format_delta(d) == "+25.0% [n/a]"
-    assert change("acc", 0.5, 0.4).value == pytest.approx(-0.1) and change("acc", None, 0.4) is None
+    assert d is not None and d.value == pytest.approx(0.25) and format_delta(d) == "+25.0% [n/a]"
+    acc = change("acc", 0.5, 0.4)
+    assert acc is not None and acc.value == pytest.approx(-0.1) and change("acc", None, 0.4) is None
 
 
 def test_a_perplexity_that_grew_or_may_grow_tenfold_prints_as_a_ratio():

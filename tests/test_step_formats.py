@@ -6,13 +6,16 @@ resumed study recomputes, and names, steps that other code computed.
     python tests/test_step_formats.py     # after bumping a version: write the shapes this code makes
 """
 
+import dataclasses
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from quantgate.models.cost import GateCost
 from quantgate.study import run_study, steps
 
 SHAPES = Path(__file__).with_name("step_formats.json")
@@ -83,8 +86,13 @@ def test_every_step_keeps_the_shape_its_format_records(run):
 
 def test_a_changed_output_under_the_same_format_fails(tmp_path, monkeypatch):
     """A step that gains a field without a new format number is named, with the bump to make."""
+
+    @dataclass(frozen=True)
+    class CostWithBytes(GateCost):  # a new metric: one field
+        gate_bytes: int = 0
+
     cost = steps.gate_cost
-    monkeypatch.setattr(steps, "gate_cost", lambda model: {**cost(model), "gate_bytes": 0})
+    monkeypatch.setattr(steps, "gate_cost", lambda model: CostWithBytes(**dataclasses.asdict(cost(model))))
     found = shapes(_run(tmp_path))
     assert problems(found, json.loads(SHAPES.read_text()), steps.STEP_FORMATS) == [
         "cost: its output changed shape under format 1: raise STEP_FORMATS['cost'] (cached results of the old code "

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantgate.stats import fmt
+from quantgate.measurements import CellObserve, CellSummary, LayerRow
+from quantgate.stats import fmt, pearson, spearman
 from quantgate.study import CellRecord, StudyError, StudyRecord, load_study, run_study
 from quantgate.study.measures import peak_activation
-from quantgate.study.report import pearson, spearman, study_markdown, write_study_report
+from quantgate.study.report import study_markdown, write_study_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "experiments" / "smoke.yaml"
@@ -246,7 +247,7 @@ def _change(cell: dict, scheme: str) -> float:
 
 
 def test_compare_reads_study_runs(smoke_run):
-    from quantgate.study.report import compare
+    from quantgate.study.compare import compare
 
     table = compare([smoke_run])
     assert "| smoke:tiny | g1-headwise | 0 | float |" in table
@@ -254,7 +255,7 @@ def test_compare_reads_study_runs(smoke_run):
 
 
 def test_compare_matches_each_seed_with_its_own_float_run():
-    from quantgate.study.report import compare
+    from quantgate.study.compare import compare
 
     cells = json.loads((ROOT / "results" / "cpu_recipe" / "metrics.json").read_text())["cells"]
     seed1 = next(c for c in cells if c["id"] == "tiny/vanilla-seed1")
@@ -284,19 +285,20 @@ def test_quantized_records_missing_hardware_and_surfaces_other_errors(monkeypatc
         monkeypatch.setattr(steps, "quantize", quantize)  # the name the study step calls
 
     fail(HardwareUnavailable("w8-int8 cannot run here: no such GPU"))
-    assert _quantized(model, tok, "w8-int8", {}, spec, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
+    assert _quantized(model, tok, "w8-int8", spec.eval, spec, 0) == {"error": "w8-int8 cannot run here: no such GPU"}
     fail(RuntimeError("shape mismatch"))
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        _quantized(model, tok, "w8-int8", {}, spec, 0)
+        _quantized(model, tok, "w8-int8", spec.eval, spec, 0)
 
 
 def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     """``report: baseline``: a variant's float perplexity relative to the baseline's (same model and seed)
     with the paired bootstrap over the documents both read, and its gate parameters as a multiple."""
     from quantgate.stats import format_delta, paired_delta
-    from quantgate.study.report import _against_baseline
+    from quantgate.study.report import Report, against_baseline
 
     def cell(variant, loglik, params):
+        row = lambda sink: LayerRow(1.0, None, 1.0, sink, None, 0, max_median_ratio=1.0)
         docs = {"ids": [0, 1, 2, 3], "loglikelihood": loglik, "tokens": [10, 10, 10, 10]}
         ppl = math.exp(-sum(loglik) / 40)
         return {
@@ -307,13 +309,15 @@ def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
             "schemes": {},
             "float": {"quantgate_backcopy": {"perplexity": ppl}},
             "float_documents": {"quantgate_backcopy": docs},
-            "cost": {"gate_params": params},
-            "observe": {"layers": [{"sink_mass": 0.5}, {"sink_mass": 0.07}]},
+            "cost": {"gate_params": params, "gate_flops_per_token": 0.0},
+            "observe": CellObserve(CellSummary(1.0, None, 1.0, 1.0, 0.3, None), [row(0.5), row(0.07)]).to_json(),
         }
 
     base, low = cell("g1-elementwise", [-12.0, -15.0, -9.0, -14.0], 800), cell("hyga", [-11.0, -15.5, -8.0, -13.0], 200)
     records = [CellRecord.from_json(c) for c in (base, low)]
-    lines = _against_baseline(records, [], {}, "g1-elementwise")
+    lines = against_baseline(
+        Report.of(StudyRecord({"report": {"baseline": "g1-elementwise"}}, records, []))
+    ).splitlines()
     row = next(line for line in lines if line.startswith("| m | hyga |"))
     expected = paired_delta(
         base["float_documents"]["quantgate_backcopy"], low["float_documents"]["quantgate_backcopy"], "perplexity"
@@ -321,7 +325,7 @@ def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     assert expected.value == pytest.approx(math.exp((50 - 47.5) / -40) - 1)  # ppl ratio by hand: exp(-2.5 / 40) - 1
     assert f"| {format_delta(expected)} | 200 (0.25x) | 0.50 (0) |" in row
     assert "| m | g1-elementwise | 0 | - | 800 (1.00x) |" in "\n".join(lines)
-    assert _against_baseline(records, [], {}, None) == []
+    assert against_baseline(Report.of(StudyRecord({}, records, []))) == ""
 
 
 def test_a_study_fine_tunes_a_loaded_checkpoint_with_a_gate_added(tmp_path):
@@ -350,4 +354,5 @@ def test_a_study_fine_tunes_a_loaded_checkpoint_with_a_gate_added(tmp_path):
         model = qg.load(run / "cells" / f"base--{variant.replace(':', '_').replace('=', '_')}" / "train" / "model")
         assert str(qg.variant_of(model)) == variant
     base, tuned = qg.load(tmp_path / "base"), qg.load(next((run / "cells").glob("base--vanilla")) / "train" / "model")
-    assert not torch.equal(base.model.layers[0].self_attn.q_proj.weight, tuned.model.layers[0].self_attn.q_proj.weight)
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(base.get_parameter(q_proj), tuned.get_parameter(q_proj))

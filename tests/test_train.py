@@ -5,15 +5,17 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
 
 import quantgate as qg
 from quantgate.train import TrainConfig, TrainingDiverged, train
 
-FAST = {"batch_size": 8, "seq_len": 64, "lr": 3e-3, "eval_batches": 2, "log_every": 5}
+FAST: dict[str, Any] = {"batch_size": 8, "seq_len": 64, "lr": 3e-3, "eval_batches": 2, "log_every": 5}
 
 
 def _records(out, event):
@@ -96,7 +98,7 @@ def test_two_process_ddp_matches_one_process(tmp_path):
     ddp = run("ddp", _two_processes(), 4)
     assert _distance(ddp, one) < 1e-3 * moved, _distance(ddp, one) / moved
     first_half = (
-        "import runpy, sys, quantgate.train as t; shard = t._shard; "  # every rank takes rank 0's rows
+        "import runpy, sys, quantgate.train.loop as t; shard = t._shard; "  # every rank takes rank 0's rows
         "t._shard = lambda batch, rank, world, device: shard(batch, 0, world, device); "
         "runpy.run_path(sys.argv.pop(1), run_name='__main__')"
     )
@@ -219,7 +221,7 @@ def test_backcopy_task_trains():
 def test_divergence_stops_and_names_the_layer(tmp_path):
     """A model that is non-finite from the start has no good state: none is written (finite last-good
     states: tests/test_train_safety.py)."""
-    model = qg.build("tiny-llama", seed=0)
+    model = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0))
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
     with pytest.raises(
@@ -260,7 +262,7 @@ def test_masked_only_mlm_loss_equals_the_heads_loss():
 def test_log_with_tensorboard_writes_the_logs_numbers_as_events(tmp_path):
     """``log_with="tensorboard"`` (``--log-with tensorboard``): every number of log.jsonl's train, eval and observe
     records is a TensorBoard scalar at its step, per-layer observe values included; the config is stored too."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # type: ignore[import-untyped]
 
     out = tmp_path / "run"
     model = qg.build("tiny-llama", "g1-elementwise", seed=0)
@@ -312,7 +314,7 @@ def test_a_mixed_precision_run_returns_the_model_without_its_autocast_wrapper():
     cfg = TrainConfig(steps=1, batch_size=2, seq_len=16, mixed_precision="bf16", eval_data=None)
     AcceleratorState._reset_state(True)  # accelerate keeps one precision per process: other tests set none
     try:
-        trained = train(model, qg.tokenizer(model), config=cfg)
+        trained = cast(LlamaForCausalLM, train(model, qg.tokenizer(model), config=cfg))
     finally:
         AcceleratorState._reset_state(True)
     seen = []  # the dtype inside the forward pass (the wrapper casts the logits back to float32)

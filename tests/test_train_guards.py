@@ -5,6 +5,7 @@ describe, a fresh run never lands among another run's files, and a quantized mod
 import json
 import shutil
 import time
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -13,7 +14,7 @@ import quantgate as qg
 from quantgate.cli import main
 from quantgate.train import TrainConfig, train
 
-TINY = {
+TINY: dict[str, Any] = {
     "batch_size": 2,
     "seq_len": 16,
     "lr": 3e-3,

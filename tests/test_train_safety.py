@@ -8,6 +8,7 @@ import pickle
 import re
 import shutil
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import quantgate as qg
 from quantgate.runlock import RunDirectoryBusy, run_lock
 from quantgate.train import TrainConfig, TrainingDiverged, train
 
-TINY = {"batch_size": 2, "seq_len": 16, "lr": 3e-3, "eval_data": None, "log_every": 100, "seed": 3}
+TINY: dict[str, Any] = {"batch_size": 2, "seq_len": 16, "lr": 3e-3, "eval_data": None, "log_every": 100, "seed": 3}
 
 
 def _train(out, preset="tiny-llama", **kw):
@@ -102,7 +103,9 @@ def test_divergence_keeps_the_last_finite_weights(tmp_path):
         _train(tmp_path, steps=10, checkpoint_every=1, lr=1e6, warmup=0)
     last_good = qg.load(tmp_path / "last-good-model")
     assert all(torch.isfinite(p).all() for p in last_good.parameters())
-    step = int(re.search(r"at step (\d+)", str(caught.value))[1])
+    found = re.search(r"at step (\d+)", str(caught.value))
+    assert found is not None
+    step = int(found[1])
     assert step >= 2  # measured: 3
     assert "the gradient norm became non-finite" in str(caught.value)
     assert f"the last finite weights (after step {step - 1}) are in {tmp_path}/last-good-model" in str(caught.value)
@@ -139,12 +142,12 @@ def test_a_second_writer_of_a_run_directory_is_refused(tmp_path):
 def test_checkpoints_refuse_state_they_cannot_save(tmp_path):
     from accelerate.utils import DistributedType
 
-    from quantgate.train import _check_checkpointable
+    from quantgate.train.checkpoint import check_checkpointable
 
     with pytest.raises(ValueError, match=r"not supported under DEEPSPEED.*use DDP or FSDP version 2"):
-        _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), None)
+        check_checkpointable(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), [])
     with pytest.raises(ValueError, match="need FSDP version 2"):
-        _check_checkpointable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False), None)
+        check_checkpointable(SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False), [])
     model = qg.build("tiny-llama", seed=1)
     batch = next(iter(qg.data.batches(qg.tokenizer(model), "validation", 16, 2)))
     with pytest.raises(ValueError, match="need data that can resume: list has no state_dict"):

@@ -17,7 +17,9 @@ def test_packaged_twins_load_offline_and_reproduce_their_search_numbers(name, va
     model = qg.load(name)
     assert str(variant_of(model)) == variant and qg.tokenizer(model).name_or_path
     card = (Path(qg.__file__).parent / "models" / "checkpoints" / name / "README.md").read_text()
-    candidate, seed = re.search(r"search's (\S+) pair, seed (\d+)", card).groups()
+    found = re.search(r"search's (\S+) pair, seed (\d+)", card)
+    assert found is not None
+    candidate, seed = found.groups()
     metrics = json.loads(
         (
             Path(__file__).resolve().parents[1]

@@ -1,8 +1,10 @@
 import math
+from typing import cast
 
 import pytest
 import torch
 from conftest import ALL_VARIANTS
+from transformers import LlamaForCausalLM
 
 import quantgate as qg
 from quantgate.attention.gates import Gate
@@ -37,11 +39,15 @@ def test_parsed_fields():
 
 def test_defaults_and_bias_init():
     assert AttentionVariant.parse("vanilla").is_vanilla and str(AttentionVariant()) == "vanilla"
-    assert AttentionVariant.parse("clipped").clip.params(7) == (-0.025, 1.0)
-    assert AttentionVariant.parse("bondarenko").gate.pi_init == 0.25
+    clip = AttentionVariant.parse("clipped").clip
+    assert clip is not None and clip.params(7) == (-0.025, 1.0)
+    bondarenko = AttentionVariant.parse("bondarenko").gate
+    assert bondarenko is not None and bondarenko.pi_init == 0.25
     g = AttentionVariant.parse("g1-headwise:pi_init=0.25").gate
+    assert g is not None
     assert g.bias_init == pytest.approx(math.log(0.25 / 0.75))
     ns = AttentionVariant.parse("g1-ns-sigmoid:pi_init=0.9").gate  # 0.5 + 0.5 * sigmoid(b) = 0.9
+    assert ns is not None
     assert 0.5 + 0.5 / (1 + math.exp(-ns.bias_init)) == pytest.approx(0.9)
 
 
@@ -88,7 +94,8 @@ def test_every_gate_kind_builds_with_its_size_and_initial_value(kind):
     """Each kind on tiny-llama: its parameter count, and with its weights zeroed the gate is the constant
     initial value g0 from its bias (HyGA: pi_init x 0.5 from the C-gate), so the model equals its ungated
     twin with every attention output projection scaled by g0."""
-    gated, base = qg.build("tiny-llama", kind, seed=1).eval(), qg.build("tiny-llama", seed=0).eval()
+    gated = qg.build("tiny-llama", kind, seed=1).eval()
+    base = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0).eval())
     gated.load_state_dict(base.state_dict(), strict=False)
     assert sum(p.numel() for p in qg.gate_parameters(gated).values()) == 2 * GATE_PARAMS_PER_LAYER[kind]
     g0 = GATE_KINDS[kind].pi_init * (0.5 if kind == "hyga" else 1.0)
@@ -132,11 +139,11 @@ def test_a_new_gate_kind_is_one_decorated_class():
 
     try:
         assert str(AttentionVariant.parse("tanh-test:low_rank=4")) == "tanh-test:low_rank=4"
-        model = qg.build("tiny-llama", "tanh-test", seed=0).eval()
+        model = cast(LlamaForCausalLM, qg.build("tiny-llama", "tanh-test", seed=0).eval())
         gate = model.model.layers[0].self_attn.gate
         assert isinstance(gate, TanhGate)
         with torch.no_grad():
-            gate.proj.weight.zero_()
+            gate.get_parameter("proj.weight").zero_()
             x = torch.randn(2, 5, model.config.hidden_size)
             torch.testing.assert_close(gate(x), torch.full((2, 4, 5, 16), 0.3))
             ids = torch.randint(0, model.config.vocab_size, (2, 12))

@@ -286,6 +286,7 @@ class BondarenkoGate(Gate):
         "c_gate": (bool, True, (True, False)),
         "fusion": (str, "sum", ("sum", "product")),
     },
+    aliases={"d_int": "low_rank"},  # the paper's name for the gate rank
 )
 class HyGAGate(Gate):
     """HyGA (Zhou et al. 2026): sigmoid(X(x) + H(h)) * sigmoid(C(h)), h the SDPA output.

@@ -9,12 +9,13 @@ or without a variant, and so do checkpoints in the layout of Qiu et al.'s gated 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.nn as nn
@@ -26,10 +27,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, config_of, family_of, get_family
 from .presets import check_config_values, get_preset, preset_config
+from .record import checked_record, drop_record, set_record
 from .sources import (
     QUANTGATE_MODEL_TYPE,
     RESTORE_CONFIG,
-    quantgate_record,
     read_json_object,
     refuse_remote_code,
     resolve,
@@ -44,7 +45,6 @@ __all__ = [
     "read_config",
     "read_safetensors",
     "read_safetensors_with_metadata",
-    "load_state",
     "QUANTGATE_MODEL_TYPE",
     "mark_quantgate_only",
     "DTYPES",
@@ -119,9 +119,8 @@ def build(
         torch.manual_seed(seed)
         model: nn.Module = family.model_class()(config)
         apply_variant(model, variant, backend=backend)
-    model_config = config_of(model)
-    model_config.quantgate["tokenizer"] = preset_.tokenizer
-    model_config._name_or_path = preset
+    set_record(model, tokenizer=preset_.tokenizer)
+    config_of(model)._name_or_path = preset
     return model.to(dtype) if dtype is not None else model
 
 
@@ -199,7 +198,7 @@ def load(
             f"Load it without variant=, or start from an ungated checkpoint"
         )
     config = copy.deepcopy(config)
-    task = (config.__dict__.pop("quantgate", None) or {}).get("task")  # the data it was trained on, if synthetic
+    task = drop_record(config).task  # the data it was trained on, if synthetic
     if placement is not None and qiu is not None:
         raise ValueError(f"{path} is in Qiu et al.'s gated layout, which loads whole: load it without --device-map")
     if qiu is not None:
@@ -221,12 +220,13 @@ def load(
             )
         if gated:
             apply_variant(model, saved, seed=seed)
-            load_state(model, state, gates, only=gate_parameters(model), decided_by=_VARIANT_FIELD)
+            checked = check_state(model, state, gates, only=gate_parameters(model), decided_by=_VARIANT_FIELD)
+            model.load_state_dict(checked, strict=False)
         elif gates.is_file():  # a vanilla model has no gate weights to take
-            load_state(model, read_safetensors(gates), gates, only={})
+            model.load_state_dict(check_state(model, read_safetensors(gates), gates, only={}), strict=False)
     apply_variant(model, target, backend=backend, seed=seed)
     if task is not None:
-        config_of(model).quantgate["task"] = task
+        set_record(model, task=task)
     model.eval()
     return model.to(dtype) if dtype is not None and placement is None else model  # placed: loaded in dtype
 
@@ -261,9 +261,13 @@ def mark_quantgate_only(path: Path, why: str) -> None:
     data = json.loads(file.read_text())
     if data.get("model_type") == QUANTGATE_MODEL_TYPE:
         return
-    meta = data.setdefault("quantgate", {})
-    meta["model_type"], data["model_type"] = data["model_type"], QUANTGATE_MODEL_TYPE
-    meta["load_with"] = f"quantgate (pip install quantgate; quantgate.load(DIR)): {why}"
+    record = checked_record(data, file, RESTORE_CONFIG)
+    data["quantgate"] = dataclasses.replace(
+        record,
+        model_type=data["model_type"],
+        load_with=f"quantgate (pip install quantgate; quantgate.load(DIR)): {why}",
+    ).to_json()
+    data["model_type"] = QUANTGATE_MODEL_TYPE
     file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -276,7 +280,7 @@ def read_config(path: Path) -> PreTrainedConfig:
             f"{path} has no config.json: point to a directory written by qg.save or transformers' save_pretrained"
         )
     data = read_json_object(file)
-    meta = dict(quantgate_record(data, file))
+    record = checked_record(data, file, RESTORE_CONFIG)
     refuse_remote_code(path)  # before transformers reads the folder, also where the caller did not resolve() it
     try:  # before transformers' own KeyError, or a NaN loss from a negative eps
         check_config_values(str(file), data, heads=True)
@@ -284,13 +288,13 @@ def read_config(path: Path) -> PreTrainedConfig:
         raise ValueError(f"{e}; {RESTORE_CONFIG}") from None
     try:
         if data.get("model_type") == QUANTGATE_MODEL_TYPE:
-            base = meta.pop("model_type", None)
-            meta.pop("load_with", None)
-            if base not in CONFIG_MAPPING:
+            base = record.model_type
+            if base is None or base not in CONFIG_MAPPING:
                 raise ValueError(
                     f"its model_type is {QUANTGATE_MODEL_TYPE!r} and field 'quantgate.model_type' names "
                     f"{base!r}, which transformers does not know; {RESTORE_CONFIG}"
                 )
+            meta = dataclasses.replace(record, model_type=None, load_with=None).to_json()
             return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -364,31 +368,21 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_state(
-    model: nn.Module,
-    state: dict[str, torch.Tensor],
-    where: Path,
-    only: Mapping[str, object] | None = None,
-    *,
-    decided_by: str = _DECIDED_BY,
-) -> None:
-    """Load ``state`` (read from ``where``) into ``model`` once :func:`check_state` accepts it."""
-    check_state(model, state, where, only, decided_by=decided_by)
-    model.load_state_dict(state, strict=False)
+S = TypeVar("S", bound=Mapping[str, torch.Tensor])
 
 
 def check_state(
     model: nn.Module,
-    state: Mapping[str, torch.Tensor],
+    state: S,
     where: Path,
     only: Mapping[str, object] | None = None,
     *,
     decided_by: str = _DECIDED_BY,
-) -> None:
-    """Every key of ``only`` (default: ``model``'s whole state dict) is covered by ``state`` (read from
-    ``where``), every tensor of ``state`` used and of the shape the model has. Otherwise a one-line ValueError
-    names the tensors and says config.json (``decided_by``: the fields that built the model's tensors)
-    disagrees with the weights."""
+) -> S:
+    """``state`` (read from ``where``), once every key of ``only`` (default: ``model``'s whole state dict) is
+    covered by it and every tensor of it used and of the shape the model has; to load with
+    ``model.load_state_dict(..., strict=False)``. Otherwise a one-line ValueError names the tensors and says
+    config.json (``decided_by``: the fields that built the model's tensors) disagrees with the weights."""
     own = model.state_dict()
     expected = set(only if only is not None else own)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -396,6 +390,7 @@ def check_state(
     missing = {k for k in expected - set(state) if not (k in params and id(params[k]) in loaded)}
     _check_fit(where, missing, set(state) - set(own), decided_by)
     _check_shapes(where, {k: t.shape for k, t in state.items()}, own, decided_by)
+    return state
 
 
 def _check_shapes(
@@ -500,7 +495,7 @@ def _load_qiu(family: Family, path: Path, config: PreTrainedConfig, variant: Att
             attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
     apply_variant(model, variant, seed=seed)
     state = _split_qiu_q_proj(_read_safetensors(_weight_files(path)), model, family)
-    load_state(model, state, path)
+    model.load_state_dict(check_state(model, state, path), strict=False)
     return model
 
 

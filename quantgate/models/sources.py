@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -43,8 +42,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..data.batches import cache_dir
 from ..data.tokenizers import BUNDLED_TOKENIZERS, bundled_tokenizer
-from ..files import json_kind, read_json
+from ..files import read_json
 from .presets import PRESETS
+from .record import ModelRecord, checked_record, record_of
 
 __all__ = [
     "PACKAGED",
@@ -53,7 +53,6 @@ __all__ = [
     "PackagedModel",
     "QUANTGATE_MODEL_TYPE",
     "check_vocabulary",
-    "quantgate_record",
     "read_json_object",
     "refuse_remote_code",
 ]
@@ -168,34 +167,6 @@ def read_json_object(file: Path) -> dict[str, Any]:
     return read_json(file, limit=JSON_LIMIT, fix=f"restore the {file.name} saved with the model")
 
 
-# fields of config.json's quantgate record (qg.save writes it) and the type each must have
-_RECORD_FIELDS: dict[str, type] = {
-    **dict.fromkeys(("variant", "tokenizer", "family", "model_type", "load_with", "task"), str),
-    **dict.fromkeys(("quantization", "rotation", "mitigation"), dict),
-}
-
-
-def quantgate_record(data: Mapping[str, Any], file: Path) -> dict[str, Any]:
-    """The ``quantgate`` record of the config.json contents ``data`` read from ``file`` (``{}`` where there is
-    none), checked: an object whose known fields have their types; a one-line ValueError naming the field."""
-    meta = data.get("quantgate")
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict):
-        raise ValueError(
-            f"{file}: field 'quantgate' must be an object (the record qg.save writes), got a JSON "
-            f"{json_kind(meta)}; {RESTORE_CONFIG}, or delete the field"
-        )
-    for key, value in meta.items():
-        want = _RECORD_FIELDS.get(key)
-        if want is not None and not isinstance(value, want):
-            raise ValueError(
-                f"{file}: field 'quantgate.{key}' must be {'a string' if want is str else 'an object'}, got a "
-                f"JSON {json_kind(value)}; {RESTORE_CONFIG}"
-            )
-    return meta
-
-
 REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")  # where transformers looks for a checkpoint's own code
 
 
@@ -282,7 +253,7 @@ def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizer
         return tokenizer(PRESETS[name].tokenizer)
     path = resolve(source)  # refuses a folder that names code of its own
     if not _has_tokenizer(path):
-        named = _config_meta(path).get("tokenizer")  # a quantgate checkpoint names its bundled tokenizer
+        named = _config_meta(path).tokenizer  # a quantgate checkpoint names its bundled tokenizer
         if named:
             return tokenizer(named)
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
@@ -308,11 +279,11 @@ def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizer
 def _model_tokenizer(model: nn.Module) -> PreTrainedTokenizerBase:
     """The tokenizer ``model`` was built or loaded with."""
     config = getattr(model, "config", None)
-    meta = getattr(config, "quantgate", None) or {}
-    if meta.get("tokenizer"):
-        return tokenizer(meta["tokenizer"])
+    named = record_of(model).tokenizer
+    if named:
+        return tokenizer(named)
     origin = getattr(config, "_name_or_path", "")
-    if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).get("tokenizer")):
+    if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).tokenizer):
         return tokenizer(Path(origin))
     raise ValueError("no tokenizer is known for this model (built from config?); pass one explicitly")
 
@@ -333,10 +304,10 @@ def check_vocabulary(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> No
     )
 
 
-def _config_meta(path: Path) -> dict:
+def _config_meta(path: Path) -> ModelRecord:
     """The ``quantgate`` record of a checkpoint's config.json (empty where there is none), checked."""
     config = path / "config.json"
-    return quantgate_record(read_json_object(config), config) if config.is_file() else {}
+    return checked_record(read_json_object(config), config, RESTORE_CONFIG) if config.is_file() else ModelRecord()
 
 
 def _has_tokenizer(path: Path) -> bool:

@@ -20,8 +20,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.gates import build_gate
 from ..attention.sdpa import BACKENDS, gated_sdpa
-from ..variants import AttentionVariant, VariantLike
+from ..variants import GATE_KINDS, AttentionVariant, VariantLike
 from .families import Family, config_of, family_of
+from .record import record_of, set_record
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -151,8 +152,8 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def variant_of(model_or_config: nn.Module | PreTrainedConfig) -> AttentionVariant | None:
     """The variant recorded on a model (or its config), or None when quantgate has not touched it."""
-    meta = getattr(getattr(model_or_config, "config", model_or_config), "quantgate", None) or {}
-    return AttentionVariant.parse(meta["variant"]) if "variant" in meta else None
+    variant = record_of(model_or_config).variant
+    return AttentionVariant.parse(variant) if variant is not None else None
 
 
 def native_variant(family: Family) -> AttentionVariant:
@@ -209,11 +210,7 @@ def apply_variant(
                     torch.full((dims.n_heads,), variant.sink.init, device=ref.device, dtype=ref.dtype)
                 )
                 added.append(f"{family.attention}.sinks")
-    config.quantgate = {
-        **(getattr(config, "quantgate", None) or {}),
-        "variant": str(variant),
-        "family": family.name,
-    }
+    set_record(config, variant=str(variant), family=family.name)
     cast(PreTrainedModel, model).set_attn_implementation(ATTN_IMPLEMENTATION)
     set_backend(model, backend)
     if added:
@@ -250,9 +247,9 @@ def check_expressible(family: Family, variant: AttentionVariant, config: PreTrai
             f"{family.name} has a built-in {family.native_gate} gate (part of q_proj); its variant is "
             f"'{family.native_gate}', optionally with +clipped or +sink, not {variant}"
         )
-    if not family.value_gate and variant.gate is not None and variant.gate.kind == "g2-value":
+    if not family.value_gate and variant.gate is not None and GATE_KINDS[variant.gate.kind].gate.position == "value":
         raise ValueError(
-            f"{family.name}: g2-value gates each key token's values, but this architecture rebuilds "
+            f"{family.name}: {variant.gate.kind} gates each key token's values, but this architecture rebuilds "
             f"keys and values from a cached latent at every decoding step, where the key tokens' hidden "
             f"states are gone; use a G1 gate (g1-elementwise is Kimi's channel-wise output gate)"
         )

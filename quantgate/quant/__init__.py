@@ -19,14 +19,21 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..models.families import config_of
 from ..models.io import offloaded
 from ..models.modes import eval_mode
+from ..models.record import record_of, set_record
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
 from . import backends, imported, simulate  # noqa: F401  (backends, simulate: imported to register the schemes' handlers)
 from .error import quant_error, site_sensitivity
-from .schemes import HANDLERS, SCHEMES, Scheme, SimulatedScheme, TorchaoScheme, get_scheme, handler_for
+from .schemes import (
+    HANDLERS,
+    SCHEMES,
+    CalibratedScheme,
+    Scheme,
+    get_scheme,
+    handler_for,
+)
 
 __all__ = [
     "quantize",
@@ -96,12 +103,11 @@ def quantize(
     seen: dict[str, int] = {}
 
     def calibrate(m: nn.Module) -> None:
-        assert isinstance(scheme, (SimulatedScheme, TorchaoScheme))  # the schemes that calibrate
+        assert isinstance(scheme, CalibratedScheme)  # the schemes that calibrate
         seen.update(_calibrate(m, calibration, scheme.calib))
 
     handler_for(scheme).apply(target, scheme, calibrate if calibration is not None else None)
-    meta = config_of(target).quantgate
-    meta["quantization"] = {
+    quantization = {
         "scheme": str(scheme),
         "calibration": {
             **seen,
@@ -114,10 +120,11 @@ def quantize(
         "source_sha256": source_sha256,
     }
     if dequantized_from is not None:
-        meta["quantization"]["dequantized_from"] = dequantized_from
-    mitigation = meta.pop("mitigation", None)
+        quantization["dequantized_from"] = dequantized_from
+    mitigation = record_of(target).mitigation
     if mitigation:
-        meta["quantization"]["mitigation"] = mitigation
+        quantization["mitigation"] = mitigation
+    set_record(target, quantization=quantization, mitigation=None)
     return target
 
 
@@ -126,7 +133,7 @@ def quantization_of(model: nn.Module) -> dict | None:
     quantgate's own (``origin`` ``quantgate``); for one another tool quantized, the record of its
     ``quantization_config`` or its quantized tensors (:func:`quantgate.quant.imported.imported_quantization`:
     ``origin`` the tool, e.g. ``compressed-tensors``). ``scheme`` names the quantization either way."""
-    own = (getattr(getattr(model, "config", None), "quantgate", None) or {}).get("quantization")
+    own = record_of(model).quantization
     if own:
         return {"origin": "quantgate", **own}
     return imported.imported_quantization(model)

@@ -9,11 +9,10 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..models.families import config_of
 from ..models.swap import replace_module
-from .mitigate import smooth_
+from .mitigate import Calibrate, mitigate
 from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
-from .simulate import ActQuant, Calibrate, quantizable_linears
+from .simulate import ActQuant, quantizable_linears
 
 __all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "torchao_input_ndims"]
 
@@ -36,7 +35,7 @@ def _quantize_(scheme: TorchaoScheme) -> Callable[..., None]:
 @handles(TorchaoScheme, restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None), assign=True)
 def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> nn.Module:
     """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
-    _smooth(model, scheme, calibrate)
+    _mitigate(model, scheme, calibrate)
     targets = {id(m) for _, m in quantizable_linears(model, scheme)}
     _quantize_(scheme)(model, scheme.torchao_config(), filter_fn=lambda m, fqn: id(m) in targets)
     return model
@@ -51,7 +50,7 @@ def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manife
 def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate: Calibrate) -> nn.Module:
     """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
     scales (max |x| / 127) from the calibration batches."""
-    _smooth(model, scheme, calibrate)
+    _mitigate(model, scheme, calibrate)
     linears = quantizable_linears(model, scheme)
     spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
     observers = {name: ActQuant(spec, f"{name} input") for name, _ in linears}
@@ -70,12 +69,12 @@ def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrat
     return _with_input_scales(model, scheme, scales)
 
 
-def _smooth(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> None:
-    """SmoothQuant's folded scales (``smooth=``), before torchao quantizes the weights; not when restoring a
-    saved model (``calibrate`` None), whose weights and norms come smoothed from the file."""
-    if scheme.smooth is not None and calibrate is not None:
-        mitigation = {"smooth": smooth_(model, scheme.smooth, calibrate)}
-        config_of(model).quantgate["mitigation"] = mitigation
+def _mitigate(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> None:
+    """The fixes every backend applies (:func:`~quantgate.quant.mitigate.mitigate`: SmoothQuant), before
+    torchao quantizes the weights; not when restoring a saved model (``calibrate`` None), whose weights and
+    norms come smoothed from the file."""
+    if calibrate is not None:
+        mitigate(model, scheme, calibrate)
 
 
 def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: dict[str, torch.Tensor]) -> nn.Module:

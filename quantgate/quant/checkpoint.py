@@ -33,6 +33,7 @@ from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 from ..files import file_sha256
 from ..models import io as model_io
 from ..models.families import config_of, family_of
+from ..models.record import drop_record, record_of, set_record
 from ..models.sources import tokenizer as get_tokenizer
 from ..models.swap import apply_variant, variant_of
 from ..provenance import versions
@@ -84,7 +85,8 @@ def save_quantized(
     biases) in that dtype, as llm-compressor's exports are; the scales stay float32 and quantgate, like
     transformers, loads them back into a float32 model, so the reloaded model is the stored one."""
     config = config_of(model)
-    quant = config.quantgate["quantization"]
+    quant = record_of(config).quantization
+    assert quant is not None, "qg.save sends only quantized models here"
     scheme = get_scheme(quant["scheme"])
     check_ranges(model)
     fmt, why = export_format(model, scheme)
@@ -179,9 +181,8 @@ def load_quantized(
             f"of their content recorded in field 'content_sha256' (the scheme, quantizer state and config decide "
             f"the loaded model's numbers, so it would not be the saved model); {_RESAVE}"
         )
-    meta = config.quantgate
     config = copy.deepcopy(config)
-    config.__dict__.pop("quantgate")
+    record = drop_record(config)
     config.__dict__.pop("quantization_config", None)  # quantgate lays the structure out itself
     family = family_of(config)
     scheme = get_scheme(manifest["scheme"])
@@ -198,7 +199,7 @@ def load_quantized(
         model.load_state_dict(state, strict=True, assign=handler.assign)
     except RuntimeError as e:
         raise ValueError(f"{weights} does not match its config and manifest: {e}") from None
-    config_of(model).quantgate = {**meta}
+    set_record(model, record)
     model.eval()
     return model.to(dtype) if dtype is not None else model
 
@@ -230,10 +231,10 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
         raise ValueError(f"{file}: field 'weights_file' must be {WEIGHTS} or {ECOSYSTEM_WEIGHTS}; {_RESAVE}")
     if manifest.get("format", "quantgate") not in FORMATS:
         raise ValueError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}; {_RESAVE}")
-    meta = getattr(config, "quantgate", None) or {}
+    record = record_of(config)
     recorded = {
-        "scheme": (meta.get("quantization") or {}).get("scheme"),
-        "variant": meta.get("variant"),
+        "scheme": (record.quantization or {}).get("scheme"),
+        "variant": record.variant,
         "family": family_of(config).name,
     }
     for field, value in recorded.items():

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..models.families import config_of, family_of
+from ..models.record import drop_record
 from ..models.swap import variant_of
 from .imported import INSTALL
 from .quantizers import INT_BITS
@@ -323,7 +324,7 @@ def _plain_copy(model: nn.Module) -> nn.Module:
     """A model of ``model``'s transformers class with its weights (already on quantgate's grid) and none of
     quantgate's quantizers."""
     config = copy.deepcopy(config_of(model))
-    config.__dict__.pop("quantgate", None)
+    drop_record(config)
     with torch.random.fork_rng(devices=[]):
         clone: nn.Module = family_of(model).model_class(config)(config)
     state = {k: v for k, v in model.state_dict().items() if not _is_quantizer_key(k)}

@@ -17,18 +17,50 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.nn as nn
 
+from ..massive import MassiveActivations
 from ..models.families import config_of, family_of
+from ..models.record import set_record
 from ..models.swap import attention_modules
-from ..observe import MassiveActivations
 from .rotate import gate_readers, linear_at
+from .schemes import CalibratedScheme, Scheme
 
-__all__ = ["smooth_", "smoothing_groups", "massive_ffns"]
+Calibrate = Callable[[nn.Module], object]  # runs the calibration batches through a model
+
+__all__ = ["mitigate", "needed", "smooth_", "smoothing_groups", "massive_ffns"]
+
+S = TypeVar("S", bound=CalibratedScheme)
+
+
+def needed(calibrate: Calibrate | None, scheme: Scheme) -> Calibrate:
+    """``calibrate``, which ``scheme`` needs: ValueError when there is none."""
+    if calibrate is None:
+        raise ValueError(f"{scheme} needs calibration batches: pass a calibrate function")
+    return calibrate
+
+
+def mitigate(model: nn.Module, scheme: S, calibrate: Calibrate | None, done: dict[str, object] | None = None) -> S:
+    """Apply the scheme's fixes to the float model, for every backend: SmoothQuant (``smooth=``), then
+    ``keep=auto`` (returns the scheme with the kept FFNs named). What ran, after ``done`` (what the backend
+    did first: a rotation), is recorded as the model's pending mitigation, which quantize moves into its
+    quantization record."""
+    done = dict(done or {})
+    if scheme.smooth is not None:
+        done["smooth"] = smooth_(model, scheme.smooth, needed(calibrate, scheme))
+    if "auto" in scheme.keep:
+        found = massive_ffns(model, needed(calibrate, scheme))
+        done["keep"] = found
+        done["kept_params"] = sum(p.numel() for name in found for p in model.get_submodule(name).parameters())
+        scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(found))
+    if done:
+        set_record(model, mitigation=done)
+    return scheme
 
 
 def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Linear]]]:

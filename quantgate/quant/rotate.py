@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from ..attention.gates import Gate
 from ..models.families import config_of, family_of, find_submodule
+from ..models.record import set_record
 
 __all__ = [
     "rotate_",
@@ -282,5 +283,5 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
         "extra_params": added,
         "extra_ops_per_token": ops,
     }
-    config.quantgate = {**(getattr(config, "quantgate", None) or {}), "rotation": info}
+    set_record(config, rotation=info)
     return info

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TensorQuant",
     "Scheme",
+    "CalibratedScheme",
     "SimulatedScheme",
     "TorchaoScheme",
     "TorchaoStaticScheme",
@@ -156,17 +157,24 @@ class Scheme:
 
 
 @dataclass(frozen=True)
-class SimulatedScheme(Scheme):
+class CalibratedScheme(Scheme):
+    """A scheme that can read calibration batches (``calib`` of them): for static activation ranges, and
+    for the mitigations every backend applies the same way before quantizing (SmoothQuant's ``smooth``)."""
+
+    calib: int = 16  # calibration batches used when the scheme needs them
+    smooth: float | None = None  # SmoothQuant's migration strength alpha
+
+
+@dataclass(frozen=True)
+class SimulatedScheme(CalibratedScheme):
     """Fake quantization in float (:mod:`quantgate.quant.simulate`): any integer width, FP8, FP4 and
     block-scaled formats, any placement, the KV cache, and the mitigations (module docstring)."""
 
     weight: TensorQuant | None = None
     act: TensorQuant | None = None
     acts: str = "linear-inputs"  # where activations are quantized: linear-inputs | bondarenko (simulate.py)
-    calib: int = 16  # calibration batches used when the scheme needs ranges
     kv: TensorQuant | None = None  # the key-value cache, quantized as it is written (dynamic)
     sink: int = 0  # first tokens of the KV cache kept in full precision
-    smooth: float | None = None  # SmoothQuant's migration strength alpha
     rotate: str = "none"  # Hadamard rotation: none | residual | online (residual + FFN down-projection input)
     options: ClassVar[tuple[str, ...]] = (
         "w_granularity",
@@ -295,13 +303,11 @@ class SimulatedScheme(Scheme):
 
 
 @dataclass(frozen=True)
-class TorchaoScheme(Scheme):
+class TorchaoScheme(CalibratedScheme):
     """torchao's ``quantize_`` with the named config class of ``torchao.quantization`` (real kernels);
     ``smooth=ALPHA`` folds SmoothQuant's scales into the float model first (its real int8 path)."""
 
     config: str = ""
-    smooth: float | None = None  # SmoothQuant's migration strength alpha
-    calib: int = 16  # calibration batches, where the scheme needs them
     weight_only: bool = False  # the config leaves the activations in float
     options: ClassVar[tuple[str, ...]] = ("keep", "gates", "smooth", "calib")
 

@@ -103,8 +103,9 @@ import torch.nn as nn
 from transformers import PreTrainedModel
 
 from ..models.families import config_of, family_of, find_submodule, is_norm
+from ..models.record import record_of, set_record
 from ..models.swap import attention_modules
-from .mitigate import massive_ffns, smooth_
+from .mitigate import Calibrate, mitigate, needed
 from .quantizers import RangeObserver, fake_quant, quantize_weight, quantize_weight_qparams
 from .rotate import rotate_
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
@@ -121,7 +122,6 @@ __all__ = [
     "WEIGHT_QPARAMS",
 ]
 
-Calibrate = Callable[[nn.Module], object]  # calibrate(model) runs the calibration batches through model
 # the attribute of a quantized Linear holding its weight's (scale, zero point), float32, as
 # quantizers.quantize_weight_qparams returns them (not in the state dict: the export formats store them)
 WEIGHT_QPARAMS = "qg_weight_qparams"
@@ -367,10 +367,9 @@ def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict 
             )
         scheme = dataclasses.replace(scheme, keep=tuple(found))
     if scheme.rotate != "none":  # the saved config records the rotation and quantization being rebuilt
-        meta = config_of(model).quantgate
-        saved = {k: meta.pop(k) for k in ("rotation", "quantization") if k in meta}
+        saved = record_of(model)
         rotate_(model, online=scheme.rotate == "online")
-        meta.update(saved)
+        set_record(model, rotation=saved.rotation, quantization=saved.quantization)
     return apply_simulated(model, scheme, None, skeleton=True)
 
 
@@ -404,7 +403,7 @@ def apply_simulated(
             q.calibrating, q.observer = False, None
     elif any(q.calibrating for q in quantizers):
         with _token_shapes(model, [q for q in quantizers if q.calibrating and q.spec.calib_skip]):
-            _needed(calibrate, scheme)(model)
+            needed(calibrate, scheme)(model)
         for q in quantizers:
             q.freeze()
     elif calibrate is not None and scheme.export_calibration:
@@ -436,29 +435,13 @@ def _token_shapes(model: nn.Module, quantizers: list[ActQuant]) -> Iterator[None
             q.tokens = None
 
 
-def _needed(calibrate: Calibrate | None, scheme: SimulatedScheme) -> Calibrate:
-    """``calibrate``, which ``scheme`` needs: ValueError when there is none."""
-    if calibrate is None:
-        raise ValueError(f"{scheme} needs calibration batches: pass a calibrate function")
-    return calibrate
-
-
 def _mitigate(model: nn.Module, scheme: SimulatedScheme, calibrate: Calibrate | None) -> SimulatedScheme:
-    """Rotate, smooth, and resolve ``keep=auto``, in that order; returns the scheme with the kept modules
-    named."""
-    done: dict[str, object] = {}
+    """Rotate, then the fixes every backend applies (:func:`~quantgate.quant.mitigate.mitigate`: smooth,
+    keep=auto); returns the scheme with the kept modules named."""
+    rotated: dict[str, object] = {}
     if scheme.rotate != "none":
-        done["rotation"] = rotate_(model, online=scheme.rotate == "online")
-    if scheme.smooth is not None:
-        done["smooth"] = smooth_(model, scheme.smooth, _needed(calibrate, scheme))
-    if "auto" in scheme.keep:
-        found = massive_ffns(model, _needed(calibrate, scheme))
-        done["keep"] = found
-        done["kept_params"] = sum(p.numel() for name in found for p in model.get_submodule(name).parameters())
-        scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(found))
-    if done:
-        config_of(model).quantgate["mitigation"] = done
-    return scheme
+        rotated["rotation"] = rotate_(model, online=scheme.rotate == "online")
+    return mitigate(model, scheme, calibrate, rotated)
 
 
 def _place_kv(model: nn.Module, spec: TensorQuant, sink: int) -> None:

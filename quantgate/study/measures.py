@@ -124,14 +124,14 @@ def gap_reading(gap: Delta | None, who: str = "the gated model") -> str:
 
 def peak_activation(cell: CellRecord) -> tuple[float | None, float | None]:
     """A cell's largest residual-stream activation and the max / median |x| of the block that holds it."""
-    top = max(cell.layers, key=lambda L: L["max_activation"], default=None)
+    top = max(cell.layers, key=lambda L: L.max_activation, default=None)
     summary = cell.summary
-    return summary.get("max_activation"), top.get("max_median_ratio") if top else summary.get("max_median_ratio")
+    return summary.max_activation, top.max_median_ratio if top else summary.max_median_ratio
 
 
 def max_layer_sink(cell: CellRecord) -> tuple[float, int]:
-    """A cell's largest per-layer first-token attention, and its layer."""
-    return max((L["sink_mass"], i) for i, L in enumerate(cell.layers))
+    """A cell's largest per-layer first-token attention, and its layer (of the layers with attention)."""
+    return max((L.sink_mass, i) for i, L in enumerate(cell.layers) if L.sink_mass is not None)
 
 
 def bit_sweeps(schemes: list[str]) -> dict[str, list[tuple[int, str]]]:

@@ -3,11 +3,13 @@ perplexity, activation-bit sweeps, outlier emergence over training, and the "Whi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
+from ..measurements import LayerRow
 from ..plots import save_png
 from ..stats import Delta
 from .measures import ppl_of
@@ -24,16 +26,16 @@ def _cell_colors(cells: list[CellRecord]) -> dict[str, tuple]:
 def plot_study_layers(cells: list[CellRecord], path: Path) -> Path:
     """Per cell and layer: residual max |x|, max / median, first-token attention, gate mean."""
     colors = _cell_colors(cells)
-    keys = [
-        ("max_activation", "residual max |x|", "log"),
-        ("max_median_ratio", "max / median |x|", "log"),
-        ("sink_mass", "first-token attention", "linear"),
-        ("gate_mean", "gate mean", "linear"),
+    panels: list[tuple[Callable[[LayerRow], float | None], str, str]] = [
+        (lambda L: L.max_activation, "residual max |x|", "log"),
+        (lambda L: L.max_median_ratio, "max / median |x|", "log"),
+        (lambda L: L.sink_mass, "first-token attention", "linear"),
+        (lambda L: L.gate_mean, "gate mean", "linear"),
     ]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.3 * len(keys), 3.8))
-    for ax, (key, label, scale) in zip(axes, keys, strict=True):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 3.8))
+    for ax, (value, label, scale) in zip(axes, panels, strict=True):
         for c in cells:
-            ys = [L.get(key) for L in c.layers]
+            ys = [value(L) for L in c.layers]
             if any(y is not None for y in ys):
                 ax.plot(
                     range(len(ys)),
@@ -106,10 +108,10 @@ def plot_study_training(cells: list[CellRecord], path: Path) -> Path:
             continue
         t = c.trained
         col = colors[c.id]
-        axes[0].plot([r["step"] for r in t["curve"]], [r["loss"] for r in t["curve"]], color=col, label=c.id, lw=1)
-        obs = t.get("observe_curve") or []
-        axes[1].plot([r["step"] for r in obs], [r["max_activation"] for r in obs], marker=".", color=col)
-        axes[2].plot([r["step"] for r in obs], [r["sink_mass"] for r in obs], marker=".", color=col)
+        axes[0].plot([r.step for r in t.curve], [r.loss for r in t.curve], color=col, label=c.id, lw=1)
+        obs = t.observe_curve
+        axes[1].plot([r.step for r in obs], [r.max_activation for r in obs], marker=".", color=col)
+        axes[2].plot([r.step for r in obs], [r.sink_mass for r in obs], marker=".", color=col)
     axes[0].set(xlabel="step", ylabel="train loss", title="loss")
     axes[1].set(xlabel="step", title="largest residual activation", yscale="log")
     axes[2].set(xlabel="step", title="mean first-token attention")

@@ -13,12 +13,89 @@ from pathlib import Path
 from typing import Any
 
 from ..files import json_kind, read_json
+from ..json_record import JsonRecord
+from ..measurements import CellObserve, CellSummary, LayerRow
+from ..models.cost import GateCost
 from .grid import cell_dir
 
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
 
 Results = dict[str, dict[str, float]]  # {task: {metric: value}}
 Documents = dict[str, dict[str, list[float]]]  # {task: {metric: [one value per document]}}
+
+
+@dataclass(frozen=True)
+class LossPoint(JsonRecord):
+    step: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class LayerPoint(JsonRecord):
+    """One block in a light observe pass during training: residual max |x|, kurtosis, sink mass, gate mean."""
+
+    max_abs: float
+    kurtosis: float | None
+    sink_mass: float | None
+    gate_mean: float | None
+
+
+@dataclass(frozen=True)
+class ObservePoint(JsonRecord):
+    """A light observe pass at a training step: per block, and the model's headline numbers."""
+
+    step: int
+    layers: list[LayerPoint]
+    max_activation: float
+    sink_mass: float | None
+    gate_mean: float | None
+    kurtosis: float | None
+
+
+@dataclass(frozen=True)
+class Training(JsonRecord):
+    """How a cell's model was trained in the study (``trained`` False, and nothing else, for a model built
+    untrained or loaded): steps, tokens, final losses and the curves of its training log."""
+
+    trained: bool = False
+    steps: int = 0
+    tokens: int = 0
+    final_train_loss: float | None = None
+    final_eval_loss: float | None = None
+    curve: list[LossPoint] = field(default_factory=list)
+    eval_curve: list[LossPoint] = field(default_factory=list)
+    observe_curve: list[ObservePoint] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return super().to_json() if self.trained else {"trained": False}
+
+    @classmethod
+    def of_log(cls, records: list[dict[str, Any]]) -> Training:
+        """The summary of a trainer's log.jsonl records (:mod:`quantgate.train.log`)."""
+        train = [r for r in records if r["event"] == "train"]
+        evals = [r for r in records if r["event"] == "eval"]
+        last = train[-1] if train else None
+        return cls(
+            trained=True,
+            steps=last["step"] if last else 0,
+            tokens=last["tokens"] if last else 0,
+            final_train_loss=last["loss"] if last else None,
+            final_eval_loss=evals[-1]["loss"] if evals else None,
+            curve=[LossPoint(r["step"], r["loss"]) for r in train],
+            eval_curve=[LossPoint(r["step"], r["loss"]) for r in evals],
+            observe_curve=[
+                ObservePoint(
+                    r["step"],
+                    [LayerPoint.from_json(L) for L in r["layers"]],
+                    r["max_activation"],
+                    r["sink_mass"],
+                    r["gate_mean"],
+                    r["kurtosis"],
+                )
+                for r in records
+                if r["event"] == "observe"
+            ],
+        )
 
 
 @dataclass(frozen=True)
@@ -50,18 +127,18 @@ class SchemeRecord:
 
 @dataclass(frozen=True)
 class CellRecord:
-    """One cell (model x variant x seed) of a study run. ``trained``: the training summary (``trained``
-    False for untrained or loaded models); ``observe``: ``{"summary": {...}, "layers": [{...}, ...]}``;
-    ``cost``: the gate's parameters and FLOPs per token (None in runs made before they were recorded)."""
+    """One cell (model x variant x seed) of a study run. ``trained``: how its model was trained here;
+    ``observe``: observe's summary and per-block rows; ``cost``: the gate's parameters and FLOPs per token
+    (None in runs made before they were recorded)."""
 
     id: str
     model: str
     variant: str
     seed: int = 0
     source: dict[str, Any] = field(default_factory=dict)
-    trained: dict[str, Any] = field(default_factory=dict)
-    observe: dict[str, Any] = field(default_factory=dict)
-    cost: dict[str, float] | None = None
+    trained: Training = field(default_factory=Training)
+    observe: CellObserve | None = None
+    cost: GateCost | None = None
     float_results: Results = field(default_factory=dict)
     float_documents: Documents = field(default_factory=dict)
     schemes: dict[str, SchemeRecord] = field(default_factory=dict)
@@ -74,27 +151,35 @@ class CellRecord:
         d["float_results"] = d.pop("float", {})
         d["schemes"] = {s: SchemeRecord.from_json(r) for s, r in (d.get("schemes") or {}).items()}
         d["float_documents"] = d.get("float_documents") or {}
+        d["trained"] = Training.from_json(d.get("trained") or {})
+        d["observe"] = CellObserve.from_json(d["observe"]) if d.get("observe") else None
+        d["cost"] = GateCost.from_json(d["cost"]) if d.get("cost") else None
         return cls(**d)
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "run_dir"}
         d["float"] = d.pop("float_results")
         d["schemes"] = {s: r.to_json() for s, r in self.schemes.items()}
+        d["trained"] = self.trained.to_json()
+        d["observe"] = self.observe.to_json() if self.observe else {}
+        d["cost"] = self.cost.to_json() if self.cost else None
         return d
 
     @property
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> CellSummary:
         """observe's summary over the model (max activation, sink mass, gate mean, ...)."""
-        return self.observe.get("summary") or {}
+        if self.observe is None:
+            raise ValueError(f"cell {self.id} has no observe record: run its study again (its cached steps are reused)")
+        return self.observe.summary
 
     @property
-    def layers(self) -> list[dict[str, Any]]:
-        """observe's per-layer rows."""
-        return self.observe.get("layers") or []
+    def layers(self) -> list[LayerRow]:
+        """observe's per-block rows (none where the cell has no observe record)."""
+        return self.observe.layers if self.observe else []
 
     @property
     def is_trained(self) -> bool:
-        return bool(self.trained.get("trained"))
+        return self.trained.trained
 
     @property
     def directory(self) -> Path:

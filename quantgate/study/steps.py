@@ -39,8 +39,9 @@ from ..data import batches
 from ..data.batches import cache_dir, source_sha256
 from ..evaluate import evaluate
 from ..files import content_sha256, folder_name, read_json, writable_dir, write_text_atomic
+from ..measurements import CellObserve
 from ..models import build
-from ..models.cost import gate_cost
+from ..models.cost import GateCost, gate_cost
 from ..models.families import family_of
 from ..models.io import DTYPES, Placement
 from ..models.sources import PACKAGED, package_dir, resolve
@@ -55,7 +56,7 @@ from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
 from .executors import run_cells
 from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, Study, shrink, slug
-from .records import CellRecord, SchemeRecord, StudyRecord
+from .records import CellRecord, SchemeRecord, StudyRecord, Training
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
 
@@ -70,7 +71,7 @@ EVAL_FORMAT = "per-document values, quantgate_ppl 2.0, backcopy after the first 
 # so a cached result of the old code is computed again, and the run says which (a file records its format).
 # At 1 a key is what it was before formats existed. tests/test_step_formats.py holds each step's output shape at
 # its number and fails when the shape changes under the same number.
-STEP_FORMATS = {"model": 1, "observe": 1, "eval-float": 1, "cost": 1, "scheme": 1}
+STEP_FORMATS = {"model": 1, "observe": 2, "eval-float": 1, "cost": 1, "scheme": 1}
 
 
 def step_kind(name: str) -> str:
@@ -272,7 +273,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         lambda: _evaluate(model(), tokenizer(), ev_cfg),
         needs=("results", "documents"),
     )
-    cost = step("cost", model_key, lambda: gate_cost(model()), needs=("gate_params", "gate_flops_per_token"))
+    cost = step("cost", model_key, lambda: gate_cost(model()).to_json(), needs=("gate_params", "gate_flops_per_token"))
     schemes = {}
     data = _data_keys(m.calibration.data, m.observe.data)
     for entry in m.schemes:
@@ -288,9 +289,9 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         variant=cell.variant,
         seed=seed,
         source=m.source,
-        trained={k: v for k, v in trained.items() if k not in ("key", "seconds")},
-        observe=observed["observe"],
-        cost={k: cost[k] for k in ("gate_params", "gate_flops_per_token")},
+        trained=Training.from_json({k: v for k, v in trained.items() if k not in ("key", "seconds", "format")}),
+        observe=CellObserve.from_json(observed["observe"]),
+        cost=GateCost(cost["gate_params"], cost["gate_flops_per_token"]),
         float_results=float_eval["results"],
         float_documents=float_eval["documents"],
         schemes={k: SchemeRecord.from_json(v) for k, v in schemes.items()},
@@ -348,24 +349,8 @@ def _train_summary(model, cdir: Path) -> dict:
     model()  # builds, trains or loads
     logf = cdir / "train" / "log.jsonl"
     if not logf.is_file():
-        return {"trained": False}
-    recs = [json.loads(line) for line in logf.read_text().splitlines() if line.strip()]
-    train = [r for r in recs if r["event"] == "train"]
-    evals = [r for r in recs if r["event"] == "eval"]
-    return {
-        "trained": True,
-        "steps": train[-1]["step"] if train else 0,
-        "tokens": train[-1]["tokens"] if train else 0,
-        "final_train_loss": train[-1]["loss"] if train else None,
-        "final_eval_loss": evals[-1]["loss"] if evals else None,
-        "curve": [{"step": r["step"], "loss": r["loss"]} for r in train],
-        "eval_curve": [{"step": r["step"], "loss": r["loss"]} for r in evals],
-        "observe_curve": [
-            {k: r[k] for k in ("step", "layers", "max_activation", "sink_mass", "gate_mean", "kurtosis")}
-            for r in recs
-            if r["event"] == "observe"
-        ],
-    }
+        return Training().to_json()
+    return Training.of_log([json.loads(line) for line in logf.read_text().splitlines() if line.strip()]).to_json()
 
 
 def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
@@ -373,21 +358,7 @@ def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
     report = observe(model, data, sink_tokens=cfg.sink_tokens)
     if is_first():
         report.save(cdir / "observe")
-    layers = [
-        {
-            k: L[k]
-            for k in ("max_inf_norm", "kurtosis", "max_activation", "sink_mass", "gate_mean", "massive_activations")
-        }
-        | {"max_median_ratio": L["tensors"]["block_out"]["max_median_ratio"]}
-        for L in report.layers
-    ]
-    summary = {k: v for k, v in report.summary.items() if k not in ("final_norm_in", "final_norm_out", "nonfinite")}
-    summary["nonfinite"] = len(report.summary["nonfinite"])
-    top = sorted(((i, e) for i, L in enumerate(report.layers) for e in L["massive"]), key=lambda t: -t[1]["max_abs"])
-    summary["top_massive"] = [
-        {"layer": i, "channel": e["channel"], "max_abs": e["max_abs"], "positions": e["positions"]} for i, e in top[:3]
-    ]
-    return {"observe": {"summary": summary, "layers": layers}}
+    return {"observe": CellObserve.of(report.summary, report.layers).to_json()}
 
 
 ROLLING_TASKS = ("quantgate_ppl",)  # perplexity over whole documents, read in windows of max_length tokens

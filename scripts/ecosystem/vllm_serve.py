@@ -36,6 +36,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -594,7 +595,7 @@ def score_checkpoint(
         if dtype != "float32":
             qg32, meta32 = quantgate_logprobs(row["path"], docs, "float32")
             row["quantgate_float32"] = meta32
-            n32 = [-x for lp in qg32 for x in lp[1:]]
+            n32 = [-cast(float, x) for lp in qg32 for x in lp[1:]]  # only the first token has none
             row["quantgate_float32_nll"] = sum(n32) / len(n32)
             if "logprobs" in res:
                 row["summary_vs_quantgate_float32"] = {
@@ -615,7 +616,7 @@ def score_checkpoint(
             f"{s['max_abs_token_diff']:.2e}"
         )
     elif qg_lp is not None:
-        n = [-x for lp in qg_lp for x in lp[1:]]
+        n = [-cast(float, x) for lp in qg_lp for x in lp[1:]]  # only the first token has none
         row["quantgate_nll_alone"] = sum(n) / len(n)
     return row
 

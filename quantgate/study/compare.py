@@ -1,0 +1,443 @@
+"""``quantgate compare``: evaluation results side by side, float against quantized, with the change each scheme
+causes and its 95% interval (:mod:`quantgate.stats`). Reads quantgate's eval.json, lm-eval's results JSON and
+study runs (:func:`collect_evals`); pairs each quantized run with its float reference by weights' hash or study
+cell, never by name (:func:`_references`)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..files import json_kind, read_json, writable_dir, write_text_atomic
+from ..plots import bar_panels
+from ..stats import DELTA_LEGEND, change, fmt, format_delta, table_head
+from .records import StudyRecord, read_metrics
+
+__all__ = ["compare", "collect_evals"]
+
+HEADLINE = (
+    "quantgate_ppl/word_perplexity",
+    "quantgate_ppl/bits_per_byte",
+    "quantgate_cloze/acc",
+    "quantgate_nextsent/acc",
+    "quantgate_mlm_ppl/perplexity",
+)
+PAIRING_LEGEND = (
+    "Reference: the run each change is measured against and how it was found: the float run of the same "
+    "study cell; the float run whose weights' sha256 is the quantized run's recorded source (quantize() "
+    "records it; quantgate eval records each model's sha256); or --baseline. Runs are never paired by "
+    "name alone. a ± b: the value and lm-eval's stderr."
+)
+
+
+def collect_evals(paths: Iterable[str | Path]) -> list[dict]:
+    """Every run under the given files or directories, flattened to one record each: quantgate's eval.json,
+    lm-eval's own results JSON (``lm_eval --output_path``: ``results_<date>.json``, with its samples files
+    where ``--log_samples`` wrote them) and study runs (metrics.json: every cell, float and quantized).
+
+    A record holds ``model``, ``variant``, ``seed``, ``scheme`` (``float`` for a float run), ``quantized``,
+    ``identity`` (the sha256 of the evaluated weights) and ``source`` (for a quantized run, the sha256 of
+    its float source) where the run recorded them, ``cell`` (a study cell: its float and quantized runs
+    pair), ``documents`` (per-document values), ``stderr`` (per metric, where the run has one), ``path``,
+    ``kind`` (``eval``, ``lm-eval``, ``study``) and each ``task/metric``."""
+    records: list[dict] = []
+    seen: set[str] = set()
+    for p in map(Path, paths):
+        if (p / "metrics.json").is_file():  # a study run: every cell, float and quantized
+            records += _study_records(read_metrics(p), p)
+            continue
+        files = [p] if p.is_file() else _run_files(p)
+        if not files:
+            raise FileNotFoundError(
+                f"{p} holds no eval.json, lm-eval results JSON or metrics.json (write one with quantgate eval "
+                f"... --out {p}, lm_eval --output_path {p}, or run a study)"
+            )
+        for f in files:
+            if str(f.resolve()) not in seen:
+                seen.add(str(f.resolve()))
+                records.append(_file_record(f))
+    return records
+
+
+def _run_files(folder: Path) -> list[Path]:
+    """The eval.json files under ``folder`` and the lm-eval results files that none of them wrote. A
+    ``results_*.json`` that cannot be read is passed over (another tool's file, perhaps), unless nothing
+    else is found: then its error, naming it, is raised."""
+    evals = sorted(folder.rglob("eval.json"))
+    written = set()
+    for f in evals:
+        out = _read_json(f).get("lm_eval_output") or {}
+        if isinstance(out, dict) and isinstance(out.get("results"), str):
+            written.add(str(Path(out["results"]).resolve()))
+    lm, unreadable = [], []
+    for f in sorted(folder.rglob("results_*.json")):  # lm_eval --output_path DIR
+        try:
+            if _lm_eval_shaped(_read_json(f)):
+                lm.append(f)
+        except ValueError as e:
+            unreadable.append(e)
+    found = evals + [f for f in lm if str(f.resolve()) not in written]
+    if not found and unreadable:
+        raise unreadable[0]
+    return found
+
+
+def _read_json(file: Path) -> dict:
+    """The JSON object in ``file``; a one-line ValueError naming it otherwise (:func:`quantgate.files.read_json`)."""
+    return read_json(file, fix=REWRITE)
+
+
+REWRITE = "write it again (quantgate eval ... --out, lm_eval --output_path) or leave it out of the runs compared"
+
+
+def _lm_eval_shaped(data: dict) -> bool:
+    lm_eval_keys = "configs" in data or "versions" in data
+    return "settings" not in data and isinstance(data.get("results"), dict) and lm_eval_keys
+
+
+def _file_record(f: Path) -> dict:
+    data = _read_json(f)
+    if "settings" in data and "results" in data:
+        _check_fields(data, f, ("settings", "results", "documents"), "quantgate's eval.json")
+        return _eval_record(data, f)
+    if _lm_eval_shaped(data):
+        _check_fields(data, f, ("config", "results"), "lm-eval's results JSON")
+        return _lm_eval_record(data, f)
+    raise ValueError(
+        f"{f} is neither quantgate's eval.json (settings, results) nor lm-eval's results JSON (results, "
+        f"configs, versions)"
+    )
+
+
+def _check_fields(data: dict, f: Path, fields: tuple[str, ...], kind: str) -> None:
+    """A one-line ValueError naming ``f`` where one of ``fields`` (present and not null) is not a JSON object,
+    or an entry of its results or documents (per task) is not one; what the records below read."""
+    wrong = [k for k in fields if data.get(k) is not None and not isinstance(data[k], dict)]
+    for k in ("results", "documents"):
+        if not wrong and isinstance(data.get(k), dict):
+            wrong = [f"{k}.{task}" for task, v in data[k].items() if not isinstance(v, dict)][:1]
+    if wrong:
+        value = data
+        for part in wrong[0].split(".", 1):
+            value = value[part]
+        raise ValueError(
+            f"cannot read {f}: its field {wrong[0]!r} is a JSON {json_kind(value)}, not an object, as {kind} "
+            f"holds; {REWRITE}"
+        )
+
+
+def _eval_record(data: dict, f: Path) -> dict:
+    s = data["settings"]
+    quantized = bool(s.get("quantization"))
+    return {
+        "model": s.get("model") or f.parent.name,
+        "variant": s.get("variant"),
+        "seed": None,
+        "scheme": s.get("quantization") or "float",
+        "quantized": quantized,
+        "identity": s.get("model_sha256"),
+        "source": s.get("source_sha256") if quantized else None,
+        "cell": None,
+        "kind": "eval",
+        "path": str(f),
+        "settings": {"tasks": s.get("tasks"), "limit": s.get("limit")},
+        "documents": data.get("documents") or {},
+        "stderr": _stderr(data["results"]),
+        **_flat(data["results"]),
+    }
+
+
+def _lm_eval_record(data: dict, f: Path) -> dict:
+    """A record of lm-eval's results JSON: its model from ``config.model_args`` (``pretrained``), the
+    quantization from those arguments or the checkpoint's config.json, per-document values from its
+    samples files where they are beside it."""
+    config = data.get("config") or {}
+    args = _model_args(config.get("model_args"))
+    name = args.get("pretrained") or args.get("model")
+    label = str(name or data.get("model_name") or config.get("model") or f.parent.name)
+    scheme, source = _lm_eval_quantization(args, name)
+    results = {task: _lm_eval_metrics(ms) for task, ms in (data.get("results") or {}).items()}
+    return {
+        "model": label,
+        "variant": None,
+        "seed": None,
+        "scheme": scheme,
+        "quantized": scheme != "float",
+        "identity": None,  # lm-eval records no hash of the weights
+        "source": source,
+        "cell": None,
+        "kind": "lm-eval",
+        "path": str(f),
+        "settings": {"tasks": sorted(results), "limit": config.get("limit")},
+        "documents": _lm_eval_documents(f, results),
+        "stderr": _stderr(results),
+        **_flat(results),
+    }
+
+
+def _model_args(args: object) -> dict:
+    """lm-eval's ``model_args`` (``"pretrained=DIR,dtype=float32"`` or a dict) as a dict."""
+    if isinstance(args, dict):
+        return args
+    out: dict = {}
+    for item in filter(None, (a.strip() for a in str(args or "").split(","))):
+        key, _, value = item.partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
+    """(scheme label or ``float``, source sha256 or None) of the model an lm-eval run loaded: its
+    ``scheme`` argument, bitsandbytes / GPTQ arguments, else the checkpoint's own config.json (quantgate's
+    record or another tool's quantization_config) and quantization.json sidecar, where it is a local folder."""
+    from ..quant.imported import SIDECAR, describe, quantization_config
+
+    source = None
+    folder = Path(str(name)) if name else None
+    if folder is not None and folder.is_dir():
+        sidecar = folder / SIDECAR
+        if sidecar.is_file():
+            source = read_json(sidecar, fix=f"restore the {sidecar.name} saved with the model").get("source_sha256")
+    if args.get("scheme"):
+        return str(args["scheme"]), source
+    truthy = {k for k, v in args.items() if str(v).lower() in ("true", "1")}
+    if "load_in_8bit" in truthy:
+        return describe({"quant_method": "bitsandbytes", "load_in_8bit": True})["scheme"], source
+    if "load_in_4bit" in truthy:
+        return describe({"quant_method": "bitsandbytes", "load_in_4bit": True})["scheme"], source
+    if truthy & {"autogptq", "gptqmodel"}:
+        return "gptq", source
+    if folder is not None and (folder / "config.json").is_file():
+        cfg = read_json(folder / "config.json", fix="restore the config.json saved with the model")
+        own = (cfg.get("quantgate") or {}).get("quantization") or {}
+        if own.get("scheme"):
+            return str(own["scheme"]), source or own.get("source_sha256")
+        qc = quantization_config(cfg)
+        if qc is not None:
+            return describe(qc)["scheme"], source
+    return "float", source
+
+
+def _lm_eval_metrics(metrics: dict) -> dict:
+    """lm-eval's ``{"acc,none": 0.5, "acc_stderr,none": 0.1, "alias": ...}`` -> ``{"acc": 0.5, "acc_stderr": 0.1}``
+    (the first filter of each metric; values that are not numbers, such as ``"N/A"``, dropped)."""
+    out: dict = {}
+    for key, value in metrics.items():
+        name = key.split(",")[0]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and name not in out and not (isinstance(value, float) and math.isnan(value)):
+            out[name] = float(value)
+    return out
+
+
+def _lm_eval_documents(f: Path, results: dict) -> dict:
+    """Per-document values from the samples files lm-eval wrote beside ``f`` (``--log_samples``):
+    ``samples_<task>_<date>.jsonl`` for ``results_<date>.json`` (or ``NAME_<date>.json``)."""
+    from ..evaluate import sample_documents  # the same per-document columns as quantgate's eval.json
+
+    date = f.stem.rsplit("_", 1)[-1]
+    docs = {}
+    for task in results:
+        samples = f.with_name(f"samples_{task}_{date}.jsonl")
+        if not samples.is_file():
+            continue
+        rows = _read_jsonl(samples)
+        if rows and all(isinstance(r, dict) and "doc_id" in r and "filter" in r for r in rows):
+            docs[task] = sample_documents(rows, {}, None)
+    return docs
+
+
+def _read_jsonl(file: Path) -> list:
+    """The JSON value of each line of ``file`` (JSON Lines); a one-line ValueError naming the file and line."""
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"cannot read {file}: line {number} is not valid JSON (truncated?): {e}") from None
+    return rows
+
+
+def _flat(results: dict | None) -> dict:
+    """``{task: {metric: value}}`` -> ``{"task/metric": value}``, without stderrs and sample lengths."""
+    return {
+        f"{task}/{m}": v
+        for task, ms in (results or {}).items()
+        for m, v in ms.items()
+        if m != "sample_len" and not m.endswith("_stderr")
+    }
+
+
+def _stderr(results: dict | None) -> dict:
+    """``{"task/metric": stderr}`` from the ``<metric>_stderr`` entries lm-eval reports."""
+    return {
+        f"{task}/{m.removesuffix('_stderr')}": v
+        for task, ms in (results or {}).items()
+        for m, v in ms.items()
+        if m.endswith("_stderr") and isinstance(v, (int, float))
+    }
+
+
+def _study_records(metrics: StudyRecord, path: Path) -> list[dict]:
+    out = []
+    for c in metrics.cells:
+        run = {
+            "model": f"{metrics.study['name']}:{c.model}",
+            "variant": c.variant,
+            "seed": c.seed,
+            "path": str(path),
+            "identity": None,
+            "source": None,
+            "cell": f"{path}#{c.id}",  # its float and quantized runs are one model's, by construction
+            "kind": "study",
+            "settings": {},
+            "stderr": {},
+        }
+        out.append(
+            {**run, "scheme": "float", "quantized": False, "documents": c.float_documents, **_flat(c.float_results)}
+        )
+        out += [
+            {**run, "scheme": s, "quantized": True, "documents": r.documents, **_flat(r.results)}
+            for s, r in c.schemes.items()
+        ]
+    return out
+
+
+def _references(records: list[dict], baseline: dict | None) -> list[tuple[dict | None, str]]:
+    """Per record, the run its change is measured against and how they were paired: ``baseline`` where
+    one is given; else a study cell's float run; else, for a quantized run, the float run whose identity
+    (sha256 of its weights) is the quantized run's source hash. Never by name or label alone."""
+    floats = [r for r in records if not r["quantized"]]
+    out: list[tuple[dict | None, str]] = []
+    for r in records:
+        if baseline is not None:
+            out.append((baseline, "--baseline") if r is not baseline else (None, "baseline"))
+        elif r["cell"] is not None:
+            ref = next((f for f in floats if f["cell"] == r["cell"]), None)
+            out.append((ref, "study cell") if r["quantized"] and ref is not None else (None, ""))
+        elif not r["quantized"]:
+            out.append((None, ""))
+        elif r["source"]:
+            found = [f for f in floats if f["identity"] == r["source"]]
+            same = [f for f in found if f["settings"] == r["settings"]]
+            ref = next(iter(same or found), None)
+            short = r["source"][:12]
+            out.append((ref, f"source sha256 {short}") if ref else (None, f"none: no float run has sha256 {short}"))
+        else:
+            out.append((None, "none: no source hash recorded; pass --baseline"))
+    return out
+
+
+def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline: str | Path | None = None) -> str:
+    """Markdown table of every run, with each quantized run's change from its float reference and the
+    change's 95% interval (a paired bootstrap over the documents both runs kept; a point change marked
+    ``[n/a]`` otherwise). The reference is, with ``baseline`` (a run directory or a results file), that
+    run for every other; else a study cell's float run, or the float run whose weights' sha256 is the
+    quantized run's recorded source (:func:`_references`). With ``out``, also compare.md, compare.csv (the
+    change and its interval bounds as numbers) and compare.png there."""
+    if out is not None:
+        writable_dir(out)  # before reading the runs
+    records = collect_evals(paths)
+    base = None
+    if baseline is not None:
+        found = collect_evals([baseline])
+        if len(found) != 1:
+            raise ValueError(
+                f"--baseline {baseline} holds {len(found)} runs; name one run (an eval.json, an lm-eval results "
+                f"file, or a directory holding just one)"
+            )
+        base = found[0]
+        key = (base["path"], base["cell"], base["scheme"])
+        records = [base] + [r for r in records if (r["path"], r["cell"], r["scheme"]) != key]
+    metrics = [m for m in HEADLINE if any(m in r for r in records)] or sorted(
+        {k for r in records for k in r if "/" in k}
+    )
+    records.sort(
+        key=lambda r: (
+            r is not base,
+            r["model"],
+            str(r["variant"]),
+            r["seed"] or 0,
+            r["quantized"],
+            r["scheme"],
+        )
+    )
+    rows, notes = [], []
+    for r, (ref, how) in zip(records, _references(records, base), strict=True):
+        row = {"model": r["model"], "variant": r["variant"], "seed": r["seed"], "scheme": r["scheme"]}
+        row["reference"] = f"{ref['model']} {ref['scheme']} ({how})" if ref is not None else how or None
+        for m in metrics:
+            row[m], row[f"{m} stderr"] = r.get(m), r["stderr"].get(m)
+            if ref is None:
+                continue
+            task, metric = m.split("/", 1)
+            try:
+                d = change(metric, ref.get(m), r.get(m), ref["documents"].get(task), r["documents"].get(task))
+            except ValueError as e:  # the two runs read different documents: no change between them
+                notes.append(f"{r['model']} {r['scheme']} vs {ref['model']} {ref['scheme']}, {m}: {e}")
+                d = None
+            row[f"{m} delta"] = d
+            if d is not None and d.low is None and d.n == 0:
+                notes.append(
+                    f"{r['model']} {r['scheme']}, {m}: point change [n/a], no interval: "
+                    + ("neither run" if not (ref["documents"].get(task) or r["documents"].get(task)) else "one run")
+                    + " kept per-document values"
+                )
+        rows.append(row)
+    columns = ["model", "variant", "seed", "scheme", "reference"] + [c for m in metrics for c in (m, f"{m} delta")]
+    lines = table_head(columns)
+    for row in rows:
+        cells = []
+        for c in columns:
+            if c.endswith("delta"):
+                cells.append(format_delta(row.get(c)))
+            elif row.get(f"{c} stderr") is not None:
+                cells.append(f"{fmt(row.get(c))} ± {fmt(row[f'{c} stderr'])}")
+            else:
+                cells.append(fmt(row.get(c)))
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + " " + PAIRING_LEGEND + "\n"
+    if notes:
+        table += "\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes)) + "\n"
+    if out is not None:
+        out = Path(out)
+        write_text_atomic(out / "compare.md", table)
+        _write_csv(rows, metrics, out / "compare.csv")
+        _plot(rows, metrics, out / "compare.png")
+    return table
+
+
+def _write_csv(rows: list[dict], metrics: list[str], path: Path) -> None:
+    """One row per run; each delta as three numbers: the change, and its interval's low and high ends
+    (empty for a point change); a metric's stderr where the run reported one."""
+    run = ["model", "variant", "seed", "scheme", "reference"]
+    columns = run + [c for m in metrics for c in (m, f"{m} stderr", f"{m} delta", f"{m} delta low", f"{m} delta high")]
+    fh = io.StringIO(newline="")
+    writer = csv.DictWriter(fh, fieldnames=columns)
+    writer.writeheader()
+    for row in rows:
+        flat = {c: row.get(c) for c in (*run, *metrics, *(f"{m} stderr" for m in metrics))}
+        for m in metrics:
+            d = row.get(f"{m} delta")
+            if d is not None:
+                flat |= {f"{m} delta": d.value, f"{m} delta low": d.low, f"{m} delta high": d.high}
+        writer.writerow(flat)
+    write_text_atomic(path, fh.getvalue())
+
+
+def _plot(rows, metrics, path: Path) -> None:
+    def label(r):
+        # short: a path's last part, a scheme's name without its details in parentheses
+        parts = [Path(str(r["model"])).name or str(r["model"]), r["variant"], r["seed"], r["scheme"].split(" (")[0]]
+        return "\n".join(str(p) for p in parts if p is not None)
+
+    bar_panels({m: [(label(r), r.get(m)) for r in rows] for m in metrics}, path, title="float vs quantized")
