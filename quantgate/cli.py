@@ -27,9 +27,9 @@ from .evaluate import (
 )
 from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
-from .models.io import DTYPES, Placement, read_config
+from .models.io import DTYPES, Placement
 from .models.presets import preset_config
-from .models.record import record_of
+from .models.record import checked_record
 from .models.sources import resolve
 from .observe import observe
 from .options import check_range
@@ -211,7 +211,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.out:
         save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
         fmt = read_json(Path(args.out) / "quantization.json").get("format")
-        why = record_of(read_config(Path(args.out))).load_with
+        config = Path(args.out) / "config.json"  # as written: loading moves the real model type back
+        why = checked_record(read_json(config), config, "save the model again").load_with
         print(f"wrote {args.out} ({fmt} format: " + (why or "transformers, lm-eval and vLLM load it") + ")")
     return 0
 

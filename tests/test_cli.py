@@ -126,6 +126,30 @@ def test_hardware_errors_are_one_line_and_other_errors_surface(monkeypatch, caps
         main(["quantize", "tiny-llama", "--scheme", "w8-int8"])
 
 
+def test_quantize_out_says_which_tools_load_the_save(tmp_path, capsys):
+    """A gated model's save only quantgate loads: the command says so, in the words config.json records."""
+    qg.save(qg.build("tiny-llama", "g1-elementwise"), tmp_path / "gated")
+    qg.save(qg.build("tiny-llama"), tmp_path / "plain")
+    for name in ("gated", "plain"):
+        assert (
+            main(
+                [
+                    "quantize",
+                    str(tmp_path / name),
+                    "--scheme",
+                    "w8a8-int8-dynamic",
+                    "--out",
+                    str(tmp_path / f"q-{name}"),
+                ]
+            )
+            == 0
+        )
+    gated, plain = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert gated.startswith(f"wrote {tmp_path / 'q-gated'} (quantgate format: quantgate (pip install quantgate; ")
+    assert "g1-elementwise" in gated
+    assert plain.endswith("format: transformers, lm-eval and vLLM load it)")
+
+
 def test_train_log_with_tensorboard_writes_events_beside_the_log(tmp_path):
     out = tmp_path / "run"
     assert (

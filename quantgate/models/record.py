@@ -77,7 +77,7 @@ def checked_record(data: Mapping[str, Any], file: Path, fix: str) -> ModelRecord
         want = _TYPES.get(key)
         if want is None:
             raise ValueError(f"{file}: field 'quantgate.{key}' is not one quantgate writes; {fix}")
-        if value is not None and not isinstance(value, want):
+        if not isinstance(value, want):
             raise ValueError(
                 f"{file}: field 'quantgate.{key}' must be {'a string' if want is str else 'an object'}, got a "
                 f"JSON {json_kind(value)}; {fix}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,7 @@ from .simulate import ActQuant, quantizable_linears
 __all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "torchao_input_ndims"]
 
 log = logging.getLogger("quantgate")
+T = TypeVar("T", bound=TorchaoScheme)
 
 # the attribute of a static-quantized Linear holding the rank of its inputs (nn.Module's __setattr__ is typed
 # for tensors and modules only, so it is set with setattr)
@@ -35,7 +37,7 @@ def _quantize_(scheme: TorchaoScheme) -> Callable[..., None]:
 @handles(TorchaoScheme, restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None), assign=True)
 def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> nn.Module:
     """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
-    _mitigate(model, scheme, calibrate)
+    scheme = _mitigate(model, scheme, calibrate)
     targets = {id(m) for _, m in quantizable_linears(model, scheme)}
     _quantize_(scheme)(model, scheme.torchao_config(), filter_fn=lambda m, fqn: id(m) in targets)
     return model
@@ -50,7 +52,7 @@ def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manife
 def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate: Calibrate) -> nn.Module:
     """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
     scales (max |x| / 127) from the calibration batches."""
-    _mitigate(model, scheme, calibrate)
+    scheme = _mitigate(model, scheme, calibrate)
     linears = quantizable_linears(model, scheme)
     spec = TensorQuant("int8", "tensor", symmetric=True, estimator="minmax")
     observers = {name: ActQuant(spec, f"{name} input") for name, _ in linears}
@@ -69,12 +71,11 @@ def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrat
     return _with_input_scales(model, scheme, scales)
 
 
-def _mitigate(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> None:
-    """The fixes every backend applies (:func:`~quantgate.quant.mitigate.mitigate`: SmoothQuant), before
-    torchao quantizes the weights; not when restoring a saved model (``calibrate`` None), whose weights and
-    norms come smoothed from the file."""
-    if calibrate is not None:
-        mitigate(model, scheme, calibrate)
+def _mitigate(model: nn.Module, scheme: T, calibrate: Calibrate | None) -> T:
+    """The fixes every backend applies (:func:`~quantgate.quant.mitigate.mitigate`), before torchao quantizes
+    the weights; returns the scheme with the modules they keep named. Not when restoring a saved model
+    (``calibrate`` None), whose weights and norms come smoothed from the file."""
+    return mitigate(model, scheme, calibrate) if calibrate is not None else scheme
 
 
 def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: dict[str, torch.Tensor]) -> nn.Module:

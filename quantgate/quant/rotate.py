@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 
 from ..attention.gates import Gate
 from ..models.families import config_of, family_of, find_submodule
-from ..models.record import set_record
+from ..models.record import record_of, set_record
 
 __all__ = [
     "rotate_",
@@ -130,10 +130,10 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
         raise ValueError(f"cannot rotate a {family.name} model: {family.no_rotation}")
     if family.ffn_linears is None:
         raise ValueError(f"cannot rotate a {family.name} model: its FFN layout is not known (Family.ffn_linears)")
-    meta = getattr(config, "quantgate", None) or {}
-    if "rotation" in meta:
-        raise ValueError(f"this model is already rotated ({meta['rotation']}); rotate a fresh float model")
-    if "quantization" in meta:
+    record = record_of(config)
+    if record.rotation is not None:
+        raise ValueError(f"this model is already rotated ({record.rotation}); rotate a fresh float model")
+    if record.quantization is not None:
         raise ValueError("this model is already quantized; rotate the float model, then quantize it")
     if not family.is_pre_norm(config):
         raise ValueError(

@@ -368,8 +368,9 @@ def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict 
         scheme = dataclasses.replace(scheme, keep=tuple(found))
     if scheme.rotate != "none":  # the saved config records the rotation and quantization being rebuilt
         saved = record_of(model)
+        set_record(model, rotation=None, quantization=None)  # rotate_ refuses a model that records either
         rotate_(model, online=scheme.rotate == "online")
-        set_record(model, rotation=saved.rotation, quantization=saved.quantization)
+        set_record(model, rotation=saved.rotation or record_of(model).rotation, quantization=saved.quantization)
     return apply_simulated(model, scheme, None, skeleton=True)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..files import json_kind, read_json, writable_dir, write_text_atomic
+from ..models.record import checked_record
 from ..plots import bar_panels
 from ..stats import DELTA_LEGEND, change, fmt, format_delta, table_head
 from .records import StudyRecord, read_metrics
@@ -212,8 +213,9 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
     if truthy & {"autogptq", "gptqmodel"}:
         return "gptq", source
     if folder is not None and (folder / "config.json").is_file():
-        cfg = read_json(folder / "config.json", fix="restore the config.json saved with the model")
-        own = (cfg.get("quantgate") or {}).get("quantization") or {}
+        file, fix = folder / "config.json", "restore the config.json saved with the model"
+        cfg = read_json(file, fix=fix)
+        own = checked_record(cfg, file, fix).quantization or {}
         if own.get("scheme"):
             return str(own["scheme"]), source or own.get("source_sha256")
         qc = quantization_config(cfg)
