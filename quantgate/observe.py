@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .files import write_text_atomic
+from .json_record import JsonRecord
 from .massive import Decode, MassiveActivations
 from .measurements import (
     LayerSummary,
@@ -408,26 +409,19 @@ def _by_token(x: torch.Tensor, b: int, t: int) -> torch.Tensor | None:
 
 
 @dataclass
-class ObserveReport:
+class ObserveReport(JsonRecord):
     """What observe measured: ``summary`` (headline numbers), ``layers`` (per block), ``meta``."""
 
     summary: ObserveSummary
     layers: list[LayerSummary]
     meta: ObserveMeta
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "summary": self.summary.to_json(),
-            "layers": [L.to_json() for L in self.layers],
-            "meta": self.meta.to_json(),
-        }
-
     def save(self, out: str | Path) -> Path:
         """Write observe.json, observe.md and PNG plots into directory ``out``."""
         from .plots import plot_observe  # matplotlib: imported at first use (~0.7 s; `import quantgate` skips it)
 
         out = Path(out)
-        write_text_atomic(out / "observe.json", json.dumps(self.to_dict(), indent=1))
+        write_text_atomic(out / "observe.json", json.dumps(self.to_json(), indent=1))
         (out / "observe.md").write_text(self.markdown())
         plot_observe(self, out)
         return out
@@ -436,11 +430,7 @@ class ObserveReport:
     def load(cls, path: str | Path) -> ObserveReport:
         path = Path(path)
         data = json.loads((path / "observe.json" if path.is_dir() else path).read_text())
-        return cls(
-            ObserveSummary.from_json(data["summary"]),
-            [LayerSummary.from_json(L) for L in data["layers"]],
-            ObserveMeta.from_json(data["meta"]),
-        )
+        return cls.from_json(data)
 
     def markdown(self) -> str:
         s, m = self.summary, self.meta
