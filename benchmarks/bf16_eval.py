@@ -20,11 +20,10 @@ import argparse
 import json
 from pathlib import Path
 
-import yaml
-
 from quantgate.stats import Delta, format_delta, paired_delta, paired_difference, table_head
 from quantgate.study import DEFAULT_STUDY, read_metrics, run_study
 from quantgate.study.grid import slug
+from quantgate.yaml_file import read_yaml, yaml_text
 
 TASK, METRIC = "quantgate_ppl", "word_perplexity"
 DTYPES = ("float32", "bfloat16")
@@ -32,7 +31,7 @@ DTYPES = ("float32", "bfloat16")
 
 def study(model: str, docs: int | None, window: int | None) -> dict:
     """The quickstart study's SmolLM2 entry in both dtypes (with ``model`` a preset instead, random weights)."""
-    packaged = yaml.safe_load(DEFAULT_STUDY.read_text())
+    packaged = read_yaml(DEFAULT_STUDY)[0]
     entry = next(m for m in packaged["models"] if m.get("dtype"))
     entry = {k: v for k, v in entry.items() if k not in ("name", "dtype")}
     if model != entry["load"]:
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = study(args.model, args.docs, args.window)
-    (out / "study.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    (out / "study.yaml").write_text(yaml_text(spec))
     run_study(out / "study.yaml", out / "run")
     cells = {c.model: c for c in read_metrics(out / "run").cells}
     f32, b16 = (cells[dt] for dt in DTYPES)

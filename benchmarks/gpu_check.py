@@ -289,7 +289,7 @@ def fsdp(args, rec):
             cwd=ROOT,
         )
         for name in (
-            "model/model.safetensors",
+            "model/model.quantgate.safetensors",  # g1-headwise: qg.save names a gated model's weights so
             "checkpoints/step-8/model.safetensors",
             "checkpoints/step-8/optimizer.safetensors",
         ):

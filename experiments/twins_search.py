@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from quantgate import experiment as ex
 from quantgate.stats import Delta, format_delta
 from quantgate.study import CellRecord, StudyRecord, read_metrics, run_study
@@ -47,6 +45,7 @@ from quantgate.study.measures import (
     ppl_of,
     scheme_change,
 )
+from quantgate.yaml_file import read_yaml, yaml_text
 
 SINK, RATIO, FACTOR = 0.5, 150, 5  # the criterion's thresholds
 W8A8 = "w8a8-int8-bondarenko"
@@ -179,7 +178,7 @@ def study_file(name: str, seed: int, out: Path, smoke: bool) -> Path:
     }
     path = out / name / f"seed{seed}" / "study.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(study, sort_keys=False))
+    path.write_text(yaml_text(study))
     return path
 
 
@@ -441,7 +440,7 @@ def sites(results: dict[str, StudyRecord], name: str, seed: int) -> None:
     cells = _pair(results, name, seed)
     run_dir = cells[0].run_dir
     assert run_dir is not None  # read_metrics sets it
-    study = yaml.safe_load((run_dir / "study.yaml").read_text())
+    study = read_yaml(run_dir / "study.yaml")[0]
     calib = study["calibration"]
     out: dict[str, dict[str, Any]] = {}
     for c in cells:
@@ -539,7 +538,8 @@ def site_tables(out: Path) -> list[str]:
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "quantgate" / "models" / "checkpoints"
 PACKAGED_NAMES = {"vanilla": "twin-vanilla", "g1-elementwise": "twin-g1"}
-SHIPPED = ("config.json", "generation_config.json", "model.safetensors", "quantgate.safetensors")  # tokenizer: bundled
+# tokenizer: bundled; the base weights are model.safetensors (vanilla) or model.quantgate.safetensors (gated)
+SHIPPED = ("config.json", "generation_config.json", "quantgate.safetensors")
 
 
 def package(results: dict[str, StudyRecord], name: str, seed: int) -> None:
@@ -555,7 +555,7 @@ def package(results: dict[str, StudyRecord], name: str, seed: int) -> None:
         dst = PACKAGE_DIR / packaged
         shutil.rmtree(dst, ignore_errors=True)
         dst.mkdir(parents=True)
-        for f in SHIPPED:
+        for f in [*SHIPPED, *(p.name for p in src.glob("model*.safetensors"))]:
             shutil.copy2(src / f, dst / f)
         found = budget([(b, ppl_change(c, s)) for b, s in widths])
         sink, layer = max_layer_sink(c)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
-from .files import refuse_same, staged_dir, write_failure
+from .files import claim_output, refuse_same, staged_dir, write_failure
 from .models import io as model_io
 from .models.presets import PRESETS
 from .models.record import record_of
@@ -58,7 +58,10 @@ def save(
     The checkpoint is written beside ``path`` and then moved in, replacing every checkpoint file there
     (:data:`CHECKPOINT_FILES`; other files stay), so a float model saved where a quantized one was leaves
     no manifest or quantized weights behind. A save that fails (a full disk) leaves ``path`` as it was and
-    says so in one line. A quantized model is not saved over the float checkpoint it was quantized from."""
+    says so in one line. A quantized model is not saved over the float checkpoint it was quantized from.
+    The folder is marked as a model quantgate saved (:data:`~quantgate.files.MARKER`), which the commands'
+    output rule reads (:func:`~quantgate.files.claim_output`: ``quantgate quantize --out`` replaces it only
+    with ``--overwrite``); this function itself checks no ownership, as before."""
     quantization = record_of(model).quantization
     if dtype is not None and not quantization:
         raise ValueError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
@@ -69,6 +72,7 @@ def save(
         refuse_same(path, source, "the float checkpoint this model was quantized from")
     try:
         with staged_dir(path, CHECKPOINT_FILES) as staged:
+            claim_output(staged, "model", mark=True, by="qg.save")
             if quantization:
                 save_quantized(model, staged, tokenizer, dtype=dtype)
             else:

@@ -20,13 +20,15 @@ from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
 from .evaluate import (
     NonFiniteOutputs,
     check_limit,
+    check_limit_per_process,
     check_lm_eval_options,
     evaluate,
     load_for_eval,
     require_lm_eval,
 )
-from .files import os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
+from .files import claim_output, os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
+from .models.cost import parameter_count
 from .models.io import DTYPES, Placement
 from .models.presets import preset_config
 from .models.record import checked_record
@@ -116,8 +118,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise ValueError("info needs a preset or a model directory (or --list)")
     model = _load_or_build(args.model, args.variant)
     gates = gate_parameters(model)
-    n_gate = sum(p.numel() for p in gates.values())
-    n_all = sum(p.numel() for p in model.parameters())
+    n_gate = parameter_count(gates.values())  # by storage: a tied head (two Parameters over one tensor) once
+    n_all = parameter_count(model)
     dtype = next(model.parameters()).dtype
     quant = quantization_of(model) or {}
     rows = [
@@ -140,15 +142,22 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _output(out: str | None, *inputs: str | None, what: str = "--out") -> None:
-    """Check the output directory ``out`` (when given) before the work: writable, and not the folder of one
-    of the ``inputs`` (model directories; links and .. resolved), whose files the output would overwrite."""
+def _output(
+    out: str | None, *inputs: str | None, what: str = "--out", kind: str | None = None, overwrite: bool = False
+) -> None:
+    """Check the output directory ``out`` (when given) before the work: writable, not the folder of one of the
+    ``inputs`` (model directories; links and .. resolved), whose files the output would overwrite, and, for
+    output of ``kind``, a folder quantgate may write into (:func:`~quantgate.files.claim_output`: empty, or its
+    own of that kind; a model's only with ``overwrite``; no link out of it)."""
     if out is None:
         return
     for source in inputs:
         if source and Path(source).exists():
             refuse_same(out, resolve(source).resolve(), "the directory of the model it reads")
-    writable_dir(out, what, create=False)  # a command refused later leaves no folder behind
+    if kind is None:
+        writable_dir(out, what, create=False)  # a command refused later leaves no folder behind
+    else:
+        claim_output(out, kind, what, overwrite=overwrite)  # checked only: nothing made or marked yet
 
 
 def _option(dest: str) -> str:
@@ -168,11 +177,11 @@ def cmd_observe(args: argparse.Namespace) -> int:
     _check_options(args, "observe", keys)
     if args.sink_tokens >= args.seq_len:
         raise ValueError(f"--sink-tokens ({args.sink_tokens}) must be fewer than --seq-len ({args.seq_len})")
-    _output(args.out)
+    _output(args.out, kind="observe")
     model = _load_or_build(args.model, args.variant, args.dtype, _placement(args))
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
     report = observe(model, data, sink_tokens=args.sink_tokens)
-    out = report.save(args.out)
+    out = report.save(claim_output(args.out, "observe", mark=True))
     print(report.markdown())
     print(f"wrote {out}/observe.json, observe.md and plots")
     return 0
@@ -191,7 +200,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.calib is not None and not needs:
         unless = " unless it is saved (--out)" if scheme.export_calibration else ""
         raise ValueError(f"--calib {args.calib} does nothing here: {scheme} calibrates nothing{unless}; leave it out")
-    _output(args.out, args.model)  # before the model loads and calibrates
+    _output(args.out, args.model, kind="model", overwrite=args.overwrite)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant, args.dtype, _placement(args))
     tok = tokenizer(model)
     held_out = _batches(model, tok, "validation", args.seq_len, args.batch_size)
@@ -234,10 +243,13 @@ def _evaluate(args: argparse.Namespace, model, model_args: dict) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    check_limit(args.limit)  # before the model loads and calibrates
+    limit = check_limit(args.limit)  # before the model loads and calibrates
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    check_limit_per_process(limit, args.processes, tasks)  # before the processes start
+    _placement(args)  # its syntax, before the processes start
     _check_options(args, "eval", {"batch_size": "batch_size"})
     check_lm_eval_options(args.num_fewshot, args.bootstrap_iters, args.output_path, args.log_samples)
-    _output(args.out)
+    _output(args.out, kind="eval")
     if args.output_path:  # a directory, or a results file name ending in .json
         lm_out = Path(args.output_path)
         _output(str(lm_out.parent if lm_out.suffix == ".json" else lm_out), what="--output-path")
@@ -269,6 +281,7 @@ def _eval(args: argparse.Namespace, state) -> int:
         result = _evaluate(args, model, model_args)
     except NonFiniteOutputs as e:  # keep the tasks that finished before the one that failed
         if args.out and e.partial.get("results") and is_first():
+            claim_output(args.out, "eval", mark=True)
             write_text_atomic(Path(args.out) / "eval.partial.json", json.dumps(e.partial, indent=1))
             raise ValueError(f"{e} (the tasks finished before it: {Path(args.out) / 'eval.partial.json'})") from None
         raise
@@ -282,7 +295,7 @@ def _eval(args: argparse.Namespace, state) -> int:
         ]
         print(f"{task}: " + ", ".join(shown))
     if args.out:
-        out = Path(args.out)
+        out = claim_output(args.out, "eval", mark=True)
         write_text_atomic(out / "eval.json", json.dumps(result, indent=1))
         print(f"wrote {out / 'eval.json'}")
     for path in _lm_eval_files(result.get("lm_eval_output")):
@@ -303,7 +316,7 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    print(compare(args.runs, args.out, baseline=args.baseline))
+    print(compare(args.runs, args.out, baseline=args.baseline, force_baseline=args.force_baseline))
     if args.out:
         print(f"wrote {args.out}/compare.md, compare.csv, compare.png")
     return 0
@@ -341,7 +354,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = TrainConfig(**fields).check(_option)  # the ranges a study's train: has, before the model builds
     if args.preset:
         preset_config(args.preset, overrides)  # the check a study's config: has, before anything is written
-    _output(args.out)  # before the model builds and trains
+    _output(args.out, kind="train")  # before the model builds and trains (--overwrite: train's own rule, later)
     model = (
         build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
     )
@@ -380,9 +393,12 @@ def _objective(model) -> str:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    if args.dry_run:
-        print(plan(args.study or DEFAULT_STUDY))
-        return 0
+    path = args.study or DEFAULT_STUDY
+    if args.dry_run or args.processes != 1:  # what N processes cannot split: refused before they start
+        described = plan(path, processes=args.processes, executor=args.executor, smoke=args.smoke)
+        if args.dry_run:
+            print(described)
+            return 0
     return _in_processes(args, _study)
 
 
@@ -454,7 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--calib-data", default="train", help="calibration text source (default: train)")
     qz.add_argument("--seq-len", type=int, default=128)
     qz.add_argument("--batch-size", type=int, default=8)
-    qz.add_argument("--out", help="write the quantized checkpoint here")
+    qz.add_argument("--out", help="write the quantized checkpoint here (an empty or new folder, or see --overwrite)")
+    qz.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the model quantgate saved in --out earlier (without it, a model there is refused)",
+    )
     qz.add_argument(
         "--save-dtype",
         choices=("bfloat16", "float16"),
@@ -510,6 +531,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         help="the run every other is compared with (a run directory, eval.json or lm-eval results JSON); "
         "default: each quantized run's float source, found by the sha256 its record holds",
+    )
+    cmp.add_argument(
+        "--force-baseline",
+        action="store_true",
+        help="pair every run with --baseline even where a quantized run records another float source (sha256) "
+        "or the runs' lm-eval settings differ (few-shot, task version, limit, ...); each such pairing is stated",
     )
     cmp.add_argument("--out", help="write compare.md, compare.csv and compare.png here")
     cmp.set_defaults(func=cmd_compare)

@@ -64,7 +64,7 @@ from .models.sources import check_vocabulary
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .options import AT_LEAST_1, check_range
-from .provenance import versions
+from .provenance import git_commit, versions
 from .quant import fingerprint, get_scheme, quantization_of, quantize
 from .stats import METRICS, aggregate
 
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 __all__ = [
     "evaluate",
     "check_limit",
+    "check_limit_per_process",
     "check_lm_eval_options",
     "load_for_eval",
     "BUNDLED_TASKS",
@@ -82,6 +83,8 @@ __all__ = [
     "mlm_documents",
     "backcopy_metrics",
     "NonFiniteOutputs",
+    "first_non_finite",
+    "score_floats",
 ]
 
 log = logging.getLogger("quantgate")
@@ -121,6 +124,22 @@ def check_limit(limit: int | float | None) -> int | float | None:
     if limit >= 1 and limit != int(limit):
         raise ValueError(f"limit {limit} is neither a whole number of documents nor a fraction below 1")
     return int(limit) if limit >= 1 else float(limit)
+
+
+def check_limit_per_process(
+    limit: int | float | None, processes: int, tasks: Iterable[str], name: str = "--limit", processes_name: str = ""
+) -> None:
+    """Refuse a whole-number ``limit`` below the number of data-parallel ``processes`` for a task whose documents
+    lm-eval splits between them (not ``COMPUTED_TASKS``): a process with no document fails in the ranks' gather
+    instead. ``name`` and ``processes_name`` name the settings in the one-line refusal."""
+    split = [t for t in tasks if t not in COMPUTED_TASKS]
+    if processes <= 1 or limit is None or limit < 1 or int(limit) >= processes or not split:
+        return
+    raise ValueError(
+        f"{name} {int(limit)} gives {', '.join(split)} {int(limit)} document(s) to split between {processes} processes"
+        f"{processes_name or f' (--processes {processes})'}, and each needs one: raise the limit to {processes} or "
+        f"more, or run fewer processes"
+    )
 
 
 def check_lm_eval_options(
@@ -247,6 +266,7 @@ def evaluate(
     results: dict[str, dict] = {}
     documents: dict[str, dict] = {}
     written: dict[str, Any] | None = None
+    protocol: dict[str, Any] = {}  # what lm-eval used that changes the numbers (quantgate compare checks it)
 
     def result() -> dict:  # what is returned, and what a NonFiniteOutputs error keeps
         quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
@@ -258,6 +278,7 @@ def evaluate(
                 "tasks": tasks,
                 "limit": limit,
                 "num_fewshot": num_fewshot,
+                **protocol,  # n_shot (per task, as lm-eval applied it), task_versions, fewshot_seed
                 "bootstrap_iters": bootstrap_iters,
                 "batch_size": batch_size,
                 "max_length": max_length,
@@ -280,7 +301,7 @@ def evaluate(
     def refuse_non_finite(scored: dict[str, list[tuple[Any, list[float]]]]) -> None:
         """Raise NonFiniteOutputs naming the first task and document with a NaN or inf score (``scored``:
         per task, (document id, its scores)), keeping the other tasks' results."""
-        bad = {task: found for task, docs in scored.items() if (found := _first_non_finite(docs)) is not None}
+        bad = {task: found for task, docs in scored.items() if (found := first_non_finite(docs)) is not None}
         if not bad:
             return
         for task in bad:
@@ -300,7 +321,8 @@ def evaluate(
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
         lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
         state = parallel.joined()  # launched as one of N processes: lm-eval splits the requests between them
-        if state is not None:
+        if state is not None:  # every rank refuses alike, before the gather a rank with no document would fail in
+            check_limit_per_process(limit, state.num_processes, lm_tasks, "limit", " (ranks)")
             parallel.share_work(lm, state)
         tracker = _tracker(output_path)
         with eval_mode(model):
@@ -320,6 +342,11 @@ def evaluate(
             )
         out = parallel.from_first(out)  # rank 0 holds every rank's samples; the others get None from lm-eval
         results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
+        protocol.update(
+            n_shot=dict(out.get("n-shot") or {}),
+            task_versions=dict(out.get("versions") or {}),
+            fewshot_seed=(out.get("config") or {}).get("fewshot_seed"),
+        )
         documents.update(
             {
                 task: sample_documents(samples, out["configs"][task], tokenizer)
@@ -327,7 +354,9 @@ def evaluate(
                 if samples
             }
         )
-        refuse_non_finite({t: [(x["doc_id"], _floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()})
+        refuse_non_finite(
+            {t: [(x["doc_id"], score_floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()}
+        )
         # after sample_documents (lm-eval's sample writer rewrites the samples in place); rank 0 alone writes
         if tracker is not None and parallel.is_first():
             objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
@@ -353,6 +382,11 @@ def require_lm_eval() -> types.ModuleType:
         import lm_eval  # lm-eval is optional: imported at first use
     except ImportError as e:
         raise ModuleNotFoundError(f"evaluation needs lm-eval (pip install lm-eval==0.4.13): {e}") from None
+    import lm_eval.evaluator
+
+    # lm-eval records the git commit of the working directory by running git with its stderr shown: outside a
+    # checkout every evaluation printed "fatal: not a git repository". The same record, quietly
+    lm_eval.evaluator.get_git_commit_hash = git_commit
     return lm_eval
 
 
@@ -523,14 +557,14 @@ def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTok
     return docs
 
 
-def _floats(value: Any) -> list[float]:
+def score_floats(value: Any) -> list[float]:
     """The numbers in a logged sample's responses (nested lists and tuples; strings and flags skipped)."""
     if isinstance(value, (list, tuple)):
-        return [f for v in value for f in _floats(v)]
+        return [f for v in value for f in score_floats(v)]
     return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
 
 
-def _first_non_finite(scored: list[tuple[Any, list[float]]]) -> tuple[Any, float] | None:
+def first_non_finite(scored: list[tuple[Any, list[float]]]) -> tuple[Any, float] | None:
     """(document id, score) of the first NaN or inf score in ``scored``: (document id, its scores)."""
     return next(((doc, v) for doc, values in scored for v in values if not math.isfinite(v)), None)
 

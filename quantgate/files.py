@@ -4,6 +4,9 @@
   (:func:`write_text_atomic`), a folder of files is replaced as one (:func:`staged_dir`), and an output
   directory is checked before the work that fills it (:func:`writable_dir`, :func:`folder_name`,
   :func:`refuse_same`); a write that fails on a full or read-only disk is one line (:func:`os_error_line`).
+* Written only where quantgate may write: :func:`claim_output`, the one rule every command's output folder
+  passes (an empty or missing folder, or one quantgate wrote as the same kind of output; a model folder
+  replaced only with ``--overwrite``; never through a link leading out of it), marked :data:`MARKER`.
 * Read with the file named: :func:`read_json` bounds the size, checks the top-level type and names the file
   in every error.
 * Keyed by content: :func:`content_sha256` hashes a file or folder, remembering each file's hash under its
@@ -31,6 +34,9 @@ __all__ = [
     "JSON_LIMIT",
     "content_sha256",
     "writable_dir",
+    "claim_output",
+    "MARKER",
+    "OUTPUT_KINDS",
     "is_folder_name",
     "folder_name",
     "refuse_same",
@@ -223,6 +229,189 @@ def _probe(directory: Path) -> None:
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)
     os.unlink(probe)
+
+
+# --- ownership of output folders ----------------------------------------------------------------------
+
+MARKER = ".quantgate"  # {"written_by": "quantgate <command>", "kind": <a key of OUTPUT_KINDS>}: who wrote a folder
+
+# the kinds of folder quantgate writes -> their name in a message
+OUTPUT_KINDS = {
+    "model": "model",
+    "study": "study run",
+    "train": "training run",
+    "eval": "evaluation",
+    "observe": "observe run",
+    "compare": "comparison",
+}
+_REPLACED_WHOLE = {"model"}  # a new one replaces the old one's files: only with overwrite
+_OWN_FILES = (MARKER, ".quantgate.lock", ".quantgate-write-test.*")  # quantgate's bookkeeping: not content
+# the names each kind writes at the top of its folder: an input there of such a name would be written over
+_WRITES = {"study": ("config.yaml", "metrics.json", "report.md", "*.png", "cells")}
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in file ``path``; {} where it is missing, a link, or not one."""
+    if not path.is_file() or path.is_symlink():
+        return {}
+    try:
+        return read_json(path)
+    except ValueError:
+        return {}
+
+
+def _json_has(path: Path, *keys: str) -> bool:
+    """Whether ``path`` is a file holding a JSON object with all of ``keys``."""
+    return set(keys) <= _json_object(path).keys()
+
+
+def _first_line(path: Path) -> str:
+    if not path.is_file() or path.is_symlink():
+        return ""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.readline(4096)
+    except OSError:
+        return ""
+
+
+def _first_json_line_has(path: Path, key: str) -> bool:
+    try:
+        data = json.loads(_first_line(path) or "null")
+    except json.JSONDecodeError:
+        return False
+    return isinstance(data, dict) and key in data
+
+
+def _only_checkpoints(path: Path) -> bool:
+    """Whether ``path`` is a folder of training checkpoints only (step-N, or .step-N.tmp where one was cut off)."""
+    if not path.is_dir() or path.is_symlink():
+        return False
+    return all(fnmatch.fnmatch(e, "step-*") or fnmatch.fnmatch(e, ".step-*.tmp") for e in os.listdir(path))
+
+
+# how each kind is recognised in a folder an older quantgate wrote, before the marker existed: by a file only
+# quantgate writes, in quantgate's own shape
+_LEGACY = {
+    "model": lambda d: isinstance(_json_object(d / "config.json").get("quantgate"), dict),
+    "study": lambda d: (
+        _json_has(d / "metrics.json", "study", "cells")
+        or ((d / "config.yaml").is_file() and (d / "cells").is_dir() and not (d / "cells").is_symlink())
+    ),
+    "train": lambda d: _first_json_line_has(d / "log.jsonl", "event") or _only_checkpoints(d / "checkpoints"),
+    "eval": lambda d: (
+        _json_has(d / "eval.json", "settings", "results") or _json_has(d / "eval.partial.json", "results")
+    ),
+    "observe": lambda d: _json_has(d / "observe.json", "summary", "layers", "meta"),
+    "compare": lambda d: _first_line(d / "compare.csv").startswith("model,variant,seed,scheme,reference"),
+}
+
+
+def _marker(directory: Path) -> dict[str, Any] | None:
+    """The folder's marker where it holds a valid one, else None."""
+    path = directory / MARKER
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        data = read_json(path, limit=1 << 16)
+    except ValueError:
+        return None
+    return data if data.get("kind") in OUTPUT_KINDS else None
+
+
+def _escaping_links(directory: Path, deep: bool) -> Iterator[tuple[Path, Path]]:
+    """Each link in ``directory`` (``deep``: and below, links not entered) that leads out of it, with its target."""
+    root = directory.resolve()
+    for dirpath, dirnames, filenames in os.walk(directory):  # a linked folder is listed, not entered
+        for name in (*dirnames, *filenames):
+            path = Path(dirpath) / name
+            if path.is_symlink() and not (target := path.resolve()).is_relative_to(root):
+                yield path, target
+        if not deep:
+            return
+
+
+def claim_output(
+    directory: str | Path,
+    kind: str,
+    what: str = "--out",
+    *,
+    overwrite: bool = False,
+    mark: bool = False,
+    by: str | None = None,
+    inputs: Iterable[str | Path] = (),
+) -> Path:
+    """The one rule for where quantgate writes: ``directory`` (``what``: the option that gave it), checked
+    before the work that fills it (:func:`writable_dir`), for output of ``kind`` (a key of
+    :data:`OUTPUT_KINDS`). quantgate writes only into a folder that is
+
+    * missing or empty (quantgate's own lock and :data:`MARKER` aside), or
+    * one it wrote before as the same kind of output: a study run is continued by a study, a training run by
+      train (whose --resume/--overwrite rule then applies), an eval, observe or compare folder is written
+      again; a model folder is replaced only with ``overwrite`` (``--overwrite``), its other files kept.
+
+    Who wrote a folder is read from its :data:`MARKER` (``{"written_by": ..., "kind": ...}``). A folder an
+    older quantgate wrote has none; it counts as quantgate's where it holds a file in quantgate's own shape
+    (:data:`_LEGACY`): a model's config.json with the ``quantgate`` record; a study's metrics.json with
+    ``study`` and ``cells`` (or, interrupted, config.yaml beside cells/); a training run's log.jsonl of
+    quantgate's events or a checkpoints/ folder of step-N checkpoints only; eval.json with ``settings`` and ``results``;
+    observe.json with ``summary``, ``layers`` and ``meta``; compare.csv with quantgate's columns. Anything
+    else (another tool's model, the user's files, a project folder) is refused, ``overwrite`` or not.
+
+    ``inputs``: files the command reads that may lie in the folder (a study file inside its run), not counted
+    as content unless the output writes a file of that name. A link in the folder or below that leads out
+    of it is refused: quantgate never writes through one.
+    Each refusal is a one-line ValueError naming the folder, why, and what to do. ``mark``: the folder is
+    then created where missing and marked as written by ``by`` (default ``quantgate <kind>``); the writer
+    calls it once it is about to write, after the check before the work. Returns ``directory``."""
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"unknown output kind {kind!r}; one of {', '.join(OUTPUT_KINDS)}")
+    directory = writable_dir(directory, what, create=mark)
+    name = OUTPUT_KINDS[kind]
+    fix = "choose an empty folder (or a new one)"
+    if directory.is_dir():
+        for link, target in _escaping_links(directory, deep=False):  # first: nothing is read through them
+            raise ValueError(
+                f"{what} {directory}: {link} is a symlink leading to {target}, outside it; quantgate does not "
+                f"write through links: remove the link, or {fix}"
+            )
+        root = directory.resolve()
+        own = {
+            Path(f).name
+            for f in inputs
+            if Path(f).resolve().parent == root
+            and not any(fnmatch.fnmatch(Path(f).name, p) for p in _WRITES.get(kind, ()))
+        }
+        content = sorted(
+            e for e in os.listdir(directory) if e not in own and not any(fnmatch.fnmatch(e, p) for p in _OWN_FILES)
+        )
+        if content:
+            marker = _marker(directory)
+            owner = marker["kind"] if marker else next((k for k in (kind, *_LEGACY) if _LEGACY[k](directory)), None)
+            if owner is None:
+                shown = ", ".join(content[:4]) + (f", ... ({len(content)} in all)" if len(content) > 4 else "")
+                raise ValueError(f"{what} {directory} holds files quantgate did not write ({shown}); {fix}")
+            written_by = f" (written by {marker['written_by']})" if marker and marker.get("written_by") else ""
+            if owner != kind:
+                raise ValueError(
+                    f"{what} {directory} holds a quantgate {OUTPUT_KINDS[owner]}{written_by}, not a {name}; {fix}"
+                )
+            if kind in _REPLACED_WHOLE and not overwrite:
+                flag = "--overwrite" if what.startswith("--") else "overwrite=True"
+                raise ValueError(
+                    f"{what} {directory} holds a {name} quantgate saved{written_by}: writing there replaces it; "
+                    f"add {flag} to replace it, or {fix}"
+                )
+            for link, target in _escaping_links(directory, deep=True):
+                raise ValueError(
+                    f"{what} {directory}: {link} is a symlink leading to {target}, outside it; quantgate does "
+                    f"not write through links: remove the link, or {fix}"
+                )
+    if mark:
+        record = {"written_by": by or f"quantgate {kind}", "kind": kind}
+        if _marker(directory) != record:
+            write_text_atomic(directory / MARKER, json.dumps(record) + "\n")
+    return directory
 
 
 def is_folder_name(name: str) -> bool:

@@ -26,11 +26,13 @@ on commas, so a scheme or variant with options of its own goes in lm-eval's JSON
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +42,16 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import PreTrainedTokenizerBase
 
-from .evaluate import TASK_DIR, NonFiniteOutputs, context_length, load_for_eval
+from .evaluate import (
+    TASK_DIR,
+    NonFiniteOutputs,
+    check_lm_eval_options,
+    context_length,
+    first_non_finite,
+    load_for_eval,
+    score_floats,
+)
+from .files import writable_dir, write_text_atomic
 from .models.families import family_of
 from .models.io import DTYPES
 from .models.sources import check_vocabulary
@@ -48,7 +59,7 @@ from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .quant import quantization_of
 
-__all__ = ["QuantgateLM", "PseudoLogLikelihoodLM", "main", "with_task_folder"]
+__all__ = ["QuantgateLM", "PseudoLogLikelihoodLM", "main", "with_task_folder", "check_output_path"]
 
 # HFLM options that only mean something when HFLM loads the model itself from a hub id or directory
 _LOADING_OPTIONS = {
@@ -375,20 +386,128 @@ def with_task_folder(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Run lm-eval's own command line (``lm_eval.__main__.cli_evaluate``) on ``argv`` with quantgate's
+    """Run lm-eval's own command line (what ``lm_eval.__main__.cli_evaluate`` does) on ``argv`` with quantgate's
     models registered (this module's import) and its task folder on the include path
-    (:func:`with_task_folder`); returns lm-eval's exit status (0, or 2 for a usage error)."""
-    from lm_eval.__main__ import cli_evaluate
+    (:func:`with_task_folder`); returns lm-eval's exit status (0, or 2 for a usage error). Two checks lm-eval
+    lacks, for every model type (``hf`` too): ``--output_path`` is checked writable before anything loads
+    (:func:`check_output_path`; lm-eval would run, log that it could not save and exit 0), and a NaN or inf
+    result is refused before lm-eval writes or prints it (:func:`_refusing_non_finite`)."""
+    import lm_eval
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
 
-    saved = sys.argv
+    saved, evaluate = sys.argv, lm_eval.simple_evaluate
     sys.argv = ["lm-eval", *with_task_folder(argv)]
     try:
-        cli_evaluate()
+        setup_logging()
+        parser = HarnessCLI()
+        args = parser.parse_args()
+        output_path = getattr(args, "output_path", None)  # `run`'s; `ls` and `validate` write nothing
+        check_output_path(output_path)
+        lm_eval.simple_evaluate = _refusing_non_finite(evaluate, output_path, bool(getattr(args, "log_samples", 0)))
+        parser.execute(args)
     except SystemExit as e:  # argparse's --help (0) and usage errors (2)
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
             return 1
         return int(e.code or 0)
     finally:
-        sys.argv = saved
+        sys.argv, lm_eval.simple_evaluate = saved, evaluate
     return 0
+
+
+def check_output_path(output_path: str | None) -> None:
+    """lm-eval's ``--output_path`` (a directory, or a results file name ending in .json), refused in one line
+    before the work where lm-eval could not write there: the checks of ``quantgate eval --output-path``
+    (:func:`quantgate.evaluate.check_lm_eval_options`, :func:`quantgate.files.writable_dir`)."""
+    if output_path is None:
+        return
+    check_lm_eval_options(output_path=output_path)
+    path = Path(output_path)
+    writable_dir(path.parent if path.suffix == ".json" else path, "--output_path", create=False)
+
+
+PARTIAL = "lm_eval.partial.json"  # not results_*.json: quantgate compare must not take it for a run
+
+
+def _refusing_non_finite(evaluate: Callable[..., Any], output_path: str | None, log_samples: bool) -> Callable:
+    """``lm_eval.simple_evaluate`` as lm-eval's command line calls it, raising :class:`NonFiniteOutputs` where a
+    task's metric or one of its documents' scores is NaN or inf, before lm-eval writes or prints its results
+    (it would write ``word_perplexity NaN``, or an accuracy from NaN scores, and exit 0). lm-eval keeps the
+    samples for the check (and drops them after, unless ``--log_samples`` asked for them); what was computed is
+    kept in :data:`PARTIAL` under ``output_path`` and named in the error."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        kwargs["log_samples"] = True
+        out = evaluate(*args, **kwargs)
+        if out is None:  # a rank other than the first of a data-parallel run
+            return out
+        samples = out.get("samples") if log_samples else out.pop("samples", None)
+        bad = _non_finite(out, samples or {})
+        if bad:
+            raise NonFiniteOutputs(_refusal(out, bad, _keep(out, samples if log_samples else None, output_path)), out)
+        return out
+
+    return checked
+
+
+def _non_finite(out: dict, samples: dict) -> dict[str, list[str]]:
+    """Per task (or group), what is NaN or inf: its metrics (not their stderrs) and its first document whose
+    scores are (lm-eval turns NaN log-likelihoods into an accuracy as readily as into a NaN perplexity)."""
+    bad: dict[str, list[str]] = {}
+    for section in ("results", "groups"):
+        for task, metrics in (out.get(section) or {}).items():
+            for key, value in metrics.items():
+                name = key.split(",")[0]
+                number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if number and not name.endswith("_stderr") and not math.isfinite(value):
+                    bad.setdefault(task, []).append(f"{name} {value}")
+    for task, rows in samples.items():
+        found = first_non_finite([(r.get("doc_id"), score_floats(r.get("resps"))) for r in rows])
+        if found is not None:
+            bad.setdefault(task, []).append(f"document {found[0]} scores {found[1]}")
+    return bad
+
+
+def _refusal(out: dict, bad: dict[str, list[str]], kept: Path | None) -> str:
+    """The one-line error: the first task and what of it is non-finite, the others counted, what scored finite."""
+    task, what = next(iter(bad.items()))
+    more = [t for t in bad if t != task]
+    finite = [
+        f"{t}/{k.split(',')[0]} {v:.4g}"
+        for t, metrics in (out.get("results") or {}).items()
+        if t not in bad
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and "_stderr" not in k
+    ]
+    return (
+        f"{task}: {', '.join(what)}"
+        + (f" (and {len(more)} more task(s): {', '.join(more)})" if more else "")
+        + ": the model's outputs are NaN or inf, so these metrics mean nothing; lm-eval's results were neither "
+        "written nor printed. Check the weights (quantgate info) and the quantization. "
+        + (f"Scored finite: {', '.join(finite)}. " if finite else "No task scored finite. ")
+        + (f"Everything lm-eval computed: {kept}" if kept else "Give --output_path to keep what was computed")
+    )
+
+
+def _keep(out: dict, samples: dict | None, output_path: str | None) -> Path | None:
+    """lm-eval's results (non-finite values as the strings ``nan``, ``inf``; with ``samples`` those too) in
+    :data:`PARTIAL` in the ``--output_path`` folder; None without one."""
+    if output_path is None:
+        return None
+    from lm_eval.utils import handle_non_serializable
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    kept = {k: v for k, v in out.items() if k != "samples"} | ({"samples": samples} if samples is not None else {})
+    path = Path(output_path)
+    file = (path.parent if path.suffix == ".json" else path) / PARTIAL
+    write_text_atomic(file, json.dumps(plain(kept), indent=2, default=handle_non_serializable, ensure_ascii=False))
+    return file

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from importlib import metadata
 
 import torch
 
-__all__ = ["machine", "version", "versions"]
+__all__ = ["git_commit", "machine", "version", "versions"]
 
 PACKAGES = ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate")
 
@@ -33,3 +34,17 @@ def version(package: str) -> str | None:
 
 def versions(packages: tuple[str, ...] = PACKAGES) -> dict:
     return {p: version(p) for p in packages}
+
+
+def git_commit(cwd: str | os.PathLike[str] | None = None) -> str | None:
+    """``git describe --always`` of the git checkout around ``cwd`` (default: the working directory); None outside
+    one or without git, silently: git's "fatal: not a git repository" is captured, not printed. lm-eval records
+    this in its results (its own version of it lets git print that line): :func:`quantgate.evaluate.require_lm_eval`
+    puts this one in its place."""
+    try:
+        run = subprocess.run(
+            ["git", "describe", "--always"], cwd=cwd, capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):  # no git, or it hangs
+        return None
+    return run.stdout.strip() or None if run.returncode == 0 else None

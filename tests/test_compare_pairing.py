@@ -60,10 +60,13 @@ def test_pairs_by_source_hash_not_by_label(tmp_path):
     assert unpaired.endswith("| - |")
     floats = [line for line in table.splitlines() if line.startswith("| tiny-llama | vanilla | - | float |")]
     assert len(floats) == 2 and all(line.endswith("| - |") for line in floats)  # floats are references only
-    # --baseline forces the reference, for every other run
-    forced = compare([tmp_path], baseline=tmp_path / "fp_a" / "eval.json")
+    # --baseline sets the reference for every other run; a's weights are not q_b's recorded source: refused,
+    # unless --force-baseline, which says so in the row
+    with pytest.raises(ValueError, match=r"recorded source sha256 .* --force-baseline"):
+        compare([tmp_path], baseline=tmp_path / "fp_a" / "eval.json")
+    forced = compare([tmp_path], baseline=tmp_path / "fp_a" / "eval.json", force_baseline=True)
     row = _row(forced, f"| {tmp_path / 'q_b'} |")
-    assert "(--baseline)" in row and f"| {format_delta(wrong)} |" in row
+    assert "(--baseline, --force-baseline: its recorded source sha256" in row and f"| {format_delta(wrong)} |" in row
     assert forced.splitlines()[2].startswith("| tiny-llama | vanilla | - | float | baseline |")
     with pytest.raises(ValueError, match=r"--baseline .* holds 4 runs; name one run"):
         compare([tmp_path / "fp_a"], baseline=tmp_path)

@@ -130,9 +130,9 @@ def test_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"has no config\.json"):
         qg.load(tmp_path / "empty")
     qg.save(qg.build("tiny-opt", "g1-headwise"), tmp_path / "m")
-    weights = tmp_path / "m" / "model.safetensors"
+    weights = tmp_path / "m" / "model.quantgate.safetensors"  # a gated model's base weights
     shutil.copytree(tmp_path / "m", tmp_path / "pickled")
-    (tmp_path / "pickled" / "model.safetensors").rename(tmp_path / "pickled" / "pytorch_model.bin")
+    (tmp_path / "pickled" / "model.quantgate.safetensors").rename(tmp_path / "pickled" / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match="never unpickles"):
         qg.load(tmp_path / "pickled")
     shutil.copytree(tmp_path / "m", tmp_path / "corrupt")
@@ -144,7 +144,7 @@ def test_bad_input(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"quantgate\.safetensors is missing"):
         qg.load(tmp_path / "corrupt")
     shutil.copytree(tmp_path / "m", tmp_path / "broken")
-    (tmp_path / "broken" / "model.safetensors").write_bytes(data[:100])
+    (tmp_path / "broken" / "model.quantgate.safetensors").write_bytes(data[:100])
     with pytest.raises(ValueError, match="cannot load"):
         qg.load(tmp_path / "broken")
     (tmp_path / "broken" / "config.json").write_text("{not json")

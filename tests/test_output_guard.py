@@ -97,7 +97,8 @@ def test_full_disk_during_quantize_keeps_the_checkpoint_there(error, tmp_path, m
 
     monkeypatch.setattr("quantgate.quant.checkpoint.save_file", full)
     capsys.readouterr()
-    assert main(["quantize", "tiny-llama", "--scheme", "w8a8-int8-dynamic", "--out", str(out)]) == 2
+    argv = ["quantize", "tiny-llama", "--scheme", "w8a8-int8-dynamic", "--out", str(out), "--overwrite"]
+    assert main(argv) == 2  # --overwrite: the model quantgate saved there is replaced (issue 41)
     err = _error(capsys, "quantize")
     assert "No space left on device" in err and str(out) in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous checkpoint, whole
@@ -106,8 +107,7 @@ def test_full_disk_during_quantize_keeps_the_checkpoint_there(error, tmp_path, m
 
 
 def test_full_disk_writing_eval_json_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "ev"
-    out.mkdir()
+    out = files.claim_output(tmp_path / "ev", "eval", mark=True)  # an earlier eval's folder (issue 41)
     (out / "eval.json").write_text('{"previous": true}')
     real = Path.write_text
 
@@ -119,7 +119,7 @@ def test_full_disk_writing_eval_json_keeps_the_previous_one(tmp_path, monkeypatc
     assert main(["eval", "tiny-llama", "--limit", "1", "--out", str(out)]) == 2
     err = _error(capsys, "eval")
     assert f"{out / 'eval.json'}: No space left on device" in err
-    assert sorted(p.name for p in out.iterdir()) == ["eval.json"]
+    assert sorted(p.name for p in out.iterdir()) == [files.MARKER, "eval.json"]
     assert (out / "eval.json").read_text() == '{"previous": true}'
 
 

@@ -143,7 +143,7 @@ def test_fsdp_training_resumes_bit_for_bit(tmp_path):
     )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     for name in (
-        "model/model.safetensors",
+        "model/model.quantgate.safetensors",  # g1-headwise: a gated model's base weights
         "model/quantgate.safetensors",
         "checkpoints/step-8/model.safetensors",
         "checkpoints/step-8/optimizer.safetensors",

@@ -1,12 +1,15 @@
-"""What a variant costs: gate parameters and gate FLOPs per token, measured against its vanilla twin."""
+"""What a variant costs: gate parameters and gate FLOPs per token, measured against its vanilla twin; and how many
+parameters a model holds, counted by storage (:func:`parameter_count`)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..json_record import JsonRecord
@@ -15,7 +18,7 @@ from .modes import eval_mode
 from .record import set_record
 from .swap import apply_variant, gate_parameters
 
-__all__ = ["GateCost", "gate_cost"]
+__all__ = ["GateCost", "gate_cost", "parameter_count"]
 
 
 @dataclass(frozen=True)
@@ -42,4 +45,36 @@ def gate_cost(model: nn.Module, tokens: int = 32) -> GateCost:
     ids = torch.randint(5, min(config.vocab_size, 200), (1, tokens), device=device)
     with eval_mode(model):
         extra = _forward_flops(model, ids) - _forward_flops(twin.eval(), ids)
-    return GateCost(sum(p.numel() for p in gate_parameters(model).values()), extra / tokens)
+    return GateCost(parameter_count(gate_parameters(model).values()), extra / tokens)
+
+
+def parameter_count(params: nn.Module | Iterable[torch.Tensor]) -> int:
+    """The parameters of a model (or of ``params``) by storage, not by Parameter object: tensors that share
+    storage count once (a tied LM head, also where a loaded checkpoint holds it as a second Parameter over the
+    embedding's storage), and a tensor subclass (torchao's quantized weights) counts its logical elements once,
+    whatever its inner tensors (int8 data, scales) hold."""
+    tensors = params.parameters() if isinstance(params, nn.Module) else params
+    seen: set[Hashable] = set()
+    total = 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel()
+    return total
+
+
+def _storage_key(t: torch.Tensor) -> Hashable:
+    """What tells ``t``'s storage from another tensor's: the storage, offset, shape, strides and dtype of a plain
+    tensor; the inner tensors' keys for a wrapper subclass; the object itself where there is no storage (meta)."""
+    data = t.data if isinstance(t, nn.Parameter) else t
+    if is_traceable_wrapper_subclass(data):
+        names, _ = data.__tensor_flatten__()
+        return (type(data).__name__, tuple(_storage_key(getattr(data, n)) for n in names))
+    try:
+        if data.device.type == "meta":
+            return ("object", id(t))
+        storage = data.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
+        return ("object", id(t))
+    return (data.device, storage, data.storage_offset(), tuple(data.shape), data.stride(), data.dtype)

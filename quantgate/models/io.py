@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,11 +88,62 @@ class Placement:
             )
         if self.max_memory is not None and not isinstance(self.max_memory, dict):
             raise ValueError(f"max_memory {self.max_memory!r}: map devices to sizes, e.g. {{0: 70GiB, cpu: 200GiB}}")
+        for d in devices:
+            _check_device(d, f"device_map {self.device_map!r}")
+        if devices and all(d == "disk" for d in devices):
+            raise ValueError(
+                f"device_map {self.device_map!r} puts the whole model on disk, where nothing computes (its weights "
+                f"are read back into a module only as the forward reaches it): map the modules that run to 'cpu' or a "
+                f"GPU, or use --device-map auto with --max-memory"
+            )
+        for device, size in (self.max_memory or {}).items():
+            if device != "disk":
+                _check_device(device, f"max_memory {self.max_memory!r}")
+            _bytes(size, f"max_memory {self.max_memory!r}: {device}")
+
+    def described(self) -> str:
+        """The placement as the command line gives it: device_map auto with max_memory cpu=1GiB."""
+        device_map = json.dumps(self.device_map) if isinstance(self.device_map, dict) else self.device_map
+        memory = f" with max_memory {_memory_text(self.max_memory)}" if self.max_memory else ""
+        return f"device_map {device_map}{memory}"
 
     def kwargs(self) -> dict:
         """from_pretrained's arguments for this placement."""
         given = {"device_map": self.device_map, "max_memory": self.max_memory, "offload_folder": self.offload_folder}
         return {k: v for k, v in given.items() if v is not None}
+
+
+def _check_device(device: object, what: str) -> None:
+    """Raise a one-line ValueError unless ``device`` names a device a placement can use: a GPU index, 'cpu',
+    'disk' or a torch device name ('cuda:1', 'mps')."""
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        return
+    if isinstance(device, str) and device != "meta":
+        try:
+            if device == "disk" or torch.device(device).type != "meta":
+                return
+        except RuntimeError:
+            pass
+    raise ValueError(f"{what}: {device!r} is no device; give a GPU index (0, 1, ...), 'cpu' or 'disk'")
+
+
+def _bytes(size: object, what: str) -> int:
+    """``size`` ("70GiB", "1.5GB", a number of bytes) in bytes, refused in one line where it is none."""
+    from accelerate.utils import convert_file_size_to_int  # accelerate: transformers' big-model loading
+
+    try:
+        value = convert_file_size_to_int(size) if not isinstance(size, bool) else -1
+    except (ValueError, TypeError, AttributeError):
+        value = -1
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what}: {size!r} is no size; give a size with its unit, e.g. 70GiB or 512MB")
+    return value
+
+
+def _size_text(n: int) -> str:
+    """``n`` bytes or more, in the largest binary unit that keeps a number >= 1 (KiB at least), to a tenth."""
+    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if n >= s or u == "KiB")
+    return f"{math.ceil(n * 10 / scale) / 10:g}{unit}"
 
 
 def offloaded(model: nn.Module) -> list[str]:
@@ -126,6 +178,14 @@ def build(
 
 VARIANT_WEIGHTS = "quantgate.safetensors"  # the variant's own parameters (gates, sinks), beside the base weights
 VARIANT_KEY = "quantgate_variant"  # its header's record of the variant they belong to (config.json's quantgate.variant)
+# A model transformers lacks (gated, clipped, sinks) keeps its base weights under transformers' weights-variant name
+# "quantgate" (model.quantgate.safetensors, or model.quantgate-0000i-of-0000n.safetensors and
+# model.safetensors.index.quantgate.json), never model.safetensors: plain transformers (lm-eval's hf model, ...) looks
+# for model.safetensors and refuses the folder ("no file named model.safetensors") under any model_type, also where
+# config.json's model_type quantgate was edited back to the base model's, which would otherwise load it ungated.
+WEIGHTS_VARIANT = "quantgate"
+GATED_WEIGHTS = f"model.{WEIGHTS_VARIANT}.safetensors"
+_INDEXES = ("model.safetensors.index.json", f"model.safetensors.index.{WEIGHTS_VARIANT}.json")
 
 
 def save(
@@ -135,7 +195,8 @@ def save(
     weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model`` to directory ``path``: a transformers checkpoint of the base weights whose
-    config.json names the variant, quantgate.safetensors with the gate and sink parameters, and the
+    config.json names the variant (a model transformers lacks under the weights name :data:`GATED_WEIGHTS`,
+    which plain transformers does not read), quantgate.safetensors with the gate and sink parameters, and the
     tokenizer (``tokenizer``, else the one the model was built or loaded with) so the directory is
     self-contained. ``weights`` (name -> tensor, whole): the weights to write where ``model`` holds only
     its shard of them (FSDP); by default its own state dict."""
@@ -145,14 +206,16 @@ def save(
     state = weights if weights is not None else model.state_dict()
     extra = {k: state[k] for k in gate_parameters(model)}
     base = {k: v for k, v in state.items() if k not in extra}
-    cast(PreTrainedModel, model).save_pretrained(path, state_dict=base)
     variant = variant_of(model)
+    gated = variant is not None and not variant.is_vanilla
+    cast(PreTrainedModel, model).save_pretrained(path, state_dict=base, variant=WEIGHTS_VARIANT if gated else None)
+    _remove_other_layout(path, gated)
     save_file(
         {k: p.detach().contiguous() for k, p in extra.items()},
         str(path / VARIANT_WEIGHTS),
         metadata={"format": "pt", VARIANT_KEY: str(variant)},
     )
-    if variant is not None and not variant.is_vanilla:
+    if gated:
         mark_quantgate_only(path, f"its attention is {variant}, which transformers' {type(model).__name__} lacks")
     if tokenizer is None:
         try:
@@ -219,7 +282,7 @@ def load(
                 f"and CPU (no disk), or load it without a variant"
             )
         if gated:
-            apply_variant(model, saved, seed=seed)
+            apply_variant(model, saved, seed=seed, announce=False)  # the saved gate values replace the new ones
             checked = check_state(model, state, gates, only=gate_parameters(model), decided_by=_VARIANT_FIELD)
             model.load_state_dict(checked, strict=False)
         elif gates.is_file():  # a vanilla model has no gate weights to take
@@ -271,6 +334,22 @@ def mark_quantgate_only(path: Path, why: str) -> None:
     file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _weights_variant(path: Path) -> str | None:
+    """transformers' weights-variant name of the base weights in ``path``: :data:`WEIGHTS_VARIANT` where
+    :func:`save` wrote a model transformers lacks, else None (model.safetensors; gated checkpoints saved before
+    included)."""
+    gated = (path / GATED_WEIGHTS).is_file() or (path / _INDEXES[1]).is_file()
+    return WEIGHTS_VARIANT if gated else None
+
+
+def _remove_other_layout(path: Path, gated: bool) -> None:
+    """Remove the base weights of the other layout (model.safetensors where a gated model was saved, and the
+    reverse) left by an earlier save into ``path``, which a reader would otherwise take for this model's."""
+    stem, index = ("model", _INDEXES[0]) if gated else (f"model.{WEIGHTS_VARIANT}", _INDEXES[1])
+    for f in [path / index, *path.glob(f"{stem}.safetensors"), *path.glob(f"{stem}-*-of-*.safetensors")]:
+        f.unlink(missing_ok=True)
+
+
 def read_config(path: Path) -> PreTrainedConfig:
     """The transformers config of a checkpoint directory (``model_type: quantgate`` ones included:
     :func:`mark_quantgate_only`), with clear errors."""
@@ -302,7 +381,7 @@ def read_config(path: Path) -> PreTrainedConfig:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    index = next((path / i for i in reversed(_INDEXES) if (path / i).is_file()), path / _INDEXES[0])
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -428,6 +507,78 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str], decided_b
     )
 
 
+def _gpu_index(device: str | int) -> int | None:
+    """The CUDA index a placement's ``device`` names (0 for 'cuda'), None for 'cpu', 'disk', 'mps'."""
+    if isinstance(device, int):
+        return device
+    if device == "disk":
+        return None
+    named = torch.device(device)
+    return (named.index or 0) if named.type == "cuda" else None
+
+
+def _check_placement(family: Family, config: PreTrainedConfig, placement: Placement, dtype: torch.dtype | None) -> None:
+    """Refuse, in one line and before anything loads, a placement this machine or model cannot run: a GPU the
+    machine lacks; a named device map (auto, ...) whose max_memory leaves every module on disk, where nothing
+    computes (naming the smallest max_memory that places one); one that puts modules on disk without an
+    offload_folder. The device map is the one from_pretrained computes (transformers' own planner, on the model's
+    shapes as meta tensors, in the dtype it loads in)."""
+    gpus = torch.cuda.device_count()
+    mapped = placement.device_map.values() if isinstance(placement.device_map, dict) else ()
+    for device in [*mapped, *(placement.max_memory or {})]:
+        index = _gpu_index(device)
+        if index is not None and index >= gpus:
+            raise ValueError(
+                f"{placement.described()} uses GPU {index}, and this machine has {gpus} GPU(s): "
+                + ("place the model on 'cpu' (and 'disk')" if not gpus else f"use GPUs 0 to {gpus - 1}")
+            )
+    if not isinstance(placement.device_map, str):
+        return
+    from transformers.integrations.accelerate import _get_device_map  # the planner from_pretrained calls
+
+    with torch.device("meta"):  # the model's shapes without its memory
+        built: nn.Module = family.model_class(config)(copy.deepcopy(config))
+    skeleton = cast(PreTrainedModel, built.to(dtype or torch.get_default_dtype()))  # from_pretrained's default
+
+    def planned(max_memory: Mapping[str | int, str | int] | None) -> dict[str, str | int]:
+        return dict(_get_device_map(skeleton, placement.device_map, dict(max_memory) if max_memory else None, None))
+
+    device_map = planned(placement.max_memory)
+    if set(device_map.values()) == {"disk"}:
+        caps: dict[str | int, str | int] = dict(placement.max_memory or {})
+        device = next((d for d in caps if isinstance(d, int) and d < gpus), "cpu")  # the first GPU named, else cpu
+        total = sum(t.numel() * t.element_size() for t in [*skeleton.parameters(), *skeleton.buffers()])
+        low, high = 0, 2 * total + 2**20
+
+        def places(size: int) -> bool:  # whether some module stays off disk with ``size`` bytes on the device
+            return set(planned({**caps, device: size}).values()) != {"disk"}
+
+        if places(high):
+            while high - low > max(high // 200, 2**10):  # to half a percent
+                middle = (low + high) // 2
+                low, high = (low, middle) if places(middle) else (middle, high)
+            fix = f"give {device} at least {_size_text(high)}"
+        else:
+            fix = "give a compute device room for one block"
+        raise ValueError(
+            f"max_memory (--max-memory) {_memory_text(placement.max_memory)} leaves no room for any of the model's "
+            f"modules on {device} (accelerate also keeps room there for its largest block), so every weight would "
+            f"go to disk, where nothing computes: {fix}"
+        )
+    on_disk = [name or "the whole model" for name, d in device_map.items() if d == "disk"]
+    if on_disk and placement.offload_folder is None:
+        raise ValueError(
+            f"{placement.described()} puts {len(on_disk)} module(s) on disk ({', '.join(on_disk[:3])}"
+            f"{', ...' if len(on_disk) > 3 else ''}): give offload_folder (--offload-folder) a folder for their "
+            f"weights, or max_memory more room"
+        )
+
+
+def _memory_text(max_memory: Mapping[str | int, str | int] | None) -> str:
+    """``max_memory`` as --max-memory writes it: 0=70GiB,cpu=200GiB."""
+    return ",".join(f"{k}={v}" for k, v in (max_memory or {}).items())
+
+
 def _from_pretrained(
     family: Family,
     path: Path,
@@ -449,11 +600,14 @@ def _from_pretrained(
         for file in _weight_files(path):
             _check_shapes(file, _header_shapes(file), skeleton, "its sizes")
     placed = {} if placement is None else {**placement.kwargs(), **({"dtype": dtype} if dtype is not None else {})}
+    if placement is not None:  # before anything loads, or is written to the offload folder
+        _check_placement(family, config, placement, dtype)
     try:
         loaded = family.model_class(config).from_pretrained(
             path,
             config=config,
             use_safetensors=True,
+            variant=_weights_variant(path),
             output_loading_info=True,
             trust_remote_code=False,
             **placed,
@@ -461,9 +615,16 @@ def _from_pretrained(
         # with output_loading_info, from_pretrained (typed as returning the model) returns (model, info)
         model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        if placement is not None and not isinstance(e, SafetensorError):  # the placement failed, not the weights
+            raise ValueError(
+                f"cannot place {path} as {placement.described()} asks: {' '.join(str(e).split())}; fix the placement "
+                f"(the weights themselves load without it)"
+            ) from None
         raise ValueError(
             f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"
         ) from None
+    if placement is not None and set(getattr(model, "hf_device_map", {}).values()) == {"disk"}:
+        raise ValueError(f"{placement.described()} put every weight of {path} on disk, where nothing computes")
     files = _weight_files(path)
     _check_fit(
         files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",
@@ -493,7 +654,7 @@ def _load_qiu(family: Family, path: Path, config: PreTrainedConfig, variant: Att
     if getattr(config, "use_qk_norm", True) is False:  # Qiu et al.'s configs can switch QK-norm off
         for attn in attention_modules(model):
             attn.q_norm, attn.k_norm = nn.Identity(), nn.Identity()
-    apply_variant(model, variant, seed=seed)
+    apply_variant(model, variant, seed=seed, announce=False)  # the checkpoint's gate values replace the new ones
     state = _split_qiu_q_proj(_read_safetensors(_weight_files(path)), model, family)
     model.load_state_dict(check_state(model, state, path), strict=False)
     return model

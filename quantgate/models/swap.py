@@ -161,11 +161,17 @@ def native_variant(family: Family) -> AttentionVariant:
 
 
 def apply_variant(
-    model: nn.Module, variant: VariantLike = None, *, backend: str = "auto", seed: int | None = None
+    model: nn.Module,
+    variant: VariantLike = None,
+    *,
+    backend: str = "auto",
+    seed: int | None = None,
+    announce: bool = True,
 ) -> nn.Module:
     """Swap ``variant`` into every attention block of ``model`` (in place) and return the model.
 
-    New parameters (gates, sinks) are initialised as the variant says and listed in the log.
+    New parameters (gates, sinks) are initialised as the variant says and listed in the log (``announce``;
+    a loader that replaces them with a checkpoint's values at once passes False: they are not new there).
     ``variant=None`` keeps the architecture's own attention (vanilla, or its built-in gate).
     """
     family = family_of(model)
@@ -213,7 +219,7 @@ def apply_variant(
     set_record(config, variant=str(variant), family=family.name)
     cast(PreTrainedModel, model).set_attn_implementation(ATTN_IMPLEMENTATION)
     set_backend(model, backend)
-    if added:
+    if added and announce:
         n = sum(p.numel() for p in gate_parameters(model).values())
         init = (
             [f"gate at pi_init={variant.gate.pi_init}"]

@@ -114,7 +114,8 @@ def save_quantized(
 
         tensors, metadata_ = flatten_tensor_state_dict(tensors)
     weights = path / (WEIGHTS if fmt == "quantgate" else ECOSYSTEM_WEIGHTS)
-    for stale in {path / WEIGHTS, path / ECOSYSTEM_WEIGHTS} - {weights}:  # a save over another format's
+    others = {path / WEIGHTS, path / ECOSYSTEM_WEIGHTS, path / model_io.GATED_WEIGHTS} - {weights}
+    for stale in others:  # a save over another format's
         stale.unlink(missing_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights), metadata={"format": "pt", **metadata_})
     config.save_pretrained(path)
@@ -188,7 +189,7 @@ def load_quantized(
     scheme = get_scheme(manifest["scheme"])
     with torch.random.fork_rng(devices=[]):
         model: nn.Module = family.model_class(config)(config)
-    apply_variant(model, manifest["variant"], backend=backend)
+    apply_variant(model, manifest["variant"], backend=backend, announce=False)  # its values are in the state
     handler = handler_for(scheme)
     handler.restore(model, scheme, manifest)
     for alias, original in manifest["aliases"].items():

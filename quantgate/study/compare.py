@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..files import json_kind, read_json, writable_dir, write_text_atomic
+from ..files import claim_output, json_kind, read_json, write_text_atomic
 from ..models.record import checked_record
 from ..plots import bar_panels
 from ..stats import DELTA_LEGEND, change, fmt, format_delta, table_head
@@ -30,8 +30,9 @@ HEADLINE = (
 PAIRING_LEGEND = (
     "Reference: the run each change is measured against and how it was found: the float run of the same "
     "study cell; the float run whose weights' sha256 is the quantized run's recorded source (quantize() "
-    "records it; quantgate eval records each model's sha256); or --baseline. Runs are never paired by "
-    "name alone. a ± b: the value and lm-eval's stderr."
+    "records it; quantgate eval records each model's sha256); or --baseline (refused where a quantized run "
+    "records another source, unless --force-baseline). Runs are never paired by name alone, nor across lm-eval "
+    "settings that change the numbers (few-shot, task version, limit, ...). a ± b: the value and lm-eval's stderr."
 )
 
 
@@ -146,6 +147,7 @@ def _eval_record(data: dict, f: Path) -> dict:
         "kind": "eval",
         "path": str(f),
         "settings": {"tasks": s.get("tasks"), "limit": s.get("limit")},
+        "protocol": _eval_protocol(s),
         "documents": data.get("documents") or {},
         "stderr": _stderr(data["results"]),
         **_flat(data["results"]),
@@ -174,10 +176,113 @@ def _lm_eval_record(data: dict, f: Path) -> dict:
         "kind": "lm-eval",
         "path": str(f),
         "settings": {"tasks": sorted(results), "limit": config.get("limit")},
+        "protocol": _lm_eval_protocol(data),
         "documents": _lm_eval_documents(f, results),
         "stderr": _stderr(results),
         **_flat(results),
     }
+
+
+# Pairing: lm-eval's settings that change a task's numbers, so that two runs differing in one are not
+# paired (a change between them would not be quantization's): the documents scored (limit), the prompt
+# (num_fewshot per task as applied; fewshot_seed, which picks the examples, where a task has any; a chat
+# template, system instruction, few-shot as multi-turn; generation arguments), the task's definition (its
+# version) and the rolling window (max_length). Not compared: bootstrap_iters (lm-eval's stderr only; compare's
+# intervals are its own paired bootstrap over documents), batch_size and device (float rounding only), the
+# other seeds (no loglikelihood task draws from them), use_cache. A setting is compared where both runs
+# record it (an older eval.json records no task versions, an lm-eval file no max_length).
+PROTOCOL = (
+    "limit",
+    "num_fewshot",
+    "fewshot_seed",
+    "task_versions",
+    "chat_template",
+    "system_instruction",
+    "fewshot_as_multiturn",
+    "gen_kwargs",
+    "max_length",
+)
+
+
+def _eval_protocol(s: dict) -> dict:
+    """The settings of quantgate's eval.json that change the numbers (:data:`PROTOCOL`): quantgate eval applies
+    no chat template, system instruction or generation arguments; ``n_shot`` (per task, as lm-eval applied
+    it) where recorded, else ``num_fewshot`` (None: a bundled task's default, 0) for each lm-eval task."""
+    from ..evaluate import BUNDLED_TASKS, COMPUTED_TASKS
+
+    shots = s.get("n_shot")
+    if not isinstance(shots, dict):
+        given = s.get("num_fewshot")
+        tasks = [t for t in (s.get("tasks") or []) if t not in COMPUTED_TASKS]
+        shots = {t: given if given is not None else 0 for t in tasks if given is not None or t in BUNDLED_TASKS}
+    out = {
+        "limit": s.get("limit"),
+        "num_fewshot": shots,
+        "chat_template": None,
+        "system_instruction": None,
+        "fewshot_as_multiturn": False,
+        "gen_kwargs": None,
+        "max_length": s.get("max_length"),
+    }
+    out |= {k: s[k] for k in ("task_versions", "fewshot_seed") if s.get(k) is not None}
+    return out
+
+
+def _lm_eval_protocol(data: dict) -> dict:
+    """The same of lm-eval's results JSON: its config's limit, fewshot seed and generation arguments, its
+    ``n-shot`` and ``versions``, and the tracker's chat template and system instruction (their sha256)."""
+    config = data.get("config") or {}
+    out: dict = {}
+    if "limit" in config:
+        out["limit"] = config["limit"]
+    for key, name in (("n-shot", "num_fewshot"), ("versions", "task_versions")):
+        if isinstance(data.get(key), dict):
+            out[name] = data[key]
+    for key, name in (("chat_template_sha", "chat_template"), ("system_instruction_sha", "system_instruction")):
+        if key in data:
+            out[name] = data[key] or None
+    if "fewshot_as_multiturn" in data:
+        out["fewshot_as_multiturn"] = bool(data["fewshot_as_multiturn"])
+    if "fewshot_seed" in config:
+        out["fewshot_seed"] = config["fewshot_seed"]
+    if "gen_kwargs" in config:
+        out["gen_kwargs"] = config["gen_kwargs"] or None
+    return out
+
+
+def _protocol_differences(a: dict, b: dict) -> list[str]:
+    """Where runs ``a`` and ``b`` were evaluated differently (:data:`PROTOCOL`): ``"num_fewshot 0 vs 2
+    (quantgate_cloze)"``; per-task settings over the tasks both ran; the fewshot seed only where a shared task
+    has examples; few-shot as multi-turn only where a chat template applies."""
+    pa, pb = a.get("protocol") or {}, b.get("protocol") or {}
+    shared = set(a.get("settings", {}).get("tasks") or []) & set(b.get("settings", {}).get("tasks") or [])
+    out = []
+    for key in PROTOCOL:
+        if key not in pa or key not in pb:
+            continue
+        x, y = pa[key], pb[key]
+        if isinstance(x, dict) and isinstance(y, dict):
+            tasks = sorted(t for t in set(x) & set(y) if not shared or t in shared)
+            for t in tasks:
+                if not _same(x[t], y[t]):
+                    out.append(f"{key} {x[t]} vs {y[t]} ({t})")
+            continue
+        if key == "fewshot_seed":
+            shots = [v for p in (pa, pb) for v in (p.get("num_fewshot") or {}).values()]
+            if not any(isinstance(v, (int, float)) and v > 0 for v in shots):
+                continue
+        if key == "fewshot_as_multiturn" and not (pa.get("chat_template") or pb.get("chat_template")):
+            continue  # it shapes chat turns only (lm-eval's simple_evaluate records True by default)
+        if not _same(x, y):
+            out.append(f"{key} {x} vs {y}")
+    return out
+
+
+def _same(x: object, y: object) -> bool:
+    """Equal settings: numbers by value (lm-eval's command line records limit 2 as 2.0, versions as 1 or 1.0)."""
+    if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+        return float(x) == float(y)
+    return x == y
 
 
 def _model_args(args: object) -> dict:
@@ -302,6 +407,7 @@ def _study_records(metrics: StudyRecord, path: Path) -> list[dict]:
             "cell": f"{path}#{c.id}",  # its float and quantized runs are one model's, by construction
             "kind": "study",
             "settings": {},
+            "protocol": {},  # a study's cells are evaluated alike, by construction
             "stderr": {},
         }
         out.append(
@@ -314,15 +420,21 @@ def _study_records(metrics: StudyRecord, path: Path) -> list[dict]:
     return out
 
 
-def _references(records: list[dict], baseline: dict | None) -> list[tuple[dict | None, str]]:
+def _references(records: list[dict], baseline: dict | None, force: bool = False) -> list[tuple[dict | None, str]]:
     """Per record, the run its change is measured against and how they were paired: ``baseline`` where
-    one is given; else a study cell's float run; else, for a quantized run, the float run whose identity
-    (sha256 of its weights) is the quantized run's source hash. Never by name or label alone."""
+    one is given (refused, unless ``force``, where the record's recorded source sha256 is not the baseline's
+    or the two were evaluated differently: :func:`_baseline_conflicts`); else a study cell's float run; else,
+    for a quantized run, the float run whose identity (sha256 of its weights) is the quantized run's source
+    hash and that was evaluated alike (:func:`_protocol_differences`). Never by name or label alone."""
     floats = [r for r in records if not r["quantized"]]
     out: list[tuple[dict | None, str]] = []
     for r in records:
         if baseline is not None:
-            out.append((baseline, "--baseline") if r is not baseline else (None, "baseline"))
+            if r is baseline:
+                out.append((None, "baseline"))
+                continue
+            conflicts = _baseline_conflicts(r, baseline)
+            out.append((baseline, "--baseline" + (f", --force-baseline: {'; '.join(conflicts)}" if conflicts else "")))
         elif r["cell"] is not None:
             ref = next((f for f in floats if f["cell"] == r["cell"]), None)
             out.append((ref, "study cell") if r["quantized"] and ref is not None else (None, ""))
@@ -330,24 +442,65 @@ def _references(records: list[dict], baseline: dict | None) -> list[tuple[dict |
             out.append((None, ""))
         elif r["source"]:
             found = [f for f in floats if f["identity"] == r["source"]]
-            same = [f for f in found if f["settings"] == r["settings"]]
-            ref = next(iter(same or found), None)
+            alike = [f for f in found if not _protocol_differences(f, r)]
+            same = [f for f in alike if f["settings"] == r["settings"]]
+            ref = next(iter(same or alike), None)
             short = r["source"][:12]
-            out.append((ref, f"source sha256 {short}") if ref else (None, f"none: no float run has sha256 {short}"))
+            if ref is not None:
+                out.append((ref, f"source sha256 {short}"))
+            elif found:
+                why = "; ".join(_protocol_differences(found[0], r))
+                out.append((None, f"none: the float run with sha256 {short} was evaluated differently ({why})"))
+            else:
+                out.append((None, f"none: no float run has sha256 {short}"))
         else:
             out.append((None, "none: no source hash recorded; pass --baseline"))
+    if baseline is not None and not force:
+        refused = [(r, c) for r in records if r is not baseline and (c := _baseline_conflicts(r, baseline))]
+        if refused:
+            r, conflicts = refused[0]
+            more = f" (and {len(refused) - 1} more run(s))" if len(refused) > 1 else ""
+            raise ValueError(
+                f"--baseline {baseline['path']} is no fit reference for {r['path']}{more}: {'; '.join(conflicts)}; "
+                f"give its own float run as --baseline, or pass --force-baseline to pair them anyway (stated in "
+                f"the table)"
+            )
     return out
 
 
-def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline: str | Path | None = None) -> str:
+def _baseline_conflicts(r: dict, baseline: dict) -> list[str]:
+    """Why ``baseline`` is no reference for run ``r``: ``r`` records the sha256 of its float source and the
+    baseline's weights have another; or the two were evaluated differently (:func:`_protocol_differences`)."""
+    out = []
+    if r["quantized"] and r["source"] and baseline["identity"] and r["source"] != baseline["identity"]:
+        out.append(
+            f"its recorded source sha256 {r['source'][:12]} is not the baseline's sha256 {baseline['identity'][:12]}"
+        )
+    differences = _protocol_differences(baseline, r)
+    if differences:
+        out.append("evaluated differently: " + ", ".join(differences))
+    return out
+
+
+def compare(
+    paths: Iterable[str | Path],
+    out: str | Path | None = None,
+    baseline: str | Path | None = None,
+    force_baseline: bool = False,
+) -> str:
     """Markdown table of every run, with each quantized run's change from its float reference and the
     change's 95% interval (a paired bootstrap over the documents both runs kept; a point change marked
     ``[n/a]`` otherwise). The reference is, with ``baseline`` (a run directory or a results file), that
     run for every other; else a study cell's float run, or the float run whose weights' sha256 is the
-    quantized run's recorded source (:func:`_references`). With ``out``, also compare.md, compare.csv (the
-    change and its interval bounds as numbers) and compare.png there."""
+    quantized run's recorded source (:func:`_references`). A ``baseline`` whose sha256 is not a quantized run's
+    recorded source, or that was evaluated differently (few-shot, task version, limit, ...), is refused unless
+    ``force_baseline``: then each such pairing is stated in its row and in a note. Every metric each task
+    reports is shown (the headline ones first). With ``out``, also compare.md, compare.csv (the change and its
+    interval bounds as numbers) and compare.png there."""
+    if force_baseline and baseline is None:
+        raise ValueError("--force-baseline applies to a --baseline: give one, or leave it out")
     if out is not None:
-        writable_dir(out)  # before reading the runs
+        claim_output(out, "compare", mark=True)  # before reading the runs: empty, or a comparison quantgate wrote
     records = collect_evals(paths)
     base = None
     if baseline is not None:
@@ -360,9 +513,7 @@ def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline
         base = found[0]
         key = (base["path"], base["cell"], base["scheme"])
         records = [base] + [r for r in records if (r["path"], r["cell"], r["scheme"]) != key]
-    metrics = [m for m in HEADLINE if any(m in r for r in records)] or sorted(
-        {k for r in records for k in r if "/" in k}
-    )
+    metrics = sorted({k for r in records for k in r if "/" in k}, key=_metric_order)
     records.sort(
         key=lambda r: (
             r is not base,
@@ -374,8 +525,10 @@ def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline
         )
     )
     rows, notes = [], []
-    for r, (ref, how) in zip(records, _references(records, base), strict=True):
+    for r, (ref, how) in zip(records, _references(records, base, force_baseline), strict=True):
         row = {"model": r["model"], "variant": r["variant"], "seed": r["seed"], "scheme": r["scheme"]}
+        if "--force-baseline" in how:
+            notes.append(f"{r['model']} {r['scheme']} ({r['path']}) paired with --baseline by {how.split(', ', 1)[1]}")
         row["reference"] = f"{ref['model']} {ref['scheme']} ({how})" if ref is not None else how or None
         for m in metrics:
             row[m], row[f"{m} stderr"] = r.get(m), r["stderr"].get(m)
@@ -416,6 +569,14 @@ def compare(paths: Iterable[str | Path], out: str | Path | None = None, baseline
         _write_csv(rows, metrics, out / "compare.csv")
         _plot(rows, metrics, out / "compare.png")
     return table
+
+
+def _metric_order(metric: str) -> tuple:
+    """Tasks in the order of :data:`HEADLINE` (others after, by name); within a task its headline metrics first."""
+    task = metric.split("/", 1)[0]
+    tasks = list(dict.fromkeys(h.split("/", 1)[0] for h in HEADLINE))
+    rank = tasks.index(task) if task in tasks else len(tasks)
+    return (rank, task, HEADLINE.index(metric) if metric in HEADLINE else len(HEADLINE), metric)
 
 
 def _write_csv(rows: list[dict], metrics: list[str], path: Path) -> None:

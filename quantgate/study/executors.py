@@ -32,12 +32,21 @@ import torch
 from .grid import Cell, cell_dir
 from .records import CellRecord
 
-__all__ = ["EXECUTORS", "DEFAULT_RESOURCES", "RETRIES", "RUN_ID", "StudyDirectoryNotShared", "run_cells"]
+__all__ = [
+    "EXECUTORS",
+    "DEFAULT_RESOURCES",
+    "RETRIES",
+    "RUN_ID",
+    "StudyDirectoryNotShared",
+    "check_reachable",
+    "run_cells",
+]
 
 log = logging.getLogger("quantgate")
 EXECUTORS = ("serial", "ray")
 DEFAULT_RESOURCES = {"cpus": 1.0, "gpus": 0.0}
 RETRIES = 3  # times a cell whose worker died is run again
+PROBE_SECONDS = 5.0  # how long a Ray address may take to accept a connection
 RUN_ID = ".quantgate-run-id"  # the driver's token in the run directory: a worker that cannot read it cannot see it
 
 RunCell = Callable[[Cell, Path], CellRecord]
@@ -85,12 +94,32 @@ def _require_ray():
     return ray
 
 
+def check_reachable(address: str | None, timeout: float = PROBE_SECONDS) -> None:
+    """Refuse, in one line within ``timeout`` seconds, a Ray address (``host:port`` or ``ray://host:port``) where
+    nothing accepts a connection: ray.init would retry "Failed to connect to GCS" for minutes. Addresses Ray
+    resolves itself (None, ``auto``, ``local``) are not probed."""
+    if not address or address in ("auto", "local"):
+        return
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not port.isdigit():  # another form Ray reads: Ray says what it makes of it
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise ValueError(
+            f"cannot reach the Ray cluster at {address}: {why} (tried for {timeout:g} s); start Ray there (ray start "
+            f"--head), or give --address (or RAY_ADDRESS) the head node's host:port"
+        ) from None
+
+
 def _on_ray(cells: list[Cell], out: Path, run_cell: RunCell, address: str | None) -> list[CellRecord]:
     ray = _require_ray()
     from tqdm.auto import tqdm
 
     started_here = not ray.is_initialized()
     if started_here:  # address None: RAY_ADDRESS, or a Ray of this machine's own
+        check_reachable(address or os.environ.get("RAY_ADDRESS"))  # ray.init would retry for minutes
         ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     token = uuid.uuid4().hex
     marker = out / RUN_ID

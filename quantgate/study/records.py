@@ -8,14 +8,18 @@ their own (an evaluation's ``{task: {metric: value}}``, observe's per-layer rows
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ..files import json_kind, read_json
 from ..json_record import JsonRecord
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
+from ..stats import METRICS, aggregate
 from .grid import cell_dir
 
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
@@ -231,19 +235,35 @@ _CELL_FIELDS = {"id": str, "model": str, "variant": str}
 
 def read_metrics(run_dir: str | Path) -> StudyRecord:
     """The :class:`StudyRecord` of a study run directory (its metrics.json); a one-line ValueError naming
-    the file where it is truncated, not a study's record or lacks a field the report reads."""
+    the file where it is truncated, not a study's record or lacks a field the report reads, and naming the field
+    (``cells[3].float.quantgate_ppl.word_perplexity``) where a number is not one an evaluation gives: not finite,
+    out of range (a perplexity <= 0, an accuracy outside [0, 1], a negative count, a positive log-likelihood),
+    or a headline its per-document values do not reproduce. Every reader (report, compare, the experiments)
+    reads through here; :meth:`StudyRecord.from_json` alone builds records from data in memory unchecked."""
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
-    rerun = f"run the study again into {run_dir} (its cached steps are reused)"
-    data = read_json(path, fix=rerun)
+    data = read_json(path, fix=_regenerate(run_dir, None))
     problem = _not_metrics(data)
     if problem is None:
+        wrong = _wrong_numbers(data)  # a value out of range, or a headline its per-document values disagree with
+        if wrong is not None:
+            raise ValueError(f"cannot read {path}: {wrong}; {_regenerate(run_dir, data)}")
         try:
             return StudyRecord.from_json(data, Path(run_dir))
         except (TypeError, ValueError, AttributeError) as e:  # a field the records lack, or of another kind
             problem = str(e)
-    raise ValueError(f"cannot read {path}: not a study's metrics.json ({problem}); {rerun}")
+    raise ValueError(f"cannot read {path}: not a study's metrics.json ({problem}); {_regenerate(run_dir, data)}")
+
+
+def _regenerate(run_dir: str | Path, data: Any) -> str:
+    """What to do about a metrics.json that cannot be read: write it again from the run's cached steps (the
+    study's own command where the file names it), or restore it."""
+    study = data.get("study") if isinstance(data, dict) else None
+    file = study.get("file") if isinstance(study, dict) else None
+    named = ("" if file == "" else f"{file} ") if isinstance(file, str) else "<its study file> "
+    command = f"quantgate study {named}--out {run_dir}"
+    return f"regenerate it with {command} (its cached steps are reused), or restore the file"
 
 
 def _not_metrics(data: dict[str, Any]) -> str | None:
@@ -259,4 +279,121 @@ def _not_metrics(data: dict[str, Any]) -> str | None:
         wrong = [k for k, t in _CELL_FIELDS.items() if not isinstance(cell.get(k), t)]
         if wrong:
             return f"cell {i}'s field {wrong[0]!r} is missing or not a JSON string"
+    return None
+
+
+# --- the numbers of each evaluation: finite, in range, and the headline agreeing with its documents ----------
+
+COUNT_COLUMNS = ("words", "bytes", "tokens", "tokens_after_first", "copies", "copied")  # whole numbers >= 0
+LOGLIKELIHOOD_COLUMNS = ("loglikelihood", "loglikelihood_after_first")  # log-probabilities: <= 0
+SHARE_COLUMNS = ("acc", "acc_norm")  # per document: in [0, 1]
+AGREE = 1e-6  # relative: a headline recomputed from its per-document values (a ratio of sums) agrees to this
+
+
+def _wrong_numbers(data: dict[str, Any]) -> str | None:
+    """The first number of a metrics.json a report must not print, as ``<field path> <why>`` (e.g.
+    ``cells[3].float.quantgate_ppl.word_perplexity is -5, not a perplexity (a finite number > 0)``); None if
+    every evaluation's results and per-document values are finite, in range, and agree."""
+    for i, name in enumerate(data["schemes"]):
+        if not isinstance(name, str):
+            return f"schemes[{i}] is a JSON {json_kind(name)}, not a string"
+    for i, cell in enumerate(data["cells"]):
+        at = f"cells[{i}]"
+        schemes = cell.get("schemes") or {}
+        if not isinstance(schemes, dict):
+            return f"{at}.schemes is a JSON {json_kind(schemes)}, not an object"
+        evaluations = [(f"{at}.float", cell.get("float"), f"{at}.float_documents", cell.get("float_documents"))]
+        for scheme, step in schemes.items():
+            if not isinstance(step, dict):
+                return f"{at}.schemes.{scheme} is a JSON {json_kind(step)}, not an object"
+            where = f"{at}.schemes.{scheme}"
+            evaluations.append((f"{where}.results", step.get("results"), f"{where}.documents", step.get("documents")))
+        for results_at, results, documents_at, documents in evaluations:
+            wrong = _wrong_evaluation(results_at, results or {}, documents_at, documents or {})
+            if wrong is not None:
+                return wrong
+    return None
+
+
+def _wrong_evaluation(results_at: str, results: Any, documents_at: str, documents: Any) -> str | None:
+    """The first wrong number of one evaluation: its ``{task: {metric: value}}`` and its
+    ``{task: {column: [one value per document]}}``."""
+    for at, table in ((results_at, results), (documents_at, documents)):
+        if not isinstance(table, dict):
+            return f"{at} is a JSON {json_kind(table)}, not an object"
+        for task, values in table.items():
+            if not isinstance(values, dict):
+                return f"{at}.{task} is a JSON {json_kind(values)}, not an object"
+    for task, metrics in results.items():
+        for metric, value in metrics.items():
+            wrong = _wrong_metric(metric, value)
+            if wrong is not None:
+                return f"{results_at}.{task}.{metric} is {value!r}, not {wrong}"
+    for task, columns in documents.items():
+        wrong = _wrong_documents(f"{documents_at}.{task}", columns)
+        if wrong is not None:
+            return wrong
+        for metric, value in (results.get(task) or {}).items():
+            if metric not in METRICS or METRICS[metric].value not in columns:
+                continue
+            m = METRICS[metric]
+            if m.weight is not None and not m.optional_weight and m.weight not in columns:
+                continue
+            with np.errstate(all="ignore"):
+                recomputed = aggregate(columns, metric)
+            if not math.isclose(recomputed, value, rel_tol=AGREE, abs_tol=AGREE):
+                how = f"sum {m.value} / sum {m.weight}" if m.weight in columns else f"mean {m.value}"
+                return (
+                    f"{results_at}.{task}.{metric} is {value!r}, but its per-document values ({documents_at}.{task}: "
+                    f"{how}) give {recomputed!r}"
+                )
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _wrong_metric(metric: str, value: Any) -> str | None:
+    """What an evaluation's ``metric`` must be and ``value`` is not (None: it is)."""
+    kind = METRICS[metric].kind if metric in METRICS else None
+    if not _is_number(value):
+        return "a finite number"
+    if kind == "bits" or metric.endswith("_stderr"):
+        return None if value >= 0 else "a finite number >= 0"
+    if kind == "perplexity" or "perplexity" in metric:
+        return None if value > 0 else "a perplexity (a finite number > 0)"
+    if kind == "accuracy" or metric.startswith("acc"):
+        return None if 0 <= value <= 1 else "an accuracy (a number in [0, 1])"
+    return None
+
+
+def _wrong_documents(at: str, columns: dict[str, Any]) -> str | None:
+    """The first wrong per-document value of one task: columns of one length, counts whole and >= 0,
+    log-likelihoods finite and <= 0, per-document accuracies in [0, 1]."""
+    lengths = {}
+    for column, values in columns.items():
+        if not isinstance(values, list):
+            return f"{at}.{column} is a JSON {json_kind(values)}, not an array (one value per document)"
+        lengths[column] = len(values)
+    reference = "ids" if "ids" in lengths else next(iter(lengths), None)
+    for column, n in lengths.items():
+        if reference is not None and n != lengths[reference]:
+            return f"{at}.{column} holds {n} values and {at}.{reference} {lengths[reference]}: one per document"
+    for column, values in columns.items():
+        if column in COUNT_COLUMNS:
+            wants, test = "a whole number >= 0", lambda x: float(x).is_integer() and x >= 0
+        elif column in LOGLIKELIHOOD_COLUMNS:
+            wants, test = "a log-likelihood (a finite number <= 0)", lambda x: x <= 0
+        elif column in SHARE_COLUMNS:
+            wants, test = "a number in [0, 1]", lambda x: 0 <= x <= 1
+        else:
+            continue
+        for j, x in enumerate(values):
+            if not (_is_number(x) and test(x)):
+                return f"{at}.{column}[{j}] is {x!r}, not {wants}"
+    if "copied" in columns and "copies" in columns:
+        for j, (copied, copies) in enumerate(zip(columns["copied"], columns["copies"], strict=True)):
+            if copied > copies:
+                return f"{at}.copied[{j}] is {copied!r}, more than the {copies!r} copies of that document"
     return None

@@ -12,7 +12,6 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import yaml
 from accelerate.utils import PrecisionType
 
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
@@ -28,6 +27,7 @@ from ..options import AT_LEAST_0, AT_LEAST_1, Range
 from ..quant.schemes import OPTIONS, get_scheme
 from ..train import TRAIN_RANGES, TrainConfig
 from ..variants import AttentionVariant
+from ..yaml_file import read_yaml
 from .executors import DEFAULT_RESOURCES, EXECUTORS, check_resources
 from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, expand_scheme
 
@@ -142,24 +142,13 @@ def _check_placement(m: dict, at: tuple, fail) -> None:
         fail(at, str(e))
 
 
-def _compose(text: str, path: str):
-    """YAML -> (python data, {key path: line number})."""
+def _compose(path: Path):
+    """The study file -> (python data, {key path: line number}), read by the bounded YAML reader (no anchors
+    or aliases, no key given twice: :func:`quantgate.yaml_file.read_yaml`)."""
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as e:
-        raise StudyError(f"{path}: not valid YAML: {e}") from None
-    lines: dict[tuple, int] = {}
-    scalars = yaml.SafeLoader("")
-
-    def walk(n, where: tuple):
-        lines[where] = n.start_mark.line + 1
-        if isinstance(n, yaml.MappingNode):
-            return {k.value: walk(v, (*where, k.value)) for k, v in n.value}
-        if isinstance(n, yaml.SequenceNode):
-            return [walk(v, (*where, i)) for i, v in enumerate(n.value)]
-        return scalars.construct_object(n)
-
-    return (walk(node, ()) if node is not None else {}), lines
+        return read_yaml(path)
+    except ValueError as e:  # "<file>:<line>: <why>"
+        raise StudyError(str(e)) from None
 
 
 def load_study(path: str | Path) -> Study:
@@ -168,7 +157,7 @@ def load_study(path: str | Path) -> Study:
     path = Path(path)
     if not path.is_file():
         raise StudyError(f"no study file {path}; the default study is {DEFAULT_STUDY}")
-    data, lines = _compose(path.read_text(), str(path))
+    data, lines = _compose(path)
 
     def fail(where: tuple, message: str):
         raise StudyError(f"{path}:{_line(lines, where)}: {message}")

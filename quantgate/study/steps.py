@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from ..checkpoint import load
 from ..data import batches
 from ..data.batches import cache_dir, source_sha256
-from ..evaluate import evaluate
-from ..files import content_sha256, folder_name, read_json, writable_dir, write_text_atomic
+from ..evaluate import check_limit_per_process, evaluate
+from ..files import claim_output, content_sha256, folder_name, read_json, write_text_atomic
 from ..measurements import CellObserve
 from ..models import build
 from ..models.cost import GateCost, gate_cost
@@ -54,6 +53,7 @@ from ..quant.error import float_outputs
 from ..quant.schemes import get_scheme
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
+from ..yaml_file import yaml_text
 from .executors import run_cells
 from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, Study, shrink, slug
 from .records import CellRecord, SchemeRecord, StudyRecord, Training
@@ -97,9 +97,11 @@ def _done(path: Path, key: str, needs: tuple[str, ...] = ()) -> dict | None:
     except ValueError as e:
         log.warning("  %s; computing that step again", e)
         return None
-    if data.get("key") not in (key, None):  # another key: a setting it depends on, or the step's code, changed
+    if data.get("key") != key:  # another key (a setting it depends on, or the step's code, changed), or none
         was, now = data.get("format", 1), STEP_FORMATS[step_kind(path.stem)]
-        if was != now:
+        if not isinstance(data.get("key"), str):  # a file without its key cannot say what it was computed from
+            log.warning("  cannot read %s: it records no key; computing that step again", path)
+        elif was != now:
             log.warning("  %s was computed by other code (step format %s, now %s): computing it again", path, was, now)
         return None
     missing = [k for k in ("key", *needs) if k not in data]
@@ -132,9 +134,15 @@ def _data_keys(*sources: str) -> list[str]:
     return [k for k in map(source_sha256, sources) if k]
 
 
-def plan(path: str | Path) -> str:
-    """A dry run: validate the study and describe its grid (cells, training tokens) without running it."""
+def plan(path: str | Path, processes: int = 1, executor: str | None = None, smoke: bool = False) -> str:
+    """A dry run: validate the study and describe its grid (cells, training tokens) without running it; with
+    ``processes`` > 1, refuse what that many data-parallel processes cannot split (on ``executor``, default the
+    study file's; the study shrunk as ``smoke`` runs it), as :func:`run_study` would once they started."""
     study = load_study(path)
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"--processes must be a whole number >= 1, got {processes!r}")
+    if processes > 1:
+        _check_data_parallel(shrink(study) if smoke else study, executor or study.executor, processes)
     lines = [
         f"study {study.name}: {len(study.cells())} cells, schemes "
         f"{', '.join(dict.fromkeys(x['scheme'] for m in study.models for x in m.schemes))}"
@@ -170,14 +178,16 @@ def run_study(
     study = shrink(study) if smoke else study
     if out is None:  # results/<name>: "..", say, would be the current directory
         folder_name(study.name, f"{path}: study name")
-    out = writable_dir(Path(out) if out else Path("results") / study.name)  # before any work
+    # before any work: a folder quantgate may write a study run into (empty, or a study run), marked below
+    out = claim_output(Path(out) if out else Path("results") / study.name, "study", inputs=[path])
     executor = executor or study.executor
     if joined() is not None:
         _check_data_parallel(study, executor)
     # one writer per run directory: a second run on it stops here, naming the first
     with run_lock(out) if is_first() else contextlib.nullcontext():
         if is_first():
-            write_text_atomic(out / "config.yaml", yaml.safe_dump(study.raw, sort_keys=False))
+            claim_output(out, "study", mark=True, by="quantgate study", inputs=[path])
+            write_text_atomic(out / "config.yaml", yaml_text(study.raw))
         started = time.perf_counter()
         records = run_cells(study.cells(), out, _run_cell, executor, address)
         if not is_first():
@@ -199,8 +209,9 @@ def run_study(
     return out
 
 
-def _check_data_parallel(study: Study, executor: str) -> None:
-    """Refuse what a data-parallel study cannot split: cells on Ray, training."""
+def _check_data_parallel(study: Study, executor: str, processes: int | None = None) -> None:
+    """Refuse what a data-parallel study cannot split: cells on Ray, training, and (given the number of
+    ``processes``) an evaluation limit of fewer documents than processes."""
     if executor != "serial":
         raise ValueError(
             f"a data-parallel study runs its cells in the processes it was started in; the {executor} executor "
@@ -212,6 +223,13 @@ def _check_data_parallel(study: Study, executor: str) -> None:
             f"a data-parallel study splits evaluation, not training, and {', '.join(trained)} train(s) here: run "
             f"the study in one process, or train with accelerate launch -m quantgate.cli train and load: the model"
         )
+    for m in study.models:
+        if processes is None:
+            break
+        limit = m.eval.limit
+        for task in dict.fromkeys([*m.eval.tasks, *(t for x in m.schemes for t in x["tasks"] or ())]):
+            one = limit.get(task) if isinstance(limit, dict) else limit
+            check_limit_per_process(one, processes, [task], f"{m.name}'s eval limit", f" (--processes {processes})")
 
 
 def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
@@ -319,7 +337,7 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
     if m.train is not None:
         if not _same_key(train_dir, model_key):
             shutil.rmtree(train_dir, ignore_errors=True)
-        train_dir.mkdir(parents=True, exist_ok=True)
+        claim_output(train_dir, "train", "a study cell's train/", mark=True, by="quantgate study")
         (train_dir / "study-key").write_text(model_key)
         resume = can_resume(train_dir)
         steps = int(m.train.get("steps", TrainConfig.steps))

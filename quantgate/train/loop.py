@@ -32,7 +32,7 @@ from .checkpoint import Run, check_checkpointable, gathered, model_identity, wri
 from .config import Batch, TrainConfig, make_data, param_groups, schedule
 from .log import LOG_FILE, JsonLog, check_tracker, hyperparameters
 from .resume import resume
-from .rundir import check_fresh, remove_leftovers, save_model
+from .rundir import check_fresh, claim_run_dir, remove_leftovers, save_model
 
 
 class TrainingDiverged(RuntimeError):
@@ -110,9 +110,12 @@ def _train(
     data = data if data is not None else make_data(c, tokenizer, family.objective, world)
     if out is not None and (c.checkpoint_every or c.stop_after or c.resume):
         check_checkpointable(acc, data)
+    if out is not None:
+        claim_run_dir(out)  # on every process, before anything there changes
     if out is not None and not c.resume:
         check_fresh(acc, out, c.overwrite, getattr(config_of(model), "_name_or_path", ""))
     if out is not None and acc.is_main_process:
+        claim_run_dir(out, mark=True)
         remove_leftovers(out)
     identity = model_identity(model)
     assert c.lr is not None and c.betas is not None, "train() passes the config resolved()"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Sized
 from dataclasses import asdict
 from pathlib import Path
 from typing import cast
@@ -65,6 +66,7 @@ def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
             f"(--stop-after) or none (to the end, step {c.steps})"
         )
     _check_optimizer(run, path, saved, c)
+    _check_data_position(run, path, saved, c)
     _load_checkpoint(run, path, saved)
     log.info("resumed from %s", path)
 
@@ -128,6 +130,39 @@ def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
             )
 
 
+def _check_data_position(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
+    """The saved data position (``data.epoch``, ``data.batch``) is the one the saved step makes: each step takes
+    ``grad_accum`` global micro-batches, so a run at step s has taken s x grad_accum of them. Another position
+    would replay or skip data, and the resumed run would end where no straight run does."""
+    if not isinstance(run.data, Resumable):
+        return
+    file = path / TRAINER_FILE
+    position = []
+    for key in ("epoch", "batch"):
+        value = saved["data"].get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"{file}: data.{key} must be an integer >= 0; got {short_repr(value)}")
+        position.append(value)
+    try:
+        per_epoch = len(cast(Sized, run.data))
+    except TypeError:  # data of unknown length: its position cannot be derived from the step
+        return
+    step = saved["progress"]["step"]
+    taken = step * c.grad_accum
+    want = divmod(taken, per_epoch) if per_epoch else (0, 0)
+    # after an epoch's last micro-batch the data stands at (epoch, per_epoch): the same place as (epoch + 1, 0)
+    same = [want] + ([(want[0] - 1, per_epoch)] if per_epoch and want[1] == 0 and want[0] > 0 else [])
+    if tuple(position) in same:
+        return
+    expected = same[-1]
+    key, i = ("batch", 1) if position[0] == expected[0] else ("epoch", 0)
+    raise ValueError(
+        f"{file}: data.{key} is {position[i]}, but the run's config makes it {expected[i]} at step {step} "
+        f"({taken} micro-batches taken, {per_epoch} per epoch: data.epoch {expected[0]}, data.batch {expected[1]}); "
+        f"the file was edited or belongs to another run: resume an unedited checkpoint, or train into a new --out"
+    )
+
+
 def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -168,11 +203,6 @@ def _load_checkpoint(run: Run, path: Path, saved: dict) -> None:
         options=StateDictOptions(full_state_dict=True),
     )
     run.scheduler.load_state_dict(saved["scheduler"])
-    if isinstance(run.data, Resumable):
-        for key in ("epoch", "batch"):
-            value = saved["data"].get(key)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-                raise ValueError(f"{path / TRAINER_FILE}: data.{key} must be an integer >= 0; got {short_repr(value)}")
     cast(Checkpointable, run.data).load_state_dict(saved["data"])  # checked by check_checkpointable
     if run.acc.scaler is not None:
         if saved["scaler"] is None:

@@ -1,6 +1,6 @@
-"""A run directory, the ``out`` of a training run: what it holds, refusing another run's files there
-(:func:`check_fresh`), removing interrupted writes (:func:`remove_leftovers`), writing a model into it
-(:func:`save_model`).
+"""A run directory, the ``out`` of a training run: what it holds, refusing a folder that is not a training run
+of quantgate's (:func:`claim_run_dir`) and another run's files there (:func:`check_fresh`), removing interrupted
+writes (:func:`remove_leftovers`), writing a model into it (:func:`save_model`).
 
 Its layout (one writer at a time: the run holds ``.quantgate.lock``, see :mod:`quantgate.runlock`)::
 
@@ -44,13 +44,21 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import save
-from ..files import publish_folder, temporary_folder
+from ..files import claim_output, publish_folder, temporary_folder
 from .checkpoint import can_resume
 from .log import LOG_FILE
 
 log = logging.getLogger("quantgate")
 
 RUN_FILES = (LOG_FILE, "model", "last-good-model", "training.png", "tensorboard")  # beside checkpoints/
+
+
+def claim_run_dir(out: Path, mark: bool = False) -> None:
+    """``out`` is a folder a training run may write into (:func:`~quantgate.files.claim_output`): missing or
+    empty, or a training run quantgate wrote (whose files :func:`check_fresh` then guards), with no link
+    leading out of it; ``mark``: marked as one. Anything else (a study run, a model folder, the user's files) is
+    refused, ``overwrite`` or not: overwrite removes an earlier training run's files, nothing else."""
+    claim_output(out, "train", "out", mark=mark, by="quantgate train")
 
 
 def check_fresh(acc: Accelerator, out: Path, overwrite: bool, source: str) -> None:
