@@ -13,6 +13,39 @@ def _seed():
     torch.manual_seed(0)
 
 
+# a training run of a few seconds (tiny-llama): the settings the training tests share
+TINY_TRAIN = {
+    "batch_size": 2,
+    "seq_len": 16,
+    "lr": 3e-3,
+    "eval_data": None,
+    "log_every": 100,
+    "seed": 3,
+    "steps": 4,
+    "checkpoint_every": 2,
+}
+
+# a study of seconds on an untrained tiny-llama, named by .format(name=...)
+TINY_STUDY = """name: {name}
+models:
+  - name: m
+    preset: tiny-llama
+schemes: [w8-int8]
+calibration: {{batches: 1, seq_len: 32, batch_size: 2}}
+observe: {{batches: 1, seq_len: 32, batch_size: 2}}
+eval: {{tasks: [quantgate_ppl], limit: 1}}
+"""
+
+
+def one_line_error(capsys, command: str) -> str:
+    """The command's error: stderr's last line (progress bars may come before it), and no traceback."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"quantgate {command}: error: ")
+    return line
+
+
 FAMILY_PRESETS = ["tiny-bert", "tiny-opt", "tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mla"]
 
 

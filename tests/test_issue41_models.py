@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TINY_TRAIN
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantgate as qg
@@ -20,16 +21,7 @@ from quantgate.cli import main
 from quantgate.train import TrainConfig, train
 
 IDS = torch.randint(5, 8000, (2, 24), generator=torch.Generator().manual_seed(0))
-TINY: dict[str, Any] = {
-    "batch_size": 2,
-    "seq_len": 16,
-    "lr": 3e-3,
-    "eval_data": None,
-    "log_every": 100,
-    "seed": 3,
-    "steps": 4,
-    "checkpoint_every": 2,
-}
+TINY: dict[str, Any] = TINY_TRAIN
 
 
 def _logits(model):

@@ -8,30 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TINY_STUDY, one_line_error
 
 import quantgate as qg
 from quantgate.cli import main
 
-TINY_STUDY = """name: {name}
-models:
-  - name: m
-    preset: tiny-llama
-schemes: [w8-int8]
-calibration: {{batches: 1, seq_len: 32, batch_size: 2}}
-observe: {{batches: 1, seq_len: 32, batch_size: 2}}
-eval: {{tasks: [quantgate_ppl], limit: 1}}
-"""
-
 TRAIN = ["train", "--preset", "tiny-llama", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
-
-
-def _error(capsys, command: str) -> str:
-    """The command's one-line error (stderr's last line; no traceback)."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    line = err.strip().splitlines()[-1]
-    assert line.startswith(f"quantgate {command}: error: ")
-    return line
 
 
 def _snapshot(folder: Path) -> dict[str, bytes | str]:
@@ -81,7 +63,7 @@ def test_quantize_out_into_another_models_folder_refused(float_model, tmp_path, 
     _must_not_run(monkeypatch, "quantgate.cli._load_or_build")
     argv = ["quantize", str(float_model), "--scheme", "w8a8-int8-dynamic", "--out", str(victim)]
     assert main(argv) == 2
-    err = _error(capsys, "quantize")
+    err = one_line_error(capsys, "quantize")
     assert str(victim) in err and "--overwrite" in err and "empty folder" in err
     assert _snapshot(victim) == before
 
@@ -99,7 +81,7 @@ def test_quantize_out_into_another_tools_model_folder_refused_even_with_overwrit
     for extra in ([], ["--overwrite"]):
         argv = ["quantize", str(float_model), "--scheme", "w8a8-int8-dynamic", "--out", str(victim), *extra]
         assert main(argv) == 2
-        err = _error(capsys, "quantize")
+        err = one_line_error(capsys, "quantize")
         assert str(victim) in err and "quantgate did not write" in err and "empty folder" in err
     assert _snapshot(victim) == before
 
@@ -112,7 +94,7 @@ def test_quantize_out_into_an_earlier_export_refused_then_replaced_with_overwrit
     capsys.readouterr()
     again = ["quantize", str(float_model), "--scheme", "w8a8-int8-dynamic", "--out", str(out)]
     assert main(again) == 2
-    err = _error(capsys, "quantize")
+    err = one_line_error(capsys, "quantize")
     assert str(out) in err and "--overwrite" in err
     assert _snapshot(out) == before
     assert main([*again, "--overwrite"]) == 0
@@ -130,7 +112,7 @@ def test_study_out_with_foreign_files_refused(tmp_path, monkeypatch, capsys):
         (d / name).write_text("mine\n")
     _must_not_run(monkeypatch, "quantgate.study.steps._run_cell")
     assert main(["study", str(study), "--out", str(d)]) == 2
-    err = _error(capsys, "study")
+    err = one_line_error(capsys, "study")
     assert str(d) in err and "quantgate did not write" in err and "empty folder" in err
     assert _snapshot(d) == dict.fromkeys(("config.yaml", "metrics.json", "report.md"), b"mine\n")
 
@@ -145,7 +127,7 @@ def test_study_out_dot_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(project)
     _must_not_run(monkeypatch, "quantgate.study.steps._run_cell")
     assert main(["study", "base.yaml", "--out", "."]) == 2
-    err = _error(capsys, "study")
+    err = one_line_error(capsys, "study")
     assert "--out ." in err and "empty folder" in err
     assert _snapshot(project) == before
     assert sorted(p.name for p in project.iterdir()) == ["README.md", "base.yaml", "pyproject.toml", "src"]
@@ -161,7 +143,7 @@ def test_study_symlinked_cells_refused(tmp_path, monkeypatch, capsys):
     (r / "cells").symlink_to(elsewhere)
     _must_not_run(monkeypatch, "quantgate.study.steps._run_cell")
     assert main(["study", str(study), "--out", str(r)]) == 2
-    err = _error(capsys, "study")
+    err = one_line_error(capsys, "study")
     assert f"{r / 'cells'} is a symlink leading to {elsewhere}" in err
     assert not any(elsewhere.iterdir())
     assert sorted(p.name for p in r.iterdir()) == ["cells"]
@@ -179,7 +161,7 @@ def test_a_symlink_planted_in_a_study_run_is_refused(study_run, tmp_path, monkey
     (cell / "observe").symlink_to(elsewhere)
     _must_not_run(monkeypatch, "quantgate.study.steps._run_cell")
     assert main(["study", str(study), "--out", str(run)]) == 2
-    assert f"{cell / 'observe'} is a symlink leading to {elsewhere}" in _error(capsys, "study")
+    assert f"{cell / 'observe'} is a symlink leading to {elsewhere}" in one_line_error(capsys, "study")
     assert _snapshot(elsewhere) == {"precious.txt": b"mine"}
 
 
@@ -206,7 +188,7 @@ def test_every_command_refuses_a_folder_of_foreign_files(argv, work, tmp_path, m
     _must_not_run(monkeypatch, work)
     subs = {"OUT": str(out), "RUNS": str(tmp_path / "runs")}
     assert main([subs.get(a, a) for a in argv]) == 2
-    err = _error(capsys, argv[0])
+    err = one_line_error(capsys, argv[0])
     assert str(out) in err and "empty folder" in err
     assert _snapshot(out) == {"eval.json": b'{"mine": true}\n', "notes.md": b"mine\n"}
 
@@ -217,9 +199,9 @@ def test_a_study_run_is_not_written_over_by_another_command(study_run, tmp_path,
     _must_not_run(monkeypatch, "quantgate.cli.load_for_eval")
     _must_not_run(monkeypatch, "quantgate.cli.build")
     assert main(["eval", "tiny-llama", "--limit", "1", "--out", str(finished)]) == 2
-    assert str(finished) in _error(capsys, "eval")
+    assert str(finished) in one_line_error(capsys, "eval")
     assert main([*TRAIN, "--out", str(finished), "--overwrite"]) == 2
-    assert str(finished) in _error(capsys, "train")
+    assert str(finished) in one_line_error(capsys, "train")
     assert _snapshot(finished) == before
 
 
@@ -229,7 +211,7 @@ def test_train_into_a_model_folder_refused(float_model, tmp_path, monkeypatch, c
     before = _snapshot(model)
     _must_not_run(monkeypatch, "quantgate.cli.build")
     assert main([*TRAIN, "--out", str(model), "--overwrite"]) == 2
-    assert str(model) in _error(capsys, "train")
+    assert str(model) in one_line_error(capsys, "train")
     assert _snapshot(model) == before
 
 
@@ -264,7 +246,7 @@ def test_train_overwrite_replaces_its_own_run(tmp_path, capsys):
     assert main([*TRAIN, "--out", str(out)]) == 0
     capsys.readouterr()
     assert main([*TRAIN, "--out", str(out)]) == 2
-    assert "--overwrite" in _error(capsys, "train")
+    assert "--overwrite" in one_line_error(capsys, "train")
     assert main([*TRAIN, "--out", str(out), "--overwrite"]) == 0
     assert (out / "model" / "config.json").is_file()
 
@@ -329,4 +311,4 @@ def test_a_study_file_inside_its_run_dir_is_not_foreign(tmp_path, monkeypatch, c
     other.mkdir()
     (other / "config.yaml").write_text(TINY_STUDY.format(name="base"))  # the run writes config.yaml: lost
     assert main(["study", str(other / "config.yaml"), "--out", str(other)]) == 2
-    assert "quantgate did not write (config.yaml)" in _error(capsys, "study")
+    assert "quantgate did not write (config.yaml)" in one_line_error(capsys, "study")

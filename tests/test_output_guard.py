@@ -10,20 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_STUDY, one_line_error
 
 import quantgate as qg
 import quantgate.files as files
 from quantgate.cli import main
-
-TINY_STUDY = """name: {name}
-models:
-  - name: m
-    preset: tiny-llama
-schemes: [w8-int8]
-calibration: {{batches: 1, seq_len: 32, batch_size: 2}}
-observe: {{batches: 1, seq_len: 32, batch_size: 2}}
-eval: {{tasks: [quantgate_ppl], limit: 1}}
-"""
 
 # command -> (argv with OUT for the output directory, the function doing the work, which must not run)
 COMMANDS = {
@@ -35,15 +26,6 @@ COMMANDS = {
     "observe": (["observe", "tiny-llama", "--out", "OUT"], "quantgate.cli._load_or_build"),
     "compare": (["compare", "RUNS", "--out", "OUT"], "quantgate.study.compare.collect_evals"),
 }
-
-
-def _error(capsys, command: str) -> str:
-    """The command's error: stderr's last line (progress bars may come before it), and no traceback."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    line = err.strip().splitlines()[-1]
-    assert line.startswith(f"quantgate {command}: error: ")
-    return line
 
 
 def _blocked(kind: str, tmp_path: Path, monkeypatch) -> Path:
@@ -80,7 +62,7 @@ def test_unwritable_output_is_refused_before_the_work(command, kind, tmp_path, m
     monkeypatch.setattr(work, must_not_run)
     subs = {"OUT": str(out), "STUDY": str(study), "RUNS": str(tmp_path / "runs")}
     assert main([subs.get(a, a) for a in argv]) == 2
-    assert str(out) in _error(capsys, argv[0])
+    assert str(out) in one_line_error(capsys, argv[0])
 
 
 @pytest.mark.parametrize("error", ["oserror", "safetensors"])
@@ -99,7 +81,7 @@ def test_full_disk_during_quantize_keeps_the_checkpoint_there(error, tmp_path, m
     capsys.readouterr()
     argv = ["quantize", "tiny-llama", "--scheme", "w8a8-int8-dynamic", "--out", str(out), "--overwrite"]
     assert main(argv) == 2  # --overwrite: the model quantgate saved there is replaced (issue 41)
-    err = _error(capsys, "quantize")
+    err = one_line_error(capsys, "quantize")
     assert "No space left on device" in err and str(out) in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the previous checkpoint, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # nothing half-written beside it
@@ -117,7 +99,7 @@ def test_full_disk_writing_eval_json_keeps_the_previous_one(tmp_path, monkeypatc
 
     monkeypatch.setattr(Path, "write_text", half_then_full)
     assert main(["eval", "tiny-llama", "--limit", "1", "--out", str(out)]) == 2
-    err = _error(capsys, "eval")
+    err = one_line_error(capsys, "eval")
     assert f"{out / 'eval.json'}: No space left on device" in err
     assert sorted(p.name for p in out.iterdir()) == [files.MARKER, "eval.json"]
     assert (out / "eval.json").read_text() == '{"previous": true}'
@@ -138,7 +120,7 @@ def test_full_disk_mid_study_keeps_the_finished_steps(tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(steps, "_write_json", full_on_third)
     assert main(["study", str(study), "--out", str(run)]) == 2
-    assert f"{calls[2]}: No space left on device" in _error(capsys, "study")
+    assert f"{calls[2]}: No space left on device" in one_line_error(capsys, "study")
     kept = {p: p.stat().st_mtime_ns for p in calls[:2]}
     assert all(json.loads(p.read_text())["key"] for p in kept) and not calls[2].exists()
     monkeypatch.setattr(steps, "_write_json", real)
@@ -154,7 +136,7 @@ def test_quantize_refuses_to_write_over_its_input(tmp_path, capsys):
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     for out in (src, tmp_path / "other" / ".." / "src", tmp_path / "link"):
         assert main(["quantize", str(src), "--scheme", "w8-int8", "--out", str(out)]) == 2
-        assert "would overwrite it" in _error(capsys, "quantize")
+        assert "would overwrite it" in one_line_error(capsys, "quantize")
     assert main(["quantize", str(tmp_path / "link"), "--scheme", "w8-int8", "--out", str(src)]) == 2
     with pytest.raises(ValueError, match="the float checkpoint this model was quantized from"):
         qg.save(qg.quantize(qg.load(src), "w8-int8"), src)  # the Python API too
@@ -190,7 +172,7 @@ def test_a_study_name_must_stay_inside_results(name, tmp_path, monkeypatch, caps
     study = tmp_path / "s.yaml"
     study.write_text(TINY_STUDY.format(name=f'"{name}"'))
     assert main(["study", str(study)]) == 2
-    err = _error(capsys, "study")
+    err = one_line_error(capsys, "study")
     assert "s.yaml" in err and f"'{name}'" in err
     assert all((tmp_path / mine).read_text() == "the user's own file" for mine in ("config.yaml", "report.md"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "report.md", "results", "s.yaml"]
@@ -232,7 +214,7 @@ def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones
         str(out),
     ]
     assert main(argv) == 2
-    err = _error(capsys, "train")
+    err = one_line_error(capsys, "train")
     assert f"cannot write the checkpoint {out / 'checkpoints' / 'step-2'}: Error while serializing" in err
     assert "the earlier ones are kept (step-1)" in err and "continue with --resume" in err
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-1"]  # no half-written step-2

@@ -8,22 +8,14 @@ import time
 from typing import Any
 
 import pytest
+from conftest import TINY_TRAIN
 from safetensors.torch import load_file, save_file
 
 import quantgate as qg
 from quantgate.cli import main
 from quantgate.train import TrainConfig, train
 
-TINY: dict[str, Any] = {
-    "batch_size": 2,
-    "seq_len": 16,
-    "lr": 3e-3,
-    "eval_data": None,
-    "log_every": 100,
-    "seed": 3,
-    "steps": 4,
-    "checkpoint_every": 2,
-}
+TINY: dict[str, Any] = TINY_TRAIN
 STEP = "checkpoints/step-2"
 
 
