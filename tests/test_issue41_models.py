@@ -6,6 +6,7 @@ checkout)."""
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import quantgate as qg
 from quantgate.cli import main
+from quantgate.models.sources import package_dir
 from quantgate.train import TrainConfig, train
 
 IDS = torch.randint(5, 8000, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -107,6 +109,13 @@ def test_a_trained_gated_model_with_model_type_llama_refused_by_transformers(tmp
     _as_llama(tmp_path / "model")
     with pytest.raises((OSError, ValueError)):
         AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+
+
+def test_the_packaged_gated_twin_with_model_type_llama_refused_by_transformers(tmp_path):
+    shutil.copytree(package_dir("twin-g1"), tmp_path / "twin-g1")
+    _as_llama(tmp_path / "twin-g1")
+    with pytest.raises((OSError, ValueError)):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "twin-g1")
 
 
 def test_gated_checkpoint_still_loads_in_quantgate(tmp_path, capsys):

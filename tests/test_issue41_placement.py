@@ -137,3 +137,12 @@ def test_unreachable_ray_address_fails_quickly(tmp_path):
     assert done.returncode == 2, done.stderr[-2000:]
     line = _one_line(done.stderr)
     assert "127.0.0.1:1" in line and "Ray" in line, line
+
+
+@pytest.mark.parametrize("device_map", ['{"": 3}', '{"": "gpu"}'])
+def test_a_placement_failure_names_the_placement_not_corrupt_weights(checkpoint, device_map, capsys):
+    """A device the machine lacks or a device name that is none: the error names the placement; the weights,
+    which load whole, are not called corrupt."""
+    assert main(["eval", str(checkpoint), "--limit", "1", "--device-map", device_map]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "corrupt" not in line and ("device" in line or "--device-map" in line), line
