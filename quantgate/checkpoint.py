@@ -16,7 +16,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
-from .files import claim_output, refuse_same, staged_dir, write_failure
+from .files import mark_output, refuse_same, staged_dir, write_failure
 from .models import io as model_io
 from .models.presets import PRESETS
 from .models.record import record_of
@@ -72,7 +72,7 @@ def save(
         refuse_same(path, source, "the float checkpoint this model was quantized from")
     try:
         with staged_dir(path, CHECKPOINT_FILES) as staged:
-            claim_output(staged, "model", mark=True, by="qg.save")
+            mark_output(staged, "model", by="qg.save")
             if quantization:
                 save_quantized(model, staged, tokenizer, dtype=dtype)
             else:

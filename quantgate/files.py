@@ -35,6 +35,7 @@ __all__ = [
     "content_sha256",
     "writable_dir",
     "claim_output",
+    "mark_output",
     "MARKER",
     "OUTPUT_KINDS",
     "is_folder_name",
@@ -370,11 +371,7 @@ def claim_output(
     name = OUTPUT_KINDS[kind]
     fix = "choose an empty folder (or a new one)"
     if directory.is_dir():
-        for link, target in _escaping_links(directory, deep=False):  # first: nothing is read through them
-            raise ValueError(
-                f"{what} {directory}: {link} is a symlink leading to {target}, outside it; quantgate does not "
-                f"write through links: remove the link, or {fix}"
-            )
+        _refuse_links(directory, what, fix, deep=False)  # first: nothing is read through them
         root = directory.resolve()
         own = {
             Path(f).name
@@ -402,16 +399,27 @@ def claim_output(
                     f"{what} {directory} holds a {name} quantgate saved{written_by}: writing there replaces it; "
                     f"add {flag} to replace it, or {fix}"
                 )
-            for link, target in _escaping_links(directory, deep=True):
-                raise ValueError(
-                    f"{what} {directory}: {link} is a symlink leading to {target}, outside it; quantgate does "
-                    f"not write through links: remove the link, or {fix}"
-                )
+            _refuse_links(directory, what, fix, deep=True)
     if mark:
-        record = {"written_by": by or f"quantgate {kind}", "kind": kind}
-        if _marker(directory) != record:
-            write_text_atomic(directory / MARKER, json.dumps(record) + "\n")
+        mark_output(directory, kind, by)
     return directory
+
+
+def mark_output(directory: Path, kind: str, by: str | None = None) -> None:
+    """Mark the existing folder ``directory`` as output of ``kind`` written by ``by`` (default ``quantgate
+    <kind>``): its :data:`MARKER`, which :func:`claim_output` reads."""
+    record = {"written_by": by or f"quantgate {kind}", "kind": kind}
+    if _marker(directory) != record:
+        write_text_atomic(directory / MARKER, json.dumps(record) + "\n")
+
+
+def _refuse_links(directory: Path, what: str, fix: str, deep: bool) -> None:
+    """A one-line ValueError at the first link in ``directory`` (``deep``: or below) that leads out of it."""
+    for link, target in _escaping_links(directory, deep):
+        raise ValueError(
+            f"{what} {directory}: {link} is a symlink leading to {target}, outside it; quantgate does not write "
+            f"through links: remove the link, or {fix}"
+        )
 
 
 def is_folder_name(name: str) -> bool:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..json_record import JsonRecord
@@ -68,7 +67,7 @@ def _storage_key(t: torch.Tensor) -> Hashable:
     """What tells ``t``'s storage from another tensor's: the storage, offset, shape, strides and dtype of a plain
     tensor; the inner tensors' keys for a wrapper subclass; the object itself where there is no storage (meta)."""
     data = t.data if isinstance(t, nn.Parameter) else t
-    if is_traceable_wrapper_subclass(data):
+    if hasattr(data, "__tensor_flatten__"):  # a wrapper subclass (torchao's): its inner tensors hold the storage
         names, _ = data.__tensor_flatten__()
         return (type(data).__name__, tuple(_storage_key(getattr(data, n)) for n in names))
     try:

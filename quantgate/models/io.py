@@ -536,9 +536,7 @@ def _check_placement(family: Family, config: PreTrainedConfig, placement: Placem
         return
     from transformers.integrations.accelerate import _get_device_map  # the planner from_pretrained calls
 
-    with torch.device("meta"):  # the model's shapes without its memory
-        built: nn.Module = family.model_class(config)(copy.deepcopy(config))
-    skeleton = cast(PreTrainedModel, built.to(dtype or torch.get_default_dtype()))  # from_pretrained's default
+    skeleton = cast(PreTrainedModel, _meta_model(family, config).to(dtype or torch.get_default_dtype()))
 
     def planned(max_memory: Mapping[str | int, str | int] | None) -> dict[str, str | int]:
         return dict(_get_device_map(skeleton, placement.device_map, dict(max_memory) if max_memory else None, None))
@@ -574,6 +572,12 @@ def _check_placement(family: Family, config: PreTrainedConfig, placement: Placem
         )
 
 
+def _meta_model(family: Family, config: PreTrainedConfig) -> nn.Module:
+    """The family's model for ``config`` on the meta device: its shapes (and dtype) without its memory."""
+    with torch.device("meta"):
+        return family.model_class(config)(copy.deepcopy(config))
+
+
 def _memory_text(max_memory: Mapping[str | int, str | int] | None) -> str:
     """``max_memory`` as --max-memory writes it: 0=70GiB,cpu=200GiB."""
     return ",".join(f"{k}={v}" for k, v in (max_memory or {}).items())
@@ -595,8 +599,7 @@ def _from_pretrained(
     names none and prints a table). Not for another tool's quantized weights, whose packed tensors have other
     shapes by design."""
     if getattr(config, "quantization_config", None) is None:
-        with torch.device("meta"):  # the model's shapes without its memory
-            skeleton = family.model_class(config)(copy.deepcopy(config)).state_dict()
+        skeleton = _meta_model(family, config).state_dict()
         for file in _weight_files(path):
             _check_shapes(file, _header_shapes(file), skeleton, "its sizes")
     placed = {} if placement is None else {**placement.kwargs(), **({"dtype": dtype} if dtype is not None else {})}
@@ -617,8 +620,7 @@ def _from_pretrained(
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         if placement is not None and not isinstance(e, SafetensorError):  # the placement failed, not the weights
             raise ValueError(
-                f"cannot place {path} as {placement.described()} asks: {' '.join(str(e).split())}; fix the placement "
-                f"(the weights themselves load without it)"
+                f"cannot place {path} as {placement.described()} asks: {' '.join(str(e).split())}; fix the placement"
             ) from None
         raise ValueError(
             f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"

@@ -428,12 +428,15 @@ def _references(records: list[dict], baseline: dict | None, force: bool = False)
     hash and that was evaluated alike (:func:`_protocol_differences`). Never by name or label alone."""
     floats = [r for r in records if not r["quantized"]]
     out: list[tuple[dict | None, str]] = []
+    refused: list[tuple[dict, list[str]]] = []  # records the baseline is no fit reference for
     for r in records:
         if baseline is not None:
             if r is baseline:
                 out.append((None, "baseline"))
                 continue
             conflicts = _baseline_conflicts(r, baseline)
+            if conflicts:
+                refused.append((r, conflicts))
             out.append((baseline, "--baseline" + (f", --force-baseline: {'; '.join(conflicts)}" if conflicts else "")))
         elif r["cell"] is not None:
             ref = next((f for f in floats if f["cell"] == r["cell"]), None)
@@ -455,16 +458,15 @@ def _references(records: list[dict], baseline: dict | None, force: bool = False)
                 out.append((None, f"none: no float run has sha256 {short}"))
         else:
             out.append((None, "none: no source hash recorded; pass --baseline"))
-    if baseline is not None and not force:
-        refused = [(r, c) for r in records if r is not baseline and (c := _baseline_conflicts(r, baseline))]
-        if refused:
-            r, conflicts = refused[0]
-            more = f" (and {len(refused) - 1} more run(s))" if len(refused) > 1 else ""
-            raise ValueError(
-                f"--baseline {baseline['path']} is no fit reference for {r['path']}{more}: {'; '.join(conflicts)}; "
-                f"give its own float run as --baseline, or pass --force-baseline to pair them anyway (stated in "
-                f"the table)"
-            )
+    if refused and not force:
+        assert baseline is not None
+        r, conflicts = refused[0]
+        more = f" (and {len(refused) - 1} more run(s))" if len(refused) > 1 else ""
+        raise ValueError(
+            f"--baseline {baseline['path']} is no fit reference for {r['path']}{more}: {'; '.join(conflicts)}; "
+            f"give its own float run as --baseline, or pass --force-baseline to pair them anyway (stated in "
+            f"the table)"
+        )
     return out
 
 

@@ -223,12 +223,11 @@ def _check_data_parallel(study: Study, executor: str, processes: int | None = No
             f"a data-parallel study splits evaluation, not training, and {', '.join(trained)} train(s) here: run "
             f"the study in one process, or train with accelerate launch -m quantgate.cli train and load: the model"
         )
+    if processes is None:
+        return
     for m in study.models:
-        if processes is None:
-            break
-        limit = m.eval.limit
         for task in dict.fromkeys([*m.eval.tasks, *(t for x in m.schemes for t in x["tasks"] or ())]):
-            one = limit.get(task) if isinstance(limit, dict) else limit
+            one = m.eval.limit.get(task) if isinstance(m.eval.limit, dict) else m.eval.limit
             check_limit_per_process(one, processes, [task], f"{m.name}'s eval limit", f" (--processes {processes})")
 
 
