@@ -371,7 +371,7 @@ def conclusion(
         "finds no bias, and rules out none smaller than a few tenths of a nat per document."
     )
     parts.append(
-        "**Closing it.** Not done here (quantgate/ is outside this change): the gap closes to 0 only where both "
+        "**Closing it.** Not done: the gap closes to 0 only where both "
         "routes use the same arithmetic at the same batch shape, as the last row of each INT8 export shows. "
         "quantgate's dynamic quantizer would have to take compressed-tensors' max|x| / 127.5 step with the "
         "[-128, 127] clamp (and its static one round(x / s + z)) for exports, and the two routes be run at one batch "
@@ -386,7 +386,7 @@ REPORT = """# lm-eval `hf` against `quantgate eval` on quantgate's compressed-te
 
 Command: `{command}` (offline; it makes the exports itself: `qg.save` of the float model,
 `quantgate quantize smollm2-135m --scheme w8a8-int8-dynamic`, `... w8a8-int8-static --calib 2`). Wall time {wall:.0f} s
-on {machine}; {versions}. The machine's 2 cores were shared with other jobs, so the seconds are not timings.
+on {machine}; {versions}. The seconds are wall time on that machine, beside whatever else ran there: not timings.
 
 {n} documents of `quantgate_cloze` (ids 0, {step}, 2x{step}, ...: spread over the works). Gap: the paired change
 of the cloze perplexity, first arm against second (`quantgate.stats.paired_delta`, BCa bootstrap over the
