@@ -10,6 +10,7 @@ from . import (
     data,
 )
 from .attention import gated_sdpa
+from .audit import Audit, audit
 from .checkpoint import load, save
 from .evaluate import evaluate
 from .models import apply_variant, build, gate_parameters, set_backend, tokenizer, variant_of
@@ -38,5 +39,7 @@ __all__ = [
     "quantization_of",
     "SCHEMES",
     "evaluate",
+    "audit",
+    "Audit",
     "__version__",
 ]

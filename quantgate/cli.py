@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import __version__
+from .audit import audit
 from .checkpoint import load, load_or_build, save
 from .data import batches
 from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
@@ -411,6 +412,24 @@ def _study(args: argparse.Namespace, state) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    found = audit(
+        args.model,
+        args.out,
+        budget=args.budget,
+        within=args.within,
+        tasks=[t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None,
+        variant=args.variant,
+        dtype=args.dtype,
+        placement=_placement(args),
+        schemes=args.schemes.split(",") if args.schemes else None,
+        docs=args.docs,
+        export=not args.no_export,
+    )
+    print(found.answer, end="")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     if not Path(args.run).is_dir():
         raise FileNotFoundError(f"no study run directory {args.run}")
@@ -607,6 +626,26 @@ def build_parser() -> argparse.ArgumentParser:
         "requests split between them",
     )
     st.set_defaults(func=cmd_study)
+    au = sub.add_parser(
+        "audit",
+        help="will MODEL survive INT8/FP8, and which recipe should it use? A budgeted ladder of schemes, the answer "
+        "first, the recipe exported",
+    )
+    au.add_argument(
+        "model", help="a folder saved by transformers or quantgate, a packaged model or a hub id in the local cache"
+    )
+    au.add_argument("--out", help="where the audit goes (default: audits/<model name>)")
+    au.add_argument("--budget", default="10m", help="time the whole audit may take here: 90s, 10m, 1h")
+    au.add_argument(
+        "--within", default="1%", help="the perplexity change a recipe may cause, e.g. 1%% or 0.01 (default 1%%)"
+    )
+    au.add_argument("--tasks", help="comma-separated tasks to evaluate (the first decides; default: by the model)")
+    au.add_argument("--variant", help="the attention variant of a gated checkpoint (default: the one saved)")
+    au.add_argument("--schemes", help="climb these schemes, comma-separated, instead of the default ladder")
+    au.add_argument("--docs", type=int, help="read this many documents (default: what the budget allows)")
+    au.add_argument("--no-export", action="store_true", help="do not write the recipe to DIR/export")
+    _placement_arguments(au)
+    au.set_defaults(func=cmd_audit)
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
     rp.add_argument("run", help="a study run directory")
     rp.set_defaults(func=cmd_report)

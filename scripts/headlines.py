@@ -1,7 +1,7 @@
-"""Regenerate the headline numbers of experiments/README.md from the committed results.
+"""Regenerate the headline numbers of docs/findings.md (its last table) from the committed results.
 
     python scripts/headlines.py           # rewrite the generated blocks in place
-    python scripts/headlines.py --check   # exit 1 if the README differs from what this would write
+    python scripts/headlines.py --check   # exit 1 if the page differs from what this would write
 
 Each headline sits between ``<!-- headlines:NAME -->`` and ``<!-- /headlines -->`` and is written by
 the function NAME below from results/ (metrics.json; for cpu_recipe_search the search's summary.json
@@ -42,7 +42,7 @@ from quantgate.study.measures import (
 from quantgate.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "experiments" / "README.md"
+PAGE = ROOT / "docs" / "findings.md"  # the headline table moves with the findings
 BLOCK = re.compile(r"(<!-- headlines:(\w+) -->)(.*?)(<!-- /headlines -->)", re.S)
 NO_DOCUMENTS = "intervals n/a: the committed metrics hold no per-document values"
 SINK_TARGET, RATIO_TARGET = 0.3, 50  # the CPU recipe search's targets (results/cpu_recipe/search.md)
@@ -525,15 +525,15 @@ def render(text: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README is not what this would write")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page is not what this would write")
     args = ap.parse_args()
-    old = README.read_text()
+    old = PAGE.read_text()
     new = render(old)
     if args.check:
         if new != old:
-            sys.exit(f"{README}: headlines differ from the results; run python scripts/headlines.py")
+            sys.exit(f"{PAGE}: headlines differ from the results; run python scripts/headlines.py")
     elif new != old:
-        README.write_text(new)
+        PAGE.write_text(new)
 
 
 if __name__ == "__main__":

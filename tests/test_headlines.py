@@ -1,4 +1,5 @@
-"""experiments/README.md: its headlines are what scripts/headlines.py generates from the committed results."""
+"""docs/findings.md: its headline table is what scripts/headlines.py generates from the committed results
+(experiments/README.md links to it: the headline check moves with the results)."""
 
 import importlib.util
 import json
@@ -20,18 +21,25 @@ def headlines():
     return mod
 
 
-def test_readme_headlines_are_generated(headlines):
-    text = headlines.README.read_text()
-    assert headlines.render(text) == text, "experiments/README.md is stale: run python scripts/headlines.py"
+def test_findings_headlines_are_generated(headlines):
+    assert headlines.PAGE == ROOT / "docs" / "findings.md"
+    text = headlines.PAGE.read_text()
+    assert headlines.render(text) == text, "docs/findings.md is stale: run python scripts/headlines.py"
+
+
+def test_experiments_readme_links_to_the_headlines():
+    readme = (ROOT / "experiments" / "README.md").read_text()
+    assert "<!-- headlines:" not in readme and "docs/findings.md#headlines-of-every-experiment" in readme
+    assert "## Headlines of every experiment" in (ROOT / "docs" / "findings.md").read_text()
 
 
 def test_check_fails_on_a_hand_edited_number(headlines, tmp_path, monkeypatch):
-    readme = tmp_path / "README.md"
-    text = headlines.README.read_text()
+    page = tmp_path / "findings.md"
+    text = headlines.PAGE.read_text()
     block = _block("quickstart")
     edited = re.sub(r"\d", lambda m: str((int(m.group()) + 1) % 10), block, count=1)  # one digit off
-    readme.write_text(text.replace(block, edited))
-    monkeypatch.setattr(headlines, "README", readme)
+    page.write_text(text.replace(block, edited))
+    monkeypatch.setattr(headlines, "PAGE", page)
     monkeypatch.setattr("sys.argv", ["headlines.py", "--check"])
     with pytest.raises(SystemExit) as stop:
         headlines.main()
@@ -65,7 +73,7 @@ def test_hyga_changes_and_gate_shares_by_hand():
 
 def _block(name: str) -> str:
     found = re.search(
-        rf"<!-- headlines:{name} -->(.*?)<!-- /headlines -->", (ROOT / "experiments" / "README.md").read_text()
+        rf"<!-- headlines:{name} -->(.*?)<!-- /headlines -->", (ROOT / "docs" / "findings.md").read_text()
     )
     assert found is not None, name
     return found.group(1)

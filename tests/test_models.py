@@ -1,6 +1,6 @@
 """Variants swapped into real transformers models: forward/backward, gate placement, padding."""
 
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import torch
@@ -211,3 +211,19 @@ def test_gate_cost_against_a_hand_count():
     assert cost["g1-elementwise"] == GateCost(2 * (64 * 64 + 64), 2 * 2 * 64 * 64)
     assert cost["g1-headwise"] == GateCost(2 * (64 * 4 + 4), 2 * 2 * 64 * 4)
     assert cost["g1-constant"] == GateCost(2 * 64, 0.0)
+
+
+def test_a_built_in_gate_costs_the_q_proj_rows_that_compute_it():
+    """Qwen3-Next's gate is the second half of each head's q_proj slice: no plain-attention twin to run, so its cost
+    is those rows, counted by hand: per attention block (heads x head_dim) x hidden weights, 2 FLOPs each."""
+    from quantgate.models.cost import gate_cost
+    from quantgate.models.families import family_of
+
+    model = qg.build("tiny-qwen3-next", seed=0)
+    family = family_of(model)
+    blocks = family.attention_blocks(model)
+    cfg = cast(Any, model.config)
+    rows = cfg.num_attention_heads * cfg.head_dim * cfg.hidden_size  # the gate half of q_proj (bias-free)
+    assert all(b.get_submodule(family.q_proj).bias is None for b in blocks)
+    cost = gate_cost(model)
+    assert cost.gate_params == len(blocks) * rows and cost.gate_flops_per_token == 2.0 * len(blocks) * rows

@@ -146,3 +146,10 @@ def test_a_placement_failure_names_the_placement_not_corrupt_weights(checkpoint,
     assert main(["eval", str(checkpoint), "--limit", "1", "--device-map", device_map]) == 2
     line = _one_line(capsys.readouterr().err)
     assert "corrupt" not in line and ("device" in line or "--device-map" in line), line
+
+
+def test_a_gpu_named_as_text_in_a_study_file_is_that_gpu():
+    """YAML keys reach Placement as text; max_memory's "0" is GPU 0, as --max-memory 0=... gives it."""
+    from quantgate.models.io import Placement
+
+    assert Placement("auto", {"0": "70GiB", "cpu": "2GiB"}).max_memory == {0: "70GiB", "cpu": "2GiB"}

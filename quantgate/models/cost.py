@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..json_record import JsonRecord
-from .families import config_of
+from .families import config_of, family_of
 from .modes import eval_mode
 from .record import set_record
 from .swap import apply_variant, gate_parameters
@@ -36,7 +37,15 @@ def _forward_flops(model: nn.Module, ids: torch.Tensor) -> int:
 
 
 def gate_cost(model: nn.Module, tokens: int = 32) -> GateCost:
-    """What ``model``'s variant costs against the same model with plain attention, over ``tokens`` tokens."""
+    """What ``model``'s variant costs against the same model with plain attention, over ``tokens`` tokens. A family
+    whose gate is built in (Qwen3-Next's, in the second half of each head's q_proj slice) has no plain-attention
+    twin to run: its gate is counted as the q_proj rows that compute it, 2 FLOPs per weight per token."""
+    family = family_of(model)
+    if family.native_gate:
+        rows = [cast(nn.Linear, b.get_submodule(family.q_proj)) for b in family.attention_blocks(model)]
+        weights = sum(q.weight.numel() // 2 for q in rows)
+        biases = sum(q.bias.numel() // 2 for q in rows if q.bias is not None)
+        return GateCost(weights + biases, 2.0 * weights)
     config = copy.deepcopy(config_of(model))
     set_record(config, variant=None)
     device = next(model.parameters()).device

@@ -52,6 +52,7 @@ __all__ = [
     "Placement",
     "DEVICE_MAPS",
     "offloaded",
+    "meta_model",
 ]
 
 log = logging.getLogger("quantgate")
@@ -75,6 +76,9 @@ class Placement:
     offload_folder: str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_memory, dict):  # a study file's YAML keys arrive as text: "0" is GPU 0
+            gpus = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in self.max_memory.items()}
+            object.__setattr__(self, "max_memory", gpus)
         if self.device_map is None and (self.max_memory or self.offload_folder):
             raise ValueError("max_memory and offload_folder place a model by a device_map: give --device-map auto")
         if isinstance(self.device_map, str) and self.device_map not in DEVICE_MAPS:
@@ -536,7 +540,7 @@ def _check_placement(family: Family, config: PreTrainedConfig, placement: Placem
         return
     from transformers.integrations.accelerate import _get_device_map  # the planner from_pretrained calls
 
-    skeleton = cast(PreTrainedModel, _meta_model(family, config).to(dtype or torch.get_default_dtype()))
+    skeleton = cast(PreTrainedModel, meta_model(family, config).to(dtype or torch.get_default_dtype()))
 
     def planned(max_memory: Mapping[str | int, str | int] | None) -> dict[str, str | int]:
         return dict(_get_device_map(skeleton, placement.device_map, dict(max_memory) if max_memory else None, None))
@@ -572,7 +576,7 @@ def _check_placement(family: Family, config: PreTrainedConfig, placement: Placem
         )
 
 
-def _meta_model(family: Family, config: PreTrainedConfig) -> nn.Module:
+def meta_model(family: Family, config: PreTrainedConfig) -> nn.Module:
     """The family's model for ``config`` on the meta device: its shapes (and dtype) without its memory."""
     with torch.device("meta"):
         return family.model_class(config)(copy.deepcopy(config))
@@ -599,7 +603,7 @@ def _from_pretrained(
     names none and prints a table). Not for another tool's quantized weights, whose packed tensors have other
     shapes by design."""
     if getattr(config, "quantization_config", None) is None:
-        skeleton = _meta_model(family, config).state_dict()
+        skeleton = meta_model(family, config).state_dict()
         for file in _weight_files(path):
             _check_shapes(file, _header_shapes(file), skeleton, "its sizes")
     placed = {} if placement is None else {**placement.kwargs(), **({"dtype": dtype} if dtype is not None else {})}

@@ -68,6 +68,8 @@ class PackagedModel:
     subdir: str  # folder inside the package
     gguf_file: str | None = None
     description: str = ""
+    task: str | None = None  # the synthetic task it was trained on, which it is evaluated on
+    twin: str | None = None  # its ungated / gated twin: ``quantgate audit`` audits the pair
 
 
 PACKAGED: dict[str, PackagedModel] = {
@@ -86,12 +88,16 @@ PACKAGED: dict[str, PackagedModel] = {
         "models/checkpoints/twin-vanilla",
         None,
         "ungated twin: 2-layer d=64 Llama trained on backcopy, grows a first-token sink",
+        task="backcopy",
+        twin="twin-g1",
     ),
     "twin-g1": PackagedModel(
         "quantgate",
         "models/checkpoints/twin-g1",
         None,
         "its G1-elementwise gated twin (same data, steps and seed): no sink",
+        task="backcopy",
+        twin="twin-vanilla",
     ),
 }
 

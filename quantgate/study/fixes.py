@@ -19,7 +19,7 @@ from ..stats import Delta, format_delta, paired_delta, table_head
 from .measures import ppl_key
 from .records import CellRecord
 
-__all__ = ["which_fix", "fix_rows", "FixRow", "range_kind", "without_sink", "sink_effect"]
+__all__ = ["which_fix", "fix_rows", "FixRow", "range_kind", "without_sink", "sink_effect", "verdict"]
 
 Changes = dict[tuple[str, str], "Delta | None"]  # {(cell id, scheme): its perplexity change}
 
@@ -50,7 +50,9 @@ def sink_effect(cell: CellRecord, base: str, kept: str) -> Delta | None:
     return paired_delta(docs_base, docs_kept, key[1]) if docs_base and docs_kept else None
 
 
-def _verdict(d: Delta | None, within: float) -> str:
+def verdict(d: Delta | None, within: float) -> str:
+    """``fixed`` (the whole interval below ``within``), ``not resolved`` (only the estimate), ``not fixed``, or
+    ``not run``."""
     if d is None:
         return "not run"
     if d.high is not None and d.high < within:
@@ -87,7 +89,7 @@ def fix_rows(cell: CellRecord, schemes: list[str], changes: Changes, within: flo
             FixRow(
                 scheme=s,
                 delta=d,
-                verdict=_verdict(d, within),
+                verdict=verdict(d, within),
                 params=(m.get("kept_params") or 0) + (rot.get("extra_params") or 0),
                 ops=rot.get("extra_ops_per_token") or 0,
                 seconds=r.quantize_s,
@@ -120,7 +122,7 @@ def which_fix(
         fixed = [r for r in rows if r.verdict == "fixed" and r.scheme != reference]
         unresolved = [r for r in rows if r.verdict == "not resolved" and r.scheme != reference]
         text = f"- **{model}** ({c.variant}): `{reference}` {format_delta(ref)}"
-        if ref is not None and _verdict(ref, within) == "fixed":
+        if ref is not None and verdict(ref, within) == "fixed":
             text += f", already within +{within:.0%}: it needs no fix."
         elif fixed:
             text += (
@@ -169,7 +171,7 @@ def which_fix(
     for s in order:
         cols = [
             format_delta(changes.get((c.id, s)))
-            + ("" if _verdict(changes.get((c.id, s)), within) != "fixed" else " **fixed**")
+            + ("" if verdict(changes.get((c.id, s)), within) != "fixed" else " **fixed**")
             for c in by_model.values()
         ]
         lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")

@@ -104,6 +104,7 @@ class Study:
     report: dict
     raw: dict = field(default_factory=dict)  # the resolved study, written to config.yaml
     executor: str = "serial"  # where its cells run (quantgate.study.executors); not in raw: it changes no number
+    out: Path | None = None  # the run directory the file names (``out:``, relative to it); None: results/<name>
 
     def cells(self) -> list[Cell]:
         """The grid: every model x variant x seed, in the study's order."""

@@ -49,7 +49,7 @@ SECTION_KEYS: dict[str, dict[str, Any]] = {
     "eval": {"tasks": ["quantgate_ppl"], "limit": None, "batch_size": "auto"},
     "report": {"notes": ""},
 }
-TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", "executor", *SECTION_KEYS}
+TOP_KEYS = {"name", "description", "seed", "models", "variants", "schemes", "executor", "out", *SECTION_KEYS}
 MODEL_KEYS = {
     "name",
     "preset",
@@ -84,6 +84,7 @@ TOP_RULES: Rules = {
     "schemes": (list, None),
     "models": (list, None),
     "executor": (str, (lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
+    "out": (str, (lambda o: bool(o.strip()), "a folder, relative to the study file")),  # default results/<name>
 }
 MODEL_RULES: Rules = {
     "name": (str, FOLDER_NAME),
@@ -293,6 +294,7 @@ def load_study(path: str | Path) -> Study:
         calibration,
         sections["report"],
         executor=data.get("executor", "serial"),
+        out=path.parent / data["out"] if "out" in data else None,
     )
     _check_folders(study, lines, fail)
     names = [m.name for m in models]

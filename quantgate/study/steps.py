@@ -176,10 +176,11 @@ def run_study(
     (:mod:`.executors`)."""
     study = load_study(path)
     study = shrink(study) if smoke else study
-    if out is None:  # results/<name>: "..", say, would be the current directory
+    if out is None and study.out is None:  # results/<name>: "..", say, would be the current directory
         folder_name(study.name, f"{path}: study name")
+    where = Path(out) if out else study.out or Path("results") / study.name
     # before any work: a folder quantgate may write a study run into (empty, or a study run), marked below
-    out = claim_output(Path(out) if out else Path("results") / study.name, "study", inputs=[path])
+    out = claim_output(where, "study", inputs=[path])
     executor = executor or study.executor
     if joined() is not None:
         _check_data_parallel(study, executor)

@@ -1,0 +1,50 @@
+"""Acceptance of ``quantgate audit`` on a real model: SmolLM2-135M saved by plain transformers (not the packaged
+name), audited at the default 10-minute budget. Its answer agrees with the main job's SmolLM2 rows (the same
+documents, settings and dtype) within their intervals, and its export (the recipe within +3%) loads in plain
+``from_pretrained`` with the logits ``qg.load`` gives. Its wall time against the budget is measured by
+benchmarks/audit.py, not here."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import quantgate as qg
+from quantgate.study import read_metrics
+from quantgate.study.measures import ppl_change
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plain_smollm2(folder: Path) -> Path:
+    """benchmarks/audit.py's SmolLM2-135M written by plain transformers (bfloat16)."""
+    spec = importlib.util.spec_from_file_location("audit_benchmark", ROOT / "benchmarks" / "audit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.plain_smollm2(folder)
+
+
+@pytest.mark.slow
+def test_smollm2_saved_by_transformers_agrees_with_the_main_job(tmp_path):
+    folder = plain_smollm2(tmp_path / "SmolLM2-135M")
+    # at the default +1% no rung is resolved on SmolLM2 in 10 minutes (results/bench/audit-smollm2-cpu.md: weight-only
+    # INT8 +0.8% [+0.4, +1.3]); at +3% SmoothQuant before per-token INT8 is within, and it is exported
+    found = qg.audit(str(folder), tmp_path / "audit", budget="10m", within="3%", progress=False)
+    assert found.survives_static_int8 is False and "does not survive it" in found.answer.splitlines()[2]
+    main_job = {c.model: c for c in read_metrics(ROOT / "results" / "quickstart").cells}["smollm2-135m"]
+    shared = [s for s in found.changes["SmolLM2-135M"] if ppl_change(main_job, s) is not None]
+    assert "w8a8-int8-static" in shared and len(shared) >= 3
+    for scheme in shared:
+        ours, theirs = found.changes["SmolLM2-135M"][scheme], ppl_change(main_job, scheme)
+        assert theirs is not None and theirs.low is not None and theirs.high is not None
+        assert theirs.low <= ours.value <= theirs.high, (scheme, ours, theirs)
+    assert found.recipe == "w8a8-int8-dynamic:smooth=0.5" and found.export is not None
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(found.export).eval()
+    ours_model = qg.load(found.export).eval()
+    ids = torch.randint(5, 40000, (1, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, ours_model(ids).logits, rtol=0, atol=0)
