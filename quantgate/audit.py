@@ -12,7 +12,8 @@ An audit is a generated study (:mod:`quantgate.study`), not a second pipeline:
    It stops at the first rung whose whole 95% interval (paired over the same documents) lies below ``within``;
    with time left, it then tries the probes (fewer bits). What the budget cut is stated.
 4. It writes ``DIR/audit.md`` (the answer first: static INT8 or not, the cheapest recipe within the tolerance,
-   why), and the recipe as an export (``DIR/export``) in the format transformers and vLLM load.
+   why), and the recipe as an export (``DIR/export``): in a format transformers and vLLM load where one holds
+   it (else the next recipe within that one does), in quantgate's own format where none does (a gated model).
 
 ``quantgate study DIR/audit.yaml`` reproduces the study from its cache (the file names ``out: .``).
 """
@@ -37,7 +38,6 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import load, save
-from .data import batches
 from .data.corpus import corpus, in_turn
 from .data.synthetic import is_backcopy
 from .evaluate import BUNDLED_TASKS, unknown_tasks
@@ -45,17 +45,17 @@ from .files import claim_output, folder_name, read_json, write_text_atomic
 from .models.families import Family, family_of
 from .models.io import DTYPES, Placement, meta_model, read_config
 from .models.record import record_of
-from .models.sources import PACKAGED, resolve
+from .models.sources import PACKAGED, is_hub_id, resolve
 from .models.sources import tokenizer as get_tokenizer
-from .quant import quantize
 from .quant.export import export_format
 from .quant.imported import quantization_config
 from .quant.schemes import get_scheme
 from .stats import Delta, format_delta
 from .study.fixes import verdict
-from .study.measures import change_gap, gap_reading, max_layer_sink, peak_activation, ppl_change
+from .study.grid import DataSettings
+from .study.measures import PPL_KEYS, change_gap, gap_reading, max_layer_sink, peak_activation, ppl_change
 from .study.records import CellRecord, read_metrics
-from .study.steps import run_study
+from .study.steps import quantize_calibrated, run_study
 from .yaml_file import yaml_text
 
 __all__ = ["audit", "Audit", "Rung", "LADDER", "AuditError", "parse_budget", "parse_within"]
@@ -126,8 +126,8 @@ def parse_within(text: str | float) -> float:
         value = float(s[:-1]) / 100 if s.endswith("%") else float(s)
     except ValueError:
         raise AuditError(f"--within {text!r}: give a perplexity change such as 1% or 0.01") from None
-    if not 0 < value < 10:
-        raise AuditError(f"--within {text!r}: give a change above 0, such as 1% or 0.01")
+    if not 0 < value < 1 or (not s.endswith("%") and value >= 1):
+        raise AuditError(f"--within {text!r}: give a change between 0 and 100%, such as 1% or 0.01")
     return value
 
 
@@ -156,7 +156,7 @@ def _target(model: str, variant: str | None) -> Target:
             f"qg.save, a packaged model ({', '.join(PACKAGED)}) or a hub id in the local cache"
         )
     try:
-        folder = _cached_hub_snapshot(text) if _is_hub_id(text) else resolve(text)
+        folder = _cached_hub_snapshot(text) if is_hub_id(text) else resolve(text)
         config = read_config(folder)
     except (FileNotFoundError, ValueError) as e:
         raise AuditError(str(e)) from None
@@ -174,10 +174,6 @@ def _target(model: str, variant: str | None) -> Target:
     load_from = text if packaged else str(folder.resolve())  # a hub id: its snapshot in the local cache
     task = record.task or (packaged.task if packaged else None)
     return Target(name, load_from, folder, family, variant or saved, task)
-
-
-def _is_hub_id(text: str) -> bool:
-    return text.count("/") == 1 and not Path(text).exists() and text not in PACKAGED and not text.startswith(".")
 
 
 def _cached_hub_snapshot(repo_id: str) -> Path:
@@ -240,14 +236,12 @@ def _free_memory() -> int:
 
 
 def _check_memory(target: Target, dtype: str, placement: Placement | None) -> None:
-    """Refuse a model whose float copy and quantized copy do not fit in the memory free here (CPU, and the GPU
-    where there is one) unless ``placement`` shards it."""
+    """Refuse a model whose float copy and quantized copy do not fit in the memory free where the study runs it
+    (the GPU where there is one, else the CPU) unless ``placement`` shards it."""
     config = read_config(target.folder)
     params = sum(p.numel() for p in meta_model(target.family, config).parameters())
     need = int(params * DTYPES[dtype].itemsize * 2.5)  # the float model, a quantized copy, a quarter for the rest
-    free = _free_memory()
-    if torch.cuda.is_available():
-        free = max(free, torch.cuda.mem_get_info()[0])
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else _free_memory()  # where the cells run it
     if placement is None and need > free:
         raise AuditError(
             f"{target.name} has {params / 1e9:.2f} B parameters: a float and a quantized copy in {dtype} need about "
@@ -276,7 +270,8 @@ class Settings:
 
 def _settings(target: Target, tasks: list[str] | None) -> Settings:
     """The main job's settings for a model of this kind: text for a pretrained model, the backcopy task for one
-    trained on it, masked-LM perplexity for an encoder; ``tasks`` instead of the default task."""
+    trained on it, masked-LM perplexity for an encoder. The verdicts read a perplexity (``PPL_KEYS``): ``tasks``
+    are evaluated beside the model's perplexity task, which comes first (one of them where they name one)."""
     context = getattr(read_config(target.folder), "max_position_embeddings", None) or 512
     window = min(512, int(context))
     seq = min(128, window)
@@ -287,7 +282,9 @@ def _settings(target: Target, tasks: list[str] | None) -> Settings:
         default = "quantgate_mlm_ppl" if target.family.objective == "mlm" else "quantgate_ppl"
         calibration = {"data": "train", "batches": 4, "seq_len": seq, "batch_size": 8}
         observe = {"data": "validation", "batches": 3, "seq_len": seq, "batch_size": 4}
-    chosen = list(tasks or [default])
+    given = list(dict.fromkeys(tasks or []))
+    headline = next((task for task, _ in PPL_KEYS if task in given), default)
+    chosen = [headline, *(t for t in given if t != headline)]
     return Settings(chosen, window if "quantgate_ppl" in chosen else None, calibration, observe)
 
 
@@ -302,8 +299,10 @@ class Costs:
     rungs_s: list[float] = field(default_factory=list)
     overhead_s: float = 2.0  # one study run's fixed work besides loading: lm-eval's set-up, the report
 
+    tasks: int = 1  # tasks evaluated; each is counted as costing what the perplexity task costs
+
     def eval_s(self, docs: int) -> float:
-        return 1.15 * self.per_token_s * sum(self.doc_tokens[:docs]) + self.overhead_s
+        return self.tasks * (1.15 * self.per_token_s * sum(self.doc_tokens[:docs]) + self.overhead_s)
 
     def rung_s(self, docs: int, settings: Settings) -> float:
         """A rung: loading the model, calibrating, the quantized evaluation; the median measured, once one is (a
@@ -350,7 +349,7 @@ def _measure(target: Target, settings: Settings, dtype: str, placement: Placemen
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     per_token = min(times[1:]) / length
-    return Costs(load_s, per_token, _doc_tokens(settings, tok))
+    return Costs(load_s, per_token, _doc_tokens(settings, tok), tasks=len(settings.tasks))
 
 
 @dataclass(frozen=True)
@@ -358,7 +357,6 @@ class Plan:
     """How the audit spends its budget: the documents, the ladder it may climb and the estimates."""
 
     docs: int
-    ladder: list[Rung]
     estimate_s: float
     cut: str  # what the budget cut, in words ("" where nothing)
 
@@ -374,7 +372,7 @@ def _plan(costs: list[Costs], settings: list[Settings], ladder: list[Rung], budg
     def total(docs: int, rungs: int) -> float:
         return spent + sum(c.base_s(docs, s) + rungs * c.rung_s(docs, s) for c, s in zip(costs, settings, strict=True))
 
-    least = min(MIN_DOCS, most)
+    least = min(docs or MIN_DOCS, most)
     if total(least, 1) > budget_s * SAFETY:
         need = total(least, 1) / SAFETY
         raise AuditError(
@@ -385,7 +383,7 @@ def _plan(costs: list[Costs], settings: list[Settings], ladder: list[Rung], budg
     if docs is None:
         docs = max((n for n in range(least, most + 1) if total(n, len(climb)) <= budget_s * SAFETY), default=least)
     cut = f"{docs} of the {most} documents the main job reads" if docs < most else ""
-    return Plan(docs, ladder, total(docs, len(climb)), cut)
+    return Plan(docs, total(docs, len(climb)), cut)
 
 
 def _duration(seconds: float, up: bool = False) -> str:
@@ -439,9 +437,10 @@ def _study(targets: list[Target], settings: list[Settings], dtype: str, docs: in
 
 @dataclass(frozen=True)
 class Audit:
-    """What an audit found. ``answer``: audit.md's opening lines; ``recipe``: the cheapest scheme within the
-    tolerance on the audited model (None: none was); ``export``: the folder holding it for transformers and
-    vLLM (None: not written, ``export_note`` says why); ``changes``: {model: {scheme: perplexity change}}."""
+    """What an audit found. ``answer``: audit.md's text, the answer first; ``survives_static_int8``: None where
+    that is not resolved; ``recipe``: the cheapest scheme within the tolerance on the audited model (None: none
+    was); ``export``: the folder holding a recipe within the tolerance (None: not written), ``export_note``: its
+    format and which recipe, or why there is none; ``changes``: {model: {scheme: perplexity change}}."""
 
     out: Path
     answer: str
@@ -471,57 +470,67 @@ def _why(cell: CellRecord) -> str:
     return "; ".join(p for p in parts if p)
 
 
+WORDS = {"fixed": "within", "not resolved": "not resolved", "not fixed": "not within", "not run": "not run"}
+
+
+def _met(cell: CellRecord, run: list[Rung], within: float) -> list[Rung]:
+    """The rungs whose whole interval on ``cell`` lies below ``within``, in ladder order."""
+    return [r for r in run if verdict(ppl_change(cell, r.scheme), within) == "fixed"]
+
+
 def _answer(cells: dict[str, CellRecord], run: list[Rung], within: float, focus: str, cut: list[Rung],
             note: str, pairs: list[list[str]]) -> tuple[list[str], bool | None, str | None]:  # fmt: skip
-    """audit.md's opening lines, whether ``focus`` survives static INT8 and its recipe."""
+    """audit.md's opening lines, whether ``focus`` survives static INT8 (None: not run, or not resolved) and its
+    recipe."""
     lines = []
     cell = cells[focus]
     static = ppl_change(cell, REFERENCE)
-    survives = None if static is None else verdict(static, within) == "fixed"
-    ratio = peak_activation(cell)[1]
-    if survives is None:
-        lines.append(f"- **Per-tensor static INT8**: not evaluated on {focus}.")
+    said = verdict(static, within)
+    survives = {"fixed": True, "not fixed": False}.get(said)
+    head = f"- **Per-tensor static INT8**: {focus}"
+    tolerance = f"the tolerance is +{within:.2%}"
+    interval = f"perplexity {format_delta(static)} (95% interval, paired over documents; {tolerance})"
+    if said == "not run":
+        lines.append(f"{head}: not evaluated.")
+    elif said == "not resolved":
+        lines.append(f"{head}: not resolved: {interval}; its estimate is within, its interval reaches past.")
     else:
-        word = "survives" if survives else "does not survive"
-        lines.append(
-            f"- **Per-tensor static INT8**: {focus} {word} it: perplexity {format_delta(static)} "
-            f"(95% interval, paired over documents; the tolerance is +{within:.2%})."
-        )
-    met = [r for r in run if (d := ppl_change(cell, r.scheme)) is not None and verdict(d, within) == "fixed"]
+        lines.append(f"{head} {'survives' if survives else 'does not survive'} it: {interval}.")
+    met = _met(cell, run, within)
     recipe = met[0].scheme if met else None
     climbed = [r for r in run if not r.probe]
     if recipe is not None:
-        rung = next(r for r in run if r.scheme == recipe)
+        rung = met[0]
         lines.append(
             f"- **Cheapest recipe within +{within:.2%}**: `{recipe}` ({rung.bits}; {rung.work}): "
             f"{format_delta(ppl_change(cell, recipe))}."
         )
         fewer = [r for r in met if r.probe]
-        if fewer and fewer[0].scheme != recipe:
-            lines.append(f"- **With fewer bits**: `{fewer[0].scheme}` is within too ({fewer[0].bits}).")
+        if fewer:
+            lines.append(f"- **With fewer weight bits**: `{fewer[0].scheme}` is within too ({fewer[0].bits}).")
     else:
-        best = min(
-            (r for r in climbed if ppl_change(cell, r.scheme) is not None),
-            key=lambda r: ppl_change(cell, r.scheme).value,  # type: ignore[union-attr]
-            default=None,
-        )
-        tail = f"; the least change: `{best.scheme}` {format_delta(ppl_change(cell, best.scheme))}" if best else ""
+        changes = {r.scheme: d for r in climbed if (d := ppl_change(cell, r.scheme)) is not None}
+        best = min(changes, key=lambda s: changes[s].value, default=None)
+        tail = f"; the least change: `{best}` {format_delta(changes[best])}" if best else ""
         lines.append(f"- **Cheapest recipe within +{within:.2%}**: none of the {len(climbed)} rungs run{tail}.")
-        unresolved = [r for r in climbed if verdict(ppl_change(cell, r.scheme), within) == "not resolved"]
+        unresolved = [s for s, d in changes.items() if verdict(d, within) == "not resolved"]
         if unresolved:
+            more = "; a larger --budget reads more documents" if note else ""
             lines.append(
-                f"- **Not resolved**: {', '.join(f'`{r.scheme}`' for r in unresolved)}: the estimate is within "
-                f"+{within:.2%} but the interval reaches past it; a larger --budget reads more documents."
+                f"- **Not resolved**: {', '.join(f'`{s}`' for s in unresolved)}: the estimate is within "
+                f"+{within:.2%} but the interval reaches past it{more}."
             )
-    reason = _why(cell)
-    if ratio is not None and survives is not None:
+    if survives is not None:
+        reason, massive = _why(cell), cell.summary.massive_activations > 0
         if survives:
             lines.append(f"- **Why**: its outliers are small enough for one scale per tensor ({reason}).")
-        else:
+        elif massive:
             lines.append(
                 f"- **Why**: one INT8 scale per tensor must cover its outliers, which leaves few of the 255 steps "
                 f"for ordinary values ({reason})."
             )
+        else:
+            lines.append(f"- **Its outlier profile**: no massive activations ({reason}).")
     for ungated, gated in pairs:
         if ungated in cells and gated in cells:
             for r in run:
@@ -553,8 +562,7 @@ def _table(cells: dict[str, CellRecord], run: list[Rung], within: float) -> list
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in run:
         deltas = [ppl_change(cells[n], r.scheme) for n in names]
-        verdicts = {verdict(d, within) for d in deltas}
-        word = "within" if verdicts == {"fixed"} else "not resolved" if "not resolved" in verdicts else "outside"
+        word = " / ".join(WORDS[verdict(d, within)] for d in deltas)
         label = f"`{r.scheme}`" + (" (probe)" if r.probe else "")
         seconds = "+".join(f"{cells[n].scheme(r.scheme).seconds:.0f}" for n in names)
         lines.append("| " + " | ".join([label, r.bits, r.work, *map(format_delta, deltas), word, seconds]) + " |")
@@ -568,38 +576,37 @@ LOADERS = {"clm": "AutoModelForCausalLM", "mlm": "AutoModelForMaskedLM"}
 
 
 def _export(target: Target, settings: Settings, dtype: str, recipes: list[str], out: Path,
-            placement: Placement | None) -> tuple[Path, str, str]:  # fmt: skip
+            placement: Placement | None) -> tuple[Path, str, str, str]:  # fmt: skip
     """The first of ``recipes`` that another tool's format holds (else the first, in quantgate's own format),
-    quantized as the study quantized it (the same calibration batches) and saved to ``out``:
-    ``(out, the recipe written, its format in words)``."""
+    quantized as the study quantized it and saved to ``out``: ``(out, the recipe written, its format, why not
+    another's)``. A gated model's format is quantgate's whatever the recipe, so only the first is quantized."""
     reasons: list[str] = []
-    for recipe in [*recipes, recipes[0]]:
+    first = None  # the first recipe quantized: saved in quantgate's own format where no recipe fits another's
+    for recipe in recipes[:1] if target.variant is not None else recipes:
         q, tok = _quantized(target, settings, dtype, recipe, placement)
         kind, why = export_format(q, get_scheme(recipe))
-        if kind == "quantgate" and len(reasons) < len(recipes):
-            reasons.append(f"`{recipe}`: {why}")
-            continue
-        claim_output(out, "model", "the audit's export", overwrite=True)
-        save(q, out, tok)
-        if kind == "quantgate":
-            return out, recipe, "quantgate's own format, which transformers and vLLM refuse: " + "; ".join(reasons)
-        return out, recipe, f"{kind} format" + (f" (not {'; '.join(reasons)})" if reasons else "")
-    raise AssertionError("unreachable: the last pass saves the first recipe")
+        if kind != "quantgate":
+            claim_output(out, "model", "the audit's export", overwrite=True)
+            save(q, out, tok)
+            return out, recipe, kind, "; ".join(reasons)
+        reasons.append(f"`{recipe}`: {why}")
+        first = first or (q, tok)
+    assert first is not None  # recipes is not empty
+    claim_output(out, "model", "the audit's export", overwrite=True)
+    save(first[0], out, first[1])
+    return out, recipes[0], "quantgate", "; ".join(reasons)
 
 
 def _quantized(target: Target, settings: Settings, dtype: str, recipe: str, placement: Placement | None):
-    """The target loaded as the study loads it and quantized with ``recipe`` on the study's calibration batches
-    (the study's seed, 0), and its tokenizer."""
+    """The target loaded as the study loads it (on the GPU where there is one), quantized with ``recipe`` as the
+    study's cell quantized it (:func:`~quantgate.study.steps.quantize_calibrated`, seed 0), and its tokenizer."""
     model = load(target.load, target.variant, dtype=DTYPES[dtype] if dtype != "float32" else None,
                  placement=placement)  # fmt: skip
-    c, tok = settings.calibration, get_tokenizer(model)
-    options: dict[str, Any] = {}
-    calibration = None
-    if get_scheme(recipe).needs_calibration:
-        objective = target.family.objective
-        calibration = batches(tok, c["data"], c["seq_len"], c["batch_size"], objective, shuffle=True, seed=0)
-        options = {"calib": c["batches"]}
-    return quantize(model, recipe, calibration=calibration, inplace=placement is not None, **options), tok
+    if placement is None and torch.cuda.is_available():
+        model = model.to("cuda")
+    tok = get_tokenizer(model)
+    calibration = DataSettings(**settings.calibration)
+    return quantize_calibrated(model, tok, recipe, calibration, 0, inplace=placement is not None), tok
 
 
 def _load_lines(target: Target, export: Path, others: bool) -> list[str]:
@@ -644,13 +651,15 @@ def _ladder(schemes: list[str] | None) -> list[Rung]:
     """The default ladder (with torchao's real kernels where a GPU and torchao are here), or the schemes given."""
     if schemes:
         known = {r.scheme: r for r in (*LADDER, *GPU_RUNGS)}
-        rungs = []
-        for s in schemes:
-            name = str(get_scheme(s))  # unknown schemes fail here, naming the registry
-            rungs.append(known.get(name) or Rung(name, "-", get_scheme(name).range_kind()))
-        if rungs[0].scheme != REFERENCE:
-            rungs.insert(0, LADDER[0])
-        return rungs
+        names = list(dict.fromkeys(str(get_scheme(s)) for s in schemes))  # an unknown one fails, naming the registry
+        if REFERENCE not in names:
+            names.insert(0, REFERENCE)
+        # the schemes given are climbed in their order (none is a probe), the question first
+        names.sort(key=lambda name: name != REFERENCE)
+        return [
+            dataclasses.replace(known[n], probe=False) if n in known else Rung(n, "-", get_scheme(n).range_kind())
+            for n in names
+        ]
     rungs = list(LADDER)
     import importlib.util
 
@@ -694,7 +703,7 @@ def audit(
     twin = PACKAGED[target.load].twin if target.load in PACKAGED else None
     if twin is not None:  # a packaged twin: the pair, so that the gate's effect is measured
         other = _target(twin, None)
-        targets = [other, target] if target.variant else [target, other]
+        targets = sorted([target, other], key=lambda t: _target(t.load, None).variant is not None)  # ungated first
         pairs = [[targets[0].name, targets[1].name]]
     dtype = _dtype_of(target, dtype)
     for t in targets:
@@ -711,7 +720,7 @@ def audit(
     spent = time.perf_counter() - started
     if previous.get("asked") == asked:  # the same audit again: the same documents, so its steps are reused
         docs = int(previous["docs"])
-        plan = Plan(docs, ladder, previous.get("estimate_s", budget_s), previous.get("cut", ""))
+        plan = Plan(docs, previous.get("estimate_s", budget_s), previous.get("cut", ""))
     else:
         plan = _plan(costs, settings, ladder, budget_s, spent, docs)
     per_rung = sum(c.rung_s(plan.docs, s) for c, s in zip(costs, settings, strict=True))
@@ -723,18 +732,20 @@ def audit(
         per_rung,
         _duration(budget_s),
     )
+    c0, s0 = costs[targets.index(target)], settings[targets.index(target)]
+    reserve = c0.load_s + FIRST_RATIO * c0.per_token_s * s0.tokens("calibration") + c0.overhead_s if export else 0.0
     study_file = out / "audit.yaml"
     run: list[Rung] = []
     cut: list[Rung] = []
     cells: dict[str, CellRecord] = {}
     found = False
-    with _progress(plan.estimate_s, progress) as bar:
+    with _progress(plan.estimate_s - spent, progress) as bar:
         for rung in ladder:
             if rung.probe != found:  # climbing until a rung is within; then only the probes
                 continue
             elapsed = time.perf_counter() - started
             estimate = sum(c.rung_s(plan.docs, s) for c, s in zip(costs, settings, strict=True))
-            if run and elapsed + estimate > budget_s:
+            if run and elapsed + estimate + reserve > budget_s:
                 cut.append(rung)
                 continue
             bar.set_description(f"audit: {rung.scheme}")
@@ -753,13 +764,17 @@ def audit(
     opening, survives, recipe = _answer(cells, run, tolerance, focus, cut, plan.cut, pairs)
     export_dir: Path | None = None
     note = "not asked for (--no-export)"
-    met = [r.scheme for r in run if (d := ppl_change(cells[focus], r.scheme)) and verdict(d, tolerance) == "fixed"]
+    met = [r.scheme for r in _met(cells[focus], run, tolerance)]
     lines = [f"# Audit of {focus}", "", *opening, ""]
     if export and met:
-        export_dir, written, note = _export(target, settings[targets.index(target)], dtype, met, out / "export",
-                                            placement)  # fmt: skip
+        export_dir, written, kind, why = _export(target, settings[targets.index(target)], dtype, met,
+                                                 out / "export", placement)  # fmt: skip
+        if kind == "quantgate":
+            note = f"quantgate's own format, which transformers and vLLM refuse: {why}"
+        else:
+            note = f"{kind} format" + (f" (not {why})" if why else "")
         lines += [f"`{written}` is written to `{export_dir}` in {note}. Load it with:", ""]
-        lines += _load_lines(target, export_dir, "quantgate's own" not in note)
+        lines += _load_lines(target, export_dir, kind != "quantgate")
     else:
         note = note if not export else "no scheme was within the tolerance"
         lines.append(f"No export: {note}. Export a scheme of the ladder yourself with `quantgate quantize`.")

@@ -1,12 +1,13 @@
 """quantgate audit: a generated study that climbs a ladder of schemes, answers first and exports the recipe."""
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import one_line_error
+from conftest import TINY_STUDY, one_line_error
 
 import quantgate as qg
 from quantgate.audit import LADDER, REFERENCE, AuditError, parse_budget, parse_within
@@ -95,8 +96,8 @@ def test_rerunning_the_generated_study_writes_no_step_file(tmp_path):
     assert len(before) == 6  # model, observe, eval-float, cost and the two rungs
     run_study(out / "audit.yaml")  # its out: is the audit's folder
     assert _step_files(out) == before
-    main(["audit", str(folder), "--out", str(out), "--docs", "2", "--schemes", f"{REFERENCE},w8a8-int8-dynamic",
-          "--within", "0.001%", "--no-export"])  # fmt: skip
+    assert main(["audit", str(folder), "--out", str(out), "--docs", "2", "--schemes", f"{REFERENCE},w8a8-int8-dynamic",
+                 "--within", "0.001%", "--no-export"]) == 0  # fmt: skip
     assert _step_files(out) == before  # the same audit again reuses its documents and steps
 
 
@@ -169,7 +170,7 @@ def test_bad_input_gets_one_line(case, tmp_path, capsys):
     assert main(["audit", model, *args]) == 2
     line = one_line_error(capsys, "audit")
     assert want in line, line
-    if case == "budget":  # it names the smallest budget that would do, and that budget passes the sizing
+    if case == "budget":  # it names a larger budget, a duration --budget reads
         smallest = line.split("give --budget ")[1].split()[0]
         assert parse_budget(smallest) > 1
     assert not (tmp_path / "out" / "audit.yaml").exists()
@@ -194,3 +195,53 @@ def test_a_hub_id_is_audited_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     found = qg.audit("someone/tiny", tmp_path / "audit", schemes=[REFERENCE], export=False, **FAST)
     assert load_study(found.out / "audit.yaml").models[0].source == {"load": str(snapshot.resolve())}
+
+
+def test_a_second_audit_reuses_the_documents_it_sized_to_the_budget(tmp_path, monkeypatch):
+    """Without --docs the number of documents comes from the machine's measured speed; an audit run again with the
+    same question reads the same documents (audit.json), so its steps are reused, however busy the machine is now.
+    The speed is set here (per token): at 1e-5 s the twins' 8 batches fit 10 minutes; at 4e-3 s, by the plan's
+    sums (base + one rung, each model), 5 do."""
+    audit_module = importlib.import_module("quantgate.audit")  # the module: qg.audit is the function
+    speed = {"per_token_s": 1e-5}
+
+    def measured(target, settings, dtype, placement):
+        return audit_module.Costs(0.1, speed["per_token_s"], audit_module._doc_tokens(settings, None))
+
+    monkeypatch.setattr(audit_module, "_measure", measured)
+    ask: dict[str, Any] = {"schemes": [REFERENCE], "export": False, "progress": False}
+    first = qg.audit("twin-vanilla", tmp_path / "a", budget="10m", **ask)
+    before = _step_files(tmp_path / "a")
+    assert json.loads((tmp_path / "a" / "audit.json").read_text())["docs"] == 8
+    speed["per_token_s"] = 4e-3  # the machine is busy now
+    again = qg.audit("twin-vanilla", tmp_path / "a", budget="10m", **ask)
+    assert _step_files(tmp_path / "a") == before
+    assert again.changes["twin-vanilla"][REFERENCE].n == first.changes["twin-vanilla"][REFERENCE].n
+    targets = [audit_module._target(m, None) for m in ("twin-vanilla", "twin-g1")]
+    settings = [audit_module._settings(t, None) for t in targets]
+    costs = [measured(t, s, "float32", None) for t, s in zip(targets, settings, strict=True)]
+    fresh = audit_module._plan(costs, settings, audit_module._ladder([REFERENCE]), 600, 0)
+    assert fresh.docs == 5  # what a fresh plan would read now
+
+
+def test_given_schemes_are_climbed_in_order_after_the_question_and_tasks_keep_a_perplexity_first():
+    audit_module = importlib.import_module("quantgate.audit")
+    rungs = audit_module._ladder(["w4-int4-group", "w8-int8", "w8a8-int8-static", "w8-int8"])
+    assert [(r.scheme, r.probe) for r in rungs] == [
+        (REFERENCE, False),
+        ("w4-int4-group", False),  # a probe of the default ladder, climbed here because it was asked for
+        ("w8-int8", False),
+    ]
+    twin = audit_module._target("twin-vanilla", None)
+    assert audit_module._settings(twin, ["quantgate_cloze"]).tasks == ["quantgate_backcopy", "quantgate_cloze"]
+    assert audit_module._settings(twin, None).tasks == ["quantgate_backcopy"]
+
+
+@pytest.mark.parametrize("out", ["/tmp/elsewhere", "../sibling", "  "])
+def test_a_study_file_writes_its_run_only_inside_its_own_folder(out, tmp_path):
+    from quantgate.study.schema import StudyError
+
+    study = tmp_path / "s.yaml"
+    study.write_text(f"out: {out!r}\n" + TINY_STUDY.format(name="s"))
+    with pytest.raises(StudyError, match="relative to the study file"):
+        load_study(study)

@@ -55,6 +55,7 @@ __all__ = [
     "check_vocabulary",
     "read_json_object",
     "refuse_remote_code",
+    "is_hub_id",
 ]
 
 log = logging.getLogger("quantgate")
@@ -131,7 +132,7 @@ def _resolve(source: str | os.PathLike) -> Path:
     name = str(source)
     if name in PACKAGED:
         return _gguf_to_safetensors(name) if PACKAGED[name].gguf_file else package_dir(name)
-    if name.count("/") == 1 and not path.exists() and name not in PRESETS:
+    if is_hub_id(name):
         return _hub_snapshot(name)
     if name in PRESETS:
         raise ValueError(
@@ -142,6 +143,11 @@ def _resolve(source: str | os.PathLike) -> Path:
         f"no model {name!r}: give a checkpoint directory (config.json + *.safetensors), a "
         f"packaged model ({', '.join(PACKAGED)}) or a Hugging Face hub id (owner/name, online)"
     )
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face hub id (owner/name) rather than a local path or a preset."""
+    return name.count("/") == 1 and not Path(name).exists() and name not in PRESETS and name not in PACKAGED
 
 
 def _checkpoint_dir(path: Path) -> Path:

@@ -71,6 +71,13 @@ TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume
 # Each value a study sets: (type, its range or None); None values take the defaults. The ranges are the ones
 # the command line checks its options against (quantgate.options): one definition for both doors
 Test = Range  # (test, what it wants)
+
+
+def _inside(folder: str) -> bool:
+    """Whether ``folder`` names a folder inside the study file's own (``out:``): relative, without ``..``."""
+    return bool(folder.strip()) and not Path(folder).is_absolute() and ".." not in Path(folder).parts
+
+
 Rules = dict[str, tuple[Any, Test | None]]  # key: (type hint, test or None)
 FOLDER_NAME = (is_folder_name, "without / or \\, not '.' or '..' (it names a folder)")
 TRAIN_RULES: Rules = {
@@ -84,7 +91,7 @@ TOP_RULES: Rules = {
     "schemes": (list, None),
     "models": (list, None),
     "executor": (str, (lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
-    "out": (str, (lambda o: bool(o.strip()), "a folder, relative to the study file")),  # default results/<name>
+    "out": (str, (_inside, "a folder relative to the study file, inside its folder")),  # default results/<name>
 }
 MODEL_RULES: Rules = {
     "name": (str, FOLDER_NAME),

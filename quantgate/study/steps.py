@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import load
 from ..data import batches
@@ -55,12 +56,12 @@ from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
 from ..yaml_file import yaml_text
 from .executors import run_cells
-from .grid import Cell, EvalSettings, ModelSpec, ObserveSettings, Study, shrink, slug
+from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, shrink, slug
 from .records import CellRecord, SchemeRecord, StudyRecord, Training
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
 
-__all__ = ["run_study", "plan"]
+__all__ = ["run_study", "plan", "quantize_calibrated"]
 
 log = logging.getLogger("quantgate")
 # in the evaluation steps' keys: cached evaluations of an older format rerun (per-document values; then
@@ -404,6 +405,24 @@ def _evaluate(model, tok, cfg: EvalSettings) -> dict:
     return {"results": results, "documents": documents}
 
 
+def quantize_calibrated(
+    model: torch.nn.Module,
+    tok: PreTrainedTokenizerBase,
+    scheme: str,
+    calib: DataSettings,
+    seed: int,
+    inplace: bool = False,
+) -> torch.nn.Module:
+    """``model`` quantized with ``scheme`` as a study cell quantizes it: calibrated (where the scheme needs it) on
+    ``calib``'s batches, shuffled with the cell's ``seed``."""
+    calibration, options = None, dict[str, Any]()
+    if get_scheme(scheme).needs_calibration:
+        objective = family_of(model).objective
+        calibration = batches(tok, calib.data, calib.seq_len, calib.batch_size, objective, shuffle=True, seed=seed)
+        options = {"calib": calib.batches}
+    return quantize(model, scheme, calibration=calibration, inplace=inplace, **options)
+
+
 def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed: int) -> dict:
     """``scheme`` applied to ``model`` (in place where the model is placed over devices: a copy might not fit),
     its error against the float model on one held-out batch, and its evaluation."""
@@ -411,15 +430,9 @@ def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed
     ob = m.observe
     held_out = batches(tok, ob.data, ob.seq_len, ob.batch_size, objective, max_batches=1)
     reference = float_outputs(model, held_out, max_batches=1)
-    s = get_scheme(scheme)
-    calibration, options = None, dict[str, Any]()
-    if s.needs_calibration:
-        calib = m.calibration
-        calibration = batches(tok, calib.data, calib.seq_len, calib.batch_size, objective, shuffle=True, seed=seed)
-        options = {"calib": calib.batches}
     start = time.perf_counter()
     try:
-        q = quantize(model, scheme, calibration=calibration, inplace=m.placement is not None, **options)
+        q = quantize_calibrated(model, tok, scheme, m.calibration, seed, inplace=m.placement is not None)
     except HardwareUnavailable as e:  # a scheme this hardware cannot run: recorded, not fatal
         return {"error": str(e)}
     quantize_s = time.perf_counter() - start
