@@ -141,6 +141,7 @@ class Target:
     name: str
     load: str  # a packaged name, a hub id or an absolute folder
     folder: Path
+    config: Any  # its transformers config, read once
     family: Family
     variant: str | None  # the gated variant it was saved with, None for an ungated model
     task: str | None  # the synthetic task it was trained on (its evaluation), None for text
@@ -173,7 +174,7 @@ def _target(model: str, variant: str | None) -> Target:
     name = text if packaged else folder_name(path.resolve().name if path.is_dir() else text.split("/")[-1], "model")
     load_from = text if packaged else str(folder.resolve())  # a hub id: its snapshot in the local cache
     task = record.task or (packaged.task if packaged else None)
-    return Target(name, load_from, folder, family, variant or saved, task)
+    return Target(name, load_from, folder, config, family, variant or saved, task)
 
 
 def _cached_hub_snapshot(repo_id: str) -> Path:
@@ -238,8 +239,7 @@ def _free_memory() -> int:
 def _check_memory(target: Target, dtype: str, placement: Placement | None) -> None:
     """Refuse a model whose float copy and quantized copy do not fit in the memory free where the study runs it
     (the GPU where there is one, else the CPU) unless ``placement`` shards it."""
-    config = read_config(target.folder)
-    params = sum(p.numel() for p in meta_model(target.family, config).parameters())
+    params = sum(p.numel() for p in meta_model(target.family, target.config).parameters())
     need = int(params * DTYPES[dtype].itemsize * 2.5)  # the float model, a quantized copy, a quarter for the rest
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else _free_memory()  # where the cells run it
     if placement is None and need > free:
@@ -272,7 +272,7 @@ def _settings(target: Target, tasks: list[str] | None) -> Settings:
     """The main job's settings for a model of this kind: text for a pretrained model, the backcopy task for one
     trained on it, masked-LM perplexity for an encoder. The verdicts read a perplexity (``PPL_KEYS``): ``tasks``
     are evaluated beside the model's perplexity task, which comes first (one of them where they name one)."""
-    context = getattr(read_config(target.folder), "max_position_embeddings", None) or 512
+    context = getattr(target.config, "max_position_embeddings", None) or 512
     window = min(512, int(context))
     seq = min(128, window)
     if target.task is not None and is_backcopy(target.task):

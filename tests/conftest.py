@@ -37,6 +37,17 @@ eval: {{tasks: [quantgate_ppl], limit: 1}}
 """
 
 
+def load_script(path, name: str):
+    """A repository script (scripts/, benchmarks/) imported as module ``name``, for tests of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def one_line_error(capsys, command: str) -> str:
     """The command's error: stderr's last line (progress bars may come before it), and no traceback."""
     err = capsys.readouterr().err

@@ -4,11 +4,11 @@ documents, settings and dtype) within their intervals, and its export (the recip
 ``from_pretrained`` with the weights ``qg.load`` reads. Its wall time against the budget is measured by
 benchmarks/audit.py, not here."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 import quantgate as qg
 from quantgate.study import read_metrics
@@ -19,11 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def plain_smollm2(folder: Path) -> Path:
     """benchmarks/audit.py's SmolLM2-135M written by plain transformers (bfloat16)."""
-    spec = importlib.util.spec_from_file_location("audit_benchmark", ROOT / "benchmarks" / "audit.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.plain_smollm2(folder)
+    return load_script(ROOT / "benchmarks" / "audit.py", "audit_benchmark").plain_smollm2(folder)
 
 
 @pytest.mark.slow

@@ -1,24 +1,20 @@
 """docs/findings.md: its headline table is what scripts/headlines.py generates from the committed results
 (experiments/README.md links to it: the headline check moves with the results)."""
 
-import importlib.util
 import json
 import math
 import re
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def headlines():
-    spec = importlib.util.spec_from_file_location("headlines", ROOT / "scripts" / "headlines.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "scripts" / "headlines.py", "headlines")
 
 
 def test_findings_headlines_are_generated(headlines):

@@ -1,12 +1,12 @@
 """docs/reference/: the committed pages are what scripts/reference_docs.py generates from the registries now, its
 --check notices a page that is not, and each registered scheme and each command has its entry."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
@@ -15,11 +15,7 @@ REGENERATE = "run python scripts/reference_docs.py"
 
 @pytest.fixture(scope="module")
 def generator():
-    spec = importlib.util.spec_from_file_location("reference_docs", ROOT / "scripts" / "reference_docs.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "scripts" / "reference_docs.py", "reference_docs")
 
 
 @pytest.fixture(scope="module")
