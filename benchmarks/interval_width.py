@@ -1,6 +1,6 @@
 """How many held-out documents resolve a perplexity change: the 95% paired interval of the relative change (a
 scheme vs float, quantgate_ppl) over the first k documents (taken in turn from each work), for growing k, by the
-package's rule (a jackknife t-interval below 20 documents, BCa from there on: quantgate.stats.interval_method).
+package's rule (works resampled; approximate below quantgate.stats.MIN_CLUSTERS works: quantgate.stats.interval_method).
 
     python benchmarks/interval_width.py                          # smollm2-135m, w8a8-int8-dynamic, 24 docs
     python benchmarks/interval_width.py --model tiny-llama --docs 2
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         width = "-" if word.low is None or word.high is None else f"{100 * (word.high - word.low):.2f}"
         print(
             f"| {k} | {len(set(first['float']['works']))} | {sum(first['float']['tokens']):,} | {word} | {width} | "
-            f"{interval_method(k)} | {byte} |"
+            f"{interval_method(word.clusters or 0)} | {byte} |"
         )
 
 

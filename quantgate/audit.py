@@ -15,7 +15,7 @@ An audit is a generated study (:mod:`quantgate.study`), not a second pipeline:
    why), and the recipe as an export (``DIR/export``): in a format transformers and vLLM load where one holds
    it (else the next recipe within that one does), in quantgate's own format where none does (a gated model).
 
-``quantgate study DIR/audit.yaml`` reproduces the study from its cache (the file names ``out: .``).
+``quantgate study DIR/audit.yaml`` reruns the study from its cache (the file names ``out: .``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from .models.sources import tokenizer as get_tokenizer
 from .quant.export import export_format
 from .quant.imported import quantization_config
 from .quant.schemes import get_scheme
-from .stats import Delta, format_delta
+from .stats import MIN_CLUSTERS, Delta, format_delta
 from .study.fixes import verdict
 from .study.grid import DataSettings
 from .study.measures import PPL_KEYS, change_gap, gap_reading, max_layer_sink, peak_activation, ppl_change
@@ -93,7 +93,8 @@ GPU_RUNGS = (  # real kernels, measured where torchao and a GPU are present: aft
     Rung("torchao-int8-dynamic", "W8A8", "torchao's INT8 dynamic kernels"),
 )
 REFERENCE = LADDER[0].scheme  # the question: per-tensor static INT8
-MIN_DOCS = 5  # below this a paired interval over documents says little (a jackknife t with 4 df)
+MIN_DOCS = MIN_CLUSTERS  # documents in turn from 9 works: fewer give an approximate interval and no verdict
+BATCH_TASKS = ("quantgate_backcopy", "quantgate_mlm_ppl")  # a limit counts batches of 16 independent sequences
 # the most a limit reads (the main job's sizes): documents of text; batches of 16 x 128 tokens for the others
 MAX_DOCS = {"quantgate_ppl": 24, "quantgate_mlm_ppl": 8, "quantgate_backcopy": 8}
 SAFETY = 0.85  # the share of the budget the plan fills: estimates err
@@ -320,7 +321,7 @@ class Costs:
 def _doc_tokens(settings: Settings, tok) -> list[int]:
     """Tokens each unit of the evaluation's limit costs, in the task's order (its first ``MAX_DOCS``)."""
     task = settings.tasks[0]
-    if task in ("quantgate_backcopy", "quantgate_mlm_ppl"):
+    if task in BATCH_TASKS:
         return [BATCH_TOKENS] * MAX_DOCS[task]
     if task == "quantgate_ppl":
         docs = list(in_turn(corpus("test")))[: MAX_DOCS[task]]
@@ -361,23 +362,36 @@ class Plan:
     cut: str  # what the budget cut, in words ("" where nothing)
 
 
+def _limit_units(n: int, settings: list[Settings]) -> str:
+    """``n`` units of the evaluation's limit in words: documents, or batches of 16 sequences."""
+    if all(s.tasks[0] in BATCH_TASKS for s in settings):
+        return f"{n} batch{'es' * (n != 1)} of 16 sequences"
+    return f"{n} document{'s' * (n != 1)}"
+
+
+def _min_docs(settings: list[Settings]) -> int:
+    """The fewest units of the limit that give a verdict: :data:`MIN_DOCS` documents (or lm-eval items), or one
+    batch of 16 sequences of a computed task (each sequence its own cluster)."""
+    return 1 if all(s.tasks[0] in BATCH_TASKS for s in settings) else MIN_DOCS
+
+
 def _plan(costs: list[Costs], settings: list[Settings], ladder: list[Rung], budget_s: float, spent: float,
           docs: int | None = None) -> Plan:  # fmt: skip
     """The most documents (up to the task's maximum; ``docs`` where given) with which the float evaluations and
-    every climbing rung fit the budget; refuses a budget in which not even the first rung fits at ``MIN_DOCS``
-    documents."""
+    every climbing rung fit the budget; refuses a budget in which not even the first rung fits at the fewest that
+    give a verdict (:func:`_min_docs`)."""
     climb = [r for r in ladder if not r.probe]
     most = min(len(c.doc_tokens) for c in costs)
 
     def total(docs: int, rungs: int) -> float:
         return spent + sum(c.base_s(docs, s) + rungs * c.rung_s(docs, s) for c, s in zip(costs, settings, strict=True))
 
-    least = min(docs or MIN_DOCS, most)
+    least = min(docs or _min_docs(settings), most)
     if total(least, 1) > budget_s * SAFETY:
         need = total(least, 1) / SAFETY
         raise AuditError(
             f"a budget of {_duration(budget_s)} is too small for any interval on this machine: the float evaluation "
-            f"and one scheme on {least} documents take about {_duration(need)} here; give --budget "
+            f"and one scheme on {_limit_units(least, settings)} take about {_duration(need)} here; give --budget "
             f"{_duration(need, up=True)} or more"
         )
     if docs is None:
@@ -473,19 +487,34 @@ def _why(cell: CellRecord) -> str:
 WORDS = {"fixed": "within", "not resolved": "not resolved", "not fixed": "not within", "not run": "not run"}
 
 
-def _met(cell: CellRecord, run: list[Rung], within: float) -> list[Rung]:
+def _met(cell: CellRecord, run: list[Rung], within: float, low: bool) -> list[Rung]:
     """The rungs whose whole interval on ``cell`` lies below ``within``, in ladder order."""
-    return [r for r in run if verdict(ppl_change(cell, r.scheme), within) == "fixed"]
+    return [r for r in run if verdict(ppl_change(cell, r.scheme), within, low_precision=low) == "fixed"]
 
 
-def _answer(cells: dict[str, CellRecord], run: list[Rung], within: float, focus: str, cut: list[Rung],
+def _unresolved(d: Delta, within: float, low: bool) -> str:
+    """Why a change decides nothing at ``within``: an approximate interval, a bfloat16 reading too near the
+    threshold, or an interval that straddles it."""
+    if d.approximate:
+        return (
+            f"its interval is approximate ({d.n} documents from {d.clusters} independent works or sequences; "
+            f"{MIN_CLUSTERS} give a verdict: --docs {MIN_CLUSTERS} or a larger --budget)"
+        )
+    if d.low is None or d.high is None:
+        return "it has no interval"
+    if low and not d.low < within <= d.high:
+        return "read in bfloat16 closer to the threshold than bfloat16's tolerance: audit with --dtype float32"
+    return f"its interval straddles +{within:.2%}"
+
+
+def _answer(cells: dict[str, CellRecord], run: list[Rung], within: float, low: bool, focus: str, cut: list[Rung],
             note: str, pairs: list[list[str]]) -> tuple[list[str], bool | None, str | None]:  # fmt: skip
     """audit.md's opening lines, whether ``focus`` survives static INT8 (None: not run, or not resolved) and its
-    recipe."""
+    recipe; ``low``: read in bfloat16 or float16 (:func:`~quantgate.study.fixes.verdict`)."""
     lines = []
     cell = cells[focus]
     static = ppl_change(cell, REFERENCE)
-    said = verdict(static, within)
+    said = verdict(static, within, low_precision=low)
     survives = {"fixed": True, "not fixed": False}.get(said)
     head = f"- **Per-tensor static INT8**: {focus}"
     tolerance = f"the tolerance is +{within:.2%}"
@@ -493,10 +522,11 @@ def _answer(cells: dict[str, CellRecord], run: list[Rung], within: float, focus:
     if said == "not run":
         lines.append(f"{head}: not evaluated.")
     elif said == "not resolved":
-        lines.append(f"{head}: not resolved: {interval}; its estimate is within, its interval reaches past.")
+        assert static is not None  # "not run" otherwise
+        lines.append(f"{head}: not resolved: {interval}; {_unresolved(static, within, low)}.")
     else:
         lines.append(f"{head} {'survives' if survives else 'does not survive'} it: {interval}.")
-    met = _met(cell, run, within)
+    met = _met(cell, run, within, low)
     recipe = met[0].scheme if met else None
     climbed = [r for r in run if not r.probe]
     if recipe is not None:
@@ -513,12 +543,13 @@ def _answer(cells: dict[str, CellRecord], run: list[Rung], within: float, focus:
         best = min(changes, key=lambda s: changes[s].value, default=None)
         tail = f"; the least change: `{best}` {format_delta(changes[best])}" if best else ""
         lines.append(f"- **Cheapest recipe within +{within:.2%}**: none of the {len(climbed)} rungs run{tail}.")
-        unresolved = [s for s, d in changes.items() if verdict(d, within) == "not resolved"]
+        unresolved = [s for s, d in changes.items() if verdict(d, within, low_precision=low) == "not resolved"]
         if unresolved:
             more = "; a larger --budget reads more documents" if note else ""
             lines.append(
-                f"- **Not resolved**: {', '.join(f'`{s}`' for s in unresolved)}: the estimate is within "
-                f"+{within:.2%} but the interval reaches past it{more}."
+                "- **Not resolved**: "
+                + "; ".join(f"`{s}`: {_unresolved(changes[s], within, low)}" for s in unresolved)
+                + f"{more}."
             )
     if survives is not None:
         reason, massive = _why(cell), cell.summary.massive_activations > 0
@@ -554,7 +585,7 @@ def _units(cell: CellRecord) -> str:
     return f"{n} documents" if "quantgate_ppl" in cell.float_documents else f"{n} sequences"
 
 
-def _table(cells: dict[str, CellRecord], run: list[Rung], within: float) -> list[str]:
+def _table(cells: dict[str, CellRecord], run: list[Rung], within: float, low: bool) -> list[str]:
     """One row per rung run: its bits, run-time work, each model's change, the verdict and the step's seconds here
     (quantizing, calibration included, and evaluating; a simulated scheme's time is not its deployed speed)."""
     names = list(cells)
@@ -562,7 +593,7 @@ def _table(cells: dict[str, CellRecord], run: list[Rung], within: float) -> list
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in run:
         deltas = [ppl_change(cells[n], r.scheme) for n in names]
-        word = " / ".join(WORDS[verdict(d, within)] for d in deltas)
+        word = " / ".join(WORDS[verdict(d, within, low_precision=low)] for d in deltas)
         label = f"`{r.scheme}`" + (" (probe)" if r.probe else "")
         seconds = "+".join(f"{cells[n].scheme(r.scheme).seconds:.0f}" for n in names)
         lines.append("| " + " | ".join([label, r.bits, r.work, *map(format_delta, deltas), word, seconds]) + " |")
@@ -706,6 +737,7 @@ def audit(
         targets = sorted([target, other], key=lambda t: _target(t.load, None).variant is not None)  # ungated first
         pairs = [[targets[0].name, targets[1].name]]
     dtype = _dtype_of(target, dtype)
+    low = dtype in ("bfloat16", "float16")  # a verdict nearer its threshold than bf16's tolerance: not resolved
     for t in targets:
         _check_memory(t, dtype, placement)
     settings = [_settings(t, tasks) for t in targets]
@@ -758,13 +790,13 @@ def audit(
             cells = {c.model: c for c in read_metrics(out).cells}
             _learn(costs, targets, cells, rung.scheme)
             deltas = [ppl_change(cells[t.name], rung.scheme) for t in targets]
-            if not rung.probe and all(d is not None and verdict(d, tolerance) == "fixed" for d in deltas):
+            if not rung.probe and all(verdict(d, tolerance, low_precision=low) == "fixed" for d in deltas):
                 found = True
     focus = target.name
-    opening, survives, recipe = _answer(cells, run, tolerance, focus, cut, plan.cut, pairs)
+    opening, survives, recipe = _answer(cells, run, tolerance, low, focus, cut, plan.cut, pairs)
     export_dir: Path | None = None
     note = "not asked for (--no-export)"
-    met = [r.scheme for r in _met(cells[focus], run, tolerance)]
+    met = [r.scheme for r in _met(cells[focus], run, tolerance, low)]
     lines = [f"# Audit of {focus}", "", *opening, ""]
     if export and met:
         export_dir, written, kind, why = _export(target, settings[targets.index(target)], dtype, met,
@@ -778,11 +810,11 @@ def audit(
     else:
         note = note if not export else "no scheme was within the tolerance"
         lines.append(f"No export: {note}. Export a scheme of the ladder yourself with `quantgate quantize`.")
-    lines += ["", "## The ladder", "", *_table(cells, run, tolerance), ""]
+    lines += ["", "## The ladder", "", *_table(cells, run, tolerance, low), ""]
     lines.append(
         f"Each change is the perplexity under the scheme over the float perplexity on the same "
         f"{_units(cells[focus])}, with a 95% interval paired over them; *within* means the whole interval lies below "
-        f"+{tolerance:.2%}. The study behind it is `{study_file}` (reproduce: `quantgate study {study_file}`); "
+        f"+{tolerance:.2%}. The study behind it is `{study_file}` (rerun it: `quantgate study {study_file}`); "
         f"its report: `{out / 'report.md'}`. Audit time: {time.perf_counter() - started:.0f} s of a "
         f"{_duration(budget_s)} budget."
     )

@@ -434,7 +434,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not Path(args.run).is_dir():
         raise FileNotFoundError(f"no study run directory {args.run}")
     with run_lock(args.run):  # not while a study is writing there
-        print(f"wrote {write_study_report(args.run)}")
+        print(f"wrote {write_study_report(args.run, args.cluster)}")
     return 0
 
 
@@ -648,6 +648,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.set_defaults(func=cmd_audit)
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
     rp.add_argument("run", help="a study run directory")
+    rp.add_argument(
+        "--cluster",
+        choices=("work", "document"),
+        help="the unit the intervals resample from now on (recorded in metrics.json; default: the study's, work)",
+    )
     rp.set_defaults(func=cmd_report)
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")

@@ -37,6 +37,7 @@ result (eval.json) only, never in lm-eval's files, and take neither few-shot con
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -54,7 +55,7 @@ from transformers import PreTrainedTokenizerBase
 from . import parallel
 from .checkpoint import load_or_build
 from .data import batches
-from .data.corpus import OfflineError, hub_reachable
+from .data.corpus import OfflineError, hub_reachable, text_hash
 from .data.synthetic import BackcopyBatches
 from .models.families import config_of, family_of
 from .models.io import Placement
@@ -550,11 +551,24 @@ def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTok
             docs[metric.value] = [_number(v) for v in values]
     if all(isinstance(s.get("doc"), dict) and "work" in s["doc"] for s in rows):  # the bundled corpus's
         docs["works"] = [s["doc"]["work"] for s in rows]  # independent units are works, not chapters of one
+    docs["hashes"] = [_doc_hash(s.get("doc")) for s in rows]
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
         if tokenizer is None:
             raise ValueError("a rolling task's documents count their tokens: give sample_documents the tokenizer")
         docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
     return docs
+
+
+def _doc_hash(doc: Any) -> str:
+    """The hash of a logged sample's document: of its ``text`` where it has one, else of the whole document."""
+    if isinstance(doc, dict) and isinstance(doc.get("text"), str):
+        return text_hash(doc["text"])
+    return text_hash(json.dumps(doc, sort_keys=True, default=str))
+
+
+def _token_hashes(ids: torch.Tensor) -> list[str]:
+    """The hash of each row's token ids (B, T): which sequence a computed task's row is."""
+    return [text_hash(row.astype("<i8").tobytes()) for row in ids.cpu().numpy()]
 
 
 def score_floats(value: Any) -> list[float]:
@@ -600,12 +614,13 @@ def mlm_documents(
     """Per sequence: the log-likelihood summed over its masked positions, and how many there are."""
     data = batches(tokenizer, split, seq_len, batch_size, "mlm", seed=seed)
     n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
-    loglik, tokens = [], []
+    loglik, tokens, hashes = [], [], []
     device = next(model.parameters()).device
     with eval_mode(model):
         for i, batch in enumerate(data):
             if i >= n:
                 break
+            hashes += _token_hashes(batch["input_ids"])
             logits = model(
                 input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
             ).logits.float()
@@ -613,7 +628,7 @@ def mlm_documents(
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
             loglik += (-nll.sum(1)).tolist()
             tokens += (labels != -100).sum(1).tolist()
-    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens}
+    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens, "hashes": hashes}
 
 
 def backcopy_metrics(
@@ -652,10 +667,12 @@ def _backcopy_documents(
     assert isinstance(data, BackcopyBatches)  # train records only backcopy tasks, and backcopy is the default
     device = next(model.parameters()).device
     columns = ("ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies")
-    docs: dict[str, list[float]] = {c: [] for c in columns}
+    docs: dict[str, list] = {c: [] for c in columns}
+    docs["hashes"] = []
     with eval_mode(model):
         for batch in data:
             ids = batch["input_ids"].to(device)
+            docs["hashes"] += _token_hashes(ids)
             logits = model(input_ids=ids).logits.float()[:, :-1]
             target = ids[:, 1:]
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")

@@ -2,20 +2,22 @@
 
 An evaluation keeps, per task, the values of each document (``qg.evaluate(...)["documents"][task]``):
 columns of equal length, ``ids`` first, e.g. ``{"ids": [0, 1], "loglikelihood": [-812.5, -95.1],
-"words": [129, 17], "bytes": [783, 96], "tokens": [188, 25]}``. :data:`METRICS` says how each reported
-metric is computed from them, as lm-eval aggregates it (a ratio of sums over documents), so that
+"words": [129, 17], "bytes": [783, 96], "tokens": [188, 25], "works": ["Othello", "Jude"],
+"hashes": ["5f1c...", "9a0e..."]}``: ``works`` the source group of each document (documents of one work are
+not independent), ``hashes`` a hash of its text. :data:`METRICS` says how each reported metric is computed
+from them, as lm-eval aggregates it (a ratio of sums over documents), so that
 
 * :func:`paired_delta` compares a float and a quantized evaluation of the same documents: the relative
   change of a perplexity (``ppl_q / ppl_f - 1``) or the difference of an accuracy or bits per byte,
-  with a 95% interval over documents (:func:`interval_method`): from a paired bootstrap
-  (``scipy.stats.bootstrap``, BCa; the aggregate recomputed on every resample) where there are at least
-  :data:`MIN_BOOTSTRAP_UNITS` documents, else a jackknife t-interval (n - 1 degrees of freedom; for a
-  perplexity on the log ratio), since BCa's intervals are too narrow at a handful of documents;
+  with a 95% interval that resamples works (each document its own where no work is recorded): the wider
+  of a cluster jackknife t-interval and a studentized cluster bootstrap (:func:`_interval`), whose coverage
+  benchmarks/interval_coverage.py measures; below :data:`MIN_CLUSTERS` clusters it is marked approximate;
 * :func:`paired_difference` compares two models' changes on the same documents (a gated and an ungated
-  twin under one scheme): the difference of the changes, with the same rule for its interval;
+  twin under one scheme): the difference of the changes, with the same interval;
 * :func:`seed_delta` summarises the deltas of several training seeds: their mean (geometric for a perplexity
   ratio) and a t-interval;
-* :func:`format_delta` prints one as ``+12.3% [+9.8, +14.9]``, with ``~`` where the interval holds 0.
+* :func:`format_delta` prints one as ``+12.3% [+9.8, +14.9]``, with ``~`` where the interval holds 0;
+  :func:`bound` turns an interval into the largest change it leaves possible ("no difference larger than").
 
 :func:`spearman` and :func:`pearson` correlate two quantities across study cells (a report's correlation table,
 the experiments' headlines).
@@ -24,7 +26,6 @@ the experiments' headlines).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,11 @@ __all__ = [
     "paired_delta",
     "paired_difference",
     "interval_method",
-    "MIN_BOOTSTRAP_UNITS",
+    "cluster_labels",
+    "MIN_CLUSTERS",
+    "CLUSTER_COLUMN",
+    "HASH_COLUMN",
+    "bound",
     "seed_delta",
     "change",
     "format_delta",
@@ -51,17 +56,23 @@ __all__ = [
 
 CONFIDENCE = 0.95
 RESAMPLES = 1000
-MIN_BOOTSTRAP_UNITS = 20  # independent documents below which BCa under-covers: a jackknife t-interval instead
+# clusters below which the interval's measured coverage fell under 0.94 (results/bench/interval_coverage.md)
+MIN_CLUSTERS = 9
+CLUSTER_COLUMN = "works"  # a document's source group: the unit the interval resamples
+HASH_COLUMN = "hashes"  # a hash of each document's text (or tokens): which document a row is, not only where
 RATIO_SCALE = 10  # a perplexity that grew this many times or more is printed, and differenced, as a ratio
 NOISE_LEGEND = (
     "~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
-    "values recorded, or a single document)"
+    f"values recorded, or a single document); approximate: fewer than {MIN_CLUSTERS} independent works or "
+    "documents, where the interval's coverage was measured below 0.94, and no verdict is drawn from it"
 )
 DELTA_LEGEND = (
     "Change (delta): quantized / float - 1 for perplexities, quantized - float for accuracies "
-    "(percentage points) and bits per byte, with its 95% interval over the evaluated documents: a paired "
-    f"bootstrap (1,000 resamples, BCa) from {MIN_BOOTSTRAP_UNITS} documents on, a jackknife t-interval (n - 1 "
-    "degrees of freedom, on the log ratio for a perplexity) below. " + NOISE_LEGEND + "."
+    "(percentage points) and bits per byte, with its 95% interval over the evaluated documents, resampled by "
+    "work where they record one (documents of one work are not independent): each end the wider of a cluster "
+    "jackknife t-interval (Bell-McCaffrey degrees of freedom) and a studentized cluster bootstrap (1,000 "
+    "resamples), on the log ratio for a perplexity; its coverage is measured in results/bench/"
+    "interval_coverage.md. " + NOISE_LEGEND + "."
 )
 
 
@@ -104,10 +115,17 @@ class Delta:
     kind: str
     n: int  # documents, or seeds
     method: str
+    clusters: int | None = None  # the independent units the interval resampled (works, or documents)
+    approximate: bool = False  # too few clusters for the interval's measured coverage: no verdict from it
 
     @property
     def within_noise(self) -> bool | None:
         return None if self.low is None or self.high is None else self.low <= 0 <= self.high
+
+    @property
+    def decisive(self) -> bool:
+        """An interval a verdict may be drawn from: there is one, and it is not approximate."""
+        return self.low is not None and self.high is not None and not self.approximate
 
     def __str__(self) -> str:
         return format_delta(self)
@@ -164,10 +182,11 @@ def paired_delta(
     resamples: int = RESAMPLES,
     seed: int = 0,
     confidence: float = CONFIDENCE,
+    cluster: str = "work",
 ) -> Delta:
     """The change of ``metric`` from the float to the quantized evaluation of the same documents
-    (relative for a perplexity, a difference otherwise) with a paired interval over documents
-    (:func:`interval_method`)."""
+    (relative for a perplexity, a difference otherwise) with a paired interval that resamples ``cluster``:
+    ``work`` (the documents' works, where they record them; else each document) or ``document``."""
     _same_documents(float_docs, quant_docs, "the float and quantized evaluations")
     m = _metric(metric)
     data = (*_columns(float_docs, m), *_columns(quant_docs, m))
@@ -175,7 +194,8 @@ def paired_delta(
     def statistic(*columns, axis=-1):
         return _change(m.kind, *columns, axis=axis)
 
-    return _interval(data, statistic, m.kind, m.kind == "perplexity", resamples, seed, confidence)
+    clusters = cluster_labels(float_docs, cluster)
+    return _interval(data, statistic, m.kind, m.kind == "perplexity", resamples, seed, confidence, clusters)
 
 
 def paired_difference(
@@ -186,6 +206,7 @@ def paired_difference(
     resamples: int = RESAMPLES,
     seed: int = 0,
     confidence: float = CONFIDENCE,
+    cluster: str = "work",
 ) -> Delta:
     """How much more ``other`` changes than ``base``: (its change of ``metric``) - (``base``'s), each pair
     (float documents, quantized documents) evaluated on the same documents as the other pair, with a paired
@@ -199,80 +220,121 @@ def paired_difference(
         _same_documents(base[0], docs, "the four evaluations of a paired difference")
     m = _metric(metric)
     data = tuple(col for docs in (*base, *other) for col in _columns(docs, m))
+    clusters = cluster_labels(base[0], cluster)
     if m.kind == "perplexity" and max(_log_ratio(*data[:4]), _log_ratio(*data[4:])) >= math.log(RATIO_SCALE):
 
         def ratio(*c, axis=-1):
             return np.expm1(_log_ratio(*c[4:], axis=axis) - _log_ratio(*c[:4], axis=axis))
 
-        return _interval(data, ratio, "ratio", True, resamples, seed, confidence)
+        return _interval(data, ratio, "ratio", True, resamples, seed, confidence, clusters)
 
     def statistic(*c, axis=-1):
         return _change(m.kind, *c[4:], axis=axis) - _change(m.kind, *c[:4], axis=axis)
 
     kind = "points" if m.kind in ("perplexity", "accuracy") else m.kind
-    return _interval(data, statistic, kind, False, resamples, seed, confidence)
+    return _interval(data, statistic, kind, False, resamples, seed, confidence, clusters)
 
 
-def interval_method(n: int) -> str:
-    """The interval a change over ``n`` independent documents gets: none below 2, a jackknife t-interval
-    below :data:`MIN_BOOTSTRAP_UNITS`, a BCa paired bootstrap from there on."""
-    return "none" if n < 2 else "jackknife-t" if n < MIN_BOOTSTRAP_UNITS else "BCa"
+def interval_method(clusters: int) -> str:
+    """The interval a change over ``clusters`` independent units (works, or documents where none is recorded)
+    gets: none below 2, else the cluster interval (:func:`_interval`), ``approximate`` below
+    :data:`MIN_CLUSTERS`, where its coverage was not measured at 0.94 or more."""
+    return "none" if clusters < 2 else "approximate" if clusters < MIN_CLUSTERS else "cluster"
+
+
+def cluster_labels(docs: dict, cluster: str = "work") -> list | None:
+    """The cluster of each document: its work (the ``works`` column) for ``cluster`` "work"; None (each document
+    its own) for "document" or where the documents record no work."""
+    if cluster not in ("work", "document"):
+        raise ValueError(f"unknown cluster {cluster!r}: work or document")
+    return list(docs[CLUSTER_COLUMN]) if cluster == "work" and CLUSTER_COLUMN in docs else None
+
+
+def _totals(data: tuple, clusters) -> tuple[tuple[np.ndarray, ...], int]:
+    """Each column of ``data`` summed within each cluster (G,), and G; every document its own cluster where
+    ``clusters`` is None."""
+    if clusters is None:
+        return tuple(np.asarray(c, dtype=np.float64) for c in data), len(data[0])
+    _, inv = np.unique(np.asarray([str(c) for c in clusters]), return_inverse=True)
+    g = int(inv.max()) + 1
+    return tuple(np.bincount(inv, np.asarray(c, dtype=np.float64), g) for c in data), g
+
+
+def _bm_df(share: np.ndarray) -> float:
+    """Bell and McCaffrey's degrees of freedom of a cluster-robust variance of a weighted mean whose clusters
+    hold ``share`` of the weight (a Satterthwaite approximation under independent documents whose variance
+    falls as one over their weight; Imbens and Kolesar 2016): 1 / tr(K^2), K = diag(a) - v v', a = h / (1 - h),
+    v^2 = h^2 / (1 - h). G - 1 for G equal clusters; fewer where a few clusters hold most of the weight."""
+    a = share / (1 - share)
+    v2 = share**2 / (1 - share)
+    return float(1 / ((a**2).sum() - 2 * (a * v2).sum() + v2.sum() ** 2))
+
+
+def _loo(statistic, totals: tuple[np.ndarray, ...]) -> np.ndarray:
+    """The statistic without each cluster in turn: totals (..., G) in, (..., G) out."""
+    return np.asarray(statistic(*((t.sum(-1, keepdims=True) - t)[..., None] for t in totals)))
 
 
 def _interval(
-    data: tuple, statistic, kind: str, log_ratio: bool, resamples: int, seed: int, confidence: float
+    data: tuple,
+    statistic,
+    kind: str,
+    log_ratio: bool,
+    resamples: int,
+    seed: int,
+    confidence: float,
+    clusters=None,
 ) -> Delta:
-    """``statistic`` of the document columns ``data`` with its interval (:func:`interval_method`);
-    ``log_ratio``: the statistic is a relative change, whose jackknife interval is taken on log(1 + x)."""
+    """``statistic`` (a function of the columns' sums) of the document columns ``data`` with its interval
+    over clusters (``clusters``: a label per document; None: every document its own), on the log of 1 + x
+    where ``log_ratio``. The interval holds two intervals, each end the wider of the two:
+
+    * the cluster jackknife t-interval: the standard error from the statistic without each cluster in turn
+      (for a weighted mean, the leverage-corrected cluster-robust variance CR3), its t quantile at Bell and
+      McCaffrey's degrees of freedom (:func:`_bm_df`, from each cluster's share of the weight ``data[1]``), which
+      fall below G - 1 where few clusters hold most of the words;
+    * from :data:`MIN_CLUSTERS` clusters on, the studentized cluster bootstrap (bootstrap-t): clusters resampled
+      with replacement ``resamples`` times, each resample studentized by its own jackknife standard error, which
+      follows a skewed damage (a few documents hurt far more) that a t quantile misses.
+
+    Its coverage is measured, not assumed (benchmarks/interval_coverage.py, results/bench/interval_coverage.md):
+    below :data:`MIN_CLUSTERS` clusters it fell under 0.94 and the interval is marked approximate."""
     value = float(statistic(*data))
     n = len(data[0])
-    method = interval_method(n)
+    totals, g = _totals(data, clusters)
+    units = f"{n} documents in {g} work{'s' * (g != 1)}" if clusters is not None else f"{n} documents"
+    method = interval_method(g)
     if method == "none":
-        return Delta(value, None, None, kind, n, f"no interval: {n} document")
-    if method == "jackknife-t":
-        low, high = _jackknife_t(data, statistic, value, log_ratio, confidence)
-        on = ", on the log ratio" if log_ratio else ""
-        return Delta(
-            value,
-            low,
-            high,
-            kind,
-            n,
-            f"jackknife t-interval over {n} documents ({n - 1} df{on}; fewer than {MIN_BOOTSTRAP_UNITS} for BCa)",
-        )
+        return Delta(value, None, None, kind, n, f"no interval: {units}", clusters=g)
+    link, back = (np.log1p, np.expm1) if log_ratio else (lambda x: np.asarray(x, dtype=np.float64), lambda x: x)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        centre = float(link(value))
+        se = math.sqrt(float(((link(_loo(statistic, totals)) - centre) ** 2).sum()))
+        df = _bm_df(totals[1] / totals[1].sum())
     import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
 
-    common = {"paired": True, "vectorized": True, "confidence_level": confidence, "batch": min(resamples, 250)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # BCa on a distribution without spread: handled below
-        res = scipy.stats.bootstrap(data, statistic, n_resamples=resamples, rng=seed, **common)
-        how = "BCa"
-        if not np.isfinite([res.confidence_interval.low, res.confidence_interval.high]).all():
-            # BCa is undefined where every resample (or jackknife) gives the same value: percentile instead
-            res = scipy.stats.bootstrap(
-                data, statistic, n_resamples=0, bootstrap_result=res, method="percentile", **common
-            )
-            how = "percentile"
-    low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-    return Delta(
-        value, low, high, kind, n, f"paired bootstrap over {n} documents ({resamples:,} resamples, {how}, seed {seed})"
+    alpha = (1 - confidence) / 2
+    half = float(scipy.stats.t.ppf(1 - alpha, df)) * se
+    low, high = centre - half, centre + half
+    if g >= MIN_CLUSTERS and resamples > 0 and se > 0:  # below, bootstrap-t's ends run off to +-100%
+        idx = np.random.default_rng(seed).integers(0, g, (resamples, g))
+        drawn = tuple(t[idx] for t in totals)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            theta = link(np.asarray(statistic(*drawn)))
+            se_b = np.sqrt(((link(_loo(statistic, drawn)) - theta[:, None]) ** 2).sum(-1))
+            t = (theta - centre) / se_b
+        t = t[np.isfinite(t)]  # a resample of one cluster drawn G times has no spread to studentize by
+        if len(t):
+            low = min(low, centre - float(np.quantile(t, 1 - alpha, method="higher")) * se)
+            high = max(high, centre - float(np.quantile(t, alpha, method="lower")) * se)
+    how = (
+        f"cluster jackknife t ({df:.1f} df) and studentized cluster bootstrap ({resamples:,} resamples, seed "
+        f"{seed}) over {units}" + (", on the log ratio" if log_ratio else "")
     )
-
-
-def _jackknife_t(data: tuple, statistic, whole: float, log_ratio: bool, confidence: float) -> tuple[float, float]:
-    """The t-interval (n - 1 degrees of freedom) around ``whole``, the statistic of all of ``data``, with the
-    jackknife's standard error: the statistic recomputed without each document in turn (on log(1 + x)
-    where ``log_ratio``)."""
-    import scipy.stats  # scipy.stats: imported at first use (it takes ~1.5 s to import)
-
-    n = len(data[0])
-    keep = ~np.eye(n, dtype=bool)  # row i: every document but i
-    loo = np.asarray(statistic(*(np.asarray(c)[None, :].repeat(n, 0)[keep].reshape(n, n - 1) for c in data)))
-    link, back = (np.log1p, np.expm1) if log_ratio else (lambda x: x, lambda x: x)
-    centre, loo = link(whole), link(loo)
-    se = math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum()))
-    half = float(scipy.stats.t.ppf((1 + confidence) / 2, n - 1)) * se
-    return float(back(centre - half)), float(back(centre + half))
+    approximate = method == "approximate"
+    if approximate:
+        how += f"; approximate: fewer than {MIN_CLUSTERS} clusters"
+    return Delta(value, float(back(low)), float(back(high)), kind, n, how, clusters=g, approximate=approximate)
 
 
 def _same_documents(reference: dict, docs: dict, what: str) -> None:
@@ -322,13 +384,14 @@ def change(
     quant_value: float | None,
     float_docs: dict | None = None,
     quant_docs: dict | None = None,
+    cluster: str = "work",
 ) -> Delta | None:
     """The change of ``metric``: with its paired interval where both evaluations kept per-document
     values, else the point change from the two aggregates, without an interval; None without both values."""
     if float_value is None or quant_value is None:
         return None
     if float_docs and quant_docs and metric in METRICS:
-        return paired_delta(float_docs, quant_docs, metric)
+        return paired_delta(float_docs, quant_docs, metric, cluster=cluster)
     kind = METRICS[metric].kind if metric in METRICS else "perplexity" if "perplexity" in metric else "difference"
     value = quant_value / float_value - 1 if kind == "perplexity" else quant_value - float_value
     return Delta(value, None, None, kind, 0, "no interval: no per-document values recorded")
@@ -352,7 +415,20 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
         fmt = f"{{:+.{decimals}f}}".format
     unit = {"perplexity": "%", "accuracy": " pp", "points": " pp"}.get(d.kind, "")
     interval = "[n/a]" if d.low is None or d.high is None else f"[{fmt(d.low * scale)}, {fmt(d.high * scale)}]"
-    return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "")
+    return f"{fmt(d.value * scale)}{unit} {interval}" + (noise if d.within_noise else "") + _approximate(d)
+
+
+def _approximate(d: Delta) -> str:
+    return " approximate" if d.approximate else ""
+
+
+def bound(d: Delta | None) -> float | None:
+    """The largest change, either way, that ``d``'s interval leaves possible: max(|low|, |high|), what "no
+    difference larger than" rests on; None without a decisive interval (:attr:`Delta.decisive`)."""
+    if d is None or not d.decisive:
+        return None
+    assert d.low is not None and d.high is not None
+    return max(abs(d.low), abs(d.high))
 
 
 def table_head(columns: list[str]) -> list[str]:
@@ -382,7 +458,7 @@ def format_ratio(d: Delta | None, noise: str = " ~") -> str:
         return f"{v:.2g}" if v < 1 and decimals < 2 else wide(v)
 
     interval = "[n/a]" if d.low is None or d.high is None else f"[{fmt(1 + d.low)}, {fmt(1 + d.high)}]"
-    return f"{fmt(1 + d.value)}x {interval}" + (noise if d.within_noise else "")
+    return f"{fmt(1 + d.value)}x {interval}" + (noise if d.within_noise else "") + _approximate(d)
 
 
 def _ranks(values: list[float]) -> list[float]:

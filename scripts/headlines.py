@@ -1,7 +1,13 @@
-"""Regenerate the headline numbers of docs/findings.md (its last table) from the committed results.
+"""Regenerate the headline numbers of docs/findings.md (its last table) from the committed results, and check
+every number README.md and docs/ quote from them.
 
     python scripts/headlines.py           # rewrite the generated blocks in place
-    python scripts/headlines.py --check   # exit 1 if the page differs from what this would write
+    python scripts/headlines.py --check   # exit 1 if the page differs from what this would write, or a quoted
+                                          # number is not in the results page its paragraph cites
+
+A paragraph (or table, or list) of README.md or a docs page (docs/reference/ is generated from the code) that
+cites a committed results page (``results/<study>/report.md``, a ``results/bench`` page, ...) may quote only
+what those pages hold: each interval (``[+9.8, +14.9]``) verbatim, and each other decimal number.
 
 Each headline sits between ``<!-- headlines:NAME -->`` and ``<!-- /headlines -->`` and is written by
 the function NAME below from results/ (metrics.json; for cpu_recipe_search the search's summary.json
@@ -523,6 +529,41 @@ def render(text: str) -> str:
     return BLOCK.sub(block, text)
 
 
+CITED = re.compile(r"results/[\w/.-]+?\.md")
+INTERVAL = re.compile(r"\[[-+]?[\d.,e+x ]+?, [-+]?[\d.,e+x ]+?\]")
+NUMBER = re.compile(r"\d+\.\d+(?:e[+-]\d+)?")
+
+
+def quoting_pages() -> list[Path]:
+    """README.md and every docs page written by hand (docs/reference/ is generated from the code)."""
+    docs = sorted(p for p in (ROOT / "docs").rglob("*.md") if "reference" not in p.relative_to(ROOT / "docs").parts)
+    return [ROOT / "README.md", *docs]
+
+
+def misquoted(page: Path) -> list[str]:
+    """What ``page`` quotes that the results pages its paragraphs cite do not hold: each interval verbatim, each
+    other decimal number (the generated headline blocks are checked against the results by :func:`render`)."""
+    problems = []
+    name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
+    text = re.sub(r"^```.*?^```", "", BLOCK.sub("", page.read_text()), flags=re.S | re.M)  # code: not quotes
+    for paragraph in text.split("\n\n"):
+        cited = sorted(set(CITED.findall(paragraph)))
+        if not cited:
+            continue
+        missing = [c for c in cited if not (ROOT / c).is_file()]
+        if missing:
+            problems.append(f"{name} cites {', '.join(missing)}, which is not there")
+            continue
+        source = "\n".join((ROOT / c).read_text() for c in cited)
+        paragraph = " ".join(paragraph.split())  # an interval broken across lines is still one interval
+        quoted = INTERVAL.findall(paragraph)
+        rest = INTERVAL.sub(" ", paragraph)
+        wrong = [q for q in quoted if q not in source] + [n for n in NUMBER.findall(rest) if n not in source]
+        if wrong:
+            problems.append(f"{name}: {', '.join(wrong)} not in {', '.join(cited)}: {paragraph[:120]!r}")
+    return problems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 if the page is not what this would write")
@@ -530,8 +571,11 @@ def main() -> None:
     old = PAGE.read_text()
     new = render(old)
     if args.check:
+        problems = [p for page in quoting_pages() for p in misquoted(page)]
         if new != old:
-            sys.exit(f"{PAGE}: headlines differ from the results; run python scripts/headlines.py")
+            problems.insert(0, f"{PAGE}: headlines differ from the results; run python scripts/headlines.py")
+        if problems:
+            sys.exit("\n".join(problems))
     elif new != old:
         PAGE.write_text(new)
 

@@ -10,11 +10,11 @@ import torch
 from conftest import TINY_STUDY, one_line_error
 
 import quantgate as qg
-from quantgate.audit import LADDER, REFERENCE, AuditError, parse_budget, parse_within
+from quantgate.audit import LADDER, MIN_DOCS, REFERENCE, AuditError, parse_budget, parse_within
 from quantgate.cli import main
 from quantgate.study import load_study, run_study
 
-FAST: dict[str, Any] = {"budget": "10m", "docs": 2, "progress": False}
+FAST: dict[str, Any] = {"budget": "10m", "docs": MIN_DOCS, "progress": False}  # the fewest that give a verdict
 
 
 def _saved(preset: str, folder: Path, **kw) -> Path:
@@ -91,13 +91,13 @@ def test_audits_a_tiny_model_of_each_family(preset, tmp_path):
 def test_rerunning_the_generated_study_writes_no_step_file(tmp_path):
     folder = _saved("tiny-llama", tmp_path / "m")
     out = tmp_path / "audit"
-    qg.audit(str(folder), out, schemes=[REFERENCE, "w8a8-int8-dynamic"], within="0.001%", export=False, **FAST)
+    found = qg.audit(str(folder), out, schemes=[REFERENCE, "w8a8-int8-dynamic"], within="0.001%", export=False, **FAST)
     before = _step_files(out)
-    assert len(before) == 6  # model, observe, eval-float, cost and the two rungs
+    assert len(before) == 4 + len(found.changes["m"])  # model, observe, eval-float, cost and each rung run
     run_study(out / "audit.yaml")  # its out: is the audit's folder
     assert _step_files(out) == before
-    assert main(["audit", str(folder), "--out", str(out), "--docs", "2", "--schemes", f"{REFERENCE},w8a8-int8-dynamic",
-                 "--within", "0.001%", "--no-export"]) == 0  # fmt: skip
+    assert main(["audit", str(folder), "--out", str(out), "--docs", str(MIN_DOCS), "--schemes",
+                 f"{REFERENCE},w8a8-int8-dynamic", "--within", "0.001%", "--no-export"]) == 0  # fmt: skip
     assert _step_files(out) == before  # the same audit again reuses its documents and steps
 
 

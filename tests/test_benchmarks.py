@@ -72,7 +72,7 @@ def test_interval_width_prints_a_row_per_document_prefix():
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "[n/a]" in rows[0] and "[n/a]" not in rows[1]
-    assert rows[1].startswith("| 2 | 2 |") and "| jackknife-t |" in rows[1]  # two works; the rule below 20
+    assert rows[1].startswith("| 2 | 2 |") and "| approximate |" in rows[1]  # two works: below MIN_CLUSTERS
 
 
 def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_path, capsys):

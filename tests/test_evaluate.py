@@ -1,5 +1,6 @@
 """Evaluation through lm-eval: numbers against direct computations from the model's own loss."""
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 
 import quantgate as qg
 from quantgate.data import corpus
-from quantgate.data.corpus import Document, OfflineError
+from quantgate.data.corpus import Document, OfflineError, document_keys
 from quantgate.evaluate import evaluate, mlm_perplexity
 from quantgate.stats import aggregate
 
@@ -47,16 +48,20 @@ def test_per_document_values_recompute_lm_evals_metrics(tiny):
             if metric != "sample_len":
                 assert aggregate(docs, metric) == pytest.approx(value, rel=1e-12), (task, metric)
     ppl = out["documents"]["quantgate_ppl"]
-    assert set(ppl) == {"ids", "loglikelihood", "words", "bytes", "tokens", "works"}
+    assert set(ppl) == {"ids", "loglikelihood", "words", "bytes", "tokens", "works", "hashes"}
     first_of_each: dict[str, Document] = {}  # the task takes the test split's documents in turn from each work
     for d in corpus("test"):
         first_of_each.setdefault(d.work, d)
     docs = list(first_of_each.values())[:3]
     assert ppl["works"] == [d.work for d in docs] and len(set(ppl["works"])) == 3
+    assert ppl["hashes"] == [hashlib.sha256(d.text.encode("utf-8")).hexdigest()[:16] for d in docs]
+    assert document_keys([0, 1, 2], ppl["words"]) == {"works": ppl["works"], "hashes": ppl["hashes"]}
+    assert document_keys([0, 1, 2], [w + 1 for w in ppl["words"]]) is None  # another order: nothing guessed
     assert ppl["bytes"] == [len(d.text.encode("utf-8")) for d in docs]
     assert ppl["tokens"] == [tok(d.text, return_tensors="pt").input_ids.shape[1] - 1 for d in docs]
-    assert set(out["documents"]["quantgate_nextsent"]) == {"ids", "acc", "acc_norm"}
-    assert set(out["documents"]["quantgate_cloze"]) == {"ids", "loglikelihood", "acc"}
+    assert set(out["documents"]["quantgate_nextsent"]) == {"ids", "acc", "acc_norm", "hashes"}
+    assert set(out["documents"]["quantgate_cloze"]) == {"ids", "loglikelihood", "acc", "hashes"}
+    assert len(set(out["documents"]["quantgate_cloze"]["hashes"])) == 3  # three different documents
 
 
 def test_computed_tasks_keep_per_sequence_values():
@@ -66,6 +71,7 @@ def test_computed_tasks_keep_per_sequence_values():
     out = evaluate(bert, None, ["quantgate_mlm_ppl"], limit=1)
     docs = out["documents"]["quantgate_mlm_ppl"]
     assert len(docs["ids"]) == 16 and all(n > 0 for n in docs["tokens"])  # one batch of 16 sequences
+    assert len(docs["hashes"]) == 16
     assert out["results"]["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(
         math.exp(-sum(docs["loglikelihood"]) / sum(docs["tokens"])), rel=1e-12
     )
@@ -77,8 +83,18 @@ def test_computed_tasks_keep_per_sequence_values():
     docs = out["documents"]["quantgate_backcopy"]
     assert (
         set(docs)
-        == {"ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies"}
+        == {
+            "ids",
+            "loglikelihood",
+            "tokens",
+            "loglikelihood_after_first",
+            "tokens_after_first",
+            "copied",
+            "copies",
+            "hashes",
+        }
         and len(docs["ids"]) == 16
+        and len(set(docs["hashes"])) == 16  # each sequence named by its tokens
     )
     assert out["results"]["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
     # without the first prediction, by hand: each sequence's own loss over targets 2..L-1

@@ -274,18 +274,18 @@ def test_sink_leak_toy_reproduces_the_seed():
 
 
 def test_ppl_change_is_the_paired_perplexity_ratio():
-    """Two sequences of 10 tokens: perplexity exp(80 / 20) -> exp(83 / 20). Two documents are fewer than a
-    bootstrap needs: the jackknife t-interval on the log ratio, by hand: without sequence 0 the log ratio is
-    -3 / 10, without sequence 1 it is 6 / 10, so the standard error is sqrt(1/2 * 2 * 0.45^2) = 0.45, and
-    t(0.975, 1 df) = 12.706."""
+    """Two sequences of 10 tokens: perplexity exp(80 / 20) -> exp(83 / 20). Two sequences are fewer than a verdict
+    needs: the cluster jackknife t-interval on the log ratio, marked approximate, by hand: without sequence 0 the
+    log ratio is -3 / 10, without sequence 1 it is 6 / 10, each 0.45 from the whole's 0.15, so the standard error
+    is sqrt(2 * 0.45^2) = 0.636, and t(0.975, 1 df) = 12.706 (two equal clusters: Bell-McCaffrey's df is 1)."""
     d = ex.ppl_change(torch.tensor([30.0, 50.0]), [36.0, 47.0], 10)
     assert d.value == pytest.approx(math.exp((36 + 47 - 30 - 50) / 20) - 1, rel=1e-12) and d.n == 2
-    half = 12.706204736174707 * 0.45
+    half = 12.706204736174707 * math.sqrt(2 * 0.45**2)
     assert (d.low, d.high) == pytest.approx((math.expm1(0.15 - half), math.expm1(0.15 + half)), rel=1e-9)
-    assert "jackknife t-interval over 2 documents (1 df" in d.method
+    assert "cluster jackknife t (1.0 df)" in d.method and d.approximate
     same = ex.ppl_change([30.0, 50.0, 41.0], [30.0, 50.0, 41.0], 10)
     assert (same.value, same.low, same.high) == (0, 0, 0)
-    assert ex.format_ratio(same) == "1.000x [1.000, 1.000] ~"
+    assert ex.format_ratio(same) == "1.000x [1.000, 1.000] ~ approximate"  # 3 sequences
     assert ex.format_ratio(Delta(1.26, 0.9, 1.7, "perplexity", 4, "")) == "2.26x [1.90, 2.70]"
     assert ex.format_ratio(Delta(57179.4, 30999.4, 1e5, "perplexity", 4, "")) == "57,180x [31,000, 100,001]"
     assert ex.format_ratio(Delta(0.5, None, None, "perplexity", 0, "")) == "1.50x [n/a]"

@@ -42,6 +42,27 @@ def test_check_fails_on_a_hand_edited_number(headlines, tmp_path, monkeypatch):
     assert stop.value.code  # a message, i.e. exit status 1
 
 
+def test_check_covers_readme_and_docs_and_fails_on_a_readme_number_changed_by_hand(headlines, tmp_path, monkeypatch):
+    """Issue 43: --check passes on the committed tree, whose README and docs pages quote only what the results they
+    cite hold; one interval of README.md edited by hand (a digit off) fails it, naming the number and the page."""
+    pages = headlines.quoting_pages()
+    assert ROOT / "README.md" in pages and ROOT / "docs" / "findings.md" in pages
+    assert not any("reference" in p.parts for p in pages)
+    assert [p for page in pages for p in headlines.misquoted(page)] == []
+    readme = (ROOT / "README.md").read_text()
+    answer = next(p for p in readme.split("\n\n") if p.startswith("Its answer"))  # cites results/quickstart
+    quoted = headlines.INTERVAL.search(answer)
+    assert quoted is not None
+    edited = quoted.group().replace("1", "2", 1) if "1" in quoted.group() else quoted.group().replace("0", "9", 1)
+    page = tmp_path / "README.md"
+    page.write_text(readme.replace(quoted.group(), edited, 1))
+    monkeypatch.setattr(headlines, "quoting_pages", lambda: [page])
+    monkeypatch.setattr("sys.argv", ["headlines.py", "--check"])
+    with pytest.raises(SystemExit) as stop:
+        headlines.main()
+    assert edited in str(stop.value) and "not in results/quickstart/report.md" in str(stop.value)
+
+
 def test_hyga_changes_and_gate_shares_by_hand():
     """The span of the HyGA ablation's W8A8 changes at Bondarenko's sites, from the committed backcopy
     perplexities (the README once said all were under 0.2% while one was +0.24%), and the low-rank rows'

@@ -1,6 +1,8 @@
-"""One interval rule for every delta (issue 32): a BCa paired bootstrap from MIN_BOOTSTRAP_UNITS documents
-on, a jackknife t-interval (n - 1 df, on the log ratio for a perplexity) below; a paired difference of two
-models' changes on the same documents. Each checked against a hand computation."""
+"""One interval rule for every delta (issue 43): documents resampled as the clusters they are (works), each end
+of the interval the wider of a cluster jackknife t-interval (Bell-McCaffrey degrees of freedom) and a studentized
+cluster bootstrap (from MIN_CLUSTERS clusters on; below, the t-interval alone, marked approximate); a paired
+difference of two models' changes on the same documents. Each checked against a hand computation, and the
+method against its measured coverage at small scale."""
 
 import math
 from pathlib import Path
@@ -8,11 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.stats
+from conftest import load_script
 
-from quantgate.stats import MIN_BOOTSTRAP_UNITS, format_delta, interval_method, paired_delta, paired_difference
+from quantgate.stats import MIN_CLUSTERS, Delta, format_delta, interval_method, paired_delta, paired_difference
 from quantgate.study import read_metrics
 from quantgate.study.measures import ppl_change
 from quantgate.study.report import study_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _docs(n: int, seed: int, cost: float = 0.1):
@@ -27,14 +32,34 @@ def _docs(n: int, seed: int, cost: float = 0.1):
     return as_docs(ll), as_docs(quant), tokens
 
 
-def _jackknife_t(stat, n: int, log: bool):
-    """By hand: the statistic without each document in turn, its jackknife standard error, t(n - 1)."""
+def _bm_df_by_matrix(weights: np.ndarray, labels: list) -> float:
+    """Bell and McCaffrey's degrees of freedom by their definition: the eigenvalues of G'G, G's columns
+    (I - H) applied to each cluster's CR2 weights, H the weighted hat matrix of a mean (Imbens and Kolesar 2016)."""
+    n, total = len(weights), weights.sum()
+    groups = sorted(set(labels))
+    root = np.sqrt(weights)
+    hat = np.outer(root, root) / total
+    cols = []
+    for g in groups:
+        member = np.array([lab == g for lab in labels])
+        share = weights[member].sum() / total
+        q = np.where(member, root, 0.0) / (total * math.sqrt(1 - share))
+        cols.append((np.eye(n) - hat) @ q)
+    lam = np.linalg.eigvalsh(np.array(cols) @ np.array(cols).T)
+    return float(lam.sum() ** 2 / (lam**2).sum())
+
+
+def _cluster_t(stat, labels: list, weights: np.ndarray, log: bool):
+    """By hand: the statistic without each cluster in turn, the jackknife standard error around the whole's
+    value (sum of squared deviations), t at Bell-McCaffrey's df."""
+    n = len(labels)
+    groups = sorted(set(labels))
     whole = stat(list(range(n)))
-    loo = np.array([stat([j for j in range(n) if j != i]) for i in range(n)])
+    loo = np.array([stat([i for i in range(n) if labels[i] != g]) for g in groups])
     if log:
         whole, loo = math.log1p(whole), np.log1p(loo)
-    se = math.sqrt((n - 1) / n * ((loo - loo.mean()) ** 2).sum())
-    t = scipy.stats.t.ppf(0.975, n - 1)
+    se = math.sqrt(((loo - whole) ** 2).sum())
+    t = scipy.stats.t.ppf(0.975, _bm_df_by_matrix(weights, labels))
     back = math.expm1 if log else float
     return back(whole - t * se), back(whole + t * se)
 
@@ -43,46 +68,113 @@ def _ppl_change(f, q, w):
     return lambda idx: math.expm1((np.take(f, idx).sum() - np.take(q, idx).sum()) / np.take(w, idx).sum())
 
 
-@pytest.mark.parametrize("n", [2, 4, 12, MIN_BOOTSTRAP_UNITS - 1])
-def test_a_change_over_few_documents_gets_the_jackknife_t_interval(n):
+@pytest.mark.parametrize("n", [2, 4, MIN_CLUSTERS - 1])
+def test_below_the_minimum_the_interval_is_the_cluster_jackknife_t_and_approximate(n):
     f, q, w = _docs(n, seed=n)
     d = paired_delta(f, q, "perplexity")
     change = _ppl_change(np.array(f["loglikelihood"]), np.array(q["loglikelihood"]), w)
     assert d.value == pytest.approx(change(list(range(n))), rel=1e-12)
-    assert (d.low, d.high) == pytest.approx(_jackknife_t(change, n, log=True), rel=1e-9)
-    assert d.method.startswith(f"jackknife t-interval over {n} documents ({n - 1} df, on the log ratio")
+    assert (d.low, d.high) == pytest.approx(_cluster_t(change, list(range(n)), w, log=True), rel=1e-9)
+    assert d.approximate and d.clusters == n and not d.decisive
+    assert format_delta(d).endswith(" approximate")
     assert d.low is not None and d.low > -1  # a log-ratio interval never reaches a perplexity of 0
 
 
-def test_from_the_minimum_on_the_interval_is_bca():
-    f, q, _ = _docs(MIN_BOOTSTRAP_UNITS, seed=0)
-    d = paired_delta(f, q, "perplexity")
-    assert "BCa" in d.method and d.n == MIN_BOOTSTRAP_UNITS
-    assert interval_method(1) == "none" and interval_method(19) == "jackknife-t" and interval_method(20) == "BCa"
+def test_bell_mccaffrey_df_is_g_minus_1_for_equal_clusters_and_fewer_for_unequal():
+    w = np.array([100.0, 100, 100, 100, 100, 100])
+    assert _bm_df_by_matrix(w, list(range(6))) == pytest.approx(5)
+    f, q, _ = _docs(6, seed=1)
+    for weights in ([100.0] * 6, [5000.0, 100, 100, 100, 100, 100]):
+        docs = [{**x, "tokens": weights} for x in (f, q)]
+        d = paired_delta(docs[0], docs[1], "perplexity")
+        expect = _bm_df_by_matrix(np.array(weights), list(range(6)))
+        assert f"({expect:.1f} df)" in d.method
+    assert expect < 2  # one document holding most of the tokens leaves about one degree of freedom
 
 
-def test_at_four_documents_the_interval_is_wider_than_bca():
-    """The reason for the rule: at n = 4 a BCa bootstrap of the same change (computed here with scipy) is
-    narrower than the jackknife t-interval quantgate now reports."""
-    f, q, w = _docs(4, seed=3)
-    t = paired_delta(f, q, "perplexity")
-    cols = (np.array(f["loglikelihood"]), np.array(q["loglikelihood"]), w)
-    res = scipy.stats.bootstrap(
-        cols,
-        lambda a, b, c, axis=-1: np.expm1((a.sum(axis) - b.sum(axis)) / c.sum(axis)),
-        paired=True,
-        vectorized=True,
-        n_resamples=1000,
-        rng=0,
-    )
-    assert t.high is not None and t.low is not None
-    assert t.high - t.low > res.confidence_interval.high - res.confidence_interval.low
+def _bootstrap_t_by_hand(stat_of_totals, totals: np.ndarray, seed: int, resamples: int = 1000):
+    """The studentized cluster bootstrap's quantiles, one resample at a time: clusters drawn with replacement,
+    each resample's log-ratio statistic studentized by its own leave-one-cluster-out standard error."""
+    g = totals.shape[0]
+    whole = math.log1p(stat_of_totals(totals))
+    draws = np.random.default_rng(seed).integers(0, g, (resamples, g))
+    ts = []
+    for pick in draws:
+        sample = totals[pick]
+        theta = math.log1p(stat_of_totals(sample))
+        loo = [math.log1p(stat_of_totals(np.delete(sample, j, axis=0))) for j in range(g)]
+        se = math.sqrt(sum((x - theta) ** 2 for x in loo))
+        if se > 0:
+            ts.append((theta - whole) / se)
+    return np.quantile(ts, 0.025, method="lower"), np.quantile(ts, 0.975, method="higher")
+
+
+def test_from_the_minimum_each_end_is_the_wider_of_the_t_and_the_bootstrap_t_by_hand():
+    n = 12
+    f, q, w = _docs(n, seed=4)
+    d = paired_delta(f, q, "perplexity", seed=3)
+    lf, lq = np.array(f["loglikelihood"]), np.array(q["loglikelihood"])
+    change = _ppl_change(lf, lq, w)
+    t_low, t_high = _cluster_t(change, list(range(n)), w, log=True)
+    totals = np.stack([lf, w, lq], axis=1)
+
+    def stat(t):
+        return math.expm1(t[:, 0].sum() / t[:, 1].sum() - t[:, 2].sum() / t[:, 1].sum())
+
+    q_low, q_high = _bootstrap_t_by_hand(stat, totals, seed=3)
+    centre = math.log1p(d.value)
+    se = math.sqrt(sum((math.log1p(change([j for j in range(n) if j != i])) - centre) ** 2 for i in range(n)))
+    boot = (math.expm1(centre - q_high * se), math.expm1(centre - q_low * se))
+    assert (d.low, d.high) == pytest.approx((min(t_low, boot[0]), max(t_high, boot[1])), rel=1e-9)
+    assert not d.approximate and d.decisive and d.clusters == n
+    assert interval_method(1) == "none" and interval_method(MIN_CLUSTERS - 1) == "approximate"
+    assert interval_method(MIN_CLUSTERS) == "cluster"
+
+
+def test_documents_of_one_work_are_resampled_together_by_hand():
+    """With a works column the interval is the one over the works' summed values: leave-one-work-out by hand,
+    and the same interval as the documents merged per work."""
+    n = 12
+    f, q, w = _docs(n, seed=6)
+    works = [f"work {i % 4}" for i in range(n)]  # 3 documents from each of 4 works
+    fw, qw = ({**x, "works": works} for x in (f, q))
+    d = paired_delta(fw, qw, "perplexity")
+    change = _ppl_change(np.array(f["loglikelihood"]), np.array(q["loglikelihood"]), w)
+    weights = np.array([w[[i for i in range(n) if works[i] == g]].sum() for g in sorted(set(works))])
+    low, high = _cluster_t(change, works, w, log=True)
+    assert (d.low, d.high) == pytest.approx((low, high), rel=1e-9)
+    assert d.clusters == 4 and d.n == n and "12 documents in 4 works" in d.method
+    merged = [
+        {
+            "ids": [0, 1, 2, 3],
+            "loglikelihood": [
+                sum(x["loglikelihood"][i] for i in range(n) if works[i] == g) for g in sorted(set(works))
+            ],
+            "tokens": weights.tolist(),
+        }
+        for x in (f, q)
+    ]
+    m = paired_delta(merged[0], merged[1], "perplexity")
+    assert (m.value, m.low, m.high) == pytest.approx((d.value, d.low, d.high), rel=1e-9)
+    flat = paired_delta(f, q, "perplexity")  # the same documents as independent: 12 clusters, narrower
+    assert flat.low is not None and flat.high is not None and d.low is not None and d.high is not None
+    assert flat.high - flat.low < d.high - d.low
+
+
+def test_coverage_at_small_scale_holds_the_benchmarks_rows():
+    """benchmarks/interval_coverage.py, 300 replicates: the 95% intervals cover the truth >= 0.94 - 2 s.e. on
+    skewed synthetic damage with unequal lengths and on the main job's own documents resampled by work."""
+    bench = load_script(ROOT / "benchmarks" / "interval_coverage.py", "interval_coverage")
+    for draw, truth in (bench.synthetic("unequal", "skewed", False), bench.resampled("w8a8-int8-dynamic", True)):
+        for n in (12, 24):
+            covered, _, approximate = bench.coverage(draw, truth, n, reps=300, seed=n)
+            assert not approximate and covered >= 0.94 - 2 * math.sqrt(0.94 * 0.06 / 300), (n, covered)
 
 
 @pytest.mark.parametrize("n", [6, 24])
 def test_paired_difference_of_two_models_changes_by_hand(n):
     """The gated twin's change minus the ungated twin's, on the same documents: the value is the difference
-    of the two changes; below the minimum its interval is the jackknife t-interval of that difference."""
+    of the two changes; below the minimum its interval is the cluster jackknife t-interval of that difference."""
     f_u, q_u, w = _docs(n, seed=1, cost=0.12)
     rng = np.random.default_rng(7)
     f_g = {**f_u, "loglikelihood": (np.array(f_u["loglikelihood"]) - w * rng.uniform(0, 0.02, n)).tolist()}
@@ -98,10 +190,11 @@ def test_paired_difference_of_two_models_changes_by_hand(n):
         paired_delta(f_g, q_g, "perplexity").value - paired_delta(f_u, q_u, "perplexity").value
     )
     assert d.kind == "points" and format_delta(d).startswith(f"{100 * d.value:+.1f} pp [")
-    if n < MIN_BOOTSTRAP_UNITS:
-        assert (d.low, d.high) == pytest.approx(_jackknife_t(gap, n, log=False), rel=1e-9)
+    low, high = _cluster_t(gap, list(range(n)), w, log=False)
+    if n < MIN_CLUSTERS:
+        assert (d.low, d.high) == pytest.approx((low, high), rel=1e-9)
     else:
-        assert "BCa" in d.method
+        assert d.low <= low + 1e-12 and d.high >= high - 1e-12 and "bootstrap" in d.method
     assert d.high is not None and d.high < 0  # the gated twin loses less on every document here
 
 
@@ -112,20 +205,22 @@ def test_a_paired_difference_refuses_documents_that_differ():
         paired_difference((f, q), (other, q), "perplexity")
 
 
-def test_an_accuracy_difference_is_a_plain_paired_t_interval_below_the_minimum():
-    """For an accuracy (no weights) the jackknife t-interval of a mean is the paired t-interval exactly."""
+def test_an_accuracy_difference_below_the_minimum_is_a_t_interval_with_the_jackknife_error():
+    """For an accuracy (no weights, every document its own cluster) the interval is the mean difference
+    +- t(n - 1) s / sqrt(n - 1): the leave-one-out standard error of a mean, a factor sqrt(n / (n - 1)) wider
+    than the textbook s / sqrt(n) (the cluster-robust CR3 variance, which does not assume equal variances)."""
     rng = np.random.default_rng(5)
-    n = 10
+    n = 8
     a, b = rng.integers(0, 2, n), rng.integers(0, 2, n)
     d = paired_delta({"ids": list(range(n)), "acc": a.tolist()}, {"ids": list(range(n)), "acc": b.tolist()}, "acc")
     diff = (b - a).astype(float)
-    half = scipy.stats.t.ppf(0.975, n - 1) * diff.std(ddof=1) / math.sqrt(n)
+    half = scipy.stats.t.ppf(0.975, n - 1) * diff.std(ddof=1) / math.sqrt(n - 1)
     assert (d.value, d.low, d.high) == pytest.approx((diff.mean(), diff.mean() - half, diff.mean() + half))
 
 
 def test_paired_difference_at_ratio_scale_is_a_ratio_of_ratios_by_hand():
     """Where a perplexity grew 10x or more, the difference of two changes is the ratio of the two perplexity
-    ratios (minus 1), with its jackknife t-interval on the log below the minimum: by hand."""
+    ratios (minus 1), with its cluster jackknife t-interval on the log below the minimum: by hand."""
     n = 8
     f_u, q_u, w = _docs(n, seed=2, cost=5.0)  # ~e^5 = 150x
     shift = w * np.random.default_rng(3).uniform(0.5, 1.5, n)  # about 1 nat per token less: ~e^-1 of that ratio
@@ -139,39 +234,70 @@ def test_paired_difference_at_ratio_scale_is_a_ratio_of_ratios_by_hand():
     assert d.kind == "ratio"
     assert d.value == pytest.approx(math.expm1(-shift.sum() / w.sum()), rel=1e-9)
     assert d.value == pytest.approx(ratio_of_ratios(list(range(n))), rel=1e-9)
-    assert (d.low, d.high) == pytest.approx(_jackknife_t(ratio_of_ratios, n, log=True), rel=1e-9)
+    assert (d.low, d.high) == pytest.approx(_cluster_t(ratio_of_ratios, list(range(n)), w, log=True), rel=1e-9)
     assert d.high is not None and d.high < 0 and format_delta(d).startswith(f"{1 + d.value:.2f}x [")
     small = paired_difference(_docs(n, seed=2, cost=0.1)[:2], _docs(n, seed=2, cost=0.1)[:2], "perplexity")
     assert small.kind == "points"  # below 10x the difference stays in points
 
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMITTED_RUNS = sorted(
     p.parent for p in (ROOT / "results").rglob("config.yaml") if (p.parent / "metrics.json").is_file()
 )
 
 
-def test_the_main_jobs_smollm2_numbers_rest_on_24_documents_from_3_works_with_bca():
-    """The committed main job (results/quickstart): every SmolLM2 evaluation reads the same >= 24 whole test
-    documents from >= 3 works, so its changes take BCa intervals; the twins' 8 x 16 backcopy sequences too."""
+def test_the_main_jobs_smollm2_numbers_rest_on_24_documents_from_9_works_resampled_by_work():
+    """The committed main job (results/quickstart): every SmolLM2 evaluation reads the same 24 whole test
+    documents from 9 works, which metrics.json names with each text's hash; its intervals resample the works."""
+    from quantgate.data.corpus import corpus, in_turn, text_hash
+
     metrics = read_metrics(ROOT / "results" / "quickstart")
     smol = next(c for c in metrics.cells if c.model == "smollm2-135m")
     docs = smol.float_documents["quantgate_ppl"]
-    assert len(docs["ids"]) >= 24 and len(set(docs["works"])) >= 3
+    texts = in_turn(corpus("test"))
+    assert len(docs["ids"]) == 24 and len(set(docs["works"])) == 9
+    assert docs["hashes"] == [text_hash(texts[int(i)].text) for i in docs["ids"]]
+    assert docs["works"] == [texts[int(i)].work for i in docs["ids"]]
     for scheme, record in smol.schemes.items():
-        assert record.documents["quantgate_ppl"]["ids"] == docs["ids"], scheme
+        assert record.documents["quantgate_ppl"]["hashes"] == docs["hashes"], scheme
         change = ppl_change(smol, scheme)
-        assert change is not None and change.method.startswith(f"paired bootstrap over {len(docs['ids'])} documents")
+        assert change is not None and "over 24 documents in 9 works" in change.method and change.clusters == 9
 
 
 @pytest.mark.parametrize("run", COMMITTED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "results")))
 def test_committed_study_reports_are_what_the_interval_rule_makes_of_their_metrics(run):
     """Every committed study report is the current code's rendering of its metrics.json: its intervals follow the
-    one rule (BCa only from MIN_BOOTSTRAP_UNITS documents on) and its verdicts come from paired differences."""
+    one rule (approximate below MIN_CLUSTERS clusters) and its verdicts come from paired differences."""
     metrics = read_metrics(run)
     assert study_markdown(metrics) == (run / "report.md").read_text(), f"quantgate report {run.relative_to(ROOT)}"
     for cell in metrics.cells:
         for scheme in cell.schemes:
             d = ppl_change(cell, scheme)
             if d is not None and d.low is not None:
-                assert d.method.startswith("paired bootstrap") == (d.n >= MIN_BOOTSTRAP_UNITS), d.method
+                assert d.clusters is not None and d.approximate == (d.clusters < MIN_CLUSTERS), d.method
+
+
+def test_verdicts_are_no_stronger_than_their_intervals():
+    """Issue 43: "fixed" needs the whole interval below the threshold and "not fixed" the whole interval at or
+    above it; a straddling, approximate or missing interval is "not resolved", and so is one read in bfloat16 whose
+    nearer end lies closer to the threshold than bfloat16's tolerance against float32 (1 pp + 10% of the change)."""
+    from quantgate.study.fixes import low_precision_margin, verdict
+    from quantgate.study.measures import format_bound, gap_reading
+
+    def d(value, low, high, approximate=False, kind="perplexity"):
+        return Delta(value, low, high, kind, 24, "by hand", clusters=9, approximate=approximate)
+
+    assert verdict(d(0.005, 0.002, 0.008), 0.01) == "fixed"
+    assert verdict(d(0.03, 0.02, 0.04), 0.01) == "not fixed"
+    assert verdict(d(0.012, 0.008, 0.016), 0.01) == "not resolved"  # estimate above, interval straddles: no verdict
+    assert verdict(d(0.008, 0.004, 0.012), 0.01) == "not resolved"
+    assert verdict(d(0.005, 0.002, 0.008, approximate=True), 0.01) == "not resolved"
+    assert verdict(Delta(0.005, None, None, "perplexity", 1, "none"), 0.01) == "not resolved"
+    assert verdict(None, 0.01) == "not run"
+    near, far = d(0.015, 0.012, 0.018), d(0.30, 0.25, 0.35)
+    assert low_precision_margin(near) == pytest.approx(0.01 + 0.1 * 0.015)
+    assert verdict(near, 0.01) == "not fixed" and verdict(near, 0.01, low_precision=True) == "not resolved"
+    assert verdict(far, 0.01, low_precision=True) == "not fixed"  # 24 pp from the threshold: bf16 cannot move it
+    gap = d(-0.002, -0.0041, 0.0001, kind="points")
+    assert gap_reading(gap) == "within noise: no difference larger than 0.41 pp" and format_bound(gap) == "0.41 pp"
+    assert gap_reading(d(-0.05, -0.06, -0.04, kind="points")) == "the gated model loses less"
+    assert gap_reading(d(-0.05, -0.06, -0.04, approximate=True, kind="points")).startswith("approximate interval")

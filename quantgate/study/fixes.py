@@ -1,8 +1,9 @@
 """The "Which fix?" section of a study report (``report: fixes``): every scheme of the study set against
 one reference scheme (the broken one), per model, ranked by the perplexity change it causes.
 
-A scheme *fixes* a model when its whole 95% interval lies below ``within`` (default +1%); one whose
-estimate is below but whose interval reaches past it is "not resolved"; the rest rank by estimate.
+A scheme *fixes* a model when its whole 95% interval lies below ``within`` (default +1%), *does not* when the
+whole interval lies at or above it; one whose interval straddles it, or is approximate, or was read in bfloat16
+closer to it than bfloat16's tolerance, is "not resolved"; all rank by estimate.
 Costs: the parameters a scheme keeps in full precision or adds (``keep=auto``, a rotation's folded
 biases), the extra run-time operations per token (the online Hadamard transforms), the range kind
 (static ranges cost nothing at run time; per-token, per-block and LLM.int8's outlier split each
@@ -15,11 +16,21 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..quant.schemes import SimulatedScheme, get_scheme
-from ..stats import Delta, format_delta, paired_delta, table_head
+from ..stats import MIN_CLUSTERS, Delta, format_delta, paired_delta, table_head
 from .measures import ppl_key
 from .records import CellRecord
 
-__all__ = ["which_fix", "fix_rows", "FixRow", "range_kind", "without_sink", "sink_effect", "verdict"]
+__all__ = [
+    "which_fix",
+    "fix_rows",
+    "FixRow",
+    "range_kind",
+    "without_sink",
+    "sink_effect",
+    "verdict",
+    "low_precision_margin",
+    "LOW_PRECISION_TOLERANCE",
+]
 
 Changes = dict[tuple[str, str], "Delta | None"]  # {(cell id, scheme): its perplexity change}
 
@@ -47,19 +58,43 @@ def sink_effect(cell: CellRecord, base: str, kept: str) -> Delta | None:
     if key is None:
         return None
     docs_base, docs_kept = (cell.scheme(s).documents.get(key[0]) for s in (base, kept))
-    return paired_delta(docs_base, docs_kept, key[1]) if docs_base and docs_kept else None
+    return paired_delta(docs_base, docs_kept, key[1], cluster=cell.cluster) if docs_base and docs_kept else None
 
 
-def verdict(d: Delta | None, within: float) -> str:
-    """``fixed`` (the whole interval below ``within``), ``not resolved`` (only the estimate), ``not fixed``, or
-    ``not run``."""
+LOW_PRECISION_TOLERANCE = (0.01, 0.1)  # bf16 against fp32: 1 pp + 10% of the change (results/bench/bf16_eval-*)
+
+
+def low_precision_margin(d: Delta) -> float:
+    """How far a change read in bfloat16 may sit from float32's (benchmarks/bf16_eval.py's tolerance)."""
+    base, share = LOW_PRECISION_TOLERANCE
+    return base + share * abs(d.value)
+
+
+def _why_no_interval(d: Delta) -> str:
+    """Why ``d`` (approximate, or without an interval) decides nothing, from its method."""
+    units = f"{d.n} documents" + (f" in {d.clusters} independent units" if d.clusters is not None else "")
+    if d.approximate:
+        return f"its intervals are approximate ({units}; fewer than {MIN_CLUSTERS})"
+    return f"no interval ({units})"
+
+
+def verdict(d: Delta | None, within: float, *, low_precision: bool = False) -> str:
+    """``fixed`` (the whole interval below ``within``), ``not fixed`` (the whole interval at or above it),
+    ``not resolved`` (the interval straddles ``within``, has no verdict to give: approximate or absent, or
+    ``low_precision``: read in bfloat16 / float16 with its nearer end closer to ``within`` than the low-precision
+    tolerance, :func:`low_precision_margin`), or ``not run``."""
     if d is None:
         return "not run"
-    if d.high is not None and d.high < within:
-        return "fixed"
-    if d.value < within:
+    if not d.decisive:
         return "not resolved"
-    return "not fixed"
+    assert d.low is not None and d.high is not None
+    if d.high < within:
+        distance, said = within - d.high, "fixed"
+    elif d.low >= within:
+        distance, said = d.low - within, "not fixed"
+    else:
+        return "not resolved"
+    return "not resolved" if low_precision and distance < low_precision_margin(d) else said
 
 
 @dataclass(frozen=True)
@@ -75,8 +110,11 @@ class FixRow:
     seconds: float | None
 
 
-def fix_rows(cell: CellRecord, schemes: list[str], changes: Changes, within: float) -> list[FixRow]:
-    """One row per scheme evaluated on ``cell``, best (smallest change) first."""
+def fix_rows(
+    cell: CellRecord, schemes: list[str], changes: Changes, within: float, low_precision: bool = False
+) -> list[FixRow]:
+    """One row per scheme evaluated on ``cell``, best (smallest change) first; ``low_precision``: ``cell`` was
+    read in bfloat16 or float16 (:func:`verdict`)."""
     rows = []
     for s in schemes:
         r = cell.scheme(s)
@@ -89,7 +127,7 @@ def fix_rows(cell: CellRecord, schemes: list[str], changes: Changes, within: flo
             FixRow(
                 scheme=s,
                 delta=d,
-                verdict=verdict(d, within),
+                verdict=verdict(d, within, low_precision=low_precision),
                 params=(m.get("kept_params") or 0) + (rot.get("extra_params") or 0),
                 ops=rot.get("extra_ops_per_token") or 0,
                 seconds=r.quantize_s,
@@ -99,30 +137,42 @@ def fix_rows(cell: CellRecord, schemes: list[str], changes: Changes, within: flo
 
 
 def which_fix(
-    cells: list[CellRecord], schemes: list[str], changes: Changes, fixes: dict, pairs: list[list[str]]
+    cells: list[CellRecord],
+    schemes: list[str],
+    changes: Changes,
+    fixes: dict,
+    pairs: list[list[str]],
+    low_precision: frozenset[str] = frozenset(),
 ) -> list[str]:
-    """The report's opening section (module docstring)."""
+    """The report's opening section (module docstring); ``low_precision``: the models read in bfloat16 or
+    float16."""
     reference = str(get_scheme(fixes["reference"]))
     within = float(fixes.get("within", 0.01))
     lines = [
         "## Which fix?",
         "",
         f"Each scheme against `{reference}` (the reference) on every model: a scheme *fixes* a model when "
-        f"its whole 95% interval lies below +{within:.0%} of the float perplexity; *not resolved* when the "
-        f"estimate is below but the interval reaches past it.",
+        f"its whole 95% interval lies below +{within:.0%} of the float perplexity, and does not when the whole "
+        f"interval lies at or above it; *not resolved* when the interval straddles +{within:.0%}, is approximate, "
+        "or was read in bfloat16 with its nearer end closer to the threshold than bfloat16's tolerance against "
+        "float32 (1 pp + 10% of the change, results/bench/bf16_eval-smollm2-cpu.md)"
+        + (f": {', '.join(sorted(low_precision))} read in bfloat16 / float16." if low_precision else "."),
         "",
     ]
     by_model: dict[str, CellRecord] = {}
     for c in cells:
         by_model.setdefault(c.model, c)
-    rows_of = {m: fix_rows(c, schemes, changes, within) for m, c in by_model.items()}
+    rows_of = {m: fix_rows(c, schemes, changes, within, m in low_precision) for m, c in by_model.items()}
     for model, c in by_model.items():
         rows = rows_of[model]
         ref = changes.get((c.id, reference))
         fixed = [r for r in rows if r.verdict == "fixed" and r.scheme != reference]
         unresolved = [r for r in rows if r.verdict == "not resolved" and r.scheme != reference]
         text = f"- **{model}** ({c.variant}): `{reference}` {format_delta(ref)}"
-        if ref is not None and verdict(ref, within) == "fixed":
+        if ref is not None and not ref.decisive:
+            lines.append(f"{text}; no verdicts: {_why_no_interval(ref)}.")
+            continue
+        if verdict(ref, within, low_precision=model in low_precision) == "fixed":
             text += f", already within +{within:.0%}: it needs no fix."
         elif fixed:
             text += (
@@ -171,8 +221,12 @@ def which_fix(
     for s in order:
         cols = [
             format_delta(changes.get((c.id, s)))
-            + ("" if verdict(changes.get((c.id, s)), within) != "fixed" else " **fixed**")
-            for c in by_model.values()
+            + (
+                ""
+                if verdict(changes.get((c.id, s)), within, low_precision=m in low_precision) != "fixed"
+                else " **fixed**"
+            )
+            for m, c in by_model.items()
         ]
         lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")
     head = [

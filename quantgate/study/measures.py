@@ -5,7 +5,7 @@ bit sweep. The report, the "Which fix?" section, the experiments and the headlin
 from __future__ import annotations
 
 from ..quant.schemes import act_bits
-from ..stats import METRICS, Delta, change, paired_difference
+from ..stats import METRICS, Delta, bound, change, cluster_labels, paired_difference
 from .records import CellRecord, Results
 
 __all__ = [
@@ -21,6 +21,8 @@ __all__ = [
     "float_change",
     "change_gap",
     "gap_reading",
+    "format_bound",
+    "read_on",
     "peak_activation",
     "max_layer_sink",
     "bit_sweeps",
@@ -79,6 +81,7 @@ def scheme_change(cell: CellRecord, scheme: str, task_metric: TaskMetric) -> Del
         metric_of(r.results, task_metric),
         cell.float_documents.get(task),
         r.documents.get(task),
+        cell.cluster,
     )
 
 
@@ -89,7 +92,9 @@ def float_change(base: CellRecord, cell: CellRecord) -> Delta | None:
     if key is None:
         return None
     docs = [c.float_documents.get(key[0]) for c in (base, cell)]
-    return change(key[1], metric_of(base.float_results, key), metric_of(cell.float_results, key), *docs)
+    return change(
+        key[1], metric_of(base.float_results, key), metric_of(cell.float_results, key), docs[0], docs[1], base.cluster
+    )
 
 
 def change_gap(base: CellRecord, cell: CellRecord, scheme: str, task_metric: TaskMetric | None = None) -> Delta | None:
@@ -108,18 +113,50 @@ def change_gap(base: CellRecord, cell: CellRecord, scheme: str, task_metric: Tas
         or any(METRICS[key[1]].value not in d for d in found)
     ):
         return None
-    return paired_difference((found[0], found[1]), (found[2], found[3]), key[1])
+    return paired_difference((found[0], found[1]), (found[2], found[3]), key[1], cluster=base.cluster)
 
 
 def gap_reading(gap: Delta | None, who: str = "the gated model") -> str:
-    """A paired difference of changes in words: who loses less, or within noise."""
+    """A paired difference of changes in words, no stronger than its interval: who loses less or more, or the
+    bound the interval puts on any difference ("no difference larger than 0.42 pp"); none from an approximate
+    interval."""
     if gap is None or gap.low is None or gap.high is None:
         return "no paired interval (no per-document values on the same documents)"
+    if gap.approximate:
+        return "approximate interval (too few independent works or documents): no verdict"
     if gap.high < 0:
         return f"{who} loses less"
     if gap.low > 0:
         return f"{who} loses more"
-    return "no difference within noise"
+    return f"within noise: no difference larger than {format_bound(gap)}"
+
+
+def read_on(cell: CellRecord) -> str:
+    """How many documents the cell's headline perplexity was read on and from how many works: ``24 (9 works)``
+    (the intervals resample the works), ``12 (1 work; resampled by document)`` where the study's report declares
+    ``cluster: document``; ``128`` where the documents record no work (each its own)."""
+    key = ppl_key(cell)
+    docs = cell.float_documents.get(key[0]) if key else None
+    if not docs or "ids" not in docs:
+        return "-"
+    labels = cluster_labels(docs)
+    if labels is None:
+        return f"{len(docs['ids'])}"
+    works = len(set(map(str, labels)))
+    by = "; resampled by document" if cell.cluster == "document" else ""
+    return f"{len(docs['ids'])} ({works} work{'s' * (works != 1)}{by})"
+
+
+def format_bound(d: Delta) -> str:
+    """:func:`quantgate.stats.bound` in ``d``'s unit: ``0.42 pp``, ``1.3%``, ``1.05x`` (a ratio's farther end)."""
+    b = bound(d)
+    if b is None:
+        return "n/a"
+    if d.kind == "ratio":
+        assert d.low is not None and d.high is not None
+        return f"{max(1 + d.high, 1 / (1 + d.low)):.3g}x either way"
+    unit = {"perplexity": "%", "accuracy": " pp", "points": " pp"}.get(d.kind)
+    return f"{100 * b:.2g}{unit}" if unit else f"{b:.3g}"
 
 
 def peak_activation(cell: CellRecord) -> tuple[float | None, float | None]:

@@ -8,6 +8,7 @@ their own (an evaluation's ``{task: {metric: value}}``, observe's per-layer rows
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..files import json_kind, read_json
+from ..data.corpus import document_keys
+from ..files import json_kind, read_json, write_text_atomic
 from ..json_record import JsonRecord
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
@@ -25,7 +27,7 @@ from .grid import cell_dir
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
 
 Results = dict[str, dict[str, float]]  # {task: {metric: value}}
-Documents = dict[str, dict[str, list[float]]]  # {task: {metric: [one value per document]}}
+Documents = dict[str, dict[str, list]]  # {task: {column: [one value per document]}}: numbers; works, hashes: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,41 @@ class Training(JsonRecord):
         )
 
 
+def keyed(documents: Documents) -> Documents:
+    """``documents`` with the work and text hash of each bundled quantgate_ppl document recorded before they were
+    kept (recovered from the bundled corpus by position, where the word counts agree: :func:`document_keys`);
+    other tasks' values as they are."""
+    ppl = documents.get("quantgate_ppl")
+    if not ppl or ("works" in ppl and "hashes" in ppl) or "ids" not in ppl or "words" not in ppl:
+        return documents
+    keys = document_keys(list(ppl["ids"]), ppl["words"])
+    return documents if keys is None else {**documents, "quantgate_ppl": {**ppl, **keys}}
+
+
+def key_documents(run_dir: str | Path, cluster: str | None = None) -> bool:
+    """Write the works and text hashes :func:`keyed` recovers into a run's metrics.json (one :func:`read_metrics`
+    accepts), and ``cluster`` (the unit its intervals resample, "work" or "document") into its study's report
+    settings where given (the file otherwise as it was); True where it changed."""
+    path = Path(run_dir) / "metrics.json"
+    data = read_json(path)
+    changed = False
+    report = (data.get("study") or {}).get("report")
+    if cluster is not None and isinstance(report, dict) and report.get("cluster", "work") != cluster:
+        if cluster not in ("work", "document"):
+            raise ValueError(f"unknown cluster {cluster!r}: work or document")
+        report["cluster"], changed = cluster, True
+    for cell in data.get("cells") or []:
+        for holder, field_name in [(cell, "float_documents")] + [
+            (r, "documents") for r in (cell.get("schemes") or {}).values()
+        ]:
+            documents = holder.get(field_name)
+            if isinstance(documents, dict) and (new := keyed(documents)) is not documents:
+                holder[field_name], changed = new, True
+    if changed:
+        write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    return changed
+
+
 @dataclass(frozen=True)
 class SchemeRecord:
     """One scheme's step in a cell: its evaluation, quantization error and what quantizing recorded;
@@ -120,7 +157,9 @@ class SchemeRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SchemeRecord:
-        return cls(**{k: v for k, v in data.items() if k != "key"})
+        d = {k: v for k, v in data.items() if k != "key"}
+        d["documents"] = keyed(d.get("documents") or {})
+        return cls(**d)
 
     def to_json(self) -> dict[str, Any]:
         """The step's JSON as the run writes it (an error step keeps only its error and seconds)."""
@@ -148,20 +187,21 @@ class CellRecord:
     schemes: dict[str, SchemeRecord] = field(default_factory=dict)
     seconds: float = 0.0
     run_dir: Path | None = None  # the run directory it was read from (not part of the JSON)
+    cluster: str = "work"  # the unit its intervals resample: the study's report: cluster (not part of the JSON)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], run_dir: Path | None = None) -> CellRecord:
-        d = dict(data, run_dir=run_dir)
+    def from_json(cls, data: dict[str, Any], run_dir: Path | None = None, cluster: str = "work") -> CellRecord:
+        d = dict(data, run_dir=run_dir, cluster=cluster)
         d["float_results"] = d.pop("float", {})
         d["schemes"] = {s: SchemeRecord.from_json(r) for s, r in (d.get("schemes") or {}).items()}
-        d["float_documents"] = d.get("float_documents") or {}
+        d["float_documents"] = keyed(d.get("float_documents") or {})
         d["trained"] = Training.from_json(d.get("trained") or {})
         d["observe"] = CellObserve.from_json(d["observe"]) if d.get("observe") else None
         d["cost"] = GateCost.from_json(d["cost"]) if d.get("cost") else None
         return cls(**d)
 
     def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "run_dir"}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("run_dir", "cluster")}
         d["float"] = d.pop("float_results")
         d["schemes"] = {s: r.to_json() for s, r in self.schemes.items()}
         d["trained"] = self.trained.to_json()
@@ -210,7 +250,8 @@ class StudyRecord:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], run_dir: Path | None = None) -> StudyRecord:
-        return cls(**{**data, "cells": [CellRecord.from_json(c, run_dir) for c in data["cells"]]})
+        cluster = (data.get("study", {}).get("report") or {}).get("cluster", "work")
+        return cls(**{**data, "cells": [CellRecord.from_json(c, run_dir, cluster) for c in data["cells"]]})
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -34,10 +34,11 @@ from .measures import (
     peak_activation,
     ppl_change,
     ppl_of,
+    read_on,
     scheme_change,
 )
 from .plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
-from .records import CellRecord, StudyRecord, read_metrics
+from .records import CellRecord, StudyRecord, key_documents, read_metrics
 
 __all__ = ["Report", "SECTIONS", "study_markdown", "study_plots", "plot_files", "write_study_report"]
 
@@ -141,7 +142,10 @@ def fixes(report: Report) -> str:
     if not asked:
         return ""
     pairs = report.settings.get("pairs") or []
-    return "\n".join(which_fix(report.cells, report.schemes, report.changes, asked, pairs))
+    low = frozenset(
+        m["name"] for m in report.metrics.study.get("models") or [] if m.get("dtype") in ("bfloat16", "float16")
+    )
+    return "\n".join(which_fix(report.cells, report.schemes, report.changes, asked, pairs, low))
 
 
 def answer(report: Report) -> str:
@@ -286,6 +290,7 @@ def outliers(report: Report) -> str:
         "seed",
         "tokens trained",
         "FP ppl",
+        "documents (clusters)",
         "max inf-norm",
         "max activation",
         "max / median",
@@ -315,6 +320,7 @@ def outliers(report: Report) -> str:
             c.variant,
             *_run(c),
             fmt(ppl_of(c.float_results)),
+            read_on(c),
             fmt(summ.max_inf_norm),
             *map(fmt, peak_activation(c)),
             fmt(summ.kurtosis),
@@ -734,10 +740,14 @@ def study_plots(metrics: StudyRecord, out: Path) -> None:
     Report.of(metrics).draw(out)
 
 
-def write_study_report(run_dir: str | Path) -> Path:
-    """report.md and plots of a study run directory, from its metrics.json alone."""
+def write_study_report(run_dir: str | Path, cluster: str | None = None) -> Path:
+    """report.md and plots of a study run directory, from its metrics.json alone; ``cluster`` ("work" or
+    "document"): the unit its intervals resample from now on, recorded in metrics.json."""
     run_dir = Path(run_dir)
-    report = Report.of(read_metrics(run_dir))
+    metrics = read_metrics(run_dir)  # refuses a metrics.json that is not a study's, naming the problem
+    if key_documents(run_dir, cluster):  # works and text hashes into a metrics.json written before they were kept
+        metrics = read_metrics(run_dir)
+    report = Report.of(metrics)
     write_text_atomic(run_dir / "report.md", report.markdown())
     report.draw(run_dir)
     return run_dir / "report.md"

@@ -129,6 +129,8 @@ SECTION_RULES: dict[str, Rules] = {
         "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
         "baseline": (str, None),  # a variant the report sets every other variant of a model against
         "fixes": (dict, None),
+        # the unit the intervals resample: "work" (documents of one work together; the default) or "document"
+        "cluster": (str, (lambda c: c in ("work", "document"), "'work' or 'document'")),
     },  # {reference: scheme, within: fraction}: the report opens with a ranking
 }
 

@@ -72,7 +72,7 @@ EVAL_FORMAT = "per-document values, quantgate_ppl 2.0, backcopy after the first 
 # so a cached result of the old code is computed again, and the run says which (a file records its format).
 # At 1 a key is what it was before formats existed. tests/test_step_formats.py holds each step's output shape at
 # its number and fails when the shape changes under the same number.
-STEP_FORMATS = {"model": 1, "observe": 2, "eval-float": 1, "cost": 1, "scheme": 1}
+STEP_FORMATS = {"model": 1, "observe": 2, "eval-float": 2, "cost": 1, "scheme": 2}  # 2: per-document text hashes
 
 
 def step_kind(name: str) -> str:
