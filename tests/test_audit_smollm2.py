@@ -1,6 +1,6 @@
 """Acceptance of ``quantgate audit`` on a real model: SmolLM2-135M saved by plain transformers (not the packaged
 name), audited at the default 10-minute budget. Its answer agrees with the main job's SmolLM2 rows (the same
-documents, settings and dtype) within their intervals, and its export (the recipe within +3%) loads in plain
+documents, settings and dtype) within their intervals, and its export (the recipe within +5%) loads in plain
 ``from_pretrained`` with the weights ``qg.load`` reads. Its wall time against the budget is measured by
 benchmarks/audit.py, not here."""
 
@@ -26,8 +26,10 @@ def plain_smollm2(folder: Path) -> Path:
 def test_smollm2_saved_by_transformers_agrees_with_the_main_job(tmp_path):
     folder = plain_smollm2(tmp_path / "SmolLM2-135M")
     # at the default +1% no rung is resolved on SmolLM2 in 10 minutes (results/bench/audit-smollm2-cpu.md: weight-only
-    # INT8 +0.8% [+0.4, +1.3]); at +3% SmoothQuant before per-token INT8 is within, and it is exported
-    found = qg.audit(str(folder), tmp_path / "audit", budget="10m", within="3%", progress=False)
+    # INT8 +0.8% [+0.2, +1.9]). At +5% SmoothQuant before per-token INT8 (+1.7% [+1.2, +2.5]) is within, further from
+    # the threshold than bfloat16's tolerance (1 pp + 10% of the change; at +3% it was not), and it is exported;
+    # FP8 (+4.5% [+3.9, +5.2]) and per-token INT8 (+5.4% [+4.2, +6.8]) straddle +5%
+    found = qg.audit(str(folder), tmp_path / "audit", budget="10m", within="5%", progress=False)
     assert found.survives_static_int8 is False and "does not survive it" in found.answer.splitlines()[2]
     main_job = {c.model: c for c in read_metrics(ROOT / "results" / "quickstart").cells}["smollm2-135m"]
     shared = [s for s in found.changes["SmolLM2-135M"] if ppl_change(main_job, s) is not None]
