@@ -289,8 +289,9 @@ def _interval(
     over clusters (``clusters``: a label per document; None: every document its own), on the log of 1 + x
     where ``log_ratio``. The interval holds two intervals, each end the wider of the two:
 
-    * the cluster jackknife t-interval: the standard error from the statistic without each cluster in turn
-      (for a weighted mean, the leverage-corrected cluster-robust variance CR3), its t quantile at Bell and
+    * the cluster jackknife t-interval: the standard error from the statistic without each cluster in turn, the
+      root of the summed squared deviations from the whole's value (for a weighted mean, the leverage-corrected
+      cluster-robust variance CR3, without a (G - 1) / G factor), its t quantile at Bell and
       McCaffrey's degrees of freedom (:func:`_bm_df`, from each cluster's share of the weight ``data[1]``), which
       fall below G - 1 where few clusters hold most of the words;
     * from :data:`MIN_CLUSTERS` clusters on, the studentized cluster bootstrap (bootstrap-t): clusters resampled
@@ -316,7 +317,9 @@ def _interval(
     alpha = (1 - confidence) / 2
     half = float(scipy.stats.t.ppf(1 - alpha, df)) * se
     low, high = centre - half, centre + half
+    how = f"cluster jackknife t ({df:.1f} df)"
     if g >= MIN_CLUSTERS and resamples > 0 and se > 0:  # below, bootstrap-t's ends run off to +-100%
+        how += f" and studentized cluster bootstrap ({resamples:,} resamples, seed {seed})"
         idx = np.random.default_rng(seed).integers(0, g, (resamples, g))
         drawn = tuple(t[idx] for t in totals)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -327,10 +330,7 @@ def _interval(
         if len(t):
             low = min(low, centre - float(np.quantile(t, 1 - alpha, method="higher")) * se)
             high = max(high, centre - float(np.quantile(t, alpha, method="lower")) * se)
-    how = (
-        f"cluster jackknife t ({df:.1f} df) and studentized cluster bootstrap ({resamples:,} resamples, seed "
-        f"{seed}) over {units}" + (", on the log ratio" if log_ratio else "")
-    )
+    how += f" over {units}" + (", on the log ratio" if log_ratio else "")
     approximate = method == "approximate"
     if approximate:
         how += f"; approximate: fewer than {MIN_CLUSTERS} clusters"
