@@ -9,7 +9,7 @@ unchanged, linearly interpolated (factor = length / 128) and YaRN (transformers'
 Qiu et al. find the gate's benefit mostly after YaRN extension; the seed's toy model says a sink
 leaks as keys are added. Here: whether the ungated model's sink and perplexity degrade faster. Both
 models see the same sequences, so each change of perplexity (gated vs ungated, scaled vs unscaled RoPE)
-carries a 95% paired interval over them (quantgate.stats: BCa from 20, a jackknife t-interval below).
+carries a 95% paired interval over them (quantgate.stats; approximate below 9 sequences).
 """
 
 from __future__ import annotations

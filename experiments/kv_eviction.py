@@ -7,10 +7,10 @@ A rolling KV cache of w recent tokens is an attention mask: query i sees keys i-
 0..3 when the sink tokens are kept (Xiao et al. 2024). Positions stay the original ones (RoPE sees
 true distances; StreamingLLM re-indexes positions inside the cache instead). Perplexity is over the
 second half of each sequence, where every window has evicted tokens; every change of perplexity carries
-a 95% paired interval over the sequences (BCa from 20, a jackknife t-interval below). Models: SmolLM2-135M (ungated,
-real) on the first 1024 tokens of 24 held-out test documents (one row per document, taken in turn from each work),
-and the packaged twins (twin-vanilla and its G1-gated twin-g1: cpu_recipe's 2-layer d=64 recipe, seed 0; see their
-model cards) on held-out backcopy sequences.
+a 95% paired interval over the sequences (quantgate.stats; approximate below 9 works or sequences).
+Models: SmolLM2-135M (ungated, real) on the first 1024 tokens of 24 held-out test documents (one row per
+document, taken in turn from each work), and the packaged twins (twin-vanilla and its G1-gated twin-g1:
+cpu_recipe's 2-layer d=64 recipe, seed 0; see their model cards) on held-out backcopy sequences.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
         "Perplexity over the second half of each sequence; 'w / 0' evicts everything older than w tokens, "
         f"'w / {SINKS}' keeps the first {SINKS} tokens too. Evicting the sinks costs: ppl(w / 0) / "
         f"ppl(w / {SINKS}); vs full: the change from full attention. Each with a 95% paired interval over the "
-        "sequences (BCa from 20, a jackknife t-interval below; ~: the interval includes no change). "
+        "sequences (quantgate.stats; ~: the interval includes no change; approximate: too few to decide). "
         "First-token attention: mean over layers, heads and queries of the full-attention model. Trained "
         "models: the packaged twins (their model cards give the training).",
         "",

@@ -14,8 +14,8 @@ where they are massive by zero, or by their mean over the validation sequences; 
 as many randomly chosen ordinary channels at the same positions. Perplexity is measured on
 the first 256 tokens of 24 held-out test documents (one row per document, taken in turn from each work),
 together with the first-token attention of every layer; each setting's change
-of perplexity from the original carries a 95% paired interval over the test sequences (BCa from 20, a
-jackknife t-interval below).
+of perplexity from the original carries a 95% paired interval over the test sequences (quantgate.stats;
+approximate below 9 works or sequences).
 """
 
 from __future__ import annotations

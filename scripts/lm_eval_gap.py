@@ -32,8 +32,8 @@ samples:
   for the static one).
 
 A gap is a paired change over the documents (:func:`quantgate.stats.paired_delta` on the cloze perplexity,
-exp(-mean log-likelihood), BCa bootstrap from 20 documents on); its log, printed here, is the mean per-document
-difference in nats (positive: the first scores the target as less likely).
+exp(-mean log-likelihood), its interval resampling the documents' works); its log, printed here, is the mean
+per-document difference in nats (positive: the first scores the target as less likely).
 """
 
 from __future__ import annotations
@@ -389,8 +389,8 @@ Command: `{command}` (offline; it makes the exports itself: `qg.save` of the flo
 on {machine}; {versions}. The seconds are wall time on that machine, beside whatever else ran there: not timings.
 
 {n} documents of `quantgate_cloze` (ids 0, {step}, 2x{step}, ...: spread over the works). Gap: the paired change
-of the cloze perplexity, first arm against second (`quantgate.stats.paired_delta`, BCa bootstrap over the
-documents), printed as its log: the mean per-document NLL difference of the target word in nats (positive: the
+of the cloze perplexity, first arm against second (`quantgate.stats.paired_delta`, resampling the
+documents' works), printed as its log: the mean per-document NLL difference of the target word in nats (positive: the
 first arm finds the target less likely). Criterion (declared in the script's docstring before the run): {verdict}.
 
 {table}
