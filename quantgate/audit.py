@@ -51,7 +51,7 @@ from .quant.export import export_format
 from .quant.imported import quantization_config
 from .quant.schemes import get_scheme
 from .stats import MIN_CLUSTERS, Delta, format_delta
-from .study.fixes import verdict
+from .study.fixes import LOW_PRECISION_DTYPES, verdict
 from .study.grid import DataSettings
 from .study.measures import PPL_KEYS, change_gap, gap_reading, max_layer_sink, peak_activation, ppl_change
 from .study.records import CellRecord, read_metrics
@@ -362,9 +362,14 @@ class Plan:
     cut: str  # what the budget cut, in words ("" where nothing)
 
 
+def _batched(settings: list[Settings]) -> bool:
+    """Whether the evaluation's limit counts batches of 16 sequences (every model reads a computed task)."""
+    return all(s.tasks[0] in BATCH_TASKS for s in settings)
+
+
 def _limit_units(n: int, settings: list[Settings]) -> str:
     """``n`` units of the evaluation's limit in words: documents, or batches of 16 sequences."""
-    if all(s.tasks[0] in BATCH_TASKS for s in settings):
+    if _batched(settings):
         return f"{n} batch{'es' * (n != 1)} of 16 sequences"
     return f"{n} document{'s' * (n != 1)}"
 
@@ -372,7 +377,7 @@ def _limit_units(n: int, settings: list[Settings]) -> str:
 def _min_docs(settings: list[Settings]) -> int:
     """The fewest units of the limit that give a verdict: :data:`MIN_DOCS` documents (or lm-eval items), or one
     batch of 16 sequences of a computed task (each sequence its own cluster)."""
-    return 1 if all(s.tasks[0] in BATCH_TASKS for s in settings) else MIN_DOCS
+    return 1 if _batched(settings) else MIN_DOCS
 
 
 def _plan(costs: list[Costs], settings: list[Settings], ladder: list[Rung], budget_s: float, spent: float,
@@ -737,7 +742,7 @@ def audit(
         targets = sorted([target, other], key=lambda t: _target(t.load, None).variant is not None)  # ungated first
         pairs = [[targets[0].name, targets[1].name]]
     dtype = _dtype_of(target, dtype)
-    low = dtype in ("bfloat16", "float16")  # a verdict nearer its threshold than bf16's tolerance: not resolved
+    low = dtype in LOW_PRECISION_DTYPES  # a verdict nearer its threshold than bf16's tolerance: not resolved
     for t in targets:
         _check_memory(t, dtype, placement)
     settings = [_settings(t, tasks) for t in targets]

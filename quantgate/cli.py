@@ -39,6 +39,7 @@ from .options import check_range
 from .parallel import is_first, joined, relaunch
 from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
 from .runlock import RunDirectoryBusy, run_lock
+from .stats import CLUSTERS
 from .study import DEFAULT_STUDY, plan, run_study
 from .study.compare import compare
 from .study.executors import EXECUTORS
@@ -650,7 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run", help="a study run directory")
     rp.add_argument(
         "--cluster",
-        choices=("work", "document"),
+        choices=CLUSTERS,
         help="the unit the intervals resample from now on (recorded in metrics.json; default: the study's, work)",
     )
     rp.set_defaults(func=cmd_report)

@@ -67,7 +67,7 @@ from .models.swap import variant_of
 from .options import AT_LEAST_1, check_range
 from .provenance import git_commit, versions
 from .quant import fingerprint, get_scheme, quantization_of, quantize
-from .stats import METRICS, aggregate
+from .stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate
 
 if TYPE_CHECKING:
     from lm_eval.loggers import EvaluationTracker
@@ -550,8 +550,8 @@ def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTok
         else:
             docs[metric.value] = [_number(v) for v in values]
     if all(isinstance(s.get("doc"), dict) and "work" in s["doc"] for s in rows):  # the bundled corpus's
-        docs["works"] = [s["doc"]["work"] for s in rows]  # independent units are works, not chapters of one
-    docs["hashes"] = [_doc_hash(s.get("doc")) for s in rows]
+        docs[CLUSTER_COLUMN] = [s["doc"]["work"] for s in rows]  # independent units: works, not chapters of one
+    docs[HASH_COLUMN] = [_doc_hash(s.get("doc")) for s in rows]
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
         if tokenizer is None:
             raise ValueError("a rolling task's documents count their tokens: give sample_documents the tokenizer")
@@ -628,7 +628,7 @@ def mlm_documents(
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
             loglik += (-nll.sum(1)).tolist()
             tokens += (labels != -100).sum(1).tolist()
-    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens, "hashes": hashes}
+    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens, HASH_COLUMN: hashes}
 
 
 def backcopy_metrics(
@@ -668,11 +668,11 @@ def _backcopy_documents(
     device = next(model.parameters()).device
     columns = ("ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies")
     docs: dict[str, list] = {c: [] for c in columns}
-    docs["hashes"] = []
+    docs[HASH_COLUMN] = []
     with eval_mode(model):
         for batch in data:
             ids = batch["input_ids"].to(device)
-            docs["hashes"] += _token_hashes(ids)
+            docs[HASH_COLUMN] += _token_hashes(ids)
             logits = model(input_ids=ids).logits.float()[:, :-1]
             target = ids[:, 1:]
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")

@@ -39,8 +39,10 @@ __all__ = [
     "interval_method",
     "cluster_labels",
     "MIN_CLUSTERS",
+    "CLUSTERS",
     "CLUSTER_COLUMN",
     "HASH_COLUMN",
+    "check_cluster",
     "bound",
     "seed_delta",
     "change",
@@ -58,6 +60,7 @@ CONFIDENCE = 0.95
 RESAMPLES = 1000
 # clusters below which the interval's measured coverage fell under 0.94 (results/bench/interval_coverage.md)
 MIN_CLUSTERS = 9
+CLUSTERS = ("work", "document")  # the units an interval may resample (a study's report: cluster)
 CLUSTER_COLUMN = "works"  # a document's source group: the unit the interval resamples
 HASH_COLUMN = "hashes"  # a hash of each document's text (or tokens): which document a row is, not only where
 RATIO_SCALE = 10  # a perplexity that grew this many times or more is printed, and differenced, as a ratio
@@ -245,9 +248,14 @@ def interval_method(clusters: int) -> str:
 def cluster_labels(docs: dict, cluster: str = "work") -> list | None:
     """The cluster of each document: its work (the ``works`` column) for ``cluster`` "work"; None (each document
     its own) for "document" or where the documents record no work."""
-    if cluster not in ("work", "document"):
-        raise ValueError(f"unknown cluster {cluster!r}: work or document")
+    check_cluster(cluster)
     return list(docs[CLUSTER_COLUMN]) if cluster == "work" and CLUSTER_COLUMN in docs else None
+
+
+def check_cluster(cluster: str) -> None:
+    """Refuse a cluster level other than :data:`CLUSTERS`, naming them."""
+    if cluster not in CLUSTERS:
+        raise ValueError(f"unknown cluster {cluster!r}: one of {', '.join(CLUSTERS)}")
 
 
 def _totals(data: tuple, clusters) -> tuple[tuple[np.ndarray, ...], int]:

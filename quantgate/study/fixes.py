@@ -30,6 +30,7 @@ __all__ = [
     "verdict",
     "low_precision_margin",
     "LOW_PRECISION_TOLERANCE",
+    "LOW_PRECISION_DTYPES",
 ]
 
 Changes = dict[tuple[str, str], "Delta | None"]  # {(cell id, scheme): its perplexity change}
@@ -61,6 +62,7 @@ def sink_effect(cell: CellRecord, base: str, kept: str) -> Delta | None:
     return paired_delta(docs_base, docs_kept, key[1], cluster=cell.cluster) if docs_base and docs_kept else None
 
 
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")  # a study's or audit's dtype whose verdicts near a threshold wait
 LOW_PRECISION_TOLERANCE = (0.01, 0.1)  # bf16 against fp32: 1 pp + 10% of the change (results/bench/bf16_eval-*)
 
 

@@ -21,7 +21,7 @@ from ..files import json_kind, read_json, write_text_atomic
 from ..json_record import JsonRecord
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
-from ..stats import METRICS, aggregate
+from ..stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate, check_cluster
 from .grid import cell_dir
 
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
@@ -109,7 +109,7 @@ def keyed(documents: Documents) -> Documents:
     kept (recovered from the bundled corpus by position, where the word counts agree: :func:`document_keys`);
     other tasks' values as they are."""
     ppl = documents.get("quantgate_ppl")
-    if not ppl or ("works" in ppl and "hashes" in ppl) or "ids" not in ppl or "words" not in ppl:
+    if not ppl or (CLUSTER_COLUMN in ppl and HASH_COLUMN in ppl) or "ids" not in ppl or "words" not in ppl:
         return documents
     keys = document_keys(list(ppl["ids"]), ppl["words"])
     return documents if keys is None else {**documents, "quantgate_ppl": {**ppl, **keys}}
@@ -124,8 +124,7 @@ def key_documents(run_dir: str | Path, cluster: str | None = None) -> bool:
     changed = False
     report = (data.get("study") or {}).get("report")
     if cluster is not None and isinstance(report, dict) and report.get("cluster", "work") != cluster:
-        if cluster not in ("work", "document"):
-            raise ValueError(f"unknown cluster {cluster!r}: work or document")
+        check_cluster(cluster)
         report["cluster"], changed = cluster, True
     for cell in data.get("cells") or []:
         for holder, field_name in [(cell, "float_documents")] + [

@@ -25,6 +25,7 @@ from ..models.sources import PACKAGED, resolve
 from ..models.swap import check_expressible
 from ..options import AT_LEAST_0, AT_LEAST_1, Range
 from ..quant.schemes import OPTIONS, get_scheme
+from ..stats import CLUSTERS
 from ..train import TRAIN_RANGES, TrainConfig
 from ..variants import AttentionVariant
 from ..yaml_file import read_yaml
@@ -130,7 +131,7 @@ SECTION_RULES: dict[str, Rules] = {
         "baseline": (str, None),  # a variant the report sets every other variant of a model against
         "fixes": (dict, None),
         # the unit the intervals resample: "work" (documents of one work together; the default) or "document"
-        "cluster": (str, (lambda c: c in ("work", "document"), "'work' or 'document'")),
+        "cluster": (str, (lambda c: c in CLUSTERS, " or ".join(repr(c) for c in CLUSTERS))),
     },  # {reference: scheme, within: fraction}: the report opens with a ranking
 }
 
