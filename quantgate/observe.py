@@ -96,43 +96,63 @@ def _stride(n: int, channels: int) -> int:
     return p
 
 
+def _histogram(sample: torch.Tensor) -> torch.Tensor:
+    """Counts (LOG_BINS,) float64 of the |x| values in ``sample`` (float32, >= 0, consumed: changed in place)
+    on the 0.01-decade log10 scale: torch.histc's bins by its own arithmetic, truncating (log10 |x| - LOG_LO)
+    x LOG_BINS / (LOG_HI - LOG_LO), the top edge in the last bin (tests/test_observe_speed.py holds the counts
+    to histc's), at about a tenth of histc's cost on a CPU."""
+    logs = sample.clamp_min_(10**LOG_LO).log10_().clamp_max_(LOG_HI - 1e-6)
+    bins = logs.sub_(LOG_LO).mul_(LOG_BINS).div_(LOG_HI - LOG_LO).int().clamp_max_(LOG_BINS - 1)
+    return torch.bincount(bins.reshape(-1), minlength=LOG_BINS).double()
+
+
 class TensorStats:
     """Running statistics of one activation tensor (B, T, ...) over many batches."""
 
     def __init__(self) -> None:
         self.sequences = 0
-        self.inf_norm_sum = 0.0
         self.kurtosis_sum = 0.0
         self.kurtosis_n = 0
-        self.max_abs = 0.0
         self.hist = torch.zeros(LOG_BINS, dtype=torch.float64)
         self.channel_max: torch.Tensor | None = None
         self.channel_top: torch.Tensor | None = None
-        self.max_positions: Counter[int] = Counter()
-        self.max_tokens: Counter[int] = Counter()
         self.nonfinite = 0
+        # per batch: each sequence's max |x|, its real-token position and token id (counted in summary())
+        self.seq_max: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+        self.tokens: list[torch.Tensor] = []
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
+    def update(
+        self, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: torch.Tensor | None = None
+    ) -> float | None:
         """Fold in ``x`` (B, T, ...), C = prod(...) features per token; ``valid`` (B, T) marks real
-        (non-padding) tokens, the only ones measured; positions count real tokens.
+        (non-padding) tokens, the only ones measured; positions count real tokens. Returns the batch's
+        largest |x| (inf where it holds NaN or inf) when it has no padding, else None.
 
         Two passes over chunks of about CHUNK elements (whole sequences, or one sequence's tokens in
         pieces): maxima, channels, histogram sample and sums, then the centred moments (float64
-        accumulation); no full-size copy of ``x`` is made.
+        accumulation). A tensor of one chunk is read into float32 once and its |x| serves as the histogram
+        sample in place; no other full-size copy of ``x`` is made.
         """
         b, t = x.shape[:2]
         keep = None if valid is None or bool(valid.all()) else valid.to(x.device, torch.bool)
         real = torch.full((b,), t) if keep is None else keep.sum(1).cpu()  # (B,) real tokens
         c, n = math.prod(x.shape[2:]), int(real.sum())
         if n == 0:
-            return
+            return None
+        if keep is None and b * t * c <= CHUNK and t > 0:
+            largest = self._update_whole(x.reshape(b, t, c).float(), input_ids)
+            if largest is not None:
+                return largest
         rows, step = (max(1, CHUNK // (t * c)), t) if t * c <= CHUNK else (1, max(1, CHUNK // c))
         spans = [(slice(i, i + rows), slice(j, j + step)) for i in range(0, b, rows) for j in range(0, t, step)]
         stride, offset, samples, finite = _stride(n * c, c), 0, [], True
+        whole = len(spans) == 1  # one chunk: its float32 values are kept for the second pass
         total = torch.zeros(b, dtype=torch.float64, device=x.device)
         seq_max, pos = torch.full((b,), -1.0, device=x.device), torch.zeros(b, dtype=torch.long, device=x.device)
         cmax, top = torch.zeros(c, device=x.device), torch.zeros(c, dtype=torch.long, device=x.device)
+        values = None
         for r, s in spans:
             xc, k = _tokens(x, keep, r, s)
             a = xc.abs() if k is None else xc.abs().masked_fill_(~k, -1.0)  # padding: never a maximum nor sampled
@@ -147,13 +167,18 @@ class TensorStats:
             top += torch.bincount(tok_arg.reshape(-1) if k is None else tok_arg[k[..., 0]], minlength=c)
             cmax = torch.maximum(cmax, a.reshape(-1, c).amax(dim=0))
             total[r] += xc.sum(dim=2).double().sum(dim=1)
-            samples.append(a.reshape(-1)[-offset % stride :: stride].clone())  # every stride-th element of all chunks
+            sample = a.reshape(-1)[-offset % stride :: stride]  # every stride-th element of all chunks
+            samples.append(sample if whole and stride == 1 else sample.clone())  # a itself: consumed below
             offset += a.numel()
+            values = xc if whole else None
         count = (real * c).to(x.device, torch.float64)
         mean = (total / count.clamp_min(1)).float().view(b, 1, 1)
         m2, m4 = torch.zeros_like(total), torch.zeros_like(total)
         for r, s in spans:  # kurtosis mu4 / sigma^4 over each sequence's flattened T x C tensor
-            xc, k = _tokens(x, keep, r, s)
+            if values is not None:  # the one chunk, read into float32 by the first pass
+                xc, k = values, None if keep is None else keep[r, s, None]
+            else:
+                xc, k = _tokens(x, keep, r, s)
             d = (xc if finite else xc.nan_to_num(0.0, 0.0, 0.0)) - mean[r]
             if k is not None:
                 d.masked_fill_(~k, 0.0)
@@ -162,24 +187,58 @@ class TensorStats:
         ok = (count > 0) & (m2 > 0)
         self.kurtosis_sum += float((m4[ok] * count[ok] / m2[ok].square()).sum())  # (m4 / n) / (m2 / n)^2
         self.kurtosis_n += int(ok.sum())
-        sample = torch.cat(samples)
+        sample = samples[0] if len(samples) == 1 else torch.cat(samples)
         if keep is not None:
             sample = sample[sample >= 0]  # padding is -1
         if sample.numel():
-            logs = torch.log10(sample.clamp_min(10**LOG_LO)).clamp_max_(LOG_HI - 1e-6)
-            hist = torch.histc(logs, bins=LOG_BINS, min=LOG_LO, max=LOG_HI).double().cpu()
-            self.hist += hist * (n * c / sample.numel())  # the sample stands for all n * c elements
+            self.hist += _histogram(sample).cpu() * (n * c / sample.numel())  # the sample stands for all n * c
         self.channel_max = cmax if self.channel_max is None else torch.maximum(self.channel_max, cmax)
         self.channel_top = top if self.channel_top is None else self.channel_top + top
         seqs = (real > 0).nonzero().squeeze(1)
         seq_max, pos = seq_max.cpu()[seqs], pos.cpu()[seqs]
-        self.inf_norm_sum += float(seq_max.sum())
-        self.max_abs = max(self.max_abs, float(seq_max.max()))
-        real_pos = pos if keep is None else keep.cpu()[seqs].cumsum(1).gather(1, pos[:, None]).squeeze(1) - 1
-        self.max_positions.update(real_pos.tolist())
+        self.seq_max.append(seq_max)
+        self.positions.append(pos if keep is None else keep.cpu()[seqs].cumsum(1).gather(1, pos[:, None])[:, 0] - 1)
         if input_ids is not None and input_ids.shape[1] == t:
-            self.max_tokens.update(input_ids.cpu()[seqs, pos].tolist())
+            self.tokens.append(input_ids.cpu()[seqs, pos])
         self.sequences += len(seqs)
+        return (float(seq_max.max()) if finite else math.inf) if keep is None else None
+
+    def _update_whole(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> float | None:
+        """:meth:`update` of an unpadded tensor of one chunk, ``x`` (b, T, C) float32 (a view: never written),
+        in as few operations as its statistics need (the same numbers); None, with nothing folded in, where x
+        holds NaN or inf, which the general path counts and leaves out."""
+        b, t, c = x.shape
+        a = x.abs()
+        tok_max, tok_arg = a.max(dim=2)  # each token's largest |x| and its channel
+        seq_max, pos = tok_max.max(dim=1)
+        largest = float(seq_max.max())
+        if not math.isfinite(largest):
+            return None
+        top = torch.bincount(tok_arg.reshape(-1), minlength=c)
+        cmax = a.reshape(-1, c).amax(dim=0)
+        count = float(t * c)
+        mean = (x.sum(dim=2).double().sum(dim=1) / count).float().view(b, 1, 1)
+        stride = _stride(b * t * c, c)
+        sample = a.reshape(-1)[::stride]  # every stride-th element, read in place
+        self.hist += _histogram(sample).cpu() * (b * t * c / sample.numel())  # the sample stands for all values
+        d = torch.sub(x, mean, out=a) if stride == 1 else x - mean  # a's buffer, once the histogram has read it
+        m2 = d.square_().sum(dim=2).double().sum(dim=1)
+        m4 = d.square_().sum(dim=2).double().sum(dim=1)
+        ok = m2 > 0
+        self.kurtosis_sum += float(torch.where(ok, m4 * count / m2.square(), 0.0).sum())  # (m4 / n) / (m2 / n)^2
+        self.kurtosis_n += int(ok.sum())
+        self.channel_max = cmax if self.channel_max is None else torch.maximum(self.channel_max, cmax)
+        self.channel_top = top if self.channel_top is None else self.channel_top + top
+        self.seq_max.append(seq_max.cpu())
+        self.positions.append(pos.cpu())
+        if input_ids is not None and input_ids.shape[1] == t:
+            self.tokens.append(input_ids.cpu().gather(1, pos.cpu()[:, None])[:, 0])
+        self.sequences += b
+        return largest
+
+    @property
+    def max_abs(self) -> float:
+        return float(torch.cat(self.seq_max).max()) if self.seq_max else 0.0
 
     @property
     def median_abs(self) -> float:
@@ -191,24 +250,27 @@ class TensorStats:
 
     def summary(self, decode: Decode | None = None, top: int = 5) -> TensorSummary:
         n = max(self.sequences, 1)
-        med = self.median_abs
+        med, max_abs = self.median_abs, self.max_abs
         channels = None
         channel_top, channel_max = self.channel_top, self.channel_max
         if channel_top is not None and channel_max is not None:  # set together by the first update
             tokens = float(channel_top.sum())
             order = torch.argsort(channel_max, descending=True)[:top]  # the largest-magnitude channels
-            channels = [TopChannel(int(ch), float(channel_top[ch]) / tokens, float(channel_max[ch])) for ch in order]
+            counts, largest = channel_top[order].tolist(), channel_max[order].tolist()
+            channels = [TopChannel(ch, k / tokens, m) for ch, k, m in zip(order.tolist(), counts, largest, strict=True)]
+        positions = Counter(torch.cat(self.positions).tolist()) if self.positions else Counter()
+        max_tokens = Counter(torch.cat(self.tokens).tolist()) if self.tokens else Counter()
         return TensorSummary(
-            inf_norm=self.inf_norm_sum / n,
-            max_abs=self.max_abs,
+            inf_norm=sum(float(m.sum()) for m in self.seq_max) / n,
+            max_abs=max_abs,
             kurtosis=self.kurtosis_sum / self.kurtosis_n if self.kurtosis_n else None,
             median_abs=med,
-            max_median_ratio=self.max_abs / med if med > 0 else None,
+            max_median_ratio=max_abs / med if med > 0 else None,
             sequences=self.sequences,
-            max_at_token0=self.max_positions.get(0, 0) / n,
-            max_positions=[[p, c] for p, c in self.max_positions.most_common(top)],
+            max_at_token0=positions.get(0, 0) / n,
+            max_positions=[[p, c] for p, c in positions.most_common(top)],
             top_channels=channels,
-            max_tokens=[[decode(t) if decode else t, c] for t, c in self.max_tokens.most_common(top)] or None,
+            max_tokens=[[decode(t) if decode else t, c] for t, c in max_tokens.most_common(top)] or None,
             nonfinite=self.nonfinite or None,
         )
 
@@ -362,6 +424,7 @@ class _Observer:
         once; ``seen`` holds only a weak reference to it, so no activation outlives its use."""
         x: torch.Tensor = out[0] if isinstance(out, tuple) else out
         seen = self.seen.get(id(x))
+        largest = None  # the batch's largest |x|, where the statistics measured all of x
         if seen is not None and seen[0]() is x and seen[1] == x._version:
             layer.tensors.setdefault(name, seen[2])
         else:
@@ -370,10 +433,10 @@ class _Observer:
             assert self.input_ids is not None, "observe sets the batch's input_ids before its forward pass"
             tokens = _by_token(x, *self.input_ids.shape)
             if tokens is None:
-                stats.update(x.reshape(1, -1, x.shape[-1]))
+                largest = stats.update(x.reshape(1, -1, x.shape[-1]))
             else:
-                stats.update(tokens, self.input_ids, self.valid)
-        if massive:
+                largest = stats.update(tokens, self.input_ids, self.valid)
+        if massive and (largest is None or largest > layer.massive.absolute):  # below it nothing is massive
             layer.massive.update(x, self.input_ids)
         if then is not None:
             self._record(layer, *then)

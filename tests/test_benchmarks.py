@@ -54,6 +54,13 @@ def test_ratio_is_the_median_of_per_round_ratios_with_its_quartiles():
             "observe_overhead.py",
             ["--model", "tiny-opt", "--rounds", "2", "--batches", "1", "--batch-size", "2", "--seq-len", "32"],
         ),
+        (
+            "speed.py",
+            [
+                *("--models", "tiny-llama", "--tokens", "16", "--dtypes", "float32", "--rounds", "2"),
+                *("--schemes", "w8a8-int8-static", "w4a4-nvfp4"),
+            ],
+        ),
     ],
 )
 def test_benchmark_scripts_print_their_ratio(script, args):
@@ -82,7 +89,7 @@ def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_pa
     from quantgate.stats import format_delta, paired_difference
     from quantgate.study import read_metrics
 
-    bf16_eval.main(["--model", "tiny-llama", "--docs", "2", "--window", "32", "--out", str(tmp_path)])
+    bf16_eval.main(["--model", "tiny-llama", "--docs", "2", "--window", "512", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     cells = {c.model: c for c in read_metrics(tmp_path / "run").cells}
     assert set(cells) == {"float32", "bfloat16"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import inspect
 import logging
 from collections.abc import Iterable, Mapping
 from typing import cast
@@ -26,6 +27,7 @@ from ..models.swap import apply_variant, variant_of
 from ..options import printed
 from . import backends, imported, simulate  # noqa: F401  (backends, simulate: imported to register the schemes' handlers)
 from .error import quant_error, site_sensitivity
+from .heap import trimming
 from .schemes import (
     HANDLERS,
     SCHEMES,
@@ -184,8 +186,16 @@ def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] |
     calibration set holds fewer, which is logged) and ``tokens``."""
     vocab = cast(nn.Embedding, cast(PreTrainedModel, model).get_input_embeddings()).num_embeddings
     device = next(model.parameters()).device
+    # nothing calibrates on the LM head's output (it stays in full precision) nor reads a KV cache back: the
+    # logits of the last position only and no cache, where the model takes the options (transformers'
+    # logits_to_keep, use_cache), not (tokens x vocabulary) floats and every layer's keys and values per batch
+    try:
+        takes = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a signature to read: nothing asked
+        takes = set()
+    lean = {k: v for k, v in {"logits_to_keep": 1, "use_cache": False}.items() if k in takes}
     count = tokens = 0
-    with eval_mode(model):
+    with eval_mode(model), trimming(model):  # the heap's free pages given back after each block (quant.heap)
         for batch in tqdm(batches, total=n, desc="calibrate", leave=False, disable=None):
             if count >= n:
                 break
@@ -196,7 +206,7 @@ def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] |
                     f"{vocab} entries: the batches come from another tokenizer; build them with "
                     f"qg.tokenizer(model)"
                 )
-            model(**{k: v.to(device) for k, v in batch.items() if k != "labels"})
+            model(**{**lean, **{k: v.to(device) for k, v in batch.items() if k != "labels"}})
             count += 1
             tokens += ids.numel()
     if count == 0:
@@ -218,13 +228,28 @@ def _check_finite(model: nn.Module) -> None:
     """Refuse NaN or inf weights: their quantized copy would be as broken, behind a normal manifest."""
     for name, p in model.named_parameters():
         if type(p.data) is torch.Tensor and p.is_floating_point():
-            bad = int((~torch.isfinite(p.detach())).sum())
+            bad = _nonfinite(p.detach())
             if bad:
                 raise ValueError(
                     f"{name} holds {bad} NaN or inf value{'s' if bad > 1 else ''}: the float model is "
                     f"broken (diverged training or a corrupt checkpoint); quantize a model whose "
                     f"weights are all finite"
                 )
+
+
+def _nonfinite(t: torch.Tensor) -> int:
+    """How many values of ``t`` are NaN or inf, without a temporary the size of ``t`` when there are none:
+    min and max propagate NaN and reach +-inf (``isfinite(t).sum()`` took 2.3x ``t``'s float32 bytes, and set
+    the peak of quantizing in place). Only a tensor that holds some is counted, in blocks."""
+    if not t.numel():
+        return 0
+    with contextlib.suppress(RuntimeError, NotImplementedError):  # dtypes without aminmax are counted below
+        lo, hi = torch.aminmax(t)
+        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            return 0
+    flat = t.reshape(-1)
+    step = 1 << 22
+    return sum(int((~torch.isfinite(flat[i : i + step])).sum()) for i in range(0, flat.numel(), step))
 
 
 def fingerprint(model: nn.Module) -> str:
@@ -250,7 +275,7 @@ def _in_offload(model: nn.Module, name: str) -> torch.Tensor:
 def _hash_tensor(h: hashlib._Hash, t: torch.Tensor) -> None:
     if type(t) is torch.Tensor:
         if t.numel():
-            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.cpu().contiguous().view(-1).view(torch.uint8).numpy().data)  # its buffer, not a copy
         return
     flatten = getattr(t, "__tensor_flatten__", None)
     if callable(flatten):  # a wrapper subclass: its inner tensors, by name

@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ..models.swap import replace_module
+from .heap import trim
 from .mitigate import Calibrate, mitigate
 from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
 from .simulate import ActQuant, quantizable_linears
@@ -38,8 +39,10 @@ def _quantize_(scheme: TorchaoScheme) -> Callable[..., None]:
 def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> nn.Module:
     """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
     scheme = _mitigate(model, scheme, calibrate)
-    targets = {id(m) for _, m in quantizable_linears(model, scheme)}
-    _quantize_(scheme)(model, scheme.torchao_config(), filter_fn=lambda m, fqn: id(m) in targets)
+    quantize_, config = _quantize_(scheme), scheme.torchao_config()
+    for _, linear in quantizable_linears(model, scheme):  # one at a time, the heap's free pages given back
+        quantize_(model, config, filter_fn=lambda m, fqn, linear=linear: m is linear)
+        trim()
     return model
 
 
@@ -84,6 +87,7 @@ def _with_input_scales(model: nn.Module, scheme: TorchaoStaticScheme, scales: di
         scale = scales[name].to(linear.weight.device)
         quantize_(linear, scheme.torchao_config(scale), filter_fn=lambda m, fqn, linear=linear: m is linear)
         setattr(linear, _INPUT_NDIM, int(scale.dim()))
+        trim()
     return model
 
 

@@ -95,7 +95,7 @@ def smooth_(model: nn.Module, alpha: float, calibrate: Callable[[nn.Module], obj
     groups = smoothing_groups(model)
     observers, handles = [], []
     for _, _, readers in groups:
-        obs = RunningAbsMaxSmoothQuantObserver(torch.cat([r.weight.float() for r in readers]), alpha)
+        obs = RunningAbsMaxSmoothQuantObserver(_column_absmax(readers), alpha)
         observers.append(obs)
         handles.append(readers[0].register_forward_pre_hook(_feeding(obs)))
     try:
@@ -119,6 +119,15 @@ def smooth_(model: nn.Module, alpha: float, calibrate: Callable[[nn.Module], obj
         scales.append(s)
     every = torch.cat(scales)
     return {"groups": len(groups), "max_s": float(every.max()), "min_s": float(every.min())}
+
+
+def _column_absmax(readers: list[nn.Linear]) -> torch.Tensor:
+    """max |W[:, j]| over the readers' stacked weights, as a (1, C) float32 tensor: all the observer reads of
+    the weight it is given (``torch.max(torch.abs(weight), dim=0)``), the same numbers as the float32 copy of
+    every reader's weight it was given before, without one (0.6x an fp32 model's bytes held through
+    calibration, 1.2x a bf16 one's)."""
+    per_reader = [torch.maximum(r.weight.detach().amax(dim=0), -r.weight.detach().amin(dim=0)) for r in readers]
+    return torch.stack(per_reader).amax(dim=0, keepdim=True).float()
 
 
 def _feeding(observer):

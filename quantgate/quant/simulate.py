@@ -105,8 +105,9 @@ from transformers import PreTrainedModel
 from ..models.families import config_of, family_of, find_submodule, is_norm
 from ..models.record import record_of, set_record
 from ..models.swap import attention_modules
+from .heap import trim
 from .mitigate import Calibrate, mitigate, needed
-from .quantizers import RangeObserver, fake_quant, quantize_weight, quantize_weight_qparams
+from .quantizers import RangeObserver, fake_quant, qparams, quantize_weight, quantize_weight_qparams
 from .rotate import rotate_
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
 
@@ -172,6 +173,8 @@ class ActQuant(nn.Module):
         self.signal = self.noise = 0.0
         self.ndim: int | None = None  # rank of the tensors seen (torchao static scales need it)
         self.enabled = True
+        self._grid_key: tuple[int, ...] | None = None  # the static range's grid, computed once: _grid()
+        self._grid_value: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.ndim = x.dim()
@@ -185,12 +188,14 @@ class ActQuant(nn.Module):
             return x
         if self.spec.format == "nvfp4":
             self.amax = torch.maximum(self.amax, x.detach().abs().amax().float())
-        if self.spec.dynamic:
-            dims = -1 if self.spec.granularity == "token" else tuple(range(x.dim()))
-            lo, hi = x.detach().amin(dim=dims, keepdim=True), x.detach().amax(dim=dims, keepdim=True)
+        grid = None
+        if self.spec.dynamic and self.spec.granularity == "token":
+            lo, hi = torch.aminmax(x.detach(), dim=-1, keepdim=True)
+        elif self.spec.dynamic:
+            lo, hi = (t.reshape((1,) * x.dim()) for t in torch.aminmax(x.detach()))
         else:
-            lo, hi = self.lo, self.hi
-        y, over = fake_quant(x, lo, hi, self.spec.format, self.spec.symmetric)
+            lo, hi, grid = self.lo, self.hi, self._grid()
+        y, over = fake_quant(x, lo, hi, self.spec.format, self.spec.symmetric, grid)
         self.overflow += over
         self.values += x.numel()
         if self.track:
@@ -198,6 +203,15 @@ class ActQuant(nn.Module):
             self.signal += float(xd.square().sum())
             self.noise += float((xd - y.detach().double()).square().sum())
         return y
+
+    def _grid(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frozen range's scale and zero point (:func:`~.quantizers.qparams`), computed once per range: kept
+        with the identity and version of ``lo`` and ``hi``, so a range set or loaded later is picked up."""
+        key = (self.lo.data_ptr(), self.lo._version, self.hi.data_ptr(), self.hi._version)
+        if self._grid_key != key:
+            self._grid_key, self._grid_value = key, qparams(self.lo, self.hi, self.spec.format, self.spec.symmetric)
+        assert self._grid_value is not None  # set with the key
+        return self._grid_value
 
     def _calibrated_positions(self, x: torch.Tensor) -> torch.Tensor | None:
         """What calibration observes of ``x``: all of it, or, with ``calib_skip = K``, its positions from K on
@@ -387,11 +401,12 @@ def apply_simulated(
     if scheme.weight is not None and not skeleton:
         w = scheme.weight
         for _, linear in quantizable_linears(model, scheme):
-            linear.weight.data, scale, zero = quantize_weight_qparams(
-                linear.weight.data, w.format, w.granularity, w.symmetric, w.group_size, w.estimator
+            linear.weight.data, scale, zero = quantize_weight_qparams(  # in place: no second copy of the weights
+                linear.weight.data, w.format, w.granularity, w.symmetric, w.group_size, w.estimator, inplace=True
             )
             if scale is not None and zero is not None:  # the grid, for checkpoints in other tools' formats
                 setattr(linear, WEIGHT_QPARAMS, (scale, zero))
+            trim()  # the free pages between the scales kept and the temporaries freed (quant.heap)
         if scheme.acts == "bondarenko":
             _quantize_tables(model, scheme, w)
     if scheme.act is not None:
@@ -515,18 +530,22 @@ PLACEMENTS: dict[str, Callable[[nn.Module, SimulatedScheme, TensorQuant], None]]
 @torch.no_grad()
 def _quantize_tables(model: nn.Module, scheme: SimulatedScheme, w: TensorQuant) -> None:
     """Embedding tables and norm weights, per tensor and symmetric as the reference quantizes them (the
-    format, group size and estimator of the weights' spec ``w``); an embedding tied to the full-precision
-    head gets its own copy."""
+    format, group size and estimator of the weights' spec ``w``), in place; an embedding tied to the
+    full-precision head gets its own copy, the quantized one (the head keeps the float table)."""
     kept = kept_modules(model, scheme)
     head = cast(PreTrainedModel, model).get_output_embeddings()
     for name, module in model.named_modules():
         table = isinstance(module, nn.Embedding) or is_norm(module)
         if name in kept or not table or not isinstance(getattr(module, "weight", None), nn.Parameter):
             continue
-        if head is not None and head.weight is module.weight:
-            module.weight = nn.Parameter(module.weight.detach().clone())
+        tied = head is not None and head.weight is module.weight
+        q = quantize_weight(module.weight.data, w.format, "tensor", True, w.group_size, w.estimator, inplace=not tied)
+        if tied:
+            module.weight = nn.Parameter(q)
             config_of(model).tie_word_embeddings = False
-        module.weight.data = quantize_weight(module.weight.data, w.format, "tensor", True, w.group_size, w.estimator)
+        else:
+            module.weight.data = q
+        trim()
 
 
 def act_quantizers(model: nn.Module) -> list[ActQuant]:

@@ -1,0 +1,129 @@
+"""What observing and simulated quantization cost, as ratios measured side by side in one run (issue 44).
+
+    python benchmarks/speed.py                        # observe and quantization tables (~25 min on 2 cores)
+    python benchmarks/speed.py --parts observe --models smollm2-135m --tokens 128 --rounds 3   # a quick look
+
+* ``observe``: ``qg.observe`` on one sequence against the forward it runs (the base model, no LM head:
+  observe without labels computes no logits), random-init models of SmolLM2-135M and Qwen3-0.6B shape, at 128
+  and 512 tokens, float32 and bfloat16. Target <= 1.2x.
+* ``quant``: a simulated scheme's forward against the float model's on the same batch (8 x 128 random token ids;
+  static schemes calibrated on 2 such batches), small-llama and SmolLM2-135M shapes, float32 and bfloat16.
+  Targets: INT8/FP8 schemes <= 1.25x, FP4/MX <= 2x.
+
+Each side takes one turn per round, round after round (benchmarks/roundrobin.py), after one untimed round (which
+also compiles observe's fused passes: torch.compile, once per process); a table cell is the median per-round
+ratio with its interquartile range, so a machine that slows down for a while moves both sides alike. In-place
+quantization's memory is measured in fresh processes by benchmarks/inplace_memory.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+from roundrobin import ratio, round_robin
+
+import quantgate as qg
+from quantgate.models import build
+from quantgate.models.families import config_of
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+INT8_FP8 = ["w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-int8-dynamic", "w8a8-fp8-e4m3"]
+FP4_MX = ["w8a8-mxfp8", "w4a4-mxfp4", "w4a4-nvfp4", "w4a4-fp4-e2m1"]
+TARGET = {"observe": 1.2, **dict.fromkeys(INT8_FP8, 1.25), **dict.fromkeys(FP4_MX, 2.0)}
+
+
+def _median(cell: str) -> float:
+    return float(cell.split("x", 1)[0])
+
+
+def _row(label: str, cell: str, target: float) -> str:
+    verdict = "met" if _median(cell) <= target else "**over**"
+    return f"| {label} | {cell} | <= {target}x: {verdict} |"
+
+
+def observe_table(models: list[str], tokens: list[int], dtypes: list[str], rounds: int) -> list[str]:
+    lines = ["## observe / forward", "", "| model, dtype, tokens | observe / forward | target |", "|---|---|---|"]
+    for name in models:
+        for dtype in dtypes:
+            torch.manual_seed(0)
+            model = build(name, dtype=DTYPES[dtype]).eval()
+            for n in tokens:
+                ids = torch.randint(5, config_of(model).vocab_size, (1, n))
+
+                def forward(i: int, model=model, ids=ids) -> None:
+                    with torch.no_grad():
+                        model.base_model(input_ids=ids)
+
+                def observe(i: int, model=model, ids=ids) -> None:
+                    qg.observe(model, [{"input_ids": ids}], progress=False)
+
+                times = round_robin({"forward": forward, "observe": observe}, rounds)
+                lines.append(_row(f"{name}, {dtype}, {n}", ratio(times, "observe", "forward"), TARGET["observe"]))
+                print(lines[-1], file=sys.stderr, flush=True)
+            del model
+    return lines
+
+
+def quant_table(models: list[str], schemes: list[str], dtypes: list[str], rounds: int) -> list[str]:
+    lines = ["## simulated scheme / float forward", "", "| model, dtype, scheme | x float | target |", "|---|---|---|"]
+    for name in models:
+        for dtype in dtypes:
+            torch.manual_seed(0)
+            model = build(name, dtype=DTYPES[dtype]).eval()
+            vocab = config_of(model).vocab_size
+            batch = {"input_ids": torch.randint(5, vocab, (8, 128))}
+            calib = [{"input_ids": torch.randint(5, vocab, (8, 128))} for _ in range(2)]
+            sides = {"float": model}
+            for scheme in schemes:
+                needs = qg.quant.get_scheme(scheme).needs_calibration
+                options: dict[str, Any] = {"calib": 2} if needs else {}
+                sides[scheme] = qg.quantize(model, scheme, calibration=calib, **options)
+
+            def run(m, batch=batch):
+                def call(i: int) -> None:
+                    with torch.no_grad():
+                        m(**batch)
+
+                return call
+
+            times = round_robin({k: run(m) for k, m in sides.items()}, rounds)
+            for scheme in schemes:
+                lines.append(_row(f"{name}, {dtype}, {scheme}", ratio(times, scheme, "float"), TARGET[scheme]))
+                print(lines[-1], file=sys.stderr, flush=True)
+            del model, sides
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["observe", "quant"], choices=["observe", "quant"])
+    ap.add_argument("--models", nargs="+", help="observe: smollm2-135m qwen3-0.6b; quant: small-llama smollm2-135m")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[128, 512])
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--schemes", nargs="+", default=INT8_FP8 + FP4_MX, choices=INT8_FP8 + FP4_MX)
+    ap.add_argument("--rounds", type=int, default=8)
+    args = ap.parse_args(argv)
+    print(
+        f"# benchmarks/speed.py\n\nMachine: {platform.platform()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}. {args.rounds} round-robin rounds after one untimed round; median per-round "
+        "ratio (IQR).\n",
+        flush=True,
+    )
+    if (load := os.getloadavg()[0]) > 0.75 * (os.cpu_count() or 1):  # benchmarks are meant to run alone
+        print(f"Load average at the start: {load:.1f} (other jobs share the cores: the ratios are noisy).\n")
+    out = []
+    if "observe" in args.parts:
+        out += observe_table(args.models or ["smollm2-135m", "qwen3-0.6b"], args.tokens, args.dtypes, args.rounds)
+        out.append("")
+    if "quant" in args.parts:
+        out += quant_table(args.models or ["small-llama", "smollm2-135m"], args.schemes, args.dtypes, args.rounds)
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
