@@ -5,23 +5,27 @@
 
 * ``observe``: ``qg.observe`` on one sequence against the forward it runs (the base model, no LM head:
   observe without labels computes no logits), random-init models of SmolLM2-135M and Qwen3-0.6B shape, at 128
-  and 512 tokens, float32 and bfloat16. Target <= 1.2x.
+  and 512 tokens, float32 and bfloat16. Target <= 1.2x. Beside it, two floors: the same observe with each
+  tensor's statistics left out (its hooks, deduplication and report alone), and with them replaced by one read of
+  each tensor (``x.abs().amax()``, one eager pass: the least any statistic costs).
 * ``quant``: a simulated scheme's forward against the float model's on the same batch (8 x 128 random token ids;
   static schemes calibrated on 2 such batches), small-llama and SmolLM2-135M shapes, float32 and bfloat16.
   Targets: INT8/FP8 schemes <= 1.25x, FP4/MX <= 2x.
 
-Each side takes one turn per round, round after round (benchmarks/roundrobin.py), after one untimed round (which
-also compiles observe's fused passes: torch.compile, once per process); a table cell is the median per-round
-ratio with its interquartile range, so a machine that slows down for a while moves both sides alike. In-place
-quantization's memory is measured in fresh processes by benchmarks/inplace_memory.py.
+Each side takes one turn per round, round after round (benchmarks/roundrobin.py), after one untimed round; a
+table cell is the median per-round ratio with its interquartile range, so a machine that slows down for a while
+moves both sides alike. In-place quantization's memory is measured in fresh processes by
+benchmarks/inplace_memory.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,8 +50,21 @@ def _row(label: str, cell: str, target: float) -> str:
     return f"| {label} | {cell} | <= {target}x: {verdict} |"
 
 
+def _one_read(stats: Any, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: Any = None) -> float:
+    """TensorStats.update's stand-in for a floor: one eager pass over ``x``, its largest |x|."""
+    return float(x.abs().amax())
+
+
+def _no_read(stats: Any, x: torch.Tensor, input_ids: torch.Tensor | None = None, valid: Any = None) -> float:
+    """TensorStats.update's stand-in for the hooks' floor: ``x`` not read."""
+    return 0.0
+
+
 def observe_table(models: list[str], tokens: list[int], dtypes: list[str], rounds: int) -> list[str]:
-    lines = ["## observe / forward", "", "| model, dtype, tokens | observe / forward | target |", "|---|---|---|"]
+    header = "| model, dtype, tokens | observe / forward | target | floor: hooks alone | floor: one read per tensor |"
+    lines = ["## observe / forward", "", header, "|---|---|---|---|---|"]
+    stats_class = importlib.import_module("quantgate.observe").TensorStats  # qg.observe is the function
+    full_update = stats_class.update
     for name in models:
         for dtype in dtypes:
             torch.manual_seed(0)
@@ -62,8 +79,21 @@ def observe_table(models: list[str], tokens: list[int], dtypes: list[str], round
                 def observe(i: int, model=model, ids=ids) -> None:
                     qg.observe(model, [{"input_ids": ids}], progress=False)
 
-                times = round_robin({"forward": forward, "observe": observe}, rounds)
-                lines.append(_row(f"{name}, {dtype}, {n}", ratio(times, "observe", "forward"), TARGET["observe"]))
+                def floor(update: Any, model=model, ids=ids) -> Callable[[int], None]:
+                    def call(i: int) -> None:
+                        stats_class.update = update
+                        try:
+                            qg.observe(model, [{"input_ids": ids}], progress=False)
+                        finally:
+                            stats_class.update = full_update
+
+                    return call
+
+                sides: dict[str, Callable[[int], object]] = {"forward": forward, "observe": observe}
+                sides.update(hooks=floor(_no_read), read=floor(_one_read))
+                times = round_robin(sides, rounds)
+                row = _row(f"{name}, {dtype}, {n}", ratio(times, "observe", "forward"), TARGET["observe"])
+                lines.append(f"{row} {ratio(times, 'hooks', 'forward')} | {ratio(times, 'read', 'forward')} |")
                 print(lines[-1], file=sys.stderr, flush=True)
             del model
     return lines

@@ -4,8 +4,57 @@ import os
 # (torch and torchao may import it early), so it is set before any test module loads.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
+from _warm_quantgate import Warm, comparable
+
+_warm: list[Warm | None] = []  # the servers run_python started, the last in use (None: it could not start)
+_STARTS = 5  # servers run_python may start in one session, one per environment it meets; then it runs cold
+
+
+def warm_tests() -> bool:
+    """Whether the tests' subprocesses may fork from a warm interpreter (tests/_warm_quantgate.py); not with
+    QUANTGATE_TESTS_COLD=1 (to tell a test's failure from the warm machinery's)."""
+    return os.environ.get("QUANTGATE_TESTS_COLD") != "1"
+
+
+def warm_python() -> Warm | None:
+    """The warm interpreter for run_python, started with this process's environment at the first call and again
+    where that environment has changed since (libraries the tests import set variables: ray, tokenizers), at most
+    _RESTARTS times; None: cold."""
+    if not warm_tests():
+        return None
+    server = _warm[-1] if _warm else None
+    if _warm and (server is None or server.started_in == comparable(dict(os.environ)) or len(_warm) == _STARTS):
+        return server
+    if server is not None:
+        server.stop()
+    started = Warm(Path(tempfile.mkdtemp(prefix="quantgate-warm-")))  # in the environment a subprocess gets
+    _warm.append(started if started.start() else None)
+    return _warm[-1]
+
+
+def run_python(args: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *args], **kwargs)`` (a script, ``-m MODULE`` or ``-c SOURCE``), the process
+    forked from a warm interpreter that imported quantgate already (tests/_warm_quantgate.py): the same run, less
+    the seconds of imports. Cold (a plain subprocess) where the server cannot start, for an ``env=`` other than the
+    session's, or where :func:`warm_tests` says not."""
+    server = warm_python()
+    return subprocess.run(server.python(args) if server else [sys.executable, *args], **kwargs)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for server in _warm:
+        if server is not None:
+            server.stop()
+            shutil.rmtree(server.folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -64,14 +65,14 @@ def test_ratio_is_the_median_of_per_round_ratios_with_its_quartiles():
     ],
 )
 def test_benchmark_scripts_print_their_ratio(script, args):
-    run = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
+    run = run_python([str(BENCH / script), *args], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "x (range" in run.stdout
 
 
 def test_interval_width_prints_a_row_per_document_prefix():
-    run = subprocess.run(
-        [sys.executable, str(BENCH / "interval_width.py"), "--model", "tiny-llama", "--docs", "2"],
+    run = run_python(
+        [str(BENCH / "interval_width.py"), "--model", "tiny-llama", "--docs", "2"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -82,6 +83,7 @@ def test_interval_width_prints_a_row_per_document_prefix():
     assert rows[1].startswith("| 2 | 2 |") and "| approximate |" in rows[1]  # two works: below MIN_CLUSTERS
 
 
+@pytest.mark.slow  # fifteen seconds: two models evaluated in float32 and bfloat16
 def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_path, capsys):
     """The bf16 benchmark on a random tiny model: its paired differences are those of the two runs' documents."""
     import bf16_eval

@@ -144,8 +144,16 @@ def test_bad_input():
 
 
 def test_datasets_offline_name_the_bundled_corpus(monkeypatch):
+    """As a process started with both set sees them: datasets and huggingface_hub read them when first imported
+    (already, here), and without their flags a datasets load spends twenty seconds on network retries."""
+    import datasets.config
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(OfflineError, match="Offline, use the bundled corpus: train, validation, test"):
         next(corpus("hf:quantgate-no-such/dataset:validation"))
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_python
 
 from quantgate import parallel
 from quantgate.cli import main
@@ -25,8 +26,8 @@ from quantgate.cli import main
 )
 def test_two_processes_score_each_document_as_one_does(args, tmp_path):
     assert main(["eval", *args, "--out", str(tmp_path / "one")]) == 0
-    cmd = [sys.executable, "-m", "quantgate.cli", "eval", *args, "--out", str(tmp_path / "two"), "--processes", "2"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = ["-m", "quantgate.cli", "eval", *args, "--out", str(tmp_path / "two"), "--processes", "2"]
+    done = run_python(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
     one, two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))

@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -51,6 +52,8 @@ from typing import Any
 
 import pytest
 import yaml
+from _warm_quantgate import Warm
+from conftest import warm_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 600  # seconds, per block
@@ -321,9 +324,18 @@ def prepare(work: Path, root: Path = ROOT) -> None:
             (work / name).symlink_to(target)
 
 
-def run_page(page: Path, tmp: Path, slow: bool = False) -> list[Block]:
+def page_env() -> dict[str, str]:
+    """The environment a page runs in: the test's, plus ``PYTHONPATH`` = the repository root."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_page(page: Path, tmp: Path, slow: bool = False, warm: Warm | None = None) -> list[Block]:
     """Run ``page``'s blocks in order (``slow``: its slow blocks too) in ``tmp``/work; raise DocTestError where
-    the page breaks the convention and DocBlockFailed at the first block that fails. Returns the blocks run."""
+    the page breaks the convention and DocBlockFailed at the first block that fails. Returns the blocks run.
+    ``warm``: its server forks the driver and each ``quantgate`` command (tests/_warm_quantgate.py), which then
+    skip the package's import."""
     blocks = parse_page(page.read_text(encoding="utf-8"), relative(page))
     for block in blocks:
         if block.skip or (block.slow and not slow):
@@ -336,11 +348,14 @@ def run_page(page: Path, tmp: Path, slow: bool = False) -> list[Block]:
     logs.mkdir(parents=True, exist_ok=True)
     spec = logs / "spec.json"
     spec.write_text(json.dumps({"blocks": [asdict(b) for b in plan], "logs": str(logs), "work": str(work)}))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = page_env()
     boot = textwrap.dedent(_drive_source()) + "\nimport sys\n_drive(sys.argv[1])\n"
+    command = [sys.executable, "-c", boot, str(spec)]
+    if warm is not None and warm.env is not None:  # the pages' server: its environment has the client on PATH
+        env = {**env, "PATH": warm.env["PATH"]}
+        command = warm.python(["-c", boot, str(spec)])
     proc = subprocess.Popen(
-        [sys.executable, "-c", boot, str(spec)],
+        command,
         cwd=work,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -496,11 +511,26 @@ def page_params(pages: list[Path]) -> list[Any]:
     return params
 
 
+@pytest.fixture(scope="module")
+def warm_server(tmp_path_factory) -> Iterator[Warm | None]:
+    """The warm quantgate (tests/_warm_quantgate.py), None where it cannot start."""
+    server = Warm(tmp_path_factory.mktemp("warm"), page_env(), shim=True)
+    yield server if server.start() else None
+    server.stop()
+
+
+@pytest.fixture
+def warm(request) -> Warm | None:
+    """The warm quantgate for the pages; None (they run cold, each command paying its own import) where it cannot
+    start or where conftest.warm_tests says not."""
+    return request.getfixturevalue("warm_server") if warm_tests() else None
+
+
 @pytest.mark.parametrize(("page", "slow"), page_params(doc_pages()))
-def test_page(page: Path, slow: bool, tmp_path: Path) -> None:
+def test_page(page: Path, slow: bool, tmp_path: Path, warm: Warm | None) -> None:
     failure = None
     try:
-        run_page(page, tmp_path, slow=slow)
+        run_page(page, tmp_path, slow=slow, warm=warm)
     except (DocTestError, DocBlockFailed) as e:
         failure = str(e)
     if failure is not None:  # outside the except: the message alone, not chained to the exception
@@ -736,7 +766,7 @@ def test_a_slow_block_runs_only_under_the_slow_mark(tmp_path):
     assert (tmp_path / "slow" / "work" / "fast.txt").is_file()  # the slow run ran the page from its start
 
 
-def test_a_study_file_is_validated_and_file_writes_it(tmp_path):
+def test_a_study_file_is_validated_and_file_writes_it(tmp_path, warm):
     page = _page(
         tmp_path,
         """\
@@ -763,7 +793,7 @@ def test_a_study_file_is_validated_and_file_writes_it(tmp_path):
         """,
     )
     with pytest.raises(DocBlockFailed) as failed:
-        run_page(page, tmp_path / "run")
+        run_page(page, tmp_path / "run", warm=warm)
     message = str(failed.value)
     assert message.startswith("page.md:16: the ```yaml block starting `models:`")
     assert "unknown key 'sedes'" in message
@@ -773,3 +803,34 @@ def test_every_page_is_collected():
     pages = [relative(p) for p in doc_pages()]
     assert pages[0] == "README.md" and "docs/architecture.md" in pages
     assert not [p for p in pages if p.startswith("docs/reference/")]
+
+
+# --- the warm quantgate (tests/_warm_quantgate.py) ---------------------------------------------------------------
+
+
+def test_a_warm_command_prints_writes_and_exits_as_the_executable_does(warm_server, tmp_path):
+    """Each ``quantgate`` command of a page is a child forked from the warm server: its output, its working
+    directory, its exit status and its one-line error are the executable's."""
+    import quantgate
+
+    assert warm_server is not None  # the pages run warm on this machine
+    warm = warm_server
+    page = _page(
+        tmp_path,
+        """\
+        ```bash
+        mkdir sub && cd sub && quantgate --version > version.txt
+        status=0; quantgate audit twin-vanilla --docs 1 2> err.txt || status=$?
+        echo "$status" > status.txt
+        ```
+        """,
+    )
+    run_page(page, tmp_path / "run", warm=warm)
+    sub = tmp_path / "run" / "work" / "sub"
+    assert (sub / "version.txt").read_text() == f"quantgate {quantgate.__version__}\n"
+    assert (sub / "status.txt").read_text() == "2\n"
+    assert (sub / "err.txt").read_text().strip().splitlines()[-1] == (
+        "quantgate audit: error: --docs 1: a paired interval needs at least 2 documents"
+    )
+    log = (warm.folder / "server.log").read_text()
+    assert f"{warm.real} --version" in log and f"{warm.real} audit twin-vanilla" in log

@@ -3,13 +3,12 @@ loads as the same model, or refuses naming quantgate; never as a different model
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
+from conftest import run_python
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -158,10 +157,10 @@ def test_lm_eval_hf_on_an_export_gives_quantgate_evals_number(float_model, calib
     qg.save(q, tmp_path / "q")
     ours = qg.evaluate(qg.load(tmp_path / "q"), tasks=["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]
     args = "pretrained={},dtype=float32,add_bos_token=False,max_length=4096".format(tmp_path / "q")
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", args, "--tasks", "quantgate_ppl"]
+    cmd = ["-m", "lm_eval", "--model", "hf", "--model_args", args, "--tasks", "quantgate_ppl"]
     cmd += ["--include_path", str(ROOT / "quantgate" / "tasks"), "--limit", "2", "--batch_size", "8"]
     cmd += ["--output_path", str(tmp_path / "lm_eval")]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp_path)
+    run_python(cmd, check=True, capture_output=True, text=True, cwd=tmp_path)
     (results,) = (tmp_path / "lm_eval").rglob("results_*.json")
     theirs = json.loads(results.read_text())["results"]["quantgate_ppl"]
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):

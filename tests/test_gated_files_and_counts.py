@@ -118,7 +118,7 @@ def test_the_packaged_gated_twin_with_model_type_llama_refused_by_transformers(t
         AutoModelForCausalLM.from_pretrained(tmp_path / "twin-g1")
 
 
-def test_gated_checkpoint_still_loads_in_quantgate(tmp_path, capsys):
+def test_gated_checkpoint_still_loads_in_quantgate(tmp_path, capsys, monkeypatch):
     model = qg.build("tiny-llama", variant="g1-elementwise")
     qg.save(model, tmp_path / "g")
     assert torch.equal(_logits(qg.load(tmp_path / "g")), _logits(model))
@@ -142,10 +142,10 @@ def test_gated_checkpoint_still_loads_in_quantgate(tmp_path, capsys):
     # lm-eval's own command line with --model quantgate reads the gated checkpoint as quantgate eval does
     qg.save(model, tmp_path / "g2")
     out = tmp_path / "lm"
-    cmd = [sys.executable, "-m", "quantgate.cli", "lm-eval", "--model", "quantgate", "--model_args"]
-    cmd += [f"pretrained={tmp_path / 'g2'}", "--tasks", "quantgate_ppl", "--limit", "2", "--output_path", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    cmd = ["lm-eval", "--model", "quantgate", "--model_args", f"pretrained={tmp_path / 'g2'}"]
+    cmd += ["--tasks", "quantgate_ppl", "--limit", "2", "--output_path", str(out)]
+    assert main(cmd) == 0, capsys.readouterr().err[-3000:]
     (results,) = out.rglob("results_*.json")
     theirs = json.loads(results.read_text())["results"]["quantgate_ppl"]["word_perplexity,none"]
     ours = qg.evaluate(qg.load(tmp_path / "g2"), tasks=["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]

@@ -2,11 +2,11 @@
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 pytest.importorskip("triton")
 
@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_dry_run(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
+    run = run_python(
+        [str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

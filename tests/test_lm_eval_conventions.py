@@ -4,8 +4,6 @@ and quantgate's models on lm-eval's own command line (quantgate lm-eval --model 
 import json
 import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -236,11 +234,10 @@ def test_lm_eval_arguments_pass_through_with_quantgates_task_folder(capsys):
     assert main(["lm-eval", "run", "--no-such-flag"]) == 2
 
 
-def _lm_eval_cli(args: list[str], out: Path) -> dict:
-    """``python -m quantgate.cli lm-eval ARGS --output_path OUT``; lm-eval's results file."""
-    cmd = [sys.executable, "-m", "quantgate.cli", "lm-eval", *args, "--output_path", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+def _lm_eval_cli(args: list[str], out: Path, capsys) -> dict:
+    """``quantgate lm-eval ARGS --output_path OUT`` (lm-eval's own command line, run in this process as
+    test_lm_eval_arguments_pass_through_with_quantgates_task_folder runs it); lm-eval's results file."""
+    assert main(["lm-eval", *args, "--output_path", str(out)]) == 0, capsys.readouterr().err[-3000:]
     return json.loads(_one(out, "results_*.json").read_text())
 
 
@@ -259,6 +256,7 @@ def test_lm_eval_cli_with_model_quantgate_matches_quantgate_eval(llama_dir, tmp_
             "2",
         ],
         tmp_path / "lm",
+        capsys,
     )
     ours = _eval(
         [str(llama_dir), "--scheme", "w8a8-int8-dynamic", "--limit", "2", "--out", str(tmp_path / "q")], capsys
@@ -290,6 +288,7 @@ def test_lm_eval_cli_with_model_quantgate_mlm_matches_quantgate_eval(tmp_path, c
             "32",
         ],
         tmp_path / "lm",
+        capsys,
     )
     ours = _eval(
         [

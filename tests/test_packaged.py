@@ -66,13 +66,13 @@ def test_observe_finds_smollm2_massive_activations_by_hand(smollm2):
     from quantgate.observe import observe
 
     tok = qg.tokenizer(smollm2)
-    data = [b for _, b in zip(range(1), batches(tok, "validation", 128, 4), strict=False)]  # Persuasion comes first
+    data = [b for _, b in zip(range(1), batches(tok, "validation", 128, 2), strict=False)]  # Persuasion comes first
     report = observe(smollm2, data, progress=False)
     with torch.no_grad():
         hidden = smollm2(data[0]["input_ids"], output_hidden_states=True).hidden_states  # [embeddings, block 0, ...]
     middle = 15
     h = hidden[middle + 1].abs()  # the residual stream after block 15, by hand
-    flat = h.reshape(4, -1)
+    flat = h.reshape(2, -1)
     token, channel = divmod(int(flat[0].argmax()), h.shape[-1])
     assert token == 0  # the massive activation sits on the first token
     ratio = float(flat.max() / flat.median())
@@ -90,13 +90,14 @@ def test_observe_finds_smollm2_massive_activations_by_hand(smollm2):
 
 @pytest.fixture(scope="module")
 def smollm2_quantized(smollm2):
-    """SmolLM2 under static W8A8 INT8 (4 calibration batches of 8 x 128) and per-token dynamic INT8."""
+    """SmolLM2 under static W8A8 INT8 (one calibration batch of 8 x 128: the massive activations sit on every
+    sequence's first token, so more batches barely move the ranges) and per-token dynamic INT8."""
     from quantgate.data import batches
 
     tok = qg.tokenizer(smollm2)
     calib = batches(tok, "train", 128, 8)
     return {
-        "static": qg.quantize(smollm2, "w8a8-int8-static", calibration=calib, calib=4),
+        "static": qg.quantize(smollm2, "w8a8-int8-static", calibration=calib, calib=1),
         "dynamic": qg.quantize(smollm2, "w8a8-int8-dynamic"),
     }
 
@@ -105,7 +106,7 @@ def test_smollm2_static_w8a8_degrades_far_more_than_per_token(smollm2, smollm2_q
     """Massive activations (~24k on token 0) wreck per-tensor static INT8; per-token dynamic copes."""
     from quantgate.data import batches
 
-    held_out = list(batches(qg.tokenizer(smollm2), "validation", 128, 8, max_batches=2))
+    held_out = list(batches(qg.tokenizer(smollm2), "validation", 128, 8, max_batches=1))
 
     def ppl(model):
         with torch.no_grad():
@@ -113,35 +114,37 @@ def test_smollm2_static_w8a8_degrades_far_more_than_per_token(smollm2, smollm2_q
 
     fp, static, dynamic = ppl(smollm2), ppl(smollm2_quantized["static"]), ppl(smollm2_quantized["dynamic"])
     assert 30 < fp < 120
-    assert static > 1.4 * fp  # measured here: 66.8 -> 116
-    assert dynamic < 1.1 * fp  # measured here: 66.8 -> 69.1
+    assert static > 1.4 * fp  # measured here: 58.4 -> 108.9 (with 4 calibration batches: 105.7)
+    assert dynamic < 1.1 * fp  # measured here: 58.4 -> 60.4
     assert static - fp > 5 * (dynamic - fp)
 
 
 def test_smollm2_quantgate_ppl_through_lm_eval(smollm2, smollm2_quantized):
+    """The same through lm-eval's rolling loglikelihood, on the first test document (157 tokens; the second has
+    1,745, ten times the time)."""
     tok = qg.tokenizer(smollm2)
 
     def word_ppl(model):
-        return qg.evaluate(model, tok, ["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]["word_perplexity"]
+        return qg.evaluate(model, tok, ["quantgate_ppl"], limit=1)["results"]["quantgate_ppl"]["word_perplexity"]
 
     fp, static, dynamic = (
         word_ppl(smollm2),
         word_ppl(smollm2_quantized["static"]),
         word_ppl(smollm2_quantized["dynamic"]),
     )
-    assert static > 1.3 * fp and dynamic < 1.1 * fp
+    assert static > 1.3 * fp and dynamic < 1.1 * fp  # measured here: 106.3 -> 209.8 static, 115.8 dynamic
 
 
 def test_gate_added_to_smollm2_with_finetune_init_barely_moves_its_loss(smollm2, tmp_path):
     """Bondarenko's fine-tuning init (weights ~1e-3, output / pi_init) keeps the pretrained function."""
     from quantgate.data import batches
 
-    batch = next(iter(batches(qg.tokenizer(smollm2), "validation", 128, 4)))
+    batch = next(iter(batches(qg.tokenizer(smollm2), "validation", 128, 1)))
     gated = qg.load("smollm2-135m", variant="g1-headwise:finetune=true,pi_init=0.25")
     plain_gate = qg.load("smollm2-135m", variant="g1-headwise:pi_init=0.25")
     with torch.no_grad():
         base, after, naive = (m(**batch).loss.item() for m in (smollm2, gated, plain_gate))
-    assert abs(after - base) < 0.02, (base, after)  # measured here: 3.9974 -> 3.9994 (plain gate: 9.79)
+    assert abs(after - base) < 0.02, (base, after)  # measured here: 4.7283 -> 4.7296 (plain gate: 10.64)
     assert abs(naive - base) > 0.5  # without the rescale every head's output drops to a quarter
 
 

@@ -4,11 +4,11 @@ unreachable Ray address are each refused in one line, before anything loads, lau
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import run_python
 
 import quantgate as qg
 from quantgate import cli
@@ -125,10 +125,10 @@ def test_ray_with_processes_refused_at_dry_run(no_launch, tmp_path, capsys):
 
 def test_unreachable_ray_address_fails_quickly(tmp_path):
     study = _study(tmp_path, "base", "    preset: tiny-llama\n")
-    cmd = [sys.executable, "-m", "quantgate.cli", "study", str(study), "--out", str(tmp_path / "run")]
+    cmd = ["-m", "quantgate.cli", "study", str(study), "--out", str(tmp_path / "run")]
     start = time.monotonic()
     try:
-        done = subprocess.run(
+        done = run_python(
             [*cmd, "--executor", "ray", "--address", "127.0.0.1:1"], capture_output=True, text=True, timeout=45
         )
     except subprocess.TimeoutExpired:

@@ -96,6 +96,7 @@ def test_a_ray_run_equals_the_serial_run(study, serial, local_ray, tmp_path):
     assert len(list((run / "cells").glob("*/cell.log"))) == 2 and not (run / RUN_ID).exists()
 
 
+@pytest.mark.slow  # twelve seconds: a Ray worker started, killed and replaced
 def test_a_worker_killed_mid_cell_is_replaced_and_the_study_ends_the_same(study, serial, local_ray, tmp_path):
     out = tmp_path / "run"
     errors: list[BaseException] = []

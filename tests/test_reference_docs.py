@@ -1,12 +1,10 @@
 """docs/reference/: the committed pages are what scripts/reference_docs.py generates from the registries now, its
 --check notices a page that is not, and each registered scheme and each command has its entry."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import load_script, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
@@ -85,9 +83,7 @@ def test_check_exits_1_from_the_command_line(generator, tmp_path):
     page = tmp_path / "schemes.md"
     page.write_text(page.read_text(encoding="utf-8") + " ", encoding="utf-8")
     script = str(ROOT / "scripts" / "reference_docs.py")
-    run = subprocess.run(
-        [sys.executable, script, "--check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
+    run = run_python([script, "--check", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1, run.stderr
     assert run.stderr.strip().splitlines() == [f"{tmp_path / 'schemes.md'} is stale: {REGENERATE}"]
 

@@ -73,36 +73,33 @@ def test_resume_continues_exactly(tmp_path, preset, objective_kw):
     assert lrs_a == lrs_b
 
 
-def test_two_process_ddp_matches_one_process(tmp_path):
+def test_two_process_ddp_matches_one_process(tmp_path, monkeypatch):
     """Same global batch (8 rows): 2 x 4 rows with gloo DDP vs 1 x 8 rows. The gradients are the same
     mean over the same 8 x 32 tokens, summed in a different order, so the weights differ by float32
     rounding amplified by 8 Adam steps, which need not be the same across runs and machines. The criterion:
     the L2 distance between the two runs' weights is below 1e-3 of the distance training moved them
     (measured: 1.2e-7; the max element is no stable measure, as Adam can move a weight whose gradient is
     rounding noise by up to lr). The same DDP run with both processes training on the first 4 rows must
-    fail it (measured: 0.5).
+    fail it (measured: 0.5); it trains what one process trains on the first 4 rows of each global batch (each
+    rank's gradient is that of those rows, and so is their mean), which is how it runs here, in this process, as
+    the one-process run does.
     (accelerate's own ``launch --cpu`` starts several CPU processes only through MPI; torchrun sets
     the same environment and accelerate picks the gloo backend from it.)"""
-    script = Path(__file__).with_name("_ddp_train.py")
+    import _ddp_train
 
-    def run(name, launcher, rows_per_process):
-        out = tmp_path / f"{name}.safetensors"
-        subprocess.run(
-            [*launcher, str(script), str(out), str(rows_per_process)], check=True, capture_output=True, timeout=600
-        )
-        return load_file(out)
+    import quantgate.train.loop as loop
 
-    one = run("one", [sys.executable], 8)
+    one = _ddp_train.trained(8)
     moved = _distance(one, qg.build("tiny-llama", seed=0).state_dict())
     assert moved > 1.0  # training really changed the weights (measured: 8.6 over 0.6 M weights)
-    ddp = run("ddp", _two_processes(), 4)
+    out = tmp_path / "ddp.safetensors"
+    script = Path(__file__).with_name("_ddp_train.py")
+    subprocess.run([*_two_processes(), str(script), str(out), "4"], check=True, capture_output=True, timeout=600)
+    ddp = load_file(out)
     assert _distance(ddp, one) < 1e-3 * moved, _distance(ddp, one) / moved
-    first_half = (
-        "import runpy, sys, quantgate.train.loop as t; shard = t._shard; "  # every rank takes rank 0's rows
-        "t._shard = lambda batch, rank, world, device: shard(batch, 0, world, device); "
-        "runpy.run_path(sys.argv.pop(1), run_name='__main__')"
-    )
-    wrong = run("wrong", _two_processes("-c", first_half), 4)
+    shard = loop._shard  # every rank of two takes rank 0's rows
+    monkeypatch.setattr(loop, "_shard", lambda batch, rank, world, device: shard(batch, 0, 2, device))
+    wrong = _ddp_train.trained(8)
     assert _distance(wrong, one) > 0.1 * moved, _distance(wrong, one) / moved
 
 

@@ -4,13 +4,12 @@ float32 only: the interpreter's bf16 tl.dot is wrong. conftest.py sets TRITON_IN
 triton is not installed.
 """
 
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_python
 
 pytest.importorskip("triton")
 
@@ -152,8 +151,8 @@ def test_benchmark_dry_run(tmp_path):
     """benchmarks/gated_sdpa.py end to end on the interpreter, so the GPU script cannot rot."""
     out = tmp_path / "gated_sdpa.md"
     root = Path(__file__).resolve().parents[1]
-    subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gated_sdpa.py"), "--dry-run", "--out", str(out)],
+    run_python(
+        [str(root / "benchmarks" / "gated_sdpa.py"), "--dry-run", "--out", str(out)],
         check=True,
         cwd=tmp_path,
         capture_output=True,
