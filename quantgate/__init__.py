@@ -12,10 +12,13 @@ from . import (
 from .attention import gated_sdpa
 from .audit import Audit, audit
 from .checkpoint import load, save
+from .errors import InputError, MissingDependency, MissingFile, QuantgateError, Unavailable
 from .evaluate import evaluate
 from .models import apply_variant, build, gate_parameters, set_backend, tokenizer, variant_of
 from .observe import ObserveReport, observe
 from .quant import SCHEMES, quant_error, quantization_of, quantize
+from .study import run_study
+from .train import TrainConfig, train
 from .variants import AttentionVariant
 
 __version__ = "0.1.0"
@@ -39,7 +42,15 @@ __all__ = [
     "quantization_of",
     "SCHEMES",
     "evaluate",
+    "TrainConfig",
+    "train",
+    "run_study",
     "audit",
     "Audit",
+    "QuantgateError",
+    "InputError",
+    "MissingFile",
+    "MissingDependency",
+    "Unavailable",
     "__version__",
 ]

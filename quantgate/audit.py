@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from .checkpoint import load, save
 from .data.corpus import corpus, in_turn
 from .data.synthetic import is_backcopy
+from .errors import InputError
 from .evaluate import BUNDLED_TASKS, unknown_tasks
 from .files import claim_output, folder_name, read_json, write_text_atomic
 from .models.families import Family, family_of
@@ -63,7 +64,7 @@ __all__ = ["audit", "Audit", "Rung", "LADDER", "AuditError", "parse_budget", "pa
 log = logging.getLogger("quantgate")
 
 
-class AuditError(ValueError):
+class AuditError(InputError):
     """An audit that cannot run as asked; the message is one line naming the problem and the fix."""
 
 
@@ -727,20 +728,7 @@ def audit(
     the budget allows, up to the main job's number)."""
     started = time.perf_counter()
     budget_s, tolerance = parse_budget(budget), parse_within(within)
-    if docs is not None and (isinstance(docs, bool) or not isinstance(docs, int) or docs < 2):
-        raise AuditError(f"--docs {docs!r}: a paired interval needs at least 2 documents")
-    unknown = unknown_tasks(tasks or [])
-    if unknown:
-        bundled = ", ".join(BUNDLED_TASKS)
-        raise AuditError(f"--tasks: unknown task(s) {', '.join(unknown)}; bundled (offline): {bundled}")
-    target = _target(model, variant)
-    targets = [target]
-    pairs: list[list[str]] = []
-    twin = PACKAGED[target.load].twin if target.load in PACKAGED else None
-    if twin is not None:  # a packaged twin: the pair, so that the gate's effect is measured
-        other = _target(twin, None)
-        targets = sorted([target, other], key=lambda t: _target(t.load, None).variant is not None)  # ungated first
-        pairs = [[targets[0].name, targets[1].name]]
+    target, targets, pairs = _targets(model, variant, docs, tasks)
     dtype = _dtype_of(target, dtype)
     low = dtype in LOW_PRECISION_DTYPES  # a verdict nearer its threshold than bf16's tolerance: not resolved
     for t in targets:
@@ -752,70 +740,29 @@ def audit(
     plan_file = out / "audit.json"
     asked = {"model": str(model), "budget_s": budget_s, "within": tolerance, "tasks": tasks, "dtype": dtype,
              "variant": variant, "ladder": [r.scheme for r in ladder], "docs": docs}  # fmt: skip
-    previous = read_json(plan_file) if plan_file.is_file() else {}
     costs = [_measure(t, s, dtype, placement) for t, s in zip(targets, settings, strict=True)]
     spent = time.perf_counter() - started
-    if previous.get("asked") == asked:  # the same audit again: the same documents, so its steps are reused
-        docs = int(previous["docs"])
-        plan = Plan(docs, previous.get("estimate_s", budget_s), previous.get("cut", ""))
-    else:
-        plan = _plan(costs, settings, ladder, budget_s, spent, docs)
-    per_rung = sum(c.rung_s(plan.docs, s) for c, s in zip(costs, settings, strict=True))
-    log.info(
-        "audit of %s: %d documents, a forward pass %.2f ms per token here, about %.0f s a rung; %s budget",
-        ", ".join(t.name for t in targets),
-        plan.docs,
-        1000 * costs[-1].per_token_s,
-        per_rung,
-        _duration(budget_s),
-    )
+    plan = _sized(plan_file, asked, costs, settings, ladder, budget_s, spent, docs, targets)
     c0, s0 = costs[targets.index(target)], settings[targets.index(target)]
     reserve = c0.load_s + FIRST_RATIO * c0.per_token_s * s0.tokens("calibration") + c0.overhead_s if export else 0.0
     study_file = out / "audit.yaml"
-    run: list[Rung] = []
-    cut: list[Rung] = []
-    cells: dict[str, CellRecord] = {}
-    found = False
+    question = _Question(targets, settings, dtype, tolerance, placement, pairs, out, asked)
     with _progress(plan.estimate_s - spent, progress) as bar:
-        for rung in ladder:
-            if rung.probe != found:  # climbing until a rung is within; then only the probes
-                continue
-            elapsed = time.perf_counter() - started
-            estimate = sum(c.rung_s(plan.docs, s) for c, s in zip(costs, settings, strict=True))
-            if run and elapsed + estimate + reserve > budget_s:
-                cut.append(rung)
-                continue
-            bar.set_description(f"audit: {rung.scheme}")
-            run.append(rung)
-            spec = _study(targets, settings, dtype, plan.docs, [r.scheme for r in run], tolerance, placement, pairs)
-            write_text_atomic(study_file, yaml_text(spec))
-            record = {"asked": asked, "docs": plan.docs, "estimate_s": plan.estimate_s, "cut": plan.cut}
-            write_text_atomic(plan_file, json.dumps({**record, "per_token_s": [c.per_token_s for c in costs]}))
-            run_study(study_file, out)
-            cells = {c.model: c for c in read_metrics(out).cells}
-            _learn(costs, targets, cells, rung.scheme)
-            deltas = [ppl_change(cells[t.name], rung.scheme) for t in targets]
-            if not rung.probe and all(verdict(d, tolerance, low_precision=low) == "fixed" for d in deltas):
-                found = True
+        run, cut, cells = _climb(
+            question, ladder, plan, costs, budget_s - reserve - (time.perf_counter() - started), bar
+        )
     focus = target.name
     opening, survives, recipe = _answer(cells, run, tolerance, low, focus, cut, plan.cut, pairs)
-    export_dir: Path | None = None
-    note = "not asked for (--no-export)"
     met = [r.scheme for r in _met(cells[focus], run, tolerance, low)]
-    lines = [f"# Audit of {focus}", "", *opening, ""]
-    if export and met:
-        export_dir, written, kind, why = _export(target, settings[targets.index(target)], dtype, met,
-                                                 out / "export", placement)  # fmt: skip
-        if kind == "quantgate":
-            note = f"quantgate's own format, which transformers and vLLM refuse: {why}"
-        else:
-            note = f"{kind} format" + (f" (not {why})" if why else "")
-        lines += [f"`{written}` is written to `{export_dir}` in {note}. Load it with:", ""]
-        lines += _load_lines(target, export_dir, kind != "quantgate")
-    else:
-        note = note if not export else "no scheme was within the tolerance"
-        lines.append(f"No export: {note}. Export a scheme of the ladder yourself with `quantgate quantize`.")
-    lines += ["", "## The ladder", "", *_table(cells, run, tolerance, low), ""]
+    export_dir, note, export_lines = (
+        _exported(target, settings[targets.index(target)], dtype, met, out / "export", placement)
+        if export and met
+        else (None, "not asked for (--no-export)" if not export else "no scheme was within the tolerance", [])
+    )
+    if export_dir is None:
+        export_lines = [f"No export: {note}. Export a scheme of the ladder yourself with `quantgate quantize`."]
+    lines = [f"# Audit of {focus}", "", *opening, "", *export_lines, "", "## The ladder", ""]
+    lines += [*_table(cells, run, tolerance, low), ""]
     lines.append(
         f"Each change is the perplexity under the scheme over the float perplexity on the same "
         f"{_units(cells[focus])}, with a 95% interval paired over them; *within* means the whole interval lies below "
@@ -829,6 +776,120 @@ def audit(
         name: {r.scheme: d for r in run if (d := ppl_change(c, r.scheme)) is not None} for name, c in cells.items()
     }
     return Audit(out, text, survives, recipe, export_dir, note, changes)
+
+
+@dataclass(frozen=True)
+class _Question:
+    """What an audit's study runs: its models and their settings, the dtype, the tolerance (a fraction), where
+    the models go, the pairs of twins, the audit's folder and the question as audit.json records it."""
+
+    targets: list[Target]
+    settings: list[Settings]
+    dtype: str
+    tolerance: float
+    placement: Placement | None
+    pairs: list[list[str]]
+    out: Path
+    asked: dict
+
+
+def _climb(
+    q: _Question, ladder: list[Rung], plan: Plan, costs: list[Costs], left_s: float, bar: Any
+) -> tuple[list[Rung], list[Rung], dict[str, CellRecord]]:
+    """Run the ladder's rungs in order, each a study of the rungs so far, until one is within the tolerance;
+    then only the probes. A rung that would not finish in the ``left_s`` seconds left is cut. Returns (the rungs
+    run, those cut, the study's cells)."""
+    started = time.perf_counter()
+    low = q.dtype in LOW_PRECISION_DTYPES  # a verdict nearer its threshold than bf16's tolerance: not resolved
+    run: list[Rung] = []
+    cut: list[Rung] = []
+    cells: dict[str, CellRecord] = {}
+    found = False
+    for rung in ladder:
+        if rung.probe != found:  # climbing until a rung is within; then only the probes
+            continue
+        estimate = sum(c.rung_s(plan.docs, s) for c, s in zip(costs, q.settings, strict=True))
+        if run and time.perf_counter() - started + estimate > left_s:
+            cut.append(rung)
+            continue
+        bar.set_description(f"audit: {rung.scheme}")
+        run.append(rung)
+        schemes = [r.scheme for r in run]
+        spec = _study(q.targets, q.settings, q.dtype, plan.docs, schemes, q.tolerance, q.placement, q.pairs)
+        write_text_atomic(q.out / "audit.yaml", yaml_text(spec))
+        record = {"asked": q.asked, "docs": plan.docs, "estimate_s": plan.estimate_s, "cut": plan.cut}
+        write_text_atomic(q.out / "audit.json", json.dumps({**record, "per_token_s": [c.per_token_s for c in costs]}))
+        run_study(q.out / "audit.yaml", q.out)
+        cells = {c.model: c for c in read_metrics(q.out).cells}
+        _learn(costs, q.targets, cells, rung.scheme)
+        deltas = [ppl_change(cells[t.name], rung.scheme) for t in q.targets]
+        if not rung.probe and all(verdict(d, q.tolerance, low_precision=low) == "fixed" for d in deltas):
+            found = True
+    return run, cut, cells
+
+
+def _sized(
+    plan_file: Path,
+    asked: dict,
+    costs: list[Costs],
+    settings: list[Settings],
+    ladder: list[Rung],
+    budget_s: float,
+    spent: float,
+    docs: int | None,
+    targets: list[Target],
+) -> Plan:
+    """The audit's plan: the one ``plan_file`` holds where it answers the same question (the same documents, so
+    the steps are reused), else one sized to the budget by the measured ``costs``."""
+    previous = read_json(plan_file) if plan_file.is_file() else {}
+    if previous.get("asked") == asked:  # the same audit again: the same documents, so its steps are reused
+        plan = Plan(int(previous["docs"]), previous.get("estimate_s", budget_s), previous.get("cut", ""))
+    else:
+        plan = _plan(costs, settings, ladder, budget_s, spent, docs)
+    per_rung = sum(c.rung_s(plan.docs, s) for c, s in zip(costs, settings, strict=True))
+    log.info(
+        "audit of %s: %d documents, a forward pass %.2f ms per token here, about %.0f s a rung; %s budget",
+        ", ".join(t.name for t in targets),
+        plan.docs,
+        1000 * costs[-1].per_token_s,
+        per_rung,
+        _duration(budget_s),
+    )
+    return plan
+
+
+def _targets(
+    model: str, variant: str | None, docs: int | None, tasks: list[str] | None
+) -> tuple[Target, list[Target], list[list[str]]]:
+    """The model audited, the models the study runs (with a packaged twin, the pair: ungated first) and the
+    pairs of twins; refuses a number of documents below 2 and unknown tasks first."""
+    if docs is not None and (isinstance(docs, bool) or not isinstance(docs, int) or docs < 2):
+        raise AuditError(f"--docs {docs!r}: a paired interval needs at least 2 documents")
+    unknown = unknown_tasks(tasks or [])
+    if unknown:
+        bundled = ", ".join(BUNDLED_TASKS)
+        raise AuditError(f"--tasks: unknown task(s) {', '.join(unknown)}; bundled (offline): {bundled}")
+    target = _target(model, variant)
+    twin = PACKAGED[target.load].twin if target.load in PACKAGED else None
+    if twin is None:
+        return target, [target], []
+    other = _target(twin, None)  # a packaged twin: the pair, so that the gate's effect is measured
+    targets = sorted([target, other], key=lambda t: _target(t.load, None).variant is not None)  # ungated first
+    return target, targets, [[targets[0].name, targets[1].name]]
+
+
+def _exported(
+    target: Target, settings: Settings, dtype: str, met: list[str], folder: Path, placement: Placement | None
+) -> tuple[Path, str, list[str]]:
+    """Export the first scheme of ``met`` to ``folder``: (the folder, the format in words, the page's lines
+    saying where it is and how to load it)."""
+    export_dir, written, kind, why = _export(target, settings, dtype, met, folder, placement)
+    if kind == "quantgate":
+        note = f"quantgate's own format, which transformers and vLLM refuse: {why}"
+    else:
+        note = f"{kind} format" + (f" (not {why})" if why else "")
+    lines = [f"`{written}` is written to `{export_dir}` in {note}. Load it with:", ""]
+    return export_dir, note, lines + _load_lines(target, export_dir, kind != "quantgate")
 
 
 def _learn(costs: list[Costs], targets: list[Target], cells: dict[str, CellRecord], scheme: str) -> None:

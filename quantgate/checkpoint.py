@@ -16,6 +16,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from transformers import PreTrainedTokenizerBase
 
+from .errors import InputError
 from .files import mark_output, refuse_same, staged_dir, write_failure
 from .models import io as model_io
 from .models.presets import PRESETS
@@ -64,9 +65,9 @@ def save(
     with ``--overwrite``); this function itself checks no ownership, as before."""
     quantization = record_of(model).quantization
     if dtype is not None and not quantization:
-        raise ValueError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
+        raise InputError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
     if weights is not None and quantization:
-        raise ValueError("weights= applies to float models; a quantized model is saved from its own tensors")
+        raise InputError("weights= applies to float models; a quantized model is saved from its own tensors")
     source = (quantization or {}).get("source_model")
     if source and Path(str(source)).is_dir():
         refuse_same(path, source, "the float checkpoint this model was quantized from")
@@ -78,7 +79,7 @@ def save(
             else:
                 model_io.save(model, staged, tokenizer, weights=weights)
     except (OSError, SafetensorError) as e:  # a full or read-only disk
-        raise ValueError(f"cannot save the model to {path}: {write_failure(e)}; {path} is left as it was") from None
+        raise InputError(f"cannot save the model to {path}: {write_failure(e)}; {path} is left as it was") from None
     return Path(path)
 
 
@@ -96,7 +97,7 @@ def load(
     path = resolve(source)
     if (path / MANIFEST).is_file():
         if placement is not None:
-            raise ValueError(
+            raise InputError(
                 f"{path} is a quantized checkpoint, which loads whole: load it without --device-map, or load its "
                 f"float source with --device-map and quantize that"
             )
@@ -115,6 +116,6 @@ def load_or_build(
     preset name builds a fresh model (seed 0), which cannot be placed (``placement``)."""
     if source in PRESETS and source not in PACKAGED and not Path(source).exists():
         if placement is not None:
-            raise ValueError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
+            raise InputError(f"{source} is a preset, built whole: save it (quantgate train or qg.save) to place it")
         return model_io.build(source, variant, dtype=dtype)
     return load(source, variant, dtype=dtype, placement=placement)

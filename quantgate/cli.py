@@ -16,8 +16,9 @@ from . import __version__
 from .audit import audit
 from .checkpoint import load, load_or_build, save
 from .data import batches
-from .data.corpus import BUNDLED_SPLITS, DATASETS, OfflineError
+from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
+from .errors import InputError, MissingFile, QuantgateError
 from .evaluate import (
     NonFiniteOutputs,
     check_limit,
@@ -37,15 +38,15 @@ from .models.sources import resolve
 from .observe import observe
 from .options import check_range
 from .parallel import is_first, joined, relaunch
-from .quant import SCHEMES, HardwareUnavailable, get_scheme, quant_error, quantization_of, quantize
-from .runlock import RunDirectoryBusy, run_lock
+from .quant import SCHEMES, get_scheme, quant_error, quantization_of, quantize
+from .runlock import run_lock
 from .stats import CLUSTERS
 from .study import DEFAULT_STUDY, plan, run_study
 from .study.compare import compare
 from .study.executors import EXECUTORS
 from .study.report import write_study_report
 from .study.schema import SECTION_RULES
-from .train import TrainConfig, TrainingDiverged, train
+from .train import TrainConfig, train
 from .variants import AttentionVariant
 
 __all__ = ["main"]
@@ -75,12 +76,12 @@ def _placement(args: argparse.Namespace) -> Placement | None:
         try:
             device_map = json.loads(args.device_map)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--device-map {args.device_map!r} is not valid JSON: {e}") from None
+            raise InputError(f"--device-map {args.device_map!r} is not valid JSON: {e}") from None
     max_memory = None
     if args.max_memory:
         pairs = [item.partition("=") for item in args.max_memory.split(",")]
         if any(not k.strip() or not v.strip() for k, _, v in pairs):
-            raise ValueError(f"--max-memory {args.max_memory!r}: give DEVICE=SIZE pairs, e.g. 0=70GiB,cpu=200GiB")
+            raise InputError(f"--max-memory {args.max_memory!r}: give DEVICE=SIZE pairs, e.g. 0=70GiB,cpu=200GiB")
         max_memory = {int(k) if k.strip().isdigit() else k.strip(): v.strip() for k, _, v in pairs}
     if device_map is None and max_memory is None and args.offload_folder is None:
         return None
@@ -117,7 +118,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"  {name:<16} {text}")
         return 0
     if not args.model:
-        raise ValueError("info needs a preset or a model directory (or --list)")
+        raise InputError("info needs a preset or a model directory (or --list)")
     model = _load_or_build(args.model, args.variant)
     gates = gate_parameters(model)
     n_gate = parameter_count(gates.values())  # by storage: a tied head (two Parameters over one tensor) once
@@ -178,7 +179,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     keys = {"seq_len": "seq_len", "batch_size": "batch_size", "max_batches": "batches", "sink_tokens": "sink_tokens"}
     _check_options(args, "observe", keys)
     if args.sink_tokens >= args.seq_len:
-        raise ValueError(f"--sink-tokens ({args.sink_tokens}) must be fewer than --seq-len ({args.seq_len})")
+        raise InputError(f"--sink-tokens ({args.sink_tokens}) must be fewer than --seq-len ({args.seq_len})")
     _output(args.out, kind="observe")
     model = _load_or_build(args.model, args.variant, args.dtype, _placement(args))
     data = _batches(model, tokenizer(model), args.data, args.seq_len, args.batch_size, max_batches=args.max_batches)
@@ -195,13 +196,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             print(f"{name:<26} {scheme.description}")
         return 0
     if not args.model or not args.scheme:
-        raise ValueError("quantize needs a model and --scheme (quantgate quantize --list shows the schemes)")
+        raise InputError("quantize needs a model and --scheme (quantgate quantize --list shows the schemes)")
     _check_options(args, "calibration", {"calib": "batches", "seq_len": "seq_len", "batch_size": "batch_size"})
     scheme = get_scheme(args.scheme)
     needs = scheme.needs_calibration or bool(args.out and scheme.export_calibration)
     if args.calib is not None and not needs:
         unless = " unless it is saved (--out)" if scheme.export_calibration else ""
-        raise ValueError(f"--calib {args.calib} does nothing here: {scheme} calibrates nothing{unless}; leave it out")
+        raise InputError(f"--calib {args.calib} does nothing here: {scheme} calibrates nothing{unless}; leave it out")
     _output(args.out, args.model, kind="model", overwrite=args.overwrite)  # before the model loads and calibrates
     model = _load_or_build(args.model, args.variant, args.dtype, _placement(args))
     tok = tokenizer(model)
@@ -262,7 +263,7 @@ def _in_processes(args: argparse.Namespace, run: Callable[[argparse.Namespace, A
     """``run(args, state)`` in each of ``--processes`` N processes (``state``: accelerate's Accelerator of the
     run, None in a lone process); started here, or by a launcher (torchrun, accelerate launch) already."""
     if args.processes < 1:
-        raise ValueError(f"--processes must be a whole number >= 1, got {args.processes}")
+        raise InputError(f"--processes must be a whole number >= 1, got {args.processes}")
     state = joined()  # one of N processes a launcher started (--processes N, torchrun, accelerate launch)
     if state is None and args.processes > 1:
         return relaunch(args.argv, args.processes)  # each of them runs this command, and joins here
@@ -285,7 +286,7 @@ def _eval(args: argparse.Namespace, state) -> int:
         if args.out and e.partial.get("results") and is_first():
             claim_output(args.out, "eval", mark=True)
             write_text_atomic(Path(args.out) / "eval.partial.json", json.dumps(e.partial, indent=1))
-            raise ValueError(f"{e} (the tasks finished before it: {Path(args.out) / 'eval.partial.json'})") from None
+            raise InputError(f"{e} (the tasks finished before it: {Path(args.out) / 'eval.partial.json'})") from None
         raise
     if not is_first():  # every rank holds rank 0's result; rank 0 reports and writes it
         return 0
@@ -326,10 +327,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if bool(args.preset) == bool(args.model):
-        raise ValueError("train needs exactly one of --preset (from scratch) or --model (a checkpoint to fine-tune)")
+        raise InputError("train needs exactly one of --preset (from scratch) or --model (a checkpoint to fine-tune)")
     overrides = _config_overrides(args.config)
     if overrides and not args.preset:
-        raise ValueError("--config changes a preset's shape; it does not apply to --model checkpoints")
+        raise InputError("--config changes a preset's shape; it does not apply to --model checkpoints")
     fields = {
         k: getattr(args, k)
         for k in (
@@ -361,7 +362,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         build(args.preset, args.variant, seed=args.seed, **overrides) if args.preset else load(args.model, args.variant)
     )
     if args.objective and args.objective != _objective(model):
-        raise ValueError(
+        raise InputError(
             f"{args.preset or args.model} is a {_objective(model)} model; --objective {args.objective} does not fit it"
         )
     train(model, tokenizer(model), config=config)
@@ -381,7 +382,7 @@ def _config_overrides(text: str | None) -> dict:
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         key, eq, raw = item.partition("=")
         if not eq:
-            raise ValueError(f"--config takes key=value pairs, got {item!r}")
+            raise InputError(f"--config takes key=value pairs, got {item!r}")
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
@@ -433,7 +434,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     if not Path(args.run).is_dir():
-        raise FileNotFoundError(f"no study run directory {args.run}")
+        raise MissingFile(f"no study run directory {args.run}")
     with run_lock(args.run):  # not while a study is writing there
         print(f"wrote {write_study_report(args.run, args.cluster)}")
     return 0
@@ -454,16 +455,37 @@ def _int_or_text(text: str) -> int | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subparser per command, each added by its own function below."""
     parser = argparse.ArgumentParser(prog="quantgate", description=__doc__)
 
     parser.add_argument("--version", action="version", version=f"quantgate {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of every error, not one line")
     sub = parser.add_subparsers(dest="command", required=True)
+    _info_parser(sub)
+    _observe_parser(sub)
+    _quantize_parser(sub)
+    _eval_parser(sub)
+    _lm_eval_parser(sub)
+    _compare_parser(sub)
+    _train_parser(sub)
+    _study_parser(sub)
+    _audit_parser(sub)
+    _report_parser(sub)
+    _build_tokenizers_parser(sub)
+    return parser
+
+
+def _info_parser(sub: Any) -> None:
+    """``quantgate info``."""
     info = sub.add_parser("info", help="family, parameter count (gates separately), variant and dtype of a model")
     info.add_argument("model", nargs="?", help="a preset name or a model directory")
     info.add_argument("--variant", help="attention variant to swap in, e.g. g1-elementwise:pi_init=0.25")
     info.add_argument("--list", action="store_true", help="list presets and variants")
     info.set_defaults(func=cmd_info)
+
+
+def _observe_parser(sub: Any) -> None:
+    """``quantgate observe``."""
     obs = sub.add_parser("observe", help="outlier, sink and gate statistics over a dataset, with plots")
     obs.add_argument("model", help="a preset, packaged model or model directory")
     obs.add_argument("--variant", help="attention variant to swap in")
@@ -475,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
     _placement_arguments(obs)
     obs.add_argument("--sink-tokens", type=int, default=1, help="how many leading keys count as the sink (>= 1)")
     obs.set_defaults(func=cmd_observe)
+
+
+def _quantize_parser(sub: Any) -> None:
+    """``quantgate quantize``."""
     qz = sub.add_parser("quantize", help="post-training INT8/FP8 quantization (simulated or torchao/bitsandbytes)")
     qz.add_argument("model", nargs="?", help="a preset, packaged model or model directory")
     qz.add_argument("--scheme", help="scheme name, optionally name:key=value,... (see --list)")
@@ -502,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="store a compressed-tensors export's full-precision tensors (embeddings, norms, head) in this dtype",
     )
     qz.set_defaults(func=cmd_quantize)
+
+
+def _eval_parser(sub: Any) -> None:
+    """``quantgate eval``."""
     ev = sub.add_parser("eval", help="evaluate through lm-eval (bundled offline tasks or any lm-eval task online)")
     ev.add_argument("model", help="a preset, packaged model or model directory (float or quantized)")
     ev.add_argument("--tasks", default="quantgate_ppl", help="comma-separated tasks (default: quantgate_ppl)")
@@ -534,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel: N processes (one per GPU; gloo on the CPU), lm-eval's requests split between them",
     )
     ev.set_defaults(func=cmd_eval)
+
+
+def _lm_eval_parser(sub: Any) -> None:
+    """``quantgate lm-eval``."""
     lme = sub.add_parser(
         "lm-eval",
         add_help=False,
@@ -543,6 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lme.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's arguments, unchanged")
     lme.set_defaults(func=cmd_lm_eval)
+
+
+def _compare_parser(sub: Any) -> None:
+    """``quantgate compare``."""
     cmp = sub.add_parser("compare", help="float vs quantized metrics of several runs, with deltas and a plot")
     cmp.add_argument(
         "runs", nargs="+", help="run directories, eval.json files or lm-eval results JSON (lm_eval --output_path)"
@@ -560,6 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cmp.add_argument("--out", help="write compare.md, compare.csv and compare.png here")
     cmp.set_defaults(func=cmd_compare)
+
+
+def _train_parser(sub: Any) -> None:
+    """``quantgate train``."""
     tr = sub.add_parser("train", help="train from scratch (--preset) or fine-tune a checkpoint (--model), resumable")
     tr.add_argument("--preset", help="a preset to build and train from scratch")
     tr.add_argument("--model", help="a checkpoint, packaged model or hub id to fine-tune")
@@ -601,6 +643,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove an earlier run's files from --out first (without it or --resume, a run there is refused)",
     )
     tr.set_defaults(func=cmd_train)
+
+
+def _study_parser(sub: Any) -> None:
+    """``quantgate study``."""
     st = sub.add_parser("study", help="run a study YAML: train/load -> observe -> quantize -> evaluate -> report")
     st.add_argument("study", nargs="?", help="study file (default: the quickstart study shipped with quantgate)")
     st.add_argument("--out", help="run directory (default: results/<study name>)")
@@ -627,6 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
         "requests split between them",
     )
     st.set_defaults(func=cmd_study)
+
+
+def _audit_parser(sub: Any) -> None:
+    """``quantgate audit``."""
     au = sub.add_parser(
         "audit",
         help="will MODEL survive INT8/FP8, and which recipe should it use? A budgeted ladder of schemes, the answer "
@@ -647,6 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--no-export", action="store_true", help="do not write the recipe to DIR/export")
     _placement_arguments(au)
     au.set_defaults(func=cmd_audit)
+
+
+def _report_parser(sub: Any) -> None:
+    """``quantgate report``."""
     rp = sub.add_parser("report", help="rebuild a study's report.md and plots from its metrics.json")
     rp.add_argument("run", help="a study run directory")
     rp.add_argument(
@@ -655,10 +709,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the unit the intervals resample from now on (recorded in metrics.json; default: the study's, work)",
     )
     rp.set_defaults(func=cmd_report)
+
+
+def _build_tokenizers_parser(sub: Any) -> None:
+    """``quantgate build-tokenizers``."""
     tok = sub.add_parser("build-tokenizers", help="retrain the bundled BPE and WordPiece tokenizers on the train split")
     tok.add_argument("--out", help="output directory (default: the package's tokenizers folder)")
     tok.set_defaults(func=cmd_build_tokenizers)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,15 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("quantgate").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (
-        ValueError,
-        FileNotFoundError,
-        ModuleNotFoundError,
-        OfflineError,
-        HardwareUnavailable,
-        TrainingDiverged,
-        RunDirectoryBusy,
-    ) as e:  # the user's input or setup: one line; anything else is a bug, with its traceback
+    except (QuantgateError, FileNotFoundError) as e:  # the user's input or setup (quantgate.errors; a file named
+        # that is not there): one line; anything else is a bug, with its traceback
         if args.debug:
             raise
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)

@@ -53,12 +53,24 @@ import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
 from . import parallel
-from .checkpoint import load_or_build
 from .data import batches
 from .data.corpus import OfflineError, hub_reachable, text_hash
 from .data.synthetic import BackcopyBatches
-from .models.families import config_of, family_of
-from .models.io import Placement
+from .errors import InputError, MissingDependency
+from .eval_inputs import (
+    BUNDLED_TASKS,
+    COMPUTED_TASKS,
+    TASK_DIR,
+    NonFiniteOutputs,
+    check_limit,
+    check_limit_per_process,
+    check_lm_eval_options,
+    context_length,
+    first_non_finite,
+    load_for_eval,
+    score_floats,
+)
+from .models.families import family_of
 from .models.modes import eval_mode
 from .models.record import record_of
 from .models.sources import check_vocabulary
@@ -66,7 +78,7 @@ from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .options import AT_LEAST_1, check_range
 from .provenance import git_commit, versions
-from .quant import fingerprint, get_scheme, quantization_of, quantize
+from .quant import fingerprint, quantization_of
 from .stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate
 
 if TYPE_CHECKING:
@@ -89,11 +101,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("quantgate")
-TASK_DIR = Path(__file__).with_name("tasks")
-BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl", "quantgate_backcopy")
-COMPUTED_TASKS = ("quantgate_mlm_ppl", "quantgate_backcopy")  # scored here, not through lm-eval
 BACKCOPY_HELD_OUT_SEED = 1_000_003
-CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE = "train", 128, 8  # what --scheme calibrates on (eval, lm-eval)
 OFFLINE_EQUIVALENTS = {
     "wikitext": "quantgate_ppl",
     "lambada_openai": "quantgate_cloze",
@@ -114,110 +122,6 @@ def task_manager(include_defaults: bool = True) -> TaskManager:
     from lm_eval.tasks import TaskManager  # lm-eval is optional: imported at first use
 
     return TaskManager(include_path=str(TASK_DIR), include_defaults=include_defaults)
-
-
-def check_limit(limit: int | float | None) -> int | float | None:
-    """lm-eval's ``limit``: None (every document), a whole number of documents >= 1, or a fraction in (0, 1)."""
-    if limit is None:
-        return None
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:
-        raise ValueError(f"limit must be a number of documents (>= 1) or a fraction in (0, 1), got {limit!r}")
-    if limit >= 1 and limit != int(limit):
-        raise ValueError(f"limit {limit} is neither a whole number of documents nor a fraction below 1")
-    return int(limit) if limit >= 1 else float(limit)
-
-
-def check_limit_per_process(
-    limit: int | float | None, processes: int, tasks: Iterable[str], name: str = "--limit", processes_name: str = ""
-) -> None:
-    """Refuse a whole-number ``limit`` below the number of data-parallel ``processes`` for a task whose documents
-    lm-eval splits between them (not ``COMPUTED_TASKS``): a process with no document fails in the ranks' gather
-    instead. ``name`` and ``processes_name`` name the settings in the one-line refusal."""
-    split = [t for t in tasks if t not in COMPUTED_TASKS]
-    if processes <= 1 or limit is None or limit < 1 or int(limit) >= processes or not split:
-        return
-    raise ValueError(
-        f"{name} {int(limit)} gives {', '.join(split)} {int(limit)} document(s) to split between {processes} processes"
-        f"{processes_name or f' (--processes {processes})'}, and each needs one: raise the limit to {processes} or "
-        f"more, or run fewer processes"
-    )
-
-
-def check_lm_eval_options(
-    num_fewshot: int | None = None,
-    bootstrap_iters: int = 0,
-    output_path: str | os.PathLike[str] | None = None,
-    log_samples: bool = False,
-) -> None:
-    """Refuse, with one line naming the fix, lm-eval options that cannot work: a negative or fractional
-    ``num_fewshot`` (examples) or ``bootstrap_iters`` (resamples), ``log_samples`` without ``output_path``,
-    an ``output_path`` that is an existing file not named ``*.json``."""
-    for name, value in (
-        ("num_fewshot (--num-fewshot)", num_fewshot),
-        ("bootstrap_iters (--bootstrap-iters)", bootstrap_iters),
-    ):
-        if value is None and name.startswith("num_fewshot"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
-    if log_samples and output_path is None:
-        raise ValueError(
-            "log_samples (--log-samples) writes lm-eval's per-sample files beside its results file: "
-            "give output_path (--output-path) too"
-        )
-    if output_path is not None:
-        path = Path(output_path)
-        if not str(output_path).strip():
-            raise ValueError("the output path is empty: give a directory or a file name ending in .json")
-        if path.suffix != ".json" and path.exists() and not path.is_dir():
-            raise ValueError(f"output path {path} is a file: give a directory or a file name ending in .json")
-        if path.suffix == ".json" and path.is_dir():
-            raise ValueError(f"output path {path} is a directory named *.json: lm-eval would take it for a file name")
-
-
-class NonFiniteOutputs(ValueError):
-    """The model's log-likelihood of a task's document is NaN or inf (its outputs are). ``partial``: what
-    :func:`evaluate` returns, over the tasks finished before it with finite outputs."""
-
-    def __init__(self, message: str, partial: dict):
-        super().__init__(message)
-        self.partial = partial
-
-
-def load_for_eval(
-    source: str,
-    variant: str | None = None,
-    scheme: str | None = None,
-    *,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    placement: Placement | None = None,
-) -> nn.Module:
-    """The model ``quantgate eval SOURCE [--variant V] [--scheme S]`` evaluates, and lm-eval's ``--model
-    quantgate`` / ``quantgate-mlm`` load: a packaged checkpoint or directory through :func:`quantgate.load`
-    (float or quantized), another preset name built fresh (seed 0); with ``scheme``, quantized after
-    calibrating on the train split (128-token sequences, batches of 8: ``CALIB_*``), in place (the float model is
-    not needed again); ``placement`` shards a checkpoint as it loads."""
-    if scheme is not None:
-        get_scheme(scheme)  # an unknown scheme or option fails before the model loads
-    model = load_or_build(source, variant, dtype=dtype, placement=placement)
-    if device is not None:
-        model = model.to(device)
-    record = quantization_of(model) if scheme is not None else None
-    if record is not None:
-        source_model = record.get("source_model")
-        raise ValueError(
-            f"{source} is already quantized ({record['scheme']}); scheme (--scheme) quantizes a float model: "
-            f"evaluate {source} as it is, without a scheme, or give its float source"
-            + (f" ({source_model})" if source_model else "")
-            + " with the scheme"
-        )
-    if scheme is not None:
-        family = family_of(model)
-        family.check_seq_len(config_of(model), CALIB_SEQ_LEN)
-        calib = batches(get_tokenizer(model), CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE, family.objective)
-        model = quantize(model, scheme, calibration=calib, inplace=True)
-    return model
 
 
 def evaluate(
@@ -263,29 +167,52 @@ def evaluate(
     _check_lm_eval_tasks(lm_tasks, tasks, num_fewshot, bootstrap_iters, output_path)
     if batch_size == "auto":
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
-    max_length = max_length or context_length(model)
-    results: dict[str, dict] = {}
-    documents: dict[str, dict] = {}
-    written: dict[str, Any] | None = None
-    protocol: dict[str, Any] = {}  # what lm-eval used that changes the numbers (quantgate compare checks it)
+    settings = {"tasks": tasks, "limit": limit, "num_fewshot": num_fewshot, "bootstrap_iters": bootstrap_iters,
+                "batch_size": batch_size, "max_length": max_length or context_length(model)}  # fmt: skip
+    run = _Evaluation(model, settings)
+    if lm_tasks:
+        run.lm_eval(tokenizer, lm_tasks, output_path, log_samples, model_args)
+    if "quantgate_mlm_ppl" in tasks:
+        run.documents["quantgate_mlm_ppl"] = mlm_documents(model, tokenizer, limit=limit)
+        run.refuse_non_finite({"quantgate_mlm_ppl": _scored(run.documents["quantgate_mlm_ppl"])})
+        run.results["quantgate_mlm_ppl"] = {"perplexity": aggregate(run.documents["quantgate_mlm_ppl"], "perplexity")}
+    if "quantgate_backcopy" in tasks:
+        run.documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
+        run.refuse_non_finite({"quantgate_backcopy": _scored(run.documents["quantgate_backcopy"])})
+        run.results["quantgate_backcopy"] = _backcopy_results(run.documents["quantgate_backcopy"])
+    return run.result()
 
-    def result() -> dict:  # what is returned, and what a NonFiniteOutputs error keeps
+
+class _Evaluation:
+    """One :func:`evaluate` call's results and documents as they come in, per task, and the dict it returns
+    (:meth:`result`), which a NonFiniteOutputs error keeps too. ``settings``: the call's tasks, limit,
+    num_fewshot, bootstrap_iters, batch_size and max_length."""
+
+    def __init__(self, model: nn.Module, settings: dict[str, Any]) -> None:
+        self.model, self.family, self.settings = model, family_of(model), settings
+        self.results: dict[str, dict] = {}
+        self.documents: dict[str, dict] = {}
+        self.written: dict[str, Any] | None = None
+        self.protocol: dict[str, Any] = {}  # what lm-eval used that changes the numbers (quantgate compare checks it)
+
+    def result(self) -> dict:
+        model, s = self.model, self.settings
         quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
         return {
-            "results": results,
-            "documents": documents,
-            **({"lm_eval_output": written} if written is not None else {}),
+            "results": self.results,
+            "documents": self.documents,
+            **({"lm_eval_output": self.written} if self.written is not None else {}),
             "settings": {
-                "tasks": tasks,
-                "limit": limit,
-                "num_fewshot": num_fewshot,
-                **protocol,  # n_shot (per task, as lm-eval applied it), task_versions, fewshot_seed
-                "bootstrap_iters": bootstrap_iters,
-                "batch_size": batch_size,
-                "max_length": max_length,
+                "tasks": s["tasks"],
+                "limit": s["limit"],
+                "num_fewshot": s["num_fewshot"],
+                **self.protocol,  # n_shot (per task, as lm-eval applied it), task_versions, fewshot_seed
+                "bootstrap_iters": s["bootstrap_iters"],
+                "batch_size": s["batch_size"],
+                "max_length": s["max_length"],
                 "model": getattr(model.config, "_name_or_path", None) or None,
                 "model_sha256": fingerprint(model),  # identity: quantize() records it as its source_sha256
-                "family": family.name,
+                "family": self.family.name,
                 "variant": str(variant_of(model)),
                 "quantization": quant["scheme"] if quant else None,
                 "quantization_origin": quant.get("origin") if quant else None,
@@ -299,31 +226,41 @@ def evaluate(
             },
         }
 
-    def refuse_non_finite(scored: dict[str, list[tuple[Any, list[float]]]]) -> None:
+    def refuse_non_finite(self, scored: dict[str, list[tuple[Any, list[float]]]]) -> None:
         """Raise NonFiniteOutputs naming the first task and document with a NaN or inf score (``scored``:
         per task, (document id, its scores)), keeping the other tasks' results."""
         bad = {task: found for task, docs in scored.items() if (found := first_non_finite(docs)) is not None}
         if not bad:
             return
         for task in bad:
-            results.pop(task, None)
-            documents.pop(task, None)
+            self.results.pop(task, None)
+            self.documents.pop(task, None)
         task, (doc, value) = next(iter(bad.items()))
         others = f" (and {len(bad) - 1} more task(s): {', '.join(list(bad)[1:])})" if len(bad) > 1 else ""
         raise NonFiniteOutputs(
             f"{task}: document {doc} scores a log-likelihood of {value}{others}: the model's outputs are NaN or inf "
             f"there, so no metric can be computed; find the first non-finite activation (quantgate observe) and "
             f"fix the model or its quantization",
-            result(),
+            self.result(),
         )
 
-    if lm_tasks:
+    def lm_eval(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        lm_tasks: list[str],
+        output_path: str | os.PathLike[str] | None,
+        log_samples: bool,
+        model_args: dict[str, Any] | None,
+    ) -> None:
+        """The lm-eval tasks, through lm-eval's simple_evaluate (split between the processes where the call is
+        one of several), and lm-eval's own output files where ``output_path`` asks for them."""
+        model, s = self.model, self.settings
         lm_eval = require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
-        lm = _wrap(model, tokenizer, family.objective, batch_size, max_length)
+        lm = _wrap(model, tokenizer, self.family.objective, s["batch_size"], s["max_length"])
         state = parallel.joined()  # launched as one of N processes: lm-eval splits the requests between them
         if state is not None:  # every rank refuses alike, before the gather a rank with no document would fail in
-            check_limit_per_process(limit, state.num_processes, lm_tasks, "limit", " (ranks)")
+            check_limit_per_process(s["limit"], state.num_processes, lm_tasks, "limit", " (ranks)")
             parallel.share_work(lm, state)
         tracker = _tracker(output_path)
         with eval_mode(model):
@@ -332,49 +269,39 @@ def evaluate(
                 model=lm,
                 tasks=lm_tasks,
                 task_manager=manager,
-                limit=limit,
-                batch_size=batch_size,  # recorded in lm-eval's config (the model is built already)
-                num_fewshot=num_fewshot,
+                limit=s["limit"],
+                batch_size=s["batch_size"],  # recorded in lm-eval's config (the model is built already)
+                num_fewshot=s["num_fewshot"],
                 log_samples=True,
-                bootstrap_iters=bootstrap_iters,
+                bootstrap_iters=s["bootstrap_iters"],
                 evaluation_tracker=tracker,
                 verbosity="ERROR",
                 confirm_run_unsafe_code=False,  # a task's own code never runs (as a checkpoint's never does)
             )
         out = parallel.from_first(out)  # rank 0 holds every rank's samples; the others get None from lm-eval
-        results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
-        protocol.update(
+        self.results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
+        self.protocol.update(
             n_shot=dict(out.get("n-shot") or {}),
             task_versions=dict(out.get("versions") or {}),
             fewshot_seed=(out.get("config") or {}).get("fewshot_seed"),
         )
-        documents.update(
+        self.documents.update(
             {
                 task: sample_documents(samples, out["configs"][task], tokenizer)
                 for task, samples in out["samples"].items()
                 if samples
             }
         )
-        refuse_non_finite(
+        self.refuse_non_finite(
             {t: [(x["doc_id"], score_floats(x["resps"])) for x in ss] for t, ss in out["samples"].items()}
         )
         # after sample_documents (lm-eval's sample writer rewrites the samples in place); rank 0 alone writes
         if tracker is not None and parallel.is_first():
-            objective_model = "quantgate-mlm" if family.objective == "mlm" else "quantgate"
-            written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
-            skipped = [t for t in tasks if t in COMPUTED_TASKS]
+            objective_model = "quantgate-mlm" if self.family.objective == "mlm" else "quantgate"
+            self.written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
+            skipped = [t for t in s["tasks"] if t in COMPUTED_TASKS]
             if skipped:
                 log.info(f"{', '.join(skipped)}: computed by quantgate, not lm-eval: in quantgate's result only")
-    if "quantgate_mlm_ppl" in tasks:
-        documents["quantgate_mlm_ppl"] = mlm_documents(model, tokenizer, limit=limit)
-        refuse_non_finite({"quantgate_mlm_ppl": _scored(documents["quantgate_mlm_ppl"])})
-        results["quantgate_mlm_ppl"] = {"perplexity": aggregate(documents["quantgate_mlm_ppl"], "perplexity")}
-    if "quantgate_backcopy" in tasks:
-        documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
-        refuse_non_finite({"quantgate_backcopy": _scored(documents["quantgate_backcopy"])})
-        results["quantgate_backcopy"] = _backcopy_results(documents["quantgate_backcopy"])
-
-    return result()
 
 
 def require_lm_eval() -> types.ModuleType:
@@ -382,7 +309,7 @@ def require_lm_eval() -> types.ModuleType:
     try:
         import lm_eval  # lm-eval is optional: imported at first use
     except ImportError as e:
-        raise ModuleNotFoundError(f"evaluation needs lm-eval (pip install lm-eval==0.4.13): {e}") from None
+        raise MissingDependency(f"evaluation needs lm-eval (pip install lm-eval==0.4.13): {e}") from None
     import lm_eval.evaluator
 
     # lm-eval records the git commit of the working directory by running git with its stderr shown: outside a
@@ -393,14 +320,14 @@ def require_lm_eval() -> types.ModuleType:
 
 def _check_tasks(tasks: list[str], objective: str) -> None:
     if not tasks:
-        raise ValueError(f"no tasks given; bundled: {', '.join(BUNDLED_TASKS)}")
+        raise InputError(f"no tasks given; bundled: {', '.join(BUNDLED_TASKS)}")
     if "quantgate_mlm_ppl" in tasks and objective != "mlm":
-        raise ValueError("quantgate_mlm_ppl scores masked LMs; use quantgate_ppl for causal LMs")
+        raise InputError("quantgate_mlm_ppl scores masked LMs; use quantgate_ppl for causal LMs")
     if "quantgate_backcopy" in tasks and objective != "clm":
-        raise ValueError("quantgate_backcopy scores causal LMs trained on the backcopy task")
+        raise InputError("quantgate_backcopy scores causal LMs trained on the backcopy task")
     unknown = unknown_tasks(tasks)
     if unknown:
-        raise ValueError(
+        raise InputError(
             f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
             f"any lm-eval task name works online (lm-eval ls tasks)"
         )
@@ -427,7 +354,7 @@ def _check_lm_eval_tasks(lm_tasks: list[str], tasks: list[str], num_fewshot, boo
         if on
     ]
     if asked:
-        raise ValueError(
+        raise InputError(
             f"{' and '.join(asked)} apply to lm-eval tasks, and {', '.join(tasks)} are computed by quantgate, "
             f"not lm-eval: drop them, or add an lm-eval task (e.g. quantgate_ppl)"
         )
@@ -444,7 +371,7 @@ def _tracker(output_path) -> EvaluationTracker | None:
     try:
         (path.parent if path.suffix == ".json" else path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"cannot write lm-eval's results to {path}: {e.strerror or e}") from None
+        raise InputError(f"cannot write lm-eval's results to {path}: {e.strerror or e}") from None
 
     return EvaluationTracker(output_path=str(output_path))
 
@@ -499,10 +426,6 @@ def unknown_tasks(tasks: Iterable[str]) -> list[str]:
     return [t for t in others if t not in known]
 
 
-def context_length(model: nn.Module) -> int:
-    return int(min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 4096))
-
-
 def _wrap(model, tokenizer, objective: str, batch_size, max_length):
     """The lm-eval model for ``model``: the classes lm-eval's ``--model quantgate`` / ``quantgate-mlm``
     construct (quantgate.lm_eval_models), so both routes score with the same settings; non-finite scores
@@ -518,7 +441,7 @@ def _wrap(model, tokenizer, objective: str, batch_size, max_length):
                 pretrained=model, tokenizer=tokenizer, batch_size=batch_size, max_length=max_length
             )
         except (AssertionError, TypeError) as e:
-            raise ValueError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
+            raise InputError(f"lm-eval cannot wrap this {type(model).__name__}: {e}") from None
     lm.refuse_non_finite = False
     return lm
 
@@ -554,7 +477,7 @@ def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTok
     docs[HASH_COLUMN] = [_doc_hash(s.get("doc")) for s in rows]
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
         if tokenizer is None:
-            raise ValueError("a rolling task's documents count their tokens: give sample_documents the tokenizer")
+            raise InputError("a rolling task's documents count their tokens: give sample_documents the tokenizer")
         docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
     return docs
 
@@ -569,18 +492,6 @@ def _doc_hash(doc: Any) -> str:
 def _token_hashes(ids: torch.Tensor) -> list[str]:
     """The hash of each row's token ids (B, T): which sequence a computed task's row is."""
     return [text_hash(row.astype("<i8").tobytes()) for row in ids.cpu().numpy()]
-
-
-def score_floats(value: Any) -> list[float]:
-    """The numbers in a logged sample's responses (nested lists and tuples; strings and flags skipped)."""
-    if isinstance(value, (list, tuple)):
-        return [f for v in value for f in score_floats(v)]
-    return [float(value)] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
-
-
-def first_non_finite(scored: list[tuple[Any, list[float]]]) -> tuple[Any, float] | None:
-    """(document id, score) of the first NaN or inf score in ``scored``: (document id, its scores)."""
-    return next(((doc, v) for doc, values in scored for v in values if not math.isfinite(v)), None)
 
 
 def _scored(docs: dict) -> list[tuple[Any, list[float]]]:

@@ -24,6 +24,7 @@ from .checkpoint import load
 from .data import batches
 from .data.batches import prepends_bos
 from .data.corpus import corpus, in_turn
+from .errors import InputError, MissingFile
 from .models.families import config_of
 from .models.swap import VariantAttention, attention_modules, variant_of
 from .provenance import machine, versions
@@ -74,7 +75,7 @@ def document_starts(
             works.append(doc.work)
             if len(rows) == n:
                 return torch.tensor(rows), works
-    raise ValueError(f"{source} holds {len(rows)} documents of at least {length} tokens, fewer than the {n} asked")
+    raise InputError(f"{source} holds {len(rows)} documents of at least {length} tokens, fewer than the {n} asked")
 
 
 @torch.no_grad()
@@ -158,14 +159,12 @@ def trained_models(run_dir: str | Path, seed: int = 0) -> dict[str, nn.Module]:
     rerun = f"quantgate study experiments/{run_dir.name}.yaml"
     cells = [c for c in read_metrics(run_dir).cells if c.is_trained and c.seed == seed] if run_dir.is_dir() else []
     if not cells:
-        raise FileNotFoundError(f"{run_dir} holds no trained cells for seed {seed}; run its study first: {rerun}")
+        raise MissingFile(f"{run_dir} holds no trained cells for seed {seed}; run its study first: {rerun}")
     out = {}
     for c in cells:
         weights = c.directory / "train" / "model"
         if not (weights / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{weights} is missing (trained weights are not committed); re-run {rerun} to rebuild it"
-            )
+            raise MissingFile(f"{weights} is missing (trained weights are not committed); re-run {rerun} to rebuild it")
         model = load(weights)
         out[str(variant_of(model))] = model
     return out

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from quantgate.errors import InputError
+
 __all__ = [
     "write_text_atomic",
     "read_json",
@@ -108,12 +110,12 @@ def short_repr(value: object, limit: int = 80) -> str:
 def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: int = JSON_LIMIT, fix: str = "") -> Any:
     """The JSON value in file ``path`` (UTF-8, at most ``limit`` bytes), which must be of type ``kind``
     (``dict``: an object; ``list``: an array; ``object``: any value). Anything else, a missing, unreadable,
-    truncated or oversized file included, is a one-line ValueError ``cannot read <path>: <why>``, followed
+    truncated or oversized file included, is a one-line InputError ``cannot read <path>: <why>``, followed
     by ``fix`` (what to do about it) where given."""
     path = Path(path)
 
-    def fail(why: str) -> ValueError:
-        return ValueError(f"cannot read {path}: {why}" + (f"; {fix}" if fix else ""))
+    def fail(why: str) -> InputError:
+        return InputError(f"cannot read {path}: {why}" + (f"; {fix}" if fix else ""))
 
     try:
         with open(path, "rb") as fh:
@@ -209,7 +211,7 @@ def writable_dir(directory: str | Path, what: str = "--out", create: bool = True
     gave it) otherwise."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
-        raise ValueError(f"{what} {directory} is a file, not a directory; choose a directory")
+        raise InputError(f"{what} {directory} is a file, not a directory; choose a directory")
     try:
         if create:
             directory.mkdir(parents=True, exist_ok=True)
@@ -218,7 +220,7 @@ def writable_dir(directory: str | Path, what: str = "--out", create: bool = True
             raise NotADirectoryError(f"{existing} is a file")
         _probe(existing)
     except OSError as e:
-        raise ValueError(
+        raise InputError(
             f"{what} {directory}: cannot write there ({e.strerror or e}); choose a writable directory"
         ) from None
     return directory
@@ -366,7 +368,7 @@ def claim_output(
     then created where missing and marked as written by ``by`` (default ``quantgate <kind>``); the writer
     calls it once it is about to write, after the check before the work. Returns ``directory``."""
     if kind not in OUTPUT_KINDS:
-        raise ValueError(f"unknown output kind {kind!r}; one of {', '.join(OUTPUT_KINDS)}")
+        raise InputError(f"unknown output kind {kind!r}; one of {', '.join(OUTPUT_KINDS)}")
     directory = writable_dir(directory, what, create=mark)
     name = OUTPUT_KINDS[kind]
     fix = "choose an empty folder (or a new one)"
@@ -387,15 +389,15 @@ def claim_output(
             owner = marker["kind"] if marker else next((k for k in (kind, *_LEGACY) if _LEGACY[k](directory)), None)
             if owner is None:
                 shown = ", ".join(content[:4]) + (f", ... ({len(content)} in all)" if len(content) > 4 else "")
-                raise ValueError(f"{what} {directory} holds files quantgate did not write ({shown}); {fix}")
+                raise InputError(f"{what} {directory} holds files quantgate did not write ({shown}); {fix}")
             written_by = f" (written by {marker['written_by']})" if marker and marker.get("written_by") else ""
             if owner != kind:
-                raise ValueError(
+                raise InputError(
                     f"{what} {directory} holds a quantgate {OUTPUT_KINDS[owner]}{written_by}, not a {name}; {fix}"
                 )
             if kind in _REPLACED_WHOLE and not overwrite:
                 flag = "--overwrite" if what.startswith("--") else "overwrite=True"
-                raise ValueError(
+                raise InputError(
                     f"{what} {directory} holds a {name} quantgate saved{written_by}: writing there replaces it; "
                     f"add {flag} to replace it, or {fix}"
                 )
@@ -416,7 +418,7 @@ def mark_output(directory: Path, kind: str, by: str | None = None) -> None:
 def _refuse_links(directory: Path, what: str, fix: str, deep: bool) -> None:
     """A one-line ValueError at the first link in ``directory`` (``deep``: or below) that leads out of it."""
     for link, target in _escaping_links(directory, deep):
-        raise ValueError(
+        raise InputError(
             f"{what} {directory}: {link} is a symlink leading to {target}, outside it; quantgate does not write "
             f"through links: remove the link, or {fix}"
         )
@@ -430,7 +432,7 @@ def is_folder_name(name: str) -> bool:
 def folder_name(name: str, what: str) -> str:
     """``name`` where :func:`is_folder_name`; else a one-line ValueError (``what``: where the name comes from)."""
     if not is_folder_name(name):
-        raise ValueError(
+        raise InputError(
             f"{what} {name!r} must name a folder inside its parent: not empty, '.' or '..', without / or \\"
         )
     return name
@@ -441,7 +443,7 @@ def refuse_same(out: str | Path, source: str | Path, what: str) -> None:
     folder holds), links and ``..`` resolved: writing there would overwrite it."""
     if Path(out).resolve() == Path(source).resolve():
         spelt = f" ({source})" if str(source) != str(out) else ""
-        raise ValueError(f"{out} is {what}{spelt}: writing there would overwrite it; write to another directory")
+        raise InputError(f"{out} is {what}{spelt}: writing there would overwrite it; write to another directory")
 
 
 @contextlib.contextmanager
@@ -453,7 +455,7 @@ def staged_dir(path: str | Path, replaces: Iterable[str]) -> Iterator[Path]:
     disk), the fresh folder is removed and ``path`` is left as it was."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} is a file, not a directory; choose a directory")
+        raise InputError(f"{path} is a file, not a directory; choose a directory")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.staged")
     shutil.rmtree(tmp, ignore_errors=True)

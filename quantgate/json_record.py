@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from functools import cache
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
+from quantgate.errors import InputError
+
 __all__ = ["JsonRecord", "json_field"]
 
 R = TypeVar("R", bound="JsonRecord")
@@ -52,12 +54,12 @@ class JsonRecord:
     def from_json(cls: type[R], data: Mapping[str, Any]) -> R:
         """The record a JSON object holds; ValueError naming an unknown key, TypeError a missing one."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+            raise InputError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
         hints, fields = _hints(cls), dataclasses.fields(cls)  # type: ignore[arg-type]
         keys = {f.metadata.get("key", f.name): f.name for f in fields}
         unknown = sorted(set(data) - set(keys))
         if unknown:
-            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown} (known: {sorted(keys)})")
+            raise InputError(f"{cls.__name__}: unknown field(s) {unknown} (known: {sorted(keys)})")
         return cls(**{name: _from_json(hints[name], data[key]) for key, name in keys.items() if key in data})
 
 

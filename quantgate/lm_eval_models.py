@@ -42,7 +42,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import PreTrainedTokenizerBase
 
-from .evaluate import (
+from .errors import InputError
+from .eval_inputs import (
     TASK_DIR,
     NonFiniteOutputs,
     check_lm_eval_options,
@@ -93,7 +94,7 @@ def _dtype(value: object) -> torch.dtype | None:
     if name in ("", "auto", "None", "none"):
         return None
     if name not in DTYPES:
-        raise ValueError(f"dtype {value!r}: quantgate models load as {', '.join(DTYPES)} (or auto)")
+        raise InputError(f"dtype {value!r}: quantgate models load as {', '.join(DTYPES)} (or auto)")
     return DTYPES[name]
 
 
@@ -102,13 +103,13 @@ def _load(pretrained: object, scheme: object, variant: object, dtype: object, de
     if isinstance(pretrained, nn.Module):
         given = [k for k, v in (("scheme", scheme), ("variant", variant), ("dtype", dtype)) if _optional(v)]
         if given:
-            raise ValueError(
+            raise InputError(
                 f"{', '.join(given)} apply to a model loaded by name (pretrained=DIR_OR_PRESET); "
                 f"quantize or convert an in-memory model before handing it to {kind}"
             )
         return pretrained
     if _optional(pretrained) is None:
-        raise ValueError(f"{kind} needs pretrained=NAME: a model directory, packaged checkpoint or preset")
+        raise InputError(f"{kind} needs pretrained=NAME: a model directory, packaged checkpoint or preset")
     return load_for_eval(
         str(pretrained),
         _optional(variant),
@@ -127,7 +128,7 @@ def _device(value: object) -> str | None:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"device {value!r} is no torch device (cpu, cuda, cuda:0, mps)") from None
+        raise InputError(f"device {value!r} is no torch device (cpu, cuda, cuda:0, mps)") from None
     present = {
         "cpu": True,
         "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
@@ -149,7 +150,7 @@ def _batch_size(model: nn.Module, batch_size: object) -> int | str:
     if batch_size is None or str(batch_size).startswith("auto"):
         return 8 if next(model.parameters()).device.type == "cpu" else str(batch_size or "auto")
     if not str(batch_size).isdigit() or int(str(batch_size)) < 1:
-        raise ValueError(f"batch_size must be a whole number >= 1 or auto, got {batch_size!r}")
+        raise InputError(f"batch_size must be a whole number >= 1 or auto, got {batch_size!r}")
     return int(str(batch_size))
 
 
@@ -205,19 +206,19 @@ class QuantgateLM(HFLM):
         options.pop("trust_remote_code", None)  # lm-eval adds it for --trust_remote_code; quantgate runs none
         refused = sorted(set(options) & _LOADING_OPTIONS)
         if refused:
-            raise ValueError(f"--model quantgate loads through quantgate.load; {', '.join(refused)} do not apply")
+            raise InputError(f"--model quantgate loads through quantgate.load; {', '.join(refused)} do not apply")
         unknown = sorted(set(options) - _HFLM_OPTIONS)
         if unknown:
-            raise ValueError(
+            raise InputError(
                 f"--model quantgate takes pretrained, scheme, variant, dtype and HFLM's options; "
                 f"not {', '.join(unknown)}"
             )
         model = _load(pretrained, scheme, variant, dtype, device, "--model quantgate")
         source = _source(pretrained, model)
         if family_of(model).objective != "clm":
-            raise ValueError(f"{source or type(model).__name__} is a masked LM: use --model quantgate-mlm")
+            raise InputError(f"{source or type(model).__name__} is a masked LM: use --model quantgate-mlm")
         if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
-            raise ValueError("tokenizer: --model quantgate uses the model's own tokenizer (qg.tokenizer); omit it")
+            raise InputError("tokenizer: --model quantgate uses the model's own tokenizer (qg.tokenizer); omit it")
         tok = tokenizer if tokenizer is not None else get_tokenizer(model)
         check_vocabulary(model, tok)
         with _quiet_hflm():
@@ -301,21 +302,21 @@ class PseudoLogLikelihoodLM(LM):
         options.pop("trust_remote_code", None)
         options.pop("max_batch_size", None)  # lm-eval passes it to every model; one batch size here
         if options:
-            raise ValueError(
+            raise InputError(
                 f"--model quantgate-mlm takes pretrained, scheme, variant, dtype, batch_size and max_length; "
                 f"not {', '.join(sorted(options))}"
             )
         if model is not None and pretrained is not None:
-            raise ValueError("give the model or pretrained=NAME, not both")
+            raise InputError("give the model or pretrained=NAME, not both")
         if model is None:
             model = _load(pretrained, scheme, variant, dtype, device, "--model quantgate-mlm")
             if family_of(model).objective != "mlm":
-                raise ValueError(f"{pretrained} is a causal LM: use --model quantgate")
+                raise InputError(f"{pretrained} is a causal LM: use --model quantgate")
         elif any(_optional(v) for v in (scheme, variant, dtype)):
-            raise ValueError("scheme, variant and dtype apply to a model loaded by name (pretrained=NAME)")
+            raise InputError("scheme, variant and dtype apply to a model loaded by name (pretrained=NAME)")
         tokenizer = tokenizer if tokenizer is not None else get_tokenizer(model)
         if tokenizer.mask_token_id is None or tokenizer.cls_token_id is None:
-            raise ValueError("pseudo-log-likelihood needs a tokenizer with [MASK], [CLS] and [SEP] (a BERT one)")
+            raise InputError("pseudo-log-likelihood needs a tokenizer with [MASK], [CLS] and [SEP] (a BERT one)")
         self.model, self.tok = model, tokenizer
         self.batch_size = int(str(batch_size)) if str(batch_size).isdigit() else 16
         self.max_length = max_length or context_length(model)

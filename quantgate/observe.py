@@ -50,6 +50,7 @@ from torch.utils.hooks import RemovableHandle
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from .errors import InputError
 from .files import write_text_atomic
 from .json_record import JsonRecord
 from .massive import Decode, MassiveActivations
@@ -486,7 +487,7 @@ class ObserveReport(JsonRecord):
         out = Path(out)
         write_text_atomic(out / "observe.json", json.dumps(self.to_json(), indent=1))
         (out / "observe.md").write_text(self.markdown())
-        plot_observe(self, out)
+        plot_observe(self.layers, self.meta, out)
         return out
 
     @classmethod
@@ -567,7 +568,7 @@ def observe(
     and labels, (B, T)) and return an :class:`ObserveReport`. The model is put in eval mode. Batches
     without labels run the base model only (no LM head, no logits); with labels, the model and its loss."""
     if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 1:
-        raise ValueError(
+        raise InputError(
             f"sink_tokens is how many leading keys count as the sink: a whole number >= 1, got {sink_tokens!r}"
         )
     family = family_of(model)
@@ -586,7 +587,7 @@ def observe(
             ids = batch["input_ids"]
             family.check_seq_len(config_of(model), ids.shape[1])
             if sink_tokens >= ids.shape[1]:
-                raise ValueError(
+                raise InputError(
                     f"sink_tokens={sink_tokens} leaves no other key in {ids.shape[1]}-token "
                     f"sequences; use fewer sink tokens or longer sequences"
                 )
@@ -602,7 +603,26 @@ def observe(
             sequences += ids.shape[0]
             seq_len = max(seq_len, ids.shape[1])
     if sequences == 0:
-        raise ValueError("observe got no batches: the data source is empty or max_batches is 0")
+        raise InputError("observe got no batches: the data source is empty or max_batches is 0")
+    layers, summary = _summary(obs, family, decode, losses, tokens)
+    meta = ObserveMeta(
+        variant=str(variant_of(model)),
+        family=family.name,
+        sink_tokens=sink_tokens,
+        sequences=sequences,
+        seq_len=seq_len,
+        batches=n_batches,
+        data=getattr(batches, "split", None),
+        model=getattr(model.config, "_name_or_path", "") or None,
+        quantization=(quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
+    )
+    return ObserveReport(summary, layers, meta)
+
+
+def _summary(
+    obs: _Observer, family: Family, decode: Decode | None, losses: list[float], tokens: int
+) -> tuple[list[LayerSummary], ObserveSummary]:
+    """The per-layer summaries of an observe run and the model's headline numbers over them."""
     kurt_set, inf_extra = paper_tensors(family)
     layers = [_layer_summary(L, decode, kurt_set, inf_extra) for L in obs.layers]
     nonfinite = [
@@ -631,18 +651,7 @@ def observe(
         final_norm_in=obs.final.summary(decode) if obs.final.sequences else None,
         final_norm_out=final_out,
     )
-    meta = ObserveMeta(
-        variant=str(variant_of(model)),
-        family=family.name,
-        sink_tokens=sink_tokens,
-        sequences=sequences,
-        seq_len=seq_len,
-        batches=n_batches,
-        data=getattr(batches, "split", None),
-        model=getattr(model.config, "_name_or_path", "") or None,
-        quantization=(quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
-    )
-    return ObserveReport(summary, layers, meta)
+    return layers, summary
 
 
 def _layer_summary(

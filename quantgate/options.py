@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from quantgate.errors import InputError
+
 Range = tuple[Callable[[Any], bool], str]  # (test, what it wants): the values a setting accepts
 AT_LEAST_1: Range = (lambda x: x >= 1, ">= 1")
 AT_LEAST_0: Range = (lambda x: x >= 0, ">= 0")
@@ -28,7 +30,7 @@ def check_range(name: str, value: object, valid: Range | None) -> None:
     """A one-line ValueError ``NAME must be WANTS; got VALUE`` unless ``value`` is None (the default) or
     :func:`in_range`."""
     if value is not None and not in_range(value, valid):
-        raise ValueError(f"{name} must be {valid[1] if valid else 'finite'}; got {value!r}")
+        raise InputError(f"{name} must be {valid[1] if valid else 'finite'}; got {value!r}")
 
 
 def convert(typ: type, raw: str) -> object:
@@ -38,7 +40,7 @@ def convert(typ: type, raw: str) -> object:
             return True
         if raw.lower() in ("false", "0", "no"):
             return False
-        raise ValueError(raw)
+        raise InputError(raw)
     if typ is tuple:
         return tuple(p for p in raw.split("|") if p)
     return typ(raw)
@@ -65,11 +67,11 @@ def key_values(
         key, raw = key.strip(), raw.strip()
         typ = type_of(key) if eq else None
         if typ is None:
-            raise ValueError(f"{owner}: unknown {noun} {item!r}; valid: {valid}")
+            raise InputError(f"{owner}: unknown {noun} {item!r}; valid: {valid}")
         if key in seen:
-            raise ValueError(f"{owner}: {key} is given twice ({seen[key]!r} and {raw!r}); give it once")
+            raise InputError(f"{owner}: {key} is given twice ({seen[key]!r} and {raw!r}); give it once")
         seen[key] = raw
         try:
             yield key, convert(typ, raw)
         except ValueError:
-            raise ValueError(f"{owner}: {key} expects {typ.__name__}, got {raw!r}") from None
+            raise InputError(f"{owner}: {key} expects {typ.__name__}, got {raw!r}") from None

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from quantgate.errors import InputError
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from lm_eval.api.model import LM
@@ -41,7 +43,7 @@ def joined() -> Accelerator | None:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # without GPUs: accelerate's multi-CPU (gloo)
     if accelerator.num_processes <= 1:
-        raise ValueError(
+        raise InputError(
             f"{LAUNCHED}={os.environ[LAUNCHED]} names a data-parallel run, and accelerate set up none: start it "
             "with quantgate eval --processes N, torchrun or accelerate launch"
         )
@@ -72,9 +74,9 @@ def relaunch(argv: list[str], processes: int) -> int:
     """Run ``quantgate ARGV`` as ``processes`` data-parallel processes on this machine; their exit status."""
     gpus = torch.cuda.device_count()
     if gpus and processes > gpus:
-        raise ValueError(f"--processes {processes}: this machine has {gpus} GPU(s); one process per GPU")
+        raise InputError(f"--processes {processes}: this machine has {gpus} GPU(s); one process per GPU")
     if not gpus and processes > (os.cpu_count() or 1):
-        raise ValueError(f"--processes {processes}: this machine has {os.cpu_count()} CPU core(s)")
+        raise InputError(f"--processes {processes}: this machine has {os.cpu_count()} CPU core(s)")
     env = dict(os.environ)
     if not gpus:
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // processes)))

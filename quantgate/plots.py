@@ -13,19 +13,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-if TYPE_CHECKING:  # observe imports this module to draw its report
-    from .observe import ObserveReport
+if TYPE_CHECKING:
+    from .measurements import LayerSummary, ObserveMeta
 
 __all__ = ["plot_observe", "bar_panels", "plot_training", "save_png"]
 
 
-def plot_observe(report: ObserveReport, out: Path) -> list[Path]:
-    """Per-layer max |x| and kurtosis; layer x head sink-mass heatmap; gate histograms."""
+def plot_observe(layers: list[LayerSummary], meta: ObserveMeta, out: Path) -> list[Path]:
+    """An observe report's plots (its ``layers`` and ``meta``): per-layer max |x| and kurtosis; layer x head
+    sink-mass heatmap; gate histograms."""
     out = Path(out)
-    layers = report.layers
     idx = list(range(len(layers)))
     paths = []
-    title = f"{report.meta.model or report.meta.family} ({report.meta.variant})"
+    title = f"{meta.model or meta.family} ({meta.variant})"
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
     for name in ("block_out", "attn_out", "ffn_out"):
@@ -44,7 +44,7 @@ def plot_observe(report: ObserveReport, out: Path) -> list[Path]:
     if sinks:
         fig, ax = plt.subplots(figsize=(max(4, 0.35 * len(sinks[0]) + 2), max(3, 0.25 * len(sinks) + 1.5)))
         im = ax.imshow(sinks, vmin=0, vmax=1, cmap="magma", aspect="auto")
-        ax.set(xlabel="head", ylabel="layer", title=f"attention on the first {report.meta.sink_tokens} key(s)")
+        ax.set(xlabel="head", ylabel="layer", title=f"attention on the first {meta.sink_tokens} key(s)")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
         paths.append(save_png(fig, out / "observe_sink.png"))

@@ -13,12 +13,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from quantgate.errors import Unavailable
+
 __all__ = ["RunDirectoryBusy", "run_lock", "LOCK_FILE"]
 
 LOCK_FILE = ".quantgate.lock"
 
 
-class RunDirectoryBusy(RuntimeError):
+class RunDirectoryBusy(Unavailable):
     """Another process is writing to this run directory."""
 
 

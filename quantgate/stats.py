@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantgate.errors import InputError
+
 __all__ = [
     "METRICS",
     "Delta",
@@ -136,7 +138,7 @@ class Delta:
 
 def _metric(name: str) -> Metric:
     if name not in METRICS:
-        raise ValueError(f"no per-document aggregate for metric {name!r}; known: {', '.join(METRICS)}")
+        raise InputError(f"no per-document aggregate for metric {name!r}; known: {', '.join(METRICS)}")
     return METRICS[name]
 
 
@@ -144,7 +146,7 @@ def _columns(docs: dict, metric: Metric) -> tuple[np.ndarray, np.ndarray]:
     needed = (metric.value,) if metric.optional_weight or metric.weight is None else (metric.value, metric.weight)
     missing = [c for c in needed if c not in docs]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"the per-document values hold no {', '.join(missing)} column (they have "
             f"{', '.join(k for k in docs if k != 'ids')})"
         )
@@ -255,7 +257,7 @@ def cluster_labels(docs: dict, cluster: str = "work") -> list | None:
 def check_cluster(cluster: str) -> None:
     """Refuse a cluster level other than :data:`CLUSTERS`, naming them."""
     if cluster not in CLUSTERS:
-        raise ValueError(f"unknown cluster {cluster!r}: one of {', '.join(CLUSTERS)}")
+        raise InputError(f"unknown cluster {cluster!r}: one of {', '.join(CLUSTERS)}")
 
 
 def _totals(data: tuple, clusters) -> tuple[tuple[np.ndarray, ...], int]:
@@ -347,7 +349,7 @@ def _interval(
 
 def _same_documents(reference: dict, docs: dict, what: str) -> None:
     if list(reference["ids"]) != list(docs["ids"]):
-        raise ValueError(
+        raise InputError(
             f"{what} cover different documents ({len(reference['ids'])} vs {len(docs['ids'])} ids, first "
             f"difference at {_first_difference(reference['ids'], docs['ids'])}): evaluate them on the same "
             f"tasks with the same limit"

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypedDict, TypeVar
 
+from .errors import InputError
 from .options import key_values, printed
 
 __all__ = [
@@ -52,14 +53,14 @@ class Range:
     def check(self, owner: str, name: str, value: float) -> None:
         """Raise ValueError ``owner: name must be ...`` unless ``value`` is finite and in the range."""
         if not math.isfinite(value):
-            raise ValueError(f"{owner}: {name} must be a finite number, got {value}")
+            raise InputError(f"{owner}: {name} must be a finite number, got {value}")
         if (
             value < self.lo
             or value > self.hi
             or (self.lo_open and value == self.lo)
             or (self.hi_open and value == self.hi)
         ):
-            raise ValueError(f"{owner}: {name} must be {self}, got {value:g}")
+            raise InputError(f"{owner}: {name} must be {self}, got {value:g}")
 
     def __str__(self) -> str:
         if self.hi == math.inf:
@@ -140,7 +141,7 @@ def gate_kind(
 
     def register(cls: type[_G]) -> type[_G]:
         if name in GATE_KINDS:
-            raise ValueError(
+            raise InputError(
                 f"gate kind {name!r} is registered twice ({GATE_KINDS[name].gate.__name__}, {cls.__name__})"
             )
         GATE_KINDS[name] = GateKind(cls, description, pi_init, low_rank, dict(options or {}), dict(aliases or {}))
@@ -168,22 +169,22 @@ class GateSpec:
     def __post_init__(self):
         spec = GATE_KINDS.get(self.kind)
         if spec is None:
-            raise ValueError(f"unknown gate kind {self.kind!r}; valid: {', '.join(GATE_KINDS)}")
+            raise InputError(f"unknown gate kind {self.kind!r}; valid: {', '.join(GATE_KINDS)}")
         lo = spec.gate.floor
         if not lo < self.pi_init < 1.0:
-            raise ValueError(f"{self.kind}: pi_init must lie in ({lo}, 1), got {self.pi_init}")
+            raise InputError(f"{self.kind}: pi_init must lie in ({lo}, 1), got {self.pi_init}")
         if self.low_rank is not None and (not spec.low_rank or self.low_rank < 1):
-            raise ValueError(
+            raise InputError(
                 f"{self.kind}: low_rank must be a positive int and is only valid for "
                 f"{', '.join(k for k, s in GATE_KINDS.items() if s.low_rank)}"
             )
         given = dict(self.options)
         for name, value in given.items():
             if name not in spec.options:
-                raise ValueError(f"{self.kind}: unknown option {name!r}; valid: {_param_names(self.kind)}")
+                raise InputError(f"{self.kind}: unknown option {name!r}; valid: {_param_names(self.kind)}")
             _, _, choices = spec.options[name]
             if value not in choices:
-                raise ValueError(f"{self.kind}: {name} must be one of {choices}, got {value!r}")
+                raise InputError(f"{self.kind}: {name} must be one of {choices}, got {value!r}")
         full = {name: given.get(name, default) for name, (_, default, _) in spec.options.items()}
         object.__setattr__(self, "options", tuple(sorted(full.items())))
 
@@ -218,7 +219,7 @@ class ClipSpec:
 
     def __post_init__(self):
         if (self.gamma is None) == (self.alpha is None):
-            raise ValueError("clipped: give exactly one of gamma (fixed) or alpha (gamma = -alpha / T)")
+            raise InputError("clipped: give exactly one of gamma (fixed) or alpha (gamma = -alpha / T)")
         _check_ranges(self, "clipped")
 
     def params(self, n_keys: int) -> tuple[float, float]:
@@ -276,17 +277,17 @@ class AttentionVariant:
             params = _parse_params(name, arg)
             if name == "vanilla":
                 if params or len(str(text).split("+")) > 1:
-                    raise ValueError("'vanilla' takes no parameters and combines with nothing")
+                    raise InputError("'vanilla' takes no parameters and combines with nothing")
                 continue
             slot = "gate" if name in GATE_KINDS else _SLOTS.get(name, name)
             if slot in parts:
                 what = "more than one gate" if slot == "gate" else f"{name} twice"
-                raise ValueError(f"variant {text!r} names {what}; give each component once")
+                raise InputError(f"variant {text!r} names {what}; give each component once")
             if name in GATE_KINDS:
                 aliases = GATE_KINDS[name].aliases
                 both = [k for k, alias in aliases.items() if k in params and alias in params]
                 if both:
-                    raise ValueError(f"{name}: {both[0]} is another name for {aliases[both[0]]}; give one of them")
+                    raise InputError(f"{name}: {both[0]} is another name for {aliases[both[0]]}; give one of them")
                 params = {aliases.get(k, k): v for k, v in params.items()}
                 pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
                 low_rank = params.pop("low_rank", None)
@@ -300,7 +301,7 @@ class AttentionVariant:
             elif name == "sink":
                 parts["sink"] = SinkSpec(**params)
             else:
-                raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
+                raise InputError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
         return cls(**parts)
 
     def __str__(self) -> str:
@@ -344,7 +345,7 @@ _TYPES = {"pi_init": float, "low_rank": int, "gamma": float, "zeta": float, "alp
 
 def _parse_params(name: str, arg: str) -> dict[str, Any]:  # a value per key, of the type type_of gives it
     if name not in _names():
-        raise ValueError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
+        raise InputError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
     kind = GATE_KINDS.get(name)
     aliases = kind.aliases if kind else {}
     valid = [p.strip() for p in _param_names(name).split(",")] + list(aliases)

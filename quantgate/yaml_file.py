@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from quantgate.errors import InputError
+
 __all__ = ["read_yaml", "yaml_text", "MAX_DEPTH", "MAX_BYTES"]
 
 MAX_DEPTH = 64  # nested mappings and lists; a study file uses fewer than 10
@@ -82,26 +84,26 @@ def read_yaml(path: str | Path, text: str | None = None) -> tuple[Any, Lines]:
         with open(path, "rb") as fh:
             raw = fh.read(MAX_BYTES + 1)
         if len(raw) > MAX_BYTES:
-            raise ValueError(f"{path}: larger than {MAX_BYTES:,} bytes, the most read from a YAML file here")
+            raise InputError(f"{path}: larger than {MAX_BYTES:,} bytes, the most read from a YAML file here")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+            raise InputError(f"{path}: not UTF-8 text (byte {e.start})") from None
     elif len(text) > MAX_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_BYTES:,} characters, the most read from YAML here")
+        raise InputError(f"{path}: larger than {MAX_BYTES:,} characters, the most read from YAML here")
     loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
         data, lines = _walk(node) if node is not None else ({}, {(): 1})
     except _Refused as e:
-        raise ValueError(f"{path}:{e.line}: {e.message}") from None
+        raise InputError(f"{path}:{e.line}: {e.message}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f":{mark.line + 1}" if mark is not None else ""
         why = " ".join(str(x) for x in (e.context, e.problem) if x)
-        raise ValueError(f"{path}{where}: not valid YAML: {why}") from None
+        raise InputError(f"{path}{where}: not valid YAML: {why}") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        raise InputError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     finally:
         loader.dispose()
     return data, lines

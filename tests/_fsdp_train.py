@@ -19,8 +19,7 @@ from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
 from accelerate.utils import DistributedType
 
 import quantgate as qg
-import quantgate.train as trainer
-import quantgate.train.loop as loop  # train() makes its Accelerator there
+from quantgate.train import TrainConfig, loop  # loop: train() makes its Accelerator there
 
 
 class FsdpOnCpu(Accelerator):
@@ -57,7 +56,7 @@ settings = {
 
 def run(name, **kw):
     model = qg.build("tiny-llama", "g1-headwise", seed=0)
-    trainer.train(model, qg.tokenizer(model), config=trainer.TrainConfig(out=str(out / name), **{**settings, **kw}))
+    qg.train(model, qg.tokenizer(model), config=TrainConfig(out=str(out / name), **{**settings, **kw}))
     assert loop.Accelerator().is_fsdp2, "the run was not sharded: launch with accelerate's FSDP version 2 config"
 
 

@@ -180,14 +180,14 @@ def test_a_study_name_must_stay_inside_results(name, tmp_path, monkeypatch, caps
 
 def test_full_disk_while_a_training_checkpoint_is_written_keeps_the_earlier_ones(tmp_path, monkeypatch, capsys):
     """A full disk at a checkpoint (not the final model save) was a SafetensorError traceback."""
+    import importlib
+
     from safetensors import SafetensorError
 
-    import quantgate.train.checkpoint
-    import quantgate.train.rng
-
+    checkpoint = importlib.import_module("quantgate.train.checkpoint")  # qg.train is the function
     # a checkpoint's safetensors: the RNG states (written first), the weights and the optimizer state
-    writers = (quantgate.train.rng, quantgate.train.checkpoint)
-    real, written = quantgate.train.checkpoint.save_file, []
+    writers = (importlib.import_module("quantgate.train.rng"), checkpoint)
+    real, written = checkpoint.save_file, []
 
     def fills_up(tensors, filename, *args, **kwargs):
         if "step-2" in filename:

@@ -87,7 +87,7 @@ def test_two_process_ddp_matches_one_process(tmp_path, monkeypatch):
     the same environment and accelerate picks the gloo backend from it.)"""
     import _ddp_train
 
-    import quantgate.train.loop as loop
+    from quantgate.train import loop
 
     one = _ddp_train.trained(8)
     moved = _distance(one, qg.build("tiny-llama", seed=0).state_dict())

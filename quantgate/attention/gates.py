@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..variants import GATE_KINDS, GateSpec, gate_kind, logit
 
 __all__ = ["AttentionDims", "Gate", "ProjGate", "build_gate"]
@@ -251,7 +252,7 @@ class BondarenkoGate(Gate):
         super().__init__(spec, dims)
         h, mode = dims.n_heads, spec.option("mode")
         if mode != "all-heads" and dims.d_model % h:
-            raise ValueError(
+            raise InputError(
                 f"bondarenko:mode={mode} slices x into {h} heads, but d_model={dims.d_model} "
                 f"is not a multiple of {h}; use bondarenko:mode=all-heads"
             )

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from quantgate.errors import InputError
+
 __all__ = ["gated_sdpa", "BACKENDS"]
 
 BACKENDS = ("auto", "eager", "sdpa", "triton")
@@ -62,7 +64,7 @@ def gated_sdpa(
     """
     _check_shapes(q, k, v, sinks)
     if backend not in BACKENDS:
-        raise ValueError(f"unknown gated_sdpa backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        raise InputError(f"unknown gated_sdpa backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend in ("auto", "triton") and fake_quant is None and (backend == "triton" or q.is_cuda):
         out = _triton(
             q,
@@ -93,15 +95,15 @@ def gated_sdpa(
 
 def _check_shapes(q, k, v, sinks):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
+        raise InputError(
             f"gated_sdpa expects 4-d (B, H, N, D) tensors, got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
         )
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
-        raise ValueError(
+        raise InputError(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]}, {v.shape[1]})"
         )
     if sinks is not None and sinks.shape != (q.shape[1],):
-        raise ValueError(f"sinks must have shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+        raise InputError(f"sinks must have shape ({q.shape[1]},), got {tuple(sinks.shape)}")
 
 
 def _needs_eager(q, k, v, clip, sinks) -> bool:
@@ -127,11 +129,11 @@ def _triton(q, k, v, gate, attn_mask, is_causal, scale, clip, sinks, dropout_p, 
     kernels = _triton_kernels()
     if kernels is None:
         if explicit:
-            raise ValueError("backend 'triton' needs the triton package: pip install -e '.[triton]' (CUDA machines)")
+            raise InputError("backend 'triton' needs the triton package: pip install -e '.[triton]' (CUDA machines)")
         return None
     reason = kernels.supports(q, k, v)
     if reason and explicit:
-        raise ValueError(reason)
+        raise InputError(reason)
     masks = _key_padding(attn_mask, is_causal, q.shape[2], k.shape[2]) if not reason else None
     if not reason:
         reason = (

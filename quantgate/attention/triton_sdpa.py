@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantgate.errors import InputError
+
 __all__ = ["flash_gated_sdpa", "supports", "INTERPRET", "MAX_HEAD_DIM"]
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -483,7 +485,7 @@ def flash_gated_sdpa(
     """
     reason = supports(q, k, v)
     if reason:
-        raise ValueError(reason)
+        raise InputError(reason)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     kp = None
     if key_padding is not None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import InputError
 from ..files import content_sha256
 from .corpus import corpus, hf_spec
 from .synthetic import BackcopyBatches, Resumable, is_backcopy, task_options
@@ -85,7 +86,7 @@ def token_stream(tokenizer: PreTrainedTokenizerBase, split: str, separator: int)
     if stream is None:
         texts = [doc.text for doc in corpus(split)]
         if not texts:
-            raise ValueError(f"text source {split!r} has no documents")
+            raise InputError(f"text source {split!r} has no documents")
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         stream = np.fromiter((t for doc in ids for t in (*doc, separator)), dtype=np.int32)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,20 +136,20 @@ class Batches(Resumable):
         max_batches: int | None = None,
     ) -> None:
         if objective not in ("clm", "mlm"):
-            raise ValueError(f"unknown objective {objective!r}; valid: clm, mlm")
+            raise InputError(f"unknown objective {objective!r}; valid: clm, mlm")
         if seq_len < 4 or batch_size < 1:
-            raise ValueError(f"seq_len must be >= 4 and batch_size >= 1, got {seq_len}, {batch_size}")
+            raise InputError(f"seq_len must be >= 4 and batch_size >= 1, got {seq_len}, {batch_size}")
         self.tokenizer, self.split, self.objective = tokenizer, split, objective
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.epochs, self.mlm_probability, self.max_batches = epochs, mlm_probability, max_batches
         if objective == "clm":
             if tokenizer.eos_token_id is None:
-                raise ValueError("CLM batches need a tokenizer with an EOS token to separate documents")
+                raise InputError("CLM batches need a tokenizer with an EOS token to separate documents")
             head = [tokenizer.bos_token_id] if prepends_bos(tokenizer) else []
             tail, sep = [], tokenizer.eos_token_id
         else:
             if None in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id):
-                raise ValueError(
+                raise InputError(
                     "MLM batches need a tokenizer with [CLS], [SEP] and [MASK] tokens (a BERT "
                     "tokenizer, e.g. the bundled wordpiece-8192)"
                 )
@@ -157,7 +158,7 @@ class Batches(Resumable):
         body = seq_len - len(head) - len(tail)
         n_rows = len(stream) // body
         if n_rows == 0:
-            raise ValueError(f"text source {split!r} has {len(stream)} tokens, fewer than one row of {seq_len}")
+            raise InputError(f"text source {split!r} has {len(stream)} tokens, fewer than one row of {seq_len}")
         rows = torch.from_numpy(stream[: n_rows * body].astype(np.int64)).view(n_rows, body)
         self.rows = torch.cat(
             [torch.tensor(head).expand(n_rows, -1), rows, torch.tensor(tail).expand(n_rows, -1)], dim=1
@@ -226,7 +227,7 @@ def batches(
     """
     if is_backcopy(split):
         if objective != "clm":
-            raise ValueError("the backcopy task is a causal-LM task; use --objective clm")
+            raise InputError("the backcopy task is a causal-LM task; use --objective clm")
         max_batches = kwargs.get("max_batches")
         return BackcopyBatches(
             seq_len,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from quantgate.errors import InputError, MissingFile, QuantgateError
+
 __all__ = [
     "Document",
     "corpus",
@@ -49,7 +51,7 @@ DATASETS: dict[str, list[tuple[str, str | None, str]]] = {
 }
 
 
-class OfflineError(ConnectionError):
+class OfflineError(QuantgateError, ConnectionError):
     """A source needs the network and none is reachable."""
 
 
@@ -69,7 +71,7 @@ def corpus(split: str = "validation") -> Iterator[Document]:
     elif split.startswith("hf:") or split.split(":")[0] in DATASETS:
         yield from _hf_documents(split)
     else:
-        raise ValueError(
+        raise InputError(
             f"unknown text source {split!r}; bundled: {', '.join(BUNDLED_SPLITS)}; online: "
             f"{', '.join(f'{d}:<split>' for d in DATASETS)}, hf:<dataset>[@<config>]:<split>"
         )
@@ -109,7 +111,7 @@ def document_keys(ids: list, words: list) -> dict[str, list[str]] | None:
 def _bundled(split: str) -> tuple[Document, ...]:
     path = CORPUS_DIR / f"{split}.jsonl.xz"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"bundled corpus file {path} is missing: reinstall quantgate, or rebuild it with "
             f"python scripts/build_corpus.py"
         )
@@ -124,12 +126,12 @@ def hf_spec(source: str) -> tuple[list[tuple[str, str | None, str]], str]:
     if source.startswith("hf:"):
         parts = source[3:].split(":")
         if len(parts) not in (2, 3) or not all(parts):
-            raise ValueError(f"hf sources are hf:<dataset>[@<config>]:<split>[:<text column>], got {source!r}")
+            raise InputError(f"hf sources are hf:<dataset>[@<config>]:<split>[:<text column>], got {source!r}")
         path, _, config = parts[0].partition("@")
         return [(path, config or None, parts[2] if len(parts) == 3 else "text")], parts[1]
     name, _, split = source.partition(":")
     if not split:
-        raise ValueError(f"name the split of {name!r}, e.g. {name}:validation")
+        raise InputError(f"name the split of {name!r}, e.g. {name}:validation")
     return DATASETS[name], split
 
 
@@ -180,33 +182,33 @@ def _hf_documents(source: str) -> Iterator[Document]:
             ds = datasets.load_dataset(path, config, split=split, trust_remote_code=False, **fresh)
         except (ConnectionError, OSError) as e:
             if local:
-                raise ValueError(f"text source {source!r}: cannot read {path}: {type(e).__name__}: {e}") from None
+                raise InputError(f"text source {source!r}: cannot read {path}: {type(e).__name__}: {e}") from None
             raise OfflineError(
                 f"text source {source!r} needs the Hugging Face hub ({path}), which is not reachable "
                 f"({type(e).__name__}). Offline, use the bundled corpus: "
                 f"{', '.join(BUNDLED_SPLITS)}"
             ) from None
         except datasets.exceptions.DatasetGenerationError as e:  # a data file datasets cannot parse
-            raise ValueError(f"text source {source!r}: {_unreadable(Path(path), e)}") from None
+            raise InputError(f"text source {source!r}: {_unreadable(Path(path), e)}") from None
         except RuntimeError:  # a folder holding a dataset script: datasets refuses it, and so does quantgate
             scripts = sorted(p.name for p in Path(path).glob("*.py")) if local else []
             if not scripts:
                 raise
-            raise ValueError(
+            raise InputError(
                 f"text source {source!r}: {path} holds a dataset script ({', '.join(scripts)}), code that "
                 f"quantgate never runs; give a folder of data files (jsonl, json, csv, parquet or txt)"
             ) from None
         finally:
             quiet.setLevel(level)
         if ds.column_names is not None and column not in ds.column_names:
-            raise ValueError(
+            raise InputError(
                 f"text source {source!r}: {path} has no column {column!r} (it has {', '.join(ds.column_names)}); "
                 f"name the text column: hf:{path}:{split}:<column>"
             )
         for i, row in enumerate(ds):
             text = row[column]
             if not isinstance(text, str):
-                raise ValueError(f"text source {source!r}: row {i} of {path}'s column {column!r} is not text")
+                raise InputError(f"text source {source!r}: row {i} of {path}'s column {column!r} is not text")
             text = text.strip()
             if text:
                 yield Document(f"{path}/{split}/{i}", path, path, str(i), text)

@@ -20,6 +20,7 @@ from typing import TypedDict, cast
 
 import torch
 
+from ..errors import InputError
 from ..options import key_values
 
 __all__ = ["BackcopyBatches", "Resumable", "TASK_OPTIONS", "TaskOptions", "is_backcopy", "task_options"]
@@ -79,7 +80,7 @@ class Resumable:
 
     def load_state_dict(self, state: dict) -> None:
         if (state.get("split"), state.get("seed")) != (self.split, self.seed):
-            raise ValueError(
+            raise InputError(
                 f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
                 f"{self.split!r} seed {self.seed}"
             )
@@ -91,18 +92,18 @@ def task_options(source: str) -> TaskOptions:
     an unknown option or a value outside its range."""
     _, _, arg = source.partition(":")
     if not is_backcopy(source):
-        raise ValueError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
+        raise InputError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
     valid = ", ".join(f"{k} ({', '.join(v[1]) if v[1] else v[0].__name__})" for k, v in TASK_OPTIONS.items())
     parsed = dict(key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None, valid=valid))
     for key, value in parsed.items():
         choices = TASK_OPTIONS[key][1]
         if choices and value not in choices:
-            raise ValueError(f"backcopy: {key}={value} is not one of {', '.join(choices)}")
+            raise InputError(f"backcopy: {key}={value} is not one of {', '.join(choices)}")
     options = cast(TaskOptions, parsed)  # key_values converted each value to its TASK_OPTIONS type
     if not 0 <= options.get("trigger_prob", 0.5) <= 1:
-        raise ValueError(f"backcopy: trigger_prob={options['trigger_prob']} is not a probability (0-1)")
+        raise InputError(f"backcopy: trigger_prob={options['trigger_prob']} is not a probability (0-1)")
     if options.get("triggers", 1) < 1:
-        raise ValueError(f"backcopy: triggers={options['triggers']} needs at least 1 trigger token")
+        raise InputError(f"backcopy: triggers={options['triggers']} needs at least 1 trigger token")
     return options
 
 
@@ -134,7 +135,7 @@ class BackcopyBatches(Resumable):
         batches_per_epoch: int = 1000,
     ) -> None:
         if start not in _STARTS:
-            raise ValueError(f"backcopy: start={start!r} is not one of {', '.join(_STARTS)}")
+            raise InputError(f"backcopy: start={start!r} is not one of {', '.join(_STARTS)}")
         self.seq_len, self.batch_size, self.seed, self.bos = seq_len, batch_size, seed, bos
         self.first_id, self.n_tokens, self.trigger_prob = first_id, n_tokens, trigger_prob
         self.epochs, self.batches_per_epoch, self.start = epochs, batches_per_epoch, start

@@ -19,6 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from ..errors import InputError, MissingFile
 from .corpus import corpus
 
 __all__ = ["BUNDLED_TOKENIZERS", "bundled_tokenizer", "train_tokenizer", "TOKENIZER_DIR"]
@@ -84,7 +85,7 @@ def train_tokenizer(kind: str, vocab_size: int = 8192, split: str = "train") -> 
             single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
         )
     else:
-        raise ValueError(f"unknown tokenizer kind {kind!r}; valid: bpe, wordpiece")
+        raise InputError(f"unknown tokenizer kind {kind!r}; valid: bpe, wordpiece")
     assert [tok.token_to_id(s) for s in specials] == list(range(len(specials)))
     return tok
 
@@ -98,14 +99,14 @@ def wrap(tok: Tokenizer, kind: str) -> PreTrainedTokenizerFast:
 
 def bundled_tokenizer(name: str) -> PreTrainedTokenizerFast:
     if name not in BUNDLED_TOKENIZERS:
-        raise ValueError(f"unknown bundled tokenizer {name!r}; valid: {', '.join(BUNDLED_TOKENIZERS)}")
+        raise InputError(f"unknown bundled tokenizer {name!r}; valid: {', '.join(BUNDLED_TOKENIZERS)}")
     path = TOKENIZER_DIR / f"{name}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall quantgate or run `quantgate build-tokenizers`")
+        raise MissingFile(f"{path} is missing: reinstall quantgate or run `quantgate build-tokenizers`")
     try:
         parsed = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises bare Exceptions for a file it cannot parse
-        raise ValueError(
+        raise InputError(
             f"cannot read {path} ({' '.join(str(e).split())}): reinstall quantgate or run `quantgate build-tokenizers`"
         ) from None
     tok = wrap(parsed, BUNDLED_TOKENIZERS[name][0])

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import transformers
 
+from quantgate.errors import InputError
+
 from ..attention.gates import AttentionDims
 
 __all__ = ["Family", "FAMILIES", "family_of", "get_family", "is_norm", "find_submodule", "config_of"]
@@ -125,9 +127,9 @@ class Family:
         RoPE models run past ``max_position_embeddings``, though beyond what they were trained on)."""
         limit = getattr(config, "max_position_embeddings", None) if self.learned_positions else None
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
-            raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
+            raise InputError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
         if limit is not None and seq_len > limit:
-            raise ValueError(
+            raise InputError(
                 f"seq_len {seq_len} is longer than this {self.name} model's {limit} positions "
                 f"(max_position_embeddings); use --seq-len {limit} or less"
             )
@@ -284,7 +286,7 @@ FAMILIES: dict[str, Family] = {
 
 def get_family(name: str) -> Family:
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
+        raise InputError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 
@@ -296,4 +298,4 @@ def family_of(model_or_config: nn.Module | transformers.PreTrainedConfig) -> Fam
         if model_type in fam.model_types:
             return fam
     known = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES.values())
-    raise ValueError(f"model type {model_type!r} is not supported; quantgate families: {known}")
+    raise InputError(f"model type {model_type!r} is not supported; quantgate families: {known}")

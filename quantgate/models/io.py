@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from ..errors import InputError, MissingFile
 from ..variants import AttentionVariant, GateSpec, VariantLike
 from .families import Family, config_of, family_of, get_family
 from .presets import check_config_values, get_preset, preset_config
@@ -80,22 +81,22 @@ class Placement:
             gpus = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in self.max_memory.items()}
             object.__setattr__(self, "max_memory", gpus)
         if self.device_map is None and (self.max_memory or self.offload_folder):
-            raise ValueError("max_memory and offload_folder place a model by a device_map: give --device-map auto")
+            raise InputError("max_memory and offload_folder place a model by a device_map: give --device-map auto")
         if isinstance(self.device_map, str) and self.device_map not in DEVICE_MAPS:
-            raise ValueError(f"device_map {self.device_map!r}: one of {', '.join(DEVICE_MAPS)}, or a JSON object")
+            raise InputError(f"device_map {self.device_map!r}: one of {', '.join(DEVICE_MAPS)}, or a JSON object")
         devices = self.device_map.values() if isinstance(self.device_map, dict) else ()
         if isinstance(self.device_map, dict) and not (
             devices and all(isinstance(d, (str, int)) and not isinstance(d, bool) for d in devices)
         ):
-            raise ValueError(
+            raise InputError(
                 f"device_map {self.device_map!r}: map module names to devices (a GPU index, 'cpu' or 'disk')"
             )
         if self.max_memory is not None and not isinstance(self.max_memory, dict):
-            raise ValueError(f"max_memory {self.max_memory!r}: map devices to sizes, e.g. {{0: 70GiB, cpu: 200GiB}}")
+            raise InputError(f"max_memory {self.max_memory!r}: map devices to sizes, e.g. {{0: 70GiB, cpu: 200GiB}}")
         for d in devices:
             _check_device(d, f"device_map {self.device_map!r}")
         if devices and all(d == "disk" for d in devices):
-            raise ValueError(
+            raise InputError(
                 f"device_map {self.device_map!r} puts the whole model on disk, where nothing computes (its weights "
                 f"are read back into a module only as the forward reaches it): map the modules that run to 'cpu' or a "
                 f"GPU, or use --device-map auto with --max-memory"
@@ -128,7 +129,7 @@ def _check_device(device: object, what: str) -> None:
                 return
         except RuntimeError:
             pass
-    raise ValueError(f"{what}: {device!r} is no device; give a GPU index (0, 1, ...), 'cpu' or 'disk'")
+    raise InputError(f"{what}: {device!r} is no device; give a GPU index (0, 1, ...), 'cpu' or 'disk'")
 
 
 def _bytes(size: object, what: str) -> int:
@@ -140,7 +141,7 @@ def _bytes(size: object, what: str) -> int:
     except (ValueError, TypeError, AttributeError):
         value = -1
     if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what}: {size!r} is no size; give a size with its unit, e.g. 70GiB or 512MB")
+        raise InputError(f"{what}: {size!r} is no size; give a size with its unit, e.g. 70GiB or 512MB")
     return value
 
 
@@ -260,14 +261,14 @@ def load(
     saved = qiu if qiu is not None else variant_of(config)
     target = AttentionVariant.parse(variant) if variant is not None else saved
     if saved is not None and target is not None and saved != target and not saved.is_vanilla:
-        raise ValueError(
+        raise InputError(
             f"{path} holds a model with variant {saved}; it cannot be loaded as {target}. "
             f"Load it without variant=, or start from an ungated checkpoint"
         )
     config = copy.deepcopy(config)
     task = drop_record(config).task  # the data it was trained on, if synthetic
     if placement is not None and qiu is not None:
-        raise ValueError(f"{path} is in Qiu et al.'s gated layout, which loads whole: load it without --device-map")
+        raise InputError(f"{path} is in Qiu et al.'s gated layout, which loads whole: load it without --device-map")
     if qiu is not None:
         model = _load_qiu(family, path, config, qiu, seed)
     else:
@@ -280,7 +281,7 @@ def load(
         model = _from_pretrained(family, path, config, strict=saved is not None, placement=placement, dtype=dtype)
         on_disk = offloaded(model) if placement is not None else []
         if on_disk and not (target is None or target.is_vanilla):
-            raise ValueError(
+            raise InputError(
                 f"{path}: {len(on_disk)} weights were placed on disk, and the {target} variant's gates "
                 f"live beside each attention's output projection: give max_memory room for the model on the GPUs "
                 f"and CPU (no disk), or load it without a variant"
@@ -313,7 +314,7 @@ def _check_saved_variant(config: Path, saved: AttentionVariant, gates: Path, hea
     except ValueError:
         same = False
     if not same:
-        raise ValueError(
+        raise InputError(
             f"{config}: field 'quantgate.variant' is {str(saved)!r} but {gates} holds the gate weights of "
             f"{recorded!r}: {_RESTORE_WEIGHTS_CONFIG}"
         )
@@ -359,7 +360,7 @@ def read_config(path: Path) -> PreTrainedConfig:
     :func:`mark_quantgate_only`), with clear errors."""
     file = path / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{path} has no config.json: point to a directory written by qg.save or transformers' save_pretrained"
         )
     data = read_json_object(file)
@@ -368,12 +369,12 @@ def read_config(path: Path) -> PreTrainedConfig:
     try:  # before transformers' own KeyError, or a NaN loss from a negative eps
         check_config_values(str(file), data, heads=True)
     except ValueError as e:  # one line naming the file and field
-        raise ValueError(f"{e}; {RESTORE_CONFIG}") from None
+        raise InputError(f"{e}; {RESTORE_CONFIG}") from None
     try:
         if data.get("model_type") == QUANTGATE_MODEL_TYPE:
             base = record.model_type
             if base is None or base not in CONFIG_MAPPING:
-                raise ValueError(
+                raise InputError(
                     f"its model_type is {QUANTGATE_MODEL_TYPE!r} and field 'quantgate.model_type' names "
                     f"{base!r}, which transformers does not know; {RESTORE_CONFIG}"
                 )
@@ -381,7 +382,7 @@ def read_config(path: Path) -> PreTrainedConfig:
             return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot read {file}: {' '.join(str(e).split())}") from None
+        raise InputError(f"cannot read {file}: {' '.join(str(e).split())}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -390,7 +391,7 @@ def _weight_files(path: Path) -> list[Path]:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError) as e:
-            raise ValueError(f"corrupt shard index {index}: {e}; re-save the model") from None
+            raise InputError(f"corrupt shard index {index}: {e}; re-save the model") from None
         return [path / s for s in shards]
     files = sorted(p for p in path.glob("*.safetensors") if p.name != VARIANT_WEIGHTS)
     if files:
@@ -402,7 +403,7 @@ def _weight_files(path: Path) -> list[Path]:
         if pickled
         else ""
     )
-    raise FileNotFoundError(f"{path} has no *.safetensors weights.{hint}")
+    raise MissingFile(f"{path} has no *.safetensors weights.{hint}")
 
 
 _INCOMPLETE = "the checkpoint is incomplete; re-save it with qg.save"
@@ -418,13 +419,13 @@ def read_safetensors_with_metadata(
     never unpickling anything. A missing file is a FileNotFoundError (``{path} is missing: {incomplete}``),
     an unreadable one a ValueError naming the file, saying it is corrupt or truncated and how to ``fix`` it."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {incomplete}")
+        raise MissingFile(f"{path} is missing: {incomplete}")
     try:
         with safe_open(str(path), framework="pt") as fh:
             tensors = {key: fh.get_tensor(key) for key in fh.keys()}
             metadata: dict[str, str] = fh.metadata() or {}
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"cannot read {path}: {e}. The file is corrupt or truncated; {fix}") from None
+        raise InputError(f"cannot read {path}: {e}. The file is corrupt or truncated; {fix}") from None
     return tensors, metadata
 
 
@@ -484,7 +485,7 @@ def _check_shapes(
     wrong = sorted(k for k, shape in shapes.items() if k in own and tuple(shape) != tuple(own[k].shape))
     if wrong:
         listed = ", ".join(f"{k} is {list(shapes[k])}, the model's {list(own[k].shape)}" for k in wrong[:2])
-        raise ValueError(
+        raise InputError(
             f"{where} holds {len(wrong)} tensor{'s' if len(wrong) > 1 else ''} of other shapes than the model "
             f"built from config.json "
             f"({listed}{', ...' if len(wrong) > 2 else ''}): config.json ({decided_by}) disagrees with the "
@@ -505,7 +506,7 @@ def _check_fit(where: Path | str, missing: set[str], unused: set[str], decided_b
         [f"holds {len(unused)} tensors the model built from config.json does not use ({few(unused)})"] if unused else []
     )
     parts += [f"lacks {len(missing)} tensors it needs ({few(missing)})"] if missing else []
-    raise ValueError(
+    raise InputError(
         f"{where} {' and '.join(parts)}: config.json ({decided_by}) disagrees with "
         f"the weights, or the checkpoint is incomplete; {_RESTORE_WEIGHTS_CONFIG}"
     )
@@ -532,7 +533,7 @@ def _check_placement(family: Family, config: PreTrainedConfig, placement: Placem
     for device in [*mapped, *(placement.max_memory or {})]:
         index = _gpu_index(device)
         if index is not None and index >= gpus:
-            raise ValueError(
+            raise InputError(
                 f"{placement.described()} uses GPU {index}, and this machine has {gpus} GPU(s): "
                 + ("place the model on 'cpu' (and 'disk')" if not gpus else f"use GPUs 0 to {gpus - 1}")
             )
@@ -562,14 +563,14 @@ def _check_placement(family: Family, config: PreTrainedConfig, placement: Placem
             fix = f"give {device} at least {_size_text(high)}"
         else:
             fix = "give a compute device room for one block"
-        raise ValueError(
+        raise InputError(
             f"max_memory (--max-memory) {_memory_text(placement.max_memory)} leaves no room for any of the model's "
             f"modules on {device} (accelerate also keeps room there for its largest block), so every weight would "
             f"go to disk, where nothing computes: {fix}"
         )
     on_disk = [name or "the whole model" for name, d in device_map.items() if d == "disk"]
     if on_disk and placement.offload_folder is None:
-        raise ValueError(
+        raise InputError(
             f"{placement.described()} puts {len(on_disk)} module(s) on disk ({', '.join(on_disk[:3])}"
             f"{', ...' if len(on_disk) > 3 else ''}): give offload_folder (--offload-folder) a folder for their "
             f"weights, or max_memory more room"
@@ -623,14 +624,14 @@ def _from_pretrained(
         model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         if placement is not None and not isinstance(e, SafetensorError):  # the placement failed, not the weights
-            raise ValueError(
+            raise InputError(
                 f"cannot place {path} as {placement.described()} asks: {' '.join(str(e).split())}; fix the placement"
             ) from None
-        raise ValueError(
+        raise InputError(
             f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"
         ) from None
     if placement is not None and set(getattr(model, "hf_device_map", {}).values()) == {"disk"}:
-        raise ValueError(f"{placement.described()} put every weight of {path} on disk, where nothing computes")
+        raise InputError(f"{placement.described()} put every weight of {path} on disk, where nothing computes")
     files = _weight_files(path)
     _check_fit(
         files[0] if len(files) == 1 else f"{path} ({len(files)} weight shards)",

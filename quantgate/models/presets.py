@@ -17,6 +17,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from ..errors import InputError
 from ..options import ABOVE_0, AT_LEAST_1, Range, check_range
 from .families import get_family
 
@@ -139,7 +140,7 @@ PRESETS: dict[str, Preset] = {
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+        raise InputError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
     return PRESETS[name]
 
 
@@ -153,19 +154,19 @@ def preset_config(name: str, overrides: Mapping[str, object] | None = None) -> P
     for key, value in (overrides or {}).items():
         if key not in defaults or key.startswith("_") or key in ("model_type", "transformers_version"):
             valid = ", ".join(sorted(k for k in defaults if not k.startswith("_")))
-            raise ValueError(
+            raise InputError(
                 f"{name}: {key!r} is not a {cls.__name__} field (training settings such as lr or "
                 f"steps are options of their own, e.g. --lr); valid: {valid}"
             )
         expected = defaults[key]
         if expected is not None and not _same_type(value, expected):
-            raise ValueError(f"{name}: {key} expects {type(expected).__name__} (default {expected!r}), got {value!r}")
+            raise InputError(f"{name}: {key} expects {type(expected).__name__} (default {expected!r}), got {value!r}")
     check_config_values(name, overrides or {})
     _check_heads(name, {**preset.config, **(overrides or {})}, {**defaults, **preset.config, **(overrides or {})})
     try:
         return cls(**{**preset.config, **(overrides or {})})
     except (StrictDataclassError, ValueError, TypeError) as e:  # the config class's own checks
-        raise ValueError(f"{name}: {' '.join(str(e).split())}") from None
+        raise InputError(f"{name}: {' '.join(str(e).split())}") from None
 
 
 # The values a config override may take, by field name: the ones whose wrong value fails late or silently
@@ -204,12 +205,12 @@ def _check_heads(name: str, given: Mapping[str, object], config: Mapping[str, ob
     if not isinstance(heads, int) or heads < 1 or "kv_lora_rank" in config:
         return
     if given.get("head_dim") is None and isinstance(hidden, int) and hidden % heads:
-        raise ValueError(
+        raise InputError(
             f"{name}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} (each head takes "
             f"hidden_size / num_attention_heads channels); change one of them"
         )
     if isinstance(kv, int) and kv >= 1 and heads % kv:
-        raise ValueError(
+        raise InputError(
             f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv} (each key/value "
             f"head serves a group of query heads); change one of them"
         )

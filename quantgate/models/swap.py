@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..attention.gates import build_gate
 from ..attention.sdpa import BACKENDS, gated_sdpa
+from ..errors import InputError
 from ..variants import GATE_KINDS, AttentionVariant, VariantLike
 from .families import Family, config_of, family_of
 from .record import record_of, set_record
@@ -179,7 +180,7 @@ def apply_variant(
     current = variant_of(model)
     if current is not None:
         if current != variant:
-            raise ValueError(
+            raise InputError(
                 f"this model already has variant {current}; build or load a fresh model to use "
                 f"{variant} (qg.load(path, variant=...) adds a gate to an ungated checkpoint)"
             )
@@ -249,18 +250,18 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def check_expressible(family: Family, variant: AttentionVariant, config: PreTrainedConfig) -> None:
     """Raise ValueError when ``variant`` cannot be swapped into a ``family`` model of ``config``."""
     if family.native_gate and (variant.gate is None or variant.gate.kind != family.native_gate):
-        raise ValueError(
+        raise InputError(
             f"{family.name} has a built-in {family.native_gate} gate (part of q_proj); its variant is "
             f"'{family.native_gate}', optionally with +clipped or +sink, not {variant}"
         )
     if not family.value_gate and variant.gate is not None and GATE_KINDS[variant.gate.kind].gate.position == "value":
-        raise ValueError(
+        raise InputError(
             f"{family.name}: {variant.gate.kind} gates each key token's values, but this architecture rebuilds "
             f"keys and values from a cached latent at every decoding step, where the key tokens' hidden "
             f"states are gone; use a G1 gate (g1-elementwise is Kimi's channel-wise output gate)"
         )
     if family.native_gate and variant.gate is not None and variant.gate.low_rank is not None:
-        raise ValueError(f"{family.name}'s built-in gate is full rank; drop low_rank from {variant}")
+        raise InputError(f"{family.name}'s built-in gate is full rank; drop low_rank from {variant}")
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t not in ("full_attention", "attention") for t in layer_types):
         log.warning(
@@ -275,7 +276,7 @@ def check_expressible(family: Family, variant: AttentionVariant, config: PreTrai
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
     """Choose the gated_sdpa backend ("auto", "eager", "sdpa", "triton") for every attention block."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        raise InputError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     for attn in attention_modules(model):
         cast(VariantAttention, attn).qg_backend = backend
     return model

@@ -20,6 +20,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..errors import InputError, Unavailable
 from ..models.io import offloaded
 from ..models.modes import eval_mode
 from ..models.record import record_of, set_record
@@ -53,7 +54,7 @@ __all__ = [
 log = logging.getLogger("quantgate")
 
 
-class HardwareUnavailable(RuntimeError):
+class HardwareUnavailable(Unavailable):
     """The scheme needs hardware this machine lacks (e.g. an FP8-capable GPU); the message names an alternative."""
 
 
@@ -77,7 +78,7 @@ def quantize(
     ``inplace``) and the new record names the quantization it had (``dequantized_from``)."""
     scheme = _with_options(get_scheme(scheme), options)
     if on_disk := offloaded(model):
-        raise ValueError(
+        raise InputError(
             f"{len(on_disk)} weights of this model (first {on_disk[0]}) were placed on disk by its device_map: "
             f"quantization reads and replaces every weight, so they must be in memory. Load it with max_memory "
             f"room for the model on the GPUs and CPU (no disk), and quantize in place (inplace=True) where a copy "
@@ -87,15 +88,15 @@ def quantize(
     dequantized_from = None
     if existing is not None:
         if not (dequantize and imported.can_dequantize(existing)):
-            raise ValueError(_already_quantized(existing, dequantize))
+            raise InputError(_already_quantized(existing, dequantize))
         model = imported.dequantize_(model if inplace else copy.deepcopy(model))
         dequantized_from, inplace = existing["scheme"], True
     elif dequantize:
-        raise ValueError("dequantize=True: this model is not quantized; leave dequantize out")
+        raise InputError("dequantize=True: this model is not quantized; leave dequantize out")
     if scheme.needs_cuda and not _cuda_fp8():
         raise HardwareUnavailable(f"{scheme.name} cannot run here: {scheme.needs_cuda}")
     if scheme.needs_calibration and calibration is None:
-        raise ValueError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
+        raise InputError(f"{scheme} uses static activation ranges: pass calibration batches (calibration=...)")
     _check_finite(model)
     simulate.check_keep(model, scheme)  # before the model is copied or changed
     source_sha256 = fingerprint(model)
@@ -201,7 +202,7 @@ def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] |
                 break
             ids = batch["input_ids"]
             if int(ids.max()) >= vocab or int(ids.min()) < 0:
-                raise ValueError(
+                raise InputError(
                     f"calibration batch has token id {int(ids.max())} but the model's vocabulary has "
                     f"{vocab} entries: the batches come from another tokenizer; build them with "
                     f"qg.tokenizer(model)"
@@ -210,7 +211,7 @@ def _calibrate(model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] |
             count += 1
             tokens += ids.numel()
     if count == 0:
-        raise ValueError("the calibration set is empty: give at least one batch")
+        raise InputError("the calibration set is empty: give at least one batch")
     if count < n:
         log.warning(
             "calibration: %d batch%s ran of the %d asked for (calib=%d): the calibration set holds no more; "
@@ -230,7 +231,7 @@ def _check_finite(model: nn.Module) -> None:
         if type(p.data) is torch.Tensor and p.is_floating_point():
             bad = _nonfinite(p.detach())
             if bad:
-                raise ValueError(
+                raise InputError(
                     f"{name} holds {bad} NaN or inf value{'s' if bad > 1 else ''}: the float model is "
                     f"broken (diverged training or a corrupt checkpoint); quantize a model whose "
                     f"weights are all finite"
@@ -268,7 +269,7 @@ def _in_offload(model: nn.Module, name: str) -> torch.Tensor:
     path, _, attr = name.rpartition(".")
     weights = getattr(getattr(model.get_submodule(path), "_hf_hook", None), "weights_map", None)
     if weights is None:
-        raise ValueError(f"{name} has no values (the meta device) and no offload holds it: the model is incomplete")
+        raise InputError(f"{name} has no values (the meta device) and no offload holds it: the model is incomplete")
     return weights[attr]
 
 

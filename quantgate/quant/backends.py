@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import MissingDependency
 from ..models.swap import replace_module
 from .heap import trim
 from .mitigate import Calibrate, mitigate
@@ -31,11 +32,33 @@ def _quantize_(scheme: TorchaoScheme) -> Callable[..., None]:
     try:
         from torchao.quantization import quantize_  # torchao is optional: imported at first use, for the hint below
     except ImportError as e:
-        raise ModuleNotFoundError(f"{scheme.name} needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
+        raise MissingDependency(f"{scheme.name} needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
     return quantize_
 
 
-@handles(TorchaoScheme, restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None), assign=True)
+# the torchao configs whose transformers serialization (TorchAoConfig) was checked here: saved as a torchao export
+TORCHAO_EXPORTED = ("Int8DynamicActivationInt8WeightConfig", "Int8WeightOnlyConfig", "Float8WeightOnlyConfig")
+
+
+def _torchao_export(model: nn.Module, scheme: TorchaoScheme) -> tuple[str, str]:
+    if scheme.config in TORCHAO_EXPORTED:
+        return "torchao", ""
+    return "quantgate", f"transformers' torchao serialization is not checked here for {scheme.config}"
+
+
+def _torchao_quantization_config(model: nn.Module, scheme: TorchaoScheme, kept: list[str]) -> dict:
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(quant_type=scheme.torchao_config(), modules_to_not_convert=kept).to_dict()
+
+
+@handles(
+    TorchaoScheme,
+    restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None),
+    export=_torchao_export,
+    quantization_config=_torchao_quantization_config,
+    assign=True,
+)
 def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> nn.Module:
     """torchao's ``quantize_`` with the scheme's config on every Linear but the kept ones."""
     scheme = _mitigate(model, scheme, calibrate)
@@ -51,7 +74,12 @@ def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manife
     return _with_input_scales(model, scheme, {n: torch.ones((1,) * d) for n, d in manifest["input_ndims"].items()})
 
 
-@handles(TorchaoStaticScheme, restore=restore_torchao_static, assign=True)
+def _torchao_static_export(model: nn.Module, scheme: TorchaoStaticScheme) -> tuple[str, str]:
+    why = "torchao's static int8 holds one calibrated input scale per Linear, which TorchAoConfig does not"
+    return "quantgate", why
+
+
+@handles(TorchaoStaticScheme, restore=restore_torchao_static, export=_torchao_static_export, assign=True)
 def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate: Calibrate) -> nn.Module:
     """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
     scales (max |x| / 127) from the calibration batches."""
@@ -103,7 +131,20 @@ def restore_bnb(model: nn.Module, scheme: BnbScheme, manifest: dict | None = Non
     return apply_bnb(model, scheme, None, skeleton=True)
 
 
-@handles(BnbScheme, restore=restore_bnb)
+def _bnb_quantization_config(model: nn.Module, scheme: BnbScheme, kept: list[str]) -> dict:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_8bit=True, llm_int8_threshold=scheme.threshold, llm_int8_skip_modules=kept
+    ).to_dict()
+
+
+@handles(
+    BnbScheme,
+    restore=restore_bnb,
+    export=lambda model, scheme: ("bitsandbytes", ""),
+    quantization_config=_bnb_quantization_config,
+)
 def apply_bnb(
     model: nn.Module, scheme: BnbScheme, calibrate: Calibrate | None = None, *, skeleton: bool = False
 ) -> nn.Module:
@@ -111,7 +152,7 @@ def apply_bnb(
     try:
         import bitsandbytes as bnb  # bitsandbytes is optional and heavy: imported at first use
     except ImportError as e:
-        raise ModuleNotFoundError(f"llm-int8 needs bitsandbytes (pip install 'bitsandbytes>=0.50'): {e}") from None
+        raise MissingDependency(f"llm-int8 needs bitsandbytes (pip install 'bitsandbytes>=0.50'): {e}") from None
     for name, linear in quantizable_linears(model, scheme):
         new = bnb.nn.Linear8bitLt(
             linear.in_features,

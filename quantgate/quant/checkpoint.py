@@ -30,6 +30,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
+from ..errors import InputError
 from ..files import file_sha256
 from ..models import io as model_io
 from ..models.families import config_of, family_of
@@ -48,7 +49,7 @@ from .export import (
     hf_quantization_config,
 )
 from .imported import SIDECAR
-from .schemes import SimulatedScheme, get_scheme, handler_for
+from .schemes import get_scheme, handler_for
 from .simulate import check_ranges
 
 __all__ = ["save_quantized", "load_quantized", "MANIFEST", "WEIGHTS", "ECOSYSTEM_WEIGHTS"]
@@ -91,7 +92,7 @@ def save_quantized(
     check_ranges(model)
     fmt, why = export_format(model, scheme)
     if dtype is not None and fmt != "compressed-tensors":
-        raise ValueError(
+        raise InputError(
             f"dtype= stores a compressed-tensors export's full-precision tensors in another dtype; {scheme} is "
             f"saved in the {fmt} format ({why or 'its own tensors'}): save it without dtype="
         )
@@ -100,7 +101,6 @@ def save_quantized(
     ranges: dict[str, list[float]] = {}
     quantization_config: dict[str, Any] | None
     if fmt == "compressed-tensors":
-        assert isinstance(scheme, SimulatedScheme)  # export_format picks compressed-tensors only for these
         state, quantization_config, ranges = compressed_tensors_state(model, scheme, dtype)
     else:
         state = model.state_dict()
@@ -160,11 +160,11 @@ def load_quantized(
     config = model_io.read_config(path)
     manifest = _read_manifest(path, config)
     if variant is not None and str(variant) != manifest["variant"]:
-        raise ValueError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
+        raise InputError(f"{path} is a quantized {manifest['variant']} model; it cannot be loaded as {variant}")
     weights = path / manifest.get("weights_file", WEIGHTS)
     state = _read(weights)
     if file_sha256(weights) != manifest["weights_sha256"]:
-        raise ValueError(
+        raise InputError(
             f"{weights} does not match the sha256 recorded in {path / MANIFEST} (field "
             f"'weights_sha256'): the weights file was changed or the manifest belongs to another "
             f"save; {_RESAVE}"
@@ -172,12 +172,12 @@ def load_quantized(
     missing = {alias: original for alias, original in manifest["aliases"].items() if original not in state}
     if missing:
         alias, original = next(iter(missing.items()))
-        raise ValueError(
+        raise InputError(
             f"{path / MANIFEST}: field 'aliases' maps {alias} to tensor {original}, which {weights} does not hold; "
             f"{_RESAVE}"
         )
     if _content_sha256(manifest, path) != manifest["content_sha256"]:
-        raise ValueError(
+        raise InputError(
             f"{path / MANIFEST} or {path / 'config.json'} was edited after saving: they no longer match the sha256 "
             f"of their content recorded in field 'content_sha256' (the scheme, quantizer state and config decide "
             f"the loaded model's numbers, so it would not be the saved model); {_RESAVE}"
@@ -199,7 +199,7 @@ def load_quantized(
     try:
         model.load_state_dict(state, strict=True, assign=handler.assign)
     except RuntimeError as e:
-        raise ValueError(f"{weights} does not match its config and manifest: {e}") from None
+        raise InputError(f"{weights} does not match its config and manifest: {e}") from None
     set_record(model, record)
     model.eval()
     return model.to(dtype) if dtype is not None else model
@@ -212,14 +212,14 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
     try:
         manifest = json.loads(file.read_text())
     except ValueError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); {_RESAVE}") from None
+        raise InputError(f"{file} is not valid JSON ({e}); {_RESAVE}") from None
     if not isinstance(manifest, dict):
-        raise ValueError(f"{file} must hold a JSON object, got {type(manifest).__name__}; {_RESAVE}")
+        raise InputError(f"{file} must hold a JSON object, got {type(manifest).__name__}; {_RESAVE}")
     for field, typ in _FIELDS.items():
         if field not in manifest:
-            raise ValueError(f"{file}: field {field!r} is missing; {_RESAVE}")
+            raise InputError(f"{file}: field {field!r} is missing; {_RESAVE}")
         if not isinstance(manifest[field], typ):
-            raise ValueError(
+            raise InputError(
                 f"{file}: field {field!r} must be {'a string' if typ is str else 'an object'}, got "
                 f"{type(manifest[field]).__name__}; {_RESAVE}"
             )
@@ -227,11 +227,11 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
         try:
             parse(manifest[field])
         except ValueError as e:
-            raise ValueError(f"{file}: field {field!r} is not a valid {field}: {e}; {_RESAVE}") from None
+            raise InputError(f"{file}: field {field!r} is not a valid {field}: {e}; {_RESAVE}") from None
     if manifest.get("weights_file", WEIGHTS) not in (WEIGHTS, ECOSYSTEM_WEIGHTS):
-        raise ValueError(f"{file}: field 'weights_file' must be {WEIGHTS} or {ECOSYSTEM_WEIGHTS}; {_RESAVE}")
+        raise InputError(f"{file}: field 'weights_file' must be {WEIGHTS} or {ECOSYSTEM_WEIGHTS}; {_RESAVE}")
     if manifest.get("format", "quantgate") not in FORMATS:
-        raise ValueError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}; {_RESAVE}")
+        raise InputError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}; {_RESAVE}")
     record = record_of(config)
     recorded = {
         "scheme": (record.quantization or {}).get("scheme"),
@@ -240,7 +240,7 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
     }
     for field, value in recorded.items():
         if manifest[field] != value:
-            raise ValueError(
+            raise InputError(
                 f"{file}: field {field!r} ({manifest[field]!r}) disagrees with {path / 'config.json'} "
                 f"({value!r}): one of them was edited or comes from another save; {_RESAVE}"
             )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..errors import InputError
 from ..models.families import family_of
 from ..models.modes import eval_mode
 from ..stats import paired_delta
@@ -44,7 +45,7 @@ def float_outputs(
     """Run ``fp_model`` on the first ``max_batches`` of ``batches`` (all with None) and keep its outputs."""
     inputs = [{k: v for k, v in b.items() if k != "labels"} for b in itertools.islice(batches, max_batches)]
     if not inputs:
-        raise ValueError("quant_error got no batches")
+        raise InputError("quant_error got no batches")
     runs = [_outputs(fp_model, x) for x in inputs]
     return FloatOutputs(inputs, [blocks for blocks, _ in runs], [logits for _, logits in runs])
 
@@ -125,13 +126,13 @@ def site_sensitivity(
     Interactions are not additive: the alone changes need not compose to the all-on change."""
     quantizers = act_quantizers(q_model)
     if not quantizers:
-        raise ValueError(
+        raise InputError(
             "site_sensitivity needs a model quantized by a simulated scheme with activation "
             "quantizers (e.g. w16a8-int8-bondarenko); this one has none"
         )
     data = [{k: v.to(_device(q_model)) for k, v in b.items()} for b in itertools.islice(batches, max_batches)]
     if not data or any("labels" not in b for b in data):
-        raise ValueError("site_sensitivity needs batches with labels (quantgate.data.batches gives them)")
+        raise InputError("site_sensitivity needs batches with labels (quantgate.data.batches gives them)")
     shift = int(family_of(q_model).objective == "clm")  # a causal LM predicts the next token's label
     labels = torch.cat([b["labels"][:, shift:] for b in data])
     tokens = (labels != -100).sum(1).tolist()
@@ -147,7 +148,7 @@ def site_sensitivity(
             per_batch.append(ce.sum(1).double())
         nll = torch.cat(per_batch)
         if not torch.isfinite(nll).all():
-            raise ValueError(
+            raise InputError(
                 f"site_sensitivity: the loss is not finite with {len(on)} of {len(quantizers)} "
                 f"quantizers on ({', '.join(sorted(q.name for q in on)[:3]) or 'none'}); check the "
                 f"model's weights and the quantizers' ranges (quant.simulate.check_ranges)"

@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn as nn
 
+from ..errors import InputError, MissingDependency
 from ..models.families import config_of, family_of
 from ..models.record import drop_record
 from ..models.swap import variant_of
 from .imported import INSTALL
 from .quantizers import INT_BITS
-from .schemes import BnbScheme, Scheme, SimulatedScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme
+from .schemes import Scheme, SimulatedScheme, TensorQuant, handler_for
 from .simulate import WEIGHT_QPARAMS, ActQuant, kept_modules, quantizable_linears
 
 if TYPE_CHECKING:
@@ -58,101 +59,29 @@ FORMATS = ("compressed-tensors", "torchao", "bitsandbytes", "quantgate")
 CT_INSTALL = INSTALL["compressed-tensors"][1]
 NVFP4_RANGE = 448.0 * 6.0  # FP8 E4M3's largest block scale x FP4 E2M1's largest value
 _QPARAM_SUFFIXES = ("_scale", "_zero_point", "_global_scale")
-_TORCHAO_CONFIGS = ("Int8DynamicActivationInt8WeightConfig", "Int8WeightOnlyConfig", "Float8WeightOnlyConfig")
 
 
 def export_format(model: nn.Module, scheme: Scheme) -> tuple[str, str]:
     """``(format, why)``: the format :func:`quantgate.save` writes ``model`` (quantized with ``scheme``) in,
-    and, for ``quantgate``, why no other tool's format holds it."""
+    and, for ``quantgate``, why no other tool's format holds it: a gated model's own, else what the scheme's
+    backend says (its handler's ``export``)."""
     variant = variant_of(model)
     if variant is not None and not variant.is_vanilla:
         return "quantgate", f"its attention is {variant}, which transformers' {type(model).__name__} lacks"
-    if isinstance(scheme, BnbScheme):
-        return "bitsandbytes", ""
-    if isinstance(scheme, TorchaoStaticScheme):
-        return (
-            "quantgate",
-            "torchao's static int8 holds one calibrated input scale per Linear, which TorchAoConfig does not",
-        )
-    if isinstance(scheme, TorchaoScheme):
-        if scheme.config in _TORCHAO_CONFIGS:
-            return "torchao", ""
-        return "quantgate", f"transformers' torchao serialization is not checked here for {scheme.config}"
-    assert isinstance(scheme, SimulatedScheme)  # the third scheme class
-    why = _not_compressed_tensors(model, scheme)
-    return ("quantgate", why) if why else ("compressed-tensors", "")
-
-
-def _not_compressed_tensors(model: nn.Module, s: SimulatedScheme) -> str:
-    """Why compressed-tensors cannot hold ``model`` quantized with ``s`` ('' when it can)."""
-    if s.acts != "linear-inputs":
-        return (
-            f"acts={s.acts} quantizes residual sums, norms, q/k/v and the softmax, where compressed-tensors "
-            f"quantizes Linear inputs only"
-        )
-    if s.kv is not None:
-        return (
-            f"its KV cache is quantized with dynamic per-{s.kv.granularity} ranges, which compressed-tensors' "
-            f"kv_cache_scheme (static per-tensor scales) is not"
-        )
-    if s.rotate != "none":
-        return f"rotate={s.rotate} adds Hadamard rotations that transformers' model classes do not hold"
-    if s.weight is None:
-        return "its weights stay in float while activations are quantized, which compressed-tensors' readers refuse"
-    if s.weight.format == "nvfp4" or (s.act is not None and s.act.format == "nvfp4"):
-        if s.act is not None and s.act.format != s.weight.format:
-            return "NVFP4 is exported with NVFP4 weights and activations (or weights alone)"
-        if not all(hasattr(linear, WEIGHT_QPARAMS) for _, linear in quantizable_linears(model, s)):
-            return "its NVFP4 weight scales are not known (loaded from quantgate's own format); quantize it again"
-        if s.act is not None and not all(float(q.amax) > 0 for q in _act_quants(model, s)):
-            return (
-                "its NVFP4 activations have a static per-tensor scale in compressed-tensors, from their maximum "
-                "over calibration batches, and none were run (quantize with calibration=...; the CLI does)"
-            )
-        return ""
-    if s.weight.format in ("mxfp8", "mxfp4"):
-        return (
-            f"its {s.weight.format} block scales follow torchao's OCP rounding, which compressed-tensors' MX "
-            f"formats were not checked against here"
-        )
-    if s.weight.format not in ("int8", "int4", "fp8-e4m3"):
-        return (
-            f"its weights are {s.weight.format}; compressed-tensors stores INT8, INT4, FP8 E4M3 and NVFP4 weights here"
-        )
-    if s.act is not None:
-        if s.act.format not in ("int8", "fp8-e4m3"):
-            return f"its activations are {s.act.format}; compressed-tensors quantizes them to INT8 or FP8 E4M3 here"
-        if s.act.granularity == "channel":
-            return "its activations have static per-channel ranges, which compressed-tensors' readers do not take"
-    missing = [n for n, linear in quantizable_linears(model, s) if not hasattr(linear, WEIGHT_QPARAMS)]
-    if missing:
-        return (
-            f"the scales of {missing[0]}'s weights are not known (a checkpoint saved in quantgate's own format "
-            f"was loaded); quantize the float model again to export it"
-        )
-    return ""
+    return handler_for(scheme).export(model, scheme)
 
 
 def compute_dtype(model: nn.Module, scheme: Scheme) -> str:
-    """The dtype config.json names for transformers to build the model in: the model's own, but bfloat16 for
-    NVFP4, whose weights compressed-tensors 0.20 decompresses to bfloat16 whatever the model's dtype (a
-    float32 model then fails in its first matmul)."""
-    if isinstance(scheme, SimulatedScheme) and scheme.weight is not None and scheme.weight.format == "nvfp4":
-        return "bfloat16"
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
+    """The dtype config.json names for transformers to build the model in (:meth:`Scheme.export_dtype`)."""
+    return str(scheme.export_dtype(next(model.parameters()).dtype)).removeprefix("torch.")
 
 
 def hf_quantization_config(model: nn.Module, scheme: Scheme) -> dict[str, Any]:
-    """transformers' ``quantization_config`` (as config.json holds it) of a torchao or bitsandbytes model."""
-    from transformers import BitsAndBytesConfig, TorchAoConfig
-
-    kept = _kept_linears(model, scheme)
-    if isinstance(scheme, BnbScheme):
-        return BitsAndBytesConfig(
-            load_in_8bit=True, llm_int8_threshold=scheme.threshold, llm_int8_skip_modules=kept
-        ).to_dict()
-    assert isinstance(scheme, TorchaoScheme)  # export_format sends only these two here
-    return TorchAoConfig(quant_type=scheme.torchao_config(), modules_to_not_convert=kept).to_dict()
+    """transformers' ``quantization_config`` (as config.json holds it) of a model whose backend exports to a
+    format transformers reads through a quantization config (torchao, bitsandbytes: the handler's)."""
+    make = handler_for(scheme).quantization_config
+    assert make is not None, f"{scheme.name}: its handler exports no transformers quantization_config"
+    return make(model, scheme, _kept_linears(model, scheme))
 
 
 def _kept_linears(model: nn.Module, scheme: Scheme) -> list[str]:
@@ -177,10 +106,6 @@ def _ct_args(spec: TensorQuant, role: str, width: int) -> QuantizationArgs:
         group_size=min(spec.group_size, width) if group else None,
         dynamic=spec.dynamic if role == "act" else False,
     )
-
-
-def _act_quants(model: nn.Module, s: SimulatedScheme) -> list[ActQuant]:
-    return [cast(ActQuant, linear.input_quant) for _, linear in quantizable_linears(model, s)]
 
 
 def _ct_format(s: SimulatedScheme) -> str:
@@ -226,22 +151,22 @@ def _require_ct() -> None:
     try:
         import compressed_tensors  # noqa: F401  (optional: imported at first use, for the hint below)
     except ImportError as e:
-        raise ModuleNotFoundError(
-            f"writing or reading compressed-tensors checkpoints needs {CT_INSTALL}: {e}"
-        ) from None
+        raise MissingDependency(f"writing or reading compressed-tensors checkpoints needs {CT_INSTALL}: {e}") from None
 
 
 @torch.no_grad()
 def compressed_tensors_state(
-    model: nn.Module, scheme: SimulatedScheme, dtype: torch.dtype | None = None
+    model: nn.Module, scheme: Scheme, dtype: torch.dtype | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, list[float]]]:
     """``(state, quantization_config, act_ranges)``: the state dict of ``model`` in compressed-tensors'
     layout (packed weights, ``weight_scale`` / ``weight_zero_point``, static ``input_scale`` /
     ``input_zero_point``), written by compressed-tensors' own compressors from quantgate's scales, with
     the tensors it leaves in full precision in ``dtype`` (None: the model's); the ``quantization_config``
     config.json takes; and each static activation quantizer's range [lo, hi], which quantgate reads back
-    so that a reload quantizes exactly as the saved model did."""
+    so that a reload quantizes exactly as the saved model did. ``scheme``: a simulated one, the only backend
+    whose export (:func:`~quantgate.quant.simulate.export_simulated`) picks compressed-tensors."""
     _require_ct()
+    scheme = cast(SimulatedScheme, scheme)
     import compressed_tensors
     from compressed_tensors.compressors import compress_module
     from compressed_tensors.config import CompressionFormat
@@ -367,7 +292,7 @@ def from_compressed_tensors(
     from .schemes import get_scheme
 
     scheme = get_scheme(manifest["scheme"])
-    assert isinstance(scheme, SimulatedScheme)  # only simulated schemes are exported to compressed-tensors
+    scheme = cast(SimulatedScheme, scheme)  # the only backend that exports to compressed-tensors
     schemes = _ct_schemes(model, scheme)
     compressor = BaseCompressor.get_value_from_registry(_ct_format(scheme))
     out = dict(state)
@@ -398,7 +323,7 @@ def from_compressed_tensors(
         setattr(linear, WEIGHT_QPARAMS, (scale, zero_q.reshape(scale.shape)))
         if scheme.act is not None:  # dynamic quantizers keep their (unused) zero range buffers
             if not scheme.act.dynamic and name not in ranges:
-                raise ValueError(f"quantization.json has no activation range for {name}; save the model again")
+                raise InputError(f"quantization.json has no activation range for {name}; save the model again")
             lo, hi = ranges.get(name, (0.0, 0.0))
             out[f"{name}.input_quant.lo"] = torch.tensor(lo, dtype=torch.float32)
             out[f"{name}.input_quant.hi"] = torch.tensor(hi, dtype=torch.float32)

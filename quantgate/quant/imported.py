@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from quantgate.errors import InputError, MissingDependency
+
 __all__ = [
     "INSTALL",
     "describe",
@@ -364,7 +366,7 @@ def check_installed(config: object, where: object) -> None:
     missing = [name for module, name in packages.items() if not _installed(module)]
     if missing:
         label = describe(qc)["scheme"]
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             f"{where} is quantized with {label}; loading it needs {' and '.join(missing)} ({command})"
         )
 
@@ -389,7 +391,7 @@ def dequantize_(model: nn.Module) -> nn.Module:
     model's quantization_config go. Returns the model."""
     record = imported_quantization(model) or {}
     if not can_dequantize(record):
-        raise ValueError(
+        raise InputError(
             f"cannot dequantize {record.get('scheme', 'this model')}: only compressed-tensors and "
             f"bitsandbytes models loaded with their quantization_config can be"
         )
@@ -397,7 +399,7 @@ def dequantize_(model: nn.Module) -> nn.Module:
     if record["origin"] == "bitsandbytes":
         dequantize = getattr(model, "dequantize", None)
         if quantizer is None or not callable(dequantize):
-            raise ValueError("this bitsandbytes model was not loaded by transformers: it cannot be dequantized")
+            raise InputError("this bitsandbytes model was not loaded by transformers: it cannot be dequantized")
         dequantize()
         return model
     from compressed_tensors.quantization import QuantizationMetadata, QuantizationStatus  # optional package
@@ -406,7 +408,7 @@ def dequantize_(model: nn.Module) -> nn.Module:
     compressor = getattr(quantizer, "compressor", None)
     if any(getattr(m, "quantization_status", None) == QuantizationStatus.COMPRESSED for m in modules):
         if compressor is None:
-            raise ValueError("this compressed-tensors model was not loaded by transformers: it cannot be dequantized")
+            raise InputError("this compressed-tensors model was not loaded by transformers: it cannot be dequantized")
         compressor.decompress_model(model)  # the weights to float: dequantized int8 / fp8 values
     elif compressor is not None:
         compressor.remove_decompression_hook(model)

@@ -46,6 +46,8 @@ from typing import NamedTuple
 
 import torch
 
+from quantgate.errors import InputError
+
 __all__ = ["Minifloat", "MINIFLOATS", "round_", "saturated_", "fake_minifloat", "fake_mx", "nvfp4"]
 
 
@@ -139,7 +141,7 @@ def fake_mx(x: torch.Tensor, fmt: str, block: int = 32) -> torch.Tensor:
     the last dim, ``fmt`` ("fp8-e4m3": MXFP8, "fp4-e2m1": MXFP4) elements; torchao's ``MXTensor.to_mx`` (FLOOR
     scales) then ``dequantize(torch.float32)``, bit for bit. Returns float32 of ``x``'s shape."""
     if x.shape[-1] % block:
-        raise ValueError(f"MX blocks of {block} along the last dim do not divide shape {tuple(x.shape)}")
+        raise InputError(f"MX blocks of {block} along the last dim do not divide shape {tuple(x.shape)}")
     xf = x.float()
     blocks = xf.reshape(*x.shape[:-1], x.shape[-1] // block, block)
     a = blocks.abs()
@@ -168,7 +170,7 @@ def nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ``dequantize(torch.float32)``, bit for bit. Returns (values, float32 of ``x``'s shape; the FP8 E4M3 block
     scales as float32, (..., rows, last dim / 16); the per-tensor scale, float32 0-d)."""
     if x.dim() not in (2, 3) or x.shape[-1] % NVFP4_BLOCK:
-        raise ValueError(
+        raise InputError(
             f"NVFP4 takes a 2-D or 3-D tensor (torchao's layout) whose last dim is a multiple of {NVFP4_BLOCK}, "
             f"not shape {tuple(x.shape)}; keep this tensor in full precision (keep=...)"
         )

@@ -24,6 +24,7 @@ from typing import TypeVar, cast
 import torch
 import torch.nn as nn
 
+from ..errors import InputError
 from ..massive import MassiveActivations
 from ..models.families import config_of, family_of
 from ..models.record import set_record
@@ -41,7 +42,7 @@ S = TypeVar("S", bound=CalibratedScheme)
 def needed(calibrate: Calibrate | None, scheme: Scheme) -> Calibrate:
     """``calibrate``, which ``scheme`` needs: ValueError when there is none."""
     if calibrate is None:
-        raise ValueError(f"{scheme} needs calibration batches: pass a calibrate function")
+        raise InputError(f"{scheme} needs calibration batches: pass a calibrate function")
     return calibrate
 
 
@@ -69,7 +70,7 @@ def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Lin
     ``readers`` get s on their input columns. Pre-norm llama, qwen2, qwen3 and opt only."""
     family, config = family_of(model), config_of(model)
     if family.ffn_linears is None or not family.is_pre_norm(config):
-        raise ValueError(
+        raise InputError(
             f"SmoothQuant folds 1 / s into the norm before each group of Linears, as a pre-norm "
             f"llama, qwen2, qwen3 or opt block has it; this {family.name} model "
             f"({'pre' if family.is_pre_norm(config) else 'post'}-norm) is not supported"

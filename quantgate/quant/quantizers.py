@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from ..errors import InputError
 from .minifloat import fake_minifloat, fake_mx, nvfp4
 
 try:
@@ -149,7 +150,7 @@ def fake_block(x: torch.Tensor, fmt: str) -> torch.Tensor:
     :func:`.minifloat.fake_mx` / :func:`.minifloat.nvfp4` over all blocks at once."""
     _, block = BLOCK[fmt]
     if x.shape[-1] % block:
-        raise ValueError(
+        raise InputError(
             f"{fmt} scales blocks of {block} values along the last dim, which holds {x.shape[-1]} here "
             f"(shape {tuple(x.shape)}); keep this tensor in full precision (keep=...) or pick a format "
             f"whose block divides it"
@@ -200,7 +201,7 @@ def _grouped(w: torch.Tensor, granularity: str, group_size: int) -> torch.Tensor
         return w.reshape(w.shape[0], -1)
     group_size = min(group_size, w.shape[-1])
     if w.shape[-1] % group_size:
-        raise ValueError(
+        raise InputError(
             f"group size {group_size} does not divide the input width {w.shape[-1]}; pick a divisor with group_size="
         )
     return w.reshape(-1, group_size)
@@ -267,7 +268,7 @@ def quantize_weight_qparams(
     if fmt in BLOCK:
         return fake_block(w, fmt), None, None
     if estimator not in ("minmax", "mse"):
-        raise ValueError(f"unknown weight range estimator {estimator!r}; valid: minmax, mse")
+        raise InputError(f"unknown weight range estimator {estimator!r}; valid: minmax, mse")
     chunk = CHUNK if chunk is None else chunk
     writable = inplace and type(w) is torch.Tensor and w.is_contiguous() and not w.is_inference()
     out = w if writable else torch.empty(w.shape, dtype=w.dtype, device=w.device)
@@ -403,17 +404,20 @@ class RangeObserver:
         name: str = "activations",
     ):
         if estimator not in ESTIMATORS:
-            raise ValueError(f"unknown range estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
+            raise InputError(f"unknown range estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}")
         if per_channel and estimator not in ("minmax", "running-minmax"):
-            raise ValueError("per-channel activation ranges support the minmax and running-minmax estimators")
+            raise InputError("per-channel activation ranges support the minmax and running-minmax estimators")
         self.estimator, self.momentum, self.percentile, self.per_channel = estimator, momentum, percentile, per_channel
         self.name = name
         self.lo: torch.Tensor | None = None  # all four are set by the first update
         self.hi: torch.Tensor | None = None
         self.run_lo: torch.Tensor | None = None
         self.run_hi: torch.Tensor | None = None
-        self.pos = torch.zeros(BINS, dtype=torch.float64)
-        self.neg = torch.zeros(BINS, dtype=torch.float64)
+        # the signed log-magnitude histograms, for the estimators that read them (percentile, mse): not kept for
+        # the others (64 KiB per quantizer, a few percent of a small model's bytes)
+        histograms = BINS if estimator in ("percentile", "mse") else 0
+        self.pos = torch.zeros(histograms, dtype=torch.float64)
+        self.neg = torch.zeros(histograms, dtype=torch.float64)
         self.batches = 0
 
     @torch.no_grad()
@@ -422,7 +426,7 @@ class RangeObserver:
         dims = tuple(range(x.dim() - 1)) if self.per_channel else tuple(range(x.dim()))
         lo, hi = x.amin(dim=dims), x.amax(dim=dims)  # NaN and inf propagate into these
         if not bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
-            raise ValueError(
+            raise InputError(
                 f"{self.name}: the calibration activations hold NaN or inf, which no quantization range "
                 f"covers (the float model overflows or holds NaN on these batches); check the model and "
                 f"its dtype in float (e.g. quantgate observe) or calibrate on other batches"
@@ -445,7 +449,7 @@ class RangeObserver:
     def range(self, fmt: str, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The calibrated (lo, hi)."""
         if self.lo is None:
-            raise ValueError("no calibration data reached this quantizer; give calibration batches")
+            raise InputError("no calibration data reached this quantizer; give calibration batches")
         assert self.hi is not None and self.run_lo is not None and self.run_hi is not None
         if self.estimator == "minmax":
             return self.lo, self.hi

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedModel
 
+from quantgate.errors import InputError, MissingDependency
+
 from ..attention.gates import Gate
 from ..models.families import config_of, family_of, find_submodule
 from ..models.record import record_of, set_record
@@ -67,7 +69,7 @@ def _had() -> ModuleType:
     try:
         from torchao.prototype.spinquant import hadamard_utils  # torchao prototype: imported at first use
     except ImportError as e:
-        raise ModuleNotFoundError(f"rotation needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
+        raise MissingDependency(f"rotation needs torchao (pip install 'torchao>=0.18,<0.19'): {e}") from None
     return hadamard_utils
 
 
@@ -101,7 +103,7 @@ def _hadamard(n: int, what: str) -> tuple[torch.Tensor, int]:
     except AssertionError:  # get_hadK asserts on sizes it cannot build
         K = None
     if K is None or n % K or not _had().is_pow2(n // K):
-        raise ValueError(
+        raise InputError(
             f"no Hadamard matrix of size {n} ({what}): torchao's hadamard_utils builds sizes "
             f"K * 2^m for K in {', '.join(map(str, _HAD_BASES))}"
         )
@@ -115,7 +117,7 @@ def gate_readers(gate: Gate | None) -> list[nn.Linear]:
         return []
     problem = gate.x_reading_problem()
     if problem is not None:
-        raise ValueError(f"cannot rotate or smooth attention gate {gate.spec}: {problem}")
+        raise InputError(f"cannot rotate or smooth attention gate {gate.spec}: {problem}")
     readers = [getattr(gate, n) for n in gate.x_readers or () if hasattr(gate, n)]
     # low rank: the down projection
     return [cast(nn.Linear, r[0]) if isinstance(r, nn.Sequential) else r for r in readers]
@@ -127,29 +129,29 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     family = family_of(model)
     hf, config = cast(PreTrainedModel, model), config_of(model)
     if family.no_rotation:
-        raise ValueError(f"cannot rotate a {family.name} model: {family.no_rotation}")
+        raise InputError(f"cannot rotate a {family.name} model: {family.no_rotation}")
     if family.ffn_linears is None:
-        raise ValueError(f"cannot rotate a {family.name} model: its FFN layout is not known (Family.ffn_linears)")
+        raise InputError(f"cannot rotate a {family.name} model: its FFN layout is not known (Family.ffn_linears)")
     record = record_of(config)
     if record.rotation is not None:
-        raise ValueError(f"this model is already rotated ({record.rotation}); rotate a fresh float model")
+        raise InputError(f"this model is already rotated ({record.rotation}); rotate a fresh float model")
     if record.quantization is not None:
-        raise ValueError("this model is already quantized; rotate the float model, then quantize it")
+        raise InputError("this model is already quantized; rotate the float model, then quantize it")
     if not family.is_pre_norm(config):
-        raise ValueError(
+        raise InputError(
             f"cannot rotate a post-LN {family.name} model ({family.pre_norm}=False): its norms read "
             f"the residual sums, so no norm sits between the stream and its readers"
         )
     base = hf.base_model
     for path in (p for p in family.outer_outputs if p != family.final_norm):  # OPT's project_in/project_out
         if find_submodule(base, path) is not None:
-            raise ValueError(f"cannot rotate a {family.name} model with {path} (project_in/project_out): not handled")
+            raise InputError(f"cannot rotate a {family.name} model with {path} (project_in/project_out): not handled")
     if family.final_norm_of(model) is None:
-        raise ValueError(
+        raise InputError(
             f"cannot rotate a {family.name} model without a final norm: the head would read the stream directly"
         )
     if hf.get_output_embeddings() is None:
-        raise ValueError(
+        raise InputError(
             f"cannot rotate a {type(model).__name__}: it has no LM head to rotate, so its outputs "
             f"would stay in the rotated basis"
         )
@@ -157,7 +159,7 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
     for block in blocks:
         gate = getattr(block.get_submodule(family.attention), "gate", None)
         if gate is not None and gate.unrotatable:
-            raise ValueError(f"cannot rotate attention gate {gate.spec}: {gate.unrotatable}")
+            raise InputError(f"cannot rotate attention gate {gate.spec}: {gate.unrotatable}")
         gate_readers(gate)
     _hadamard(config.hidden_size, "d_model")
     if online:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.nn as nn
 
+from ..errors import InputError
 from ..options import key_values, printed
 from ..variants import Range
 from .quantizers import BLOCK, ESTIMATORS, FORMATS, INT_BITS
@@ -95,7 +96,7 @@ class TensorQuant:
 
     def __post_init__(self):
         if self.format not in FORMATS:
-            raise ValueError(f"unknown quantization format {self.format!r}; valid: {', '.join(FORMATS)}")
+            raise InputError(f"unknown quantization format {self.format!r}; valid: {', '.join(FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,28 @@ class Scheme:
         """Where the scheme's activation scales come from, in words (a study report's "Which fix?" column)."""
         return "weights only"
 
+    @property
+    def kv_sink(self) -> int:
+        """The first tokens of the KV cache this scheme keeps in full precision (0: none, or no KV cache quantized)."""
+        return 0
+
+    def without_sink(self) -> Scheme | None:
+        """The same scheme with its KV-cache sink tokens quantized too; None where it keeps none."""
+        return None
+
+    @property
+    def task_head_in_float(self) -> bool:
+        """Whether the family's whole task head (not just the LM head) stays in full precision."""
+        return False
+
+    def export_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype config.json names for transformers to build the exported model in."""
+        return model_dtype
+
     def check_combination(self) -> None:
         """Raise ValueError where option values do not go together (after each is checked alone)."""
         if "auto" in self.keep:  # SimulatedScheme overrides this: it resolves keep=auto
-            raise ValueError(
+            raise InputError(
                 f"{self.name}: keep=auto finds the FFNs with massive activations on calibration batches, which "
                 f"only quantgate's simulated schemes run; name the modules instead (keep=PATTERN)"
             )
@@ -205,11 +224,11 @@ class SimulatedScheme(CalibratedScheme):
     def check_combination(self) -> None:
         a, kv = self.act, self.kv
         if a is not None and a.dynamic and a.granularity == "channel":
-            raise ValueError(f"{self.name}: dynamic activations are per tensor or per token, not per channel")
+            raise InputError(f"{self.name}: dynamic activations are per tensor or per token, not per channel")
         if a is not None and not a.dynamic and a.granularity == "token":
-            raise ValueError(f"{self.name}: per-token activation ranges are dynamic; add dynamic=true")
+            raise InputError(f"{self.name}: per-token activation ranges are dynamic; add dynamic=true")
         if a is not None and a.format in BLOCK and (not a.dynamic or self.acts != "linear-inputs"):
-            raise ValueError(
+            raise InputError(
                 f"{self.name}: {a.format} takes each block's scale from the block at run time and blocks "
                 f"the reduction dim of a matmul: its activations are dynamic at acts=linear-inputs"
             )
@@ -219,12 +238,12 @@ class SimulatedScheme(CalibratedScheme):
             or not kv.dynamic
             or kv.granularity not in ("token", "group", "channel")
         ):
-            raise ValueError(
+            raise InputError(
                 f"{self.name}: the KV cache takes integer or FP8 formats, dynamic, per token, group or "
                 f"channel; got {kv.format}, {kv.granularity}, dynamic={kv.dynamic}"
             )
         if self.smooth is not None and self.rotate != "none":
-            raise ValueError(f"{self.name}: smooth= folds its scales into the norms that rotate= removes; pick one")
+            raise InputError(f"{self.name}: smooth= folds its scales into the norms that rotate= removes; pick one")
 
     def unread(self) -> dict[str, str]:
         w, a, kv = self.weight, self.act, self.kv
@@ -283,6 +302,22 @@ class SimulatedScheme(CalibratedScheme):
     @property
     def export_calibration(self) -> bool:
         return self.act is not None and self.act.format == "nvfp4" and not self.needs_calibration
+
+    @property
+    def kv_sink(self) -> int:
+        return self.sink
+
+    def without_sink(self) -> Scheme | None:
+        return dataclasses.replace(self, sink=0) if self.sink else None
+
+    @property
+    def task_head_in_float(self) -> bool:
+        return self.acts == "bondarenko"
+
+    def export_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """bfloat16 for NVFP4 weights, which compressed-tensors 0.20 decompresses to bfloat16 whatever the model's
+        dtype (a float32 model then fails in its first matmul); else the model's own."""
+        return torch.bfloat16 if self.weight is not None and self.weight.format == "nvfp4" else model_dtype
 
     def range_kind(self) -> str:
         parts = []
@@ -365,24 +400,41 @@ class BnbScheme(Scheme):
 class Handler:
     """How one scheme class is applied. ``apply(model, scheme, calibrate)`` quantizes ``model`` in place
     (``calibrate(model)`` runs the calibration batches); ``restore(model, scheme, manifest)`` lays out the
-    same structure without calibrating, for loading a saved model (``manifest``: its quantization.json);
-    ``assign``: the saved state replaces the parameters (tensor subclasses) instead of being copied in."""
+    same structure without calibrating, for loading a saved model (``manifest``: its quantization.json); the
+    rest as :func:`handles` registers them."""
 
     apply: Callable[[nn.Module, Scheme, Callable | None], nn.Module]
     restore: Callable[[nn.Module, Scheme, dict], nn.Module]
+    export: Callable[[nn.Module, Scheme], tuple[str, str]]
+    quantization_config: Callable[[nn.Module, Scheme, list[str]], dict] | None = None
     assign: bool = False
+
+
+def quantgate_format_only(model: nn.Module, scheme: Scheme) -> tuple[str, str]:
+    """The ``export`` of a backend no other tool's format holds: quantgate's own."""
+    return "quantgate", f"no other tool's format is known to hold {type(scheme).__name__} ({scheme.name})"
 
 
 HANDLERS: dict[type, Handler] = {}
 
 
 def handles(
-    scheme_class: type[Scheme], *, restore: Callable[..., nn.Module], assign: bool = False
+    scheme_class: type[Scheme],
+    *,
+    restore: Callable[..., nn.Module],
+    export: Callable[..., tuple[str, str]] = quantgate_format_only,
+    quantization_config: Callable[..., dict] | None = None,
+    assign: bool = False,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
-    """Register the decorated ``apply`` function, with ``restore``, as the handler of ``scheme_class``."""
+    """Register the decorated ``apply`` function as the handler of ``scheme_class``, the whole backend: with
+    ``restore`` (the structure of a saved model, without calibrating), ``export(model, scheme)`` -> ``(format,
+    why)``: the format :func:`quantgate.save` writes (one of quant/export.py's ``FORMATS``) and, for
+    ``quantgate``, why no other tool's holds it; ``quantization_config(model, scheme, kept_linears)``:
+    transformers' ``quantization_config`` for a ``torchao`` or ``bitsandbytes`` export; ``assign``: the saved
+    state replaces the parameters (tensor subclasses) instead of being copied in."""
 
     def register(apply: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        HANDLERS[scheme_class] = Handler(apply, restore, assign)
+        HANDLERS[scheme_class] = Handler(apply, restore, export, quantization_config, assign)
         return apply
 
     return register
@@ -415,7 +467,7 @@ class Option:
             assert isinstance(value, (int, float))  # a Range bounds an int or float option
             self.valid.check(scheme, key, value)
         elif self.valid is not None and value not in self.valid:
-            raise ValueError(f"{scheme}: {key} must be one of {', '.join(self.valid)}, got {value!r}")
+            raise InputError(f"{scheme}: {key} must be one of {', '.join(self.valid)}, got {value!r}")
 
     def read(self, holder: object) -> object:
         return getattr(holder, self.field)
@@ -653,7 +705,7 @@ def get_scheme(text: str | Scheme) -> Scheme:
         return text
     name, _, arg = str(text).strip().partition(":")
     if name not in SCHEMES:
-        raise ValueError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
+        raise InputError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
     scheme = SCHEMES[name]
     changes: dict[str | None, dict[str, Any]] = {None: {}, "weight": {}, "act": {}, "kv": {}}
     allowed = _allowed(scheme)
@@ -678,7 +730,7 @@ def refuse_unread(scheme: Scheme, keys: list[str]) -> None:
     for key in keys:
         if key in unread:
             value = printed(_options(scheme).get(key))
-            raise ValueError(f"{scheme.name}: {key}={value} does nothing here: {unread[key]}; leave it out")
+            raise InputError(f"{scheme.name}: {key}={value} does nothing here: {unread[key]}; leave it out")
 
 
 def _check_bits(scheme: Scheme, key: str, value: int) -> None:
@@ -687,7 +739,7 @@ def _check_bits(scheme: Scheme, key: str, value: int) -> None:
     fmt = getattr(scheme, where).format
     if fmt not in INT_BITS:
         kind = "a block-scaled format" if fmt in BLOCK else "a float format"
-        raise ValueError(
+        raise InputError(
             f"{scheme.name}: {key} sets the width of an integer format, but this scheme's "
             f"{OPTIONS[key].where}s are {fmt}, {kind} of fixed width (pick one by scheme name, or use "
             f"an INT scheme such as w8a8-int8-static:{key}={value})"

@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..errors import InputError, MissingFile
 from ..files import claim_output, json_kind, read_json, write_text_atomic
 from ..models.record import checked_record
 from ..plots import bar_panels
@@ -54,7 +55,7 @@ def collect_evals(paths: Iterable[str | Path]) -> list[dict]:
             continue
         files = [p] if p.is_file() else _run_files(p)
         if not files:
-            raise FileNotFoundError(
+            raise MissingFile(
                 f"{p} holds no eval.json, lm-eval results JSON or metrics.json (write one with quantgate eval "
                 f"... --out {p}, lm_eval --output_path {p}, or run a study)"
             )
@@ -109,7 +110,7 @@ def _file_record(f: Path) -> dict:
     if _lm_eval_shaped(data):
         _check_fields(data, f, ("config", "results"), "lm-eval's results JSON")
         return _lm_eval_record(data, f)
-    raise ValueError(
+    raise InputError(
         f"{f} is neither quantgate's eval.json (settings, results) nor lm-eval's results JSON (results, "
         f"configs, versions)"
     )
@@ -126,7 +127,7 @@ def _check_fields(data: dict, f: Path, fields: tuple[str, ...], kind: str) -> No
         value = data
         for part in wrong[0].split(".", 1):
             value = value[part]
-        raise ValueError(
+        raise InputError(
             f"cannot read {f}: its field {wrong[0]!r} is a JSON {json_kind(value)}, not an object, as {kind} "
             f"holds; {REWRITE}"
         )
@@ -363,14 +364,14 @@ def _read_jsonl(file: Path) -> list:
     try:
         lines = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {file}: {e}") from None
+        raise InputError(f"cannot read {file}: {e}") from None
     rows = []
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except ValueError as e:
-                raise ValueError(f"cannot read {file}: line {number} is not valid JSON (truncated?): {e}") from None
+                raise InputError(f"cannot read {file}: line {number} is not valid JSON (truncated?): {e}") from None
     return rows
 
 
@@ -462,7 +463,7 @@ def _references(records: list[dict], baseline: dict | None, force: bool = False)
         assert baseline is not None
         r, conflicts = refused[0]
         more = f" (and {len(refused) - 1} more run(s))" if len(refused) > 1 else ""
-        raise ValueError(
+        raise InputError(
             f"--baseline {baseline['path']} is no fit reference for {r['path']}{more}: {'; '.join(conflicts)}; "
             f"give its own float run as --baseline, or pass --force-baseline to pair them anyway (stated in "
             f"the table)"
@@ -500,7 +501,7 @@ def compare(
     reports is shown (the headline ones first). With ``out``, also compare.md, compare.csv (the change and its
     interval bounds as numbers) and compare.png there."""
     if force_baseline and baseline is None:
-        raise ValueError("--force-baseline applies to a --baseline: give one, or leave it out")
+        raise InputError("--force-baseline applies to a --baseline: give one, or leave it out")
     if out is not None:
         claim_output(out, "compare", mark=True)  # before reading the runs: empty, or a comparison quantgate wrote
     records = collect_evals(paths)
@@ -508,7 +509,7 @@ def compare(
     if baseline is not None:
         found = collect_evals([baseline])
         if len(found) != 1:
-            raise ValueError(
+            raise InputError(
                 f"--baseline {baseline} holds {len(found)} runs; name one run (an eval.json, an lm-eval results "
                 f"file, or a directory holding just one)"
             )
@@ -550,6 +551,17 @@ def compare(
                     + " kept per-document values"
                 )
         rows.append(row)
+    table = _markdown(rows, metrics, notes)
+    if out is not None:
+        out = Path(out)
+        write_text_atomic(out / "compare.md", table)
+        _write_csv(rows, metrics, out / "compare.csv")
+        _plot(rows, metrics, out / "compare.png")
+    return table
+
+
+def _markdown(rows: list[dict], metrics: list[str], notes: list[str]) -> str:
+    """compare.md: a row per run, each metric with its standard error and change, the legends and the notes."""
     columns = ["model", "variant", "seed", "scheme", "reference"] + [c for m in metrics for c in (m, f"{m} delta")]
     lines = table_head(columns)
     for row in rows:
@@ -565,11 +577,6 @@ def compare(
     table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + " " + PAIRING_LEGEND + "\n"
     if notes:
         table += "\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes)) + "\n"
-    if out is not None:
-        out = Path(out)
-        write_text_atomic(out / "compare.md", table)
-        _write_csv(rows, metrics, out / "compare.csv")
-        _plot(rows, metrics, out / "compare.png")
     return table
 
 

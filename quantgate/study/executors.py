@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InputError, MissingDependency, Unavailable
 from .grid import Cell, cell_dir
 from .records import CellRecord
 
@@ -52,7 +53,7 @@ RUN_ID = ".quantgate-run-id"  # the driver's token in the run directory: a worke
 RunCell = Callable[[Cell, Path], CellRecord]
 
 
-class StudyDirectoryNotShared(RuntimeError):
+class StudyDirectoryNotShared(Unavailable):
     """A Ray worker cannot see the study's run directory."""
 
 
@@ -69,9 +70,9 @@ def run_cells(
 ) -> list[CellRecord]:
     """Every cell's record, in the cells' order, each computed by ``run_cell(cell, its directory)``."""
     if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}; valid: {', '.join(EXECUTORS)}")
+        raise InputError(f"unknown executor {executor!r}; valid: {', '.join(EXECUTORS)}")
     if address is not None and executor != "ray":
-        raise ValueError(
+        raise InputError(
             f"an address ({address}) names a Ray cluster, and this study runs on the {executor} executor: add "
             "--executor ray (or executor: ray in the study file), or leave the address out"
         )
@@ -88,7 +89,7 @@ def _require_ray():
     try:
         import ray  # Ray is optional: imported where a study asks for it
     except ImportError as e:
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             f"the ray executor needs Ray (pip install 'ray>=2.60,<3', quantgate's ray extra): {e}"
         ) from None
     return ray
@@ -107,7 +108,7 @@ def check_reachable(address: str | None, timeout: float = PROBE_SECONDS) -> None
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as e:
         why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or str(e))
-        raise ValueError(
+        raise InputError(
             f"cannot reach the Ray cluster at {address}: {why} (tried for {timeout:g} s); start Ray there (ray start "
             f"--head), or give --address (or RAY_ADDRESS) the head node's host:port"
         ) from None
@@ -159,7 +160,7 @@ def _result(ray, ref, cell: Cell) -> CellRecord:
     except ray.exceptions.RayTaskError as e:
         raise e.as_instanceof_cause() from None
     except ray.exceptions.WorkerCrashedError:
-        raise RuntimeError(
+        raise Unavailable(
             f"{cell.id}: its Ray worker died {RETRIES + 1} times; run the study again: the steps it finished "
             f"are kept in the run directory"
         ) from None

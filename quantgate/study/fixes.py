@@ -12,10 +12,9 @@ read every activation), and the measured quantization time (calibration included
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from ..quant.schemes import SimulatedScheme, get_scheme
+from ..quant.schemes import get_scheme
 from ..stats import MIN_CLUSTERS, Delta, format_delta, paired_delta, table_head
 from .measures import ppl_key
 from .records import CellRecord
@@ -42,14 +41,13 @@ def range_kind(scheme: str) -> str:
 
 
 def _sink_tokens(scheme: str) -> int:
-    s = get_scheme(scheme)
-    return s.sink if isinstance(s, SimulatedScheme) else 0
+    return get_scheme(scheme).kv_sink
 
 
 def without_sink(scheme: str) -> str | None:
     """The scheme with its KV-cache sink tokens quantized too, or None where it keeps none."""
-    s = get_scheme(scheme)
-    return str(dataclasses.replace(s, sink=0)) if isinstance(s, SimulatedScheme) and s.sink else None
+    other = get_scheme(scheme).without_sink()
+    return None if other is None else str(other)
 
 
 def sink_effect(cell: CellRecord, base: str, kept: str) -> Delta | None:
@@ -166,29 +164,47 @@ def which_fix(
         by_model.setdefault(c.model, c)
     rows_of = {m: fix_rows(c, schemes, changes, within, m in low_precision) for m, c in by_model.items()}
     for model, c in by_model.items():
-        rows = rows_of[model]
         ref = changes.get((c.id, reference))
-        fixed = [r for r in rows if r.verdict == "fixed" and r.scheme != reference]
-        unresolved = [r for r in rows if r.verdict == "not resolved" and r.scheme != reference]
-        text = f"- **{model}** ({c.variant}): `{reference}` {format_delta(ref)}"
-        if ref is not None and not ref.decisive:
-            lines.append(f"{text}; no verdicts: {_why_no_interval(ref)}.")
-            continue
-        if verdict(ref, within, low_precision=model in low_precision) == "fixed":
-            text += f", already within +{within:.0%}: it needs no fix."
-        elif fixed:
-            text += (
-                f"; fixed by {len(fixed)} of {len(rows) - 1}, best first: "
-                + ", ".join(f"`{r.scheme}` {format_delta(r.delta)}" for r in fixed)
-                + "."
-            )
-        else:
-            text += f"; no scheme here brings it within +{within:.0%}."
-        if unresolved:
-            text += " Not resolved: " + ", ".join(f"`{r.scheme}` {format_delta(r.delta)}" for r in unresolved) + "."
-        lines.append(text)
+        lines.append(_model_line(model, c, rows_of[model], reference, ref, within, model in low_precision))
+    lines += _twin_lines(pairs, rows_of, within)
+    lines += _sink_lines(schemes, by_model)
+    order = [r.scheme for r in next(iter(rows_of.values()))]
+    order += [s for s in schemes if s not in order]
+    lines += _change_table(order, by_model, changes, within, low_precision)
+    lines += _cost_table(order, rows_of)
+    return [*lines, "", "Plot: study_fixes.png.", ""]
+
+
+def _model_line(
+    model: str, c: CellRecord, rows: list[FixRow], reference: str, ref: Delta | None, within: float, low_precision: bool
+) -> str:
+    """One model's verdicts: the reference's change, the schemes that fix it (best first), those not resolved."""
+    fixed = [r for r in rows if r.verdict == "fixed" and r.scheme != reference]
+    unresolved = [r for r in rows if r.verdict == "not resolved" and r.scheme != reference]
+    text = f"- **{model}** ({c.variant}): `{reference}` {format_delta(ref)}"
+    if ref is not None and not ref.decisive:
+        return f"{text}; no verdicts: {_why_no_interval(ref)}."
+    if verdict(ref, within, low_precision=low_precision) == "fixed":
+        text += f", already within +{within:.0%}: it needs no fix."
+    elif fixed:
+        text += (
+            f"; fixed by {len(fixed)} of {len(rows) - 1}, best first: "
+            + ", ".join(f"`{r.scheme}` {format_delta(r.delta)}" for r in fixed)
+            + "."
+        )
+    else:
+        text += f"; no scheme here brings it within +{within:.0%}."
+    if unresolved:
+        text += " Not resolved: " + ", ".join(f"`{r.scheme}` {format_delta(r.delta)}" for r in unresolved) + "."
+    return text
+
+
+def _twin_lines(pairs: list[list[str]], rows_of: dict[str, list[FixRow]], within: float) -> list[str]:
+    """Per pair of twins in the study: how many schemes keep each within the threshold, and those only the gated
+    twin's."""
+    lines = []
     for ungated, gated in pairs:
-        if ungated in by_model and gated in by_model:
+        if ungated in rows_of and gated in rows_of:
             fixed_u, fixed_g = ([r.scheme for r in rows_of[m] if r.verdict == "fixed"] for m in (ungated, gated))
             only_g = [s for s in fixed_g if s not in fixed_u]
             lines.append(
@@ -197,6 +213,12 @@ def which_fix(
                 + ("; only the gated twin: " + ", ".join(f"`{s}`" for s in only_g) if only_g else "")
                 + "."
             )
+    return lines
+
+
+def _sink_lines(schemes: list[str], by_model: dict[str, CellRecord]) -> list[str]:
+    """Per scheme that keeps KV-cache sink tokens, beside the same scheme without them: the paired change."""
+    lines = []
     for s in schemes:
         base = without_sink(s)
         if base is not None and base in schemes:
@@ -211,15 +233,19 @@ def which_fix(
                 + ", ".join(effects)
                 + "."
             )
-    head = ["scheme", "range kind", *by_model]
-    lines += [
+    return lines
+
+
+def _change_table(
+    order: list[str], by_model: dict[str, CellRecord], changes: Changes, within: float, low_precision: frozenset[str]
+) -> list[str]:
+    """The change of perplexity per scheme (rows, in ``order``) and model (columns), fixes marked."""
+    lines = [
         "",
         "Change of perplexity per model (rows: schemes, best on the first model first; ~: within noise):",
         "",
-        *table_head(head),
+        *table_head(["scheme", "range kind", *by_model]),
     ]
-    order = [r.scheme for r in next(iter(rows_of.values()))]
-    order += [s for s in schemes if s not in order]
     for s in order:
         cols = [
             format_delta(changes.get((c.id, s)))
@@ -231,11 +257,16 @@ def which_fix(
             for m, c in by_model.items()
         ]
         lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")
+    return lines
+
+
+def _cost_table(order: list[str], rows_of: dict[str, list[FixRow]]) -> list[str]:
+    """What each scheme costs per model: full-precision parameters, run-time operations, time to quantize."""
     head = [
         "scheme",
-        *[f"{m}: {x}" for m in by_model for x in ("extra full-precision params", "extra ops / token", "quantize s")],
+        *[f"{m}: {x}" for m in rows_of for x in ("extra full-precision params", "extra ops / token", "quantize s")],
     ]
-    lines += [
+    lines = [
         "",
         "Cost: parameters kept in (or added at) full precision, run-time operations per token that "
         "the mitigation adds (the online Hadamard transforms; static ranges add none, dynamic ones read "
@@ -247,7 +278,7 @@ def which_fix(
     costs = {m: {r.scheme: r for r in rows} for m, rows in rows_of.items()}
     for s in order:
         cols = []
-        for m in by_model:
+        for m in rows_of:
             r = costs[m].get(s)
             cols += (
                 ["-", "-", "-"]
@@ -255,4 +286,4 @@ def which_fix(
                 else [f"{r.params:,}", f"{r.ops:,}", "-" if r.seconds is None else f"{r.seconds:.1f}"]
             )
         lines.append("| " + " | ".join([f"`{s}`", *cols]) + " |")
-    return [*lines, "", "Plot: study_fixes.png.", ""]
+    return lines

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..data.corpus import document_keys
+from ..errors import InputError, MissingFile
 from ..files import json_kind, read_json, write_text_atomic
 from ..json_record import JsonRecord
 from ..measurements import CellObserve, CellSummary, LayerRow
@@ -212,7 +213,7 @@ class CellRecord:
     def summary(self) -> CellSummary:
         """observe's summary over the model (max activation, sink mass, gate mean, ...)."""
         if self.observe is None:
-            raise ValueError(f"cell {self.id} has no observe record: run its study again (its cached steps are reused)")
+            raise InputError(f"cell {self.id} has no observe record: run its study again (its cached steps are reused)")
         return self.observe.summary
 
     @property
@@ -228,7 +229,7 @@ class CellRecord:
     def directory(self) -> Path:
         """The cell's folder in its run (its step files, and ``train/`` for a model trained there)."""
         if self.run_dir is None:
-            raise ValueError(f"cell {self.id} was not read from a run directory (use read_metrics)")
+            raise InputError(f"cell {self.id} was not read from a run directory (use read_metrics)")
         return cell_dir(self.run_dir, self.model, self.id)
 
     def scheme(self, name: str) -> SchemeRecord:
@@ -282,18 +283,18 @@ def read_metrics(run_dir: str | Path) -> StudyRecord:
     reads through here; :meth:`StudyRecord.from_json` alone builds records from data in memory unchecked."""
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
+        raise MissingFile(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
     data = read_json(path, fix=_regenerate(run_dir, None))
     problem = _not_metrics(data)
     if problem is None:
         wrong = _wrong_numbers(data)  # a value out of range, or a headline its per-document values disagree with
         if wrong is not None:
-            raise ValueError(f"cannot read {path}: {wrong}; {_regenerate(run_dir, data)}")
+            raise InputError(f"cannot read {path}: {wrong}; {_regenerate(run_dir, data)}")
         try:
             return StudyRecord.from_json(data, Path(run_dir))
         except (TypeError, ValueError, AttributeError) as e:  # a field the records lack, or of another kind
             problem = str(e)
-    raise ValueError(f"cannot read {path}: not a study's metrics.json ({problem}); {_regenerate(run_dir, data)}")
+    raise InputError(f"cannot read {path}: not a study's metrics.json ({problem}); {_regenerate(run_dir, data)}")
 
 
 def _regenerate(run_dir: str | Path, data: Any) -> str:

@@ -568,34 +568,42 @@ def against_baseline(report: Report) -> str:
         )
     gaps = [(b, c) for c in cells if (b := base.get((c.model, c.seed))) is not None and c is not b]
     if gaps and schemes:
-        lines += [
-            "",
-            f"Paired against `{baseline}`: each scheme's change of the variant minus that of `{baseline}`, "
-            "both read on the same documents, with its paired 95% interval over them (the decision: "
-            f"negative and clear of 0, the variant loses less). {RATIO_NOTE}",
-            "",
-            *table_head(
-                [
-                    "model",
-                    "variant",
-                    "seed",
-                    "scheme",
-                    f"{baseline} change",
-                    "variant change",
-                    "paired difference",
-                    "reading",
-                ]
-            ),
-        ]
-        for b, c in gaps:
-            for s in schemes:
-                gap = change_gap(b, c, s)
-                own = [format_delta(changes.get((x.id, s))) for x in (b, c)]
-                lines.append(
-                    f"| {c.model} | {c.variant} | {c.seed} | {s} | {own[0]} | {own[1]} | {format_delta(gap)} | "
-                    f"{gap_reading(gap, 'the variant')} |"
-                )
+        lines += _paired_gaps(gaps, schemes, changes, baseline)
     return "\n".join(lines)
+
+
+def _paired_gaps(
+    gaps: list[tuple[CellRecord, CellRecord]], schemes: list[str], changes: Changes, baseline: str
+) -> list[str]:
+    """Each (baseline, variant) pair's quantized change of the variant minus the baseline's, per scheme, paired."""
+    lines = [
+        "",
+        f"Paired against `{baseline}`: each scheme's change of the variant minus that of `{baseline}`, "
+        "both read on the same documents, with its paired 95% interval over them (the decision: "
+        f"negative and clear of 0, the variant loses less). {RATIO_NOTE}",
+        "",
+        *table_head(
+            [
+                "model",
+                "variant",
+                "seed",
+                "scheme",
+                f"{baseline} change",
+                "variant change",
+                "paired difference",
+                "reading",
+            ]
+        ),
+    ]
+    for b, c in gaps:
+        for s in schemes:
+            gap = change_gap(b, c, s)
+            own = [format_delta(changes.get((x.id, s))) for x in (b, c)]
+            lines.append(
+                f"| {c.model} | {c.variant} | {c.seed} | {s} | {own[0]} | {own[1]} | {format_delta(gap)} | "
+                f"{gap_reading(gap, 'the variant')} |"
+            )
+    return lines
 
 
 def side_by_side(report: Report) -> str:

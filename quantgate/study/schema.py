@@ -9,13 +9,15 @@ import math
 import re
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from accelerate.utils import PrecisionType
 
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
 from ..data.synthetic import is_backcopy, task_options
+from ..errors import InputError
 from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
 from ..files import is_folder_name
 from ..models.families import family_of, get_family
@@ -38,7 +40,7 @@ DEFAULT_STUDY = Path(__file__).parents[1] / "studies" / "quickstart.yaml"  # the
 HUB_ID = r"[\w-][\w.-]*/[\w.-]+"  # owner/name
 
 
-class StudyError(ValueError):
+class StudyError(InputError):
     """A study file that cannot run; the message names the line and the valid choices."""
 
 
@@ -168,165 +170,32 @@ def load_study(path: str | Path) -> Study:
     path = Path(path)
     if not path.is_file():
         raise StudyError(f"no study file {path}; the default study is {DEFAULT_STUDY}")
-    data, lines = _compose(path)
-
-    def fail(where: tuple, message: str):
-        raise StudyError(f"{path}:{_line(lines, where)}: {message}")
-
-    def first(*paths: tuple) -> tuple:
-        """The first of ``paths`` the file sets: where a merged setting (model's, else study's) was written."""
-        return next((p for p in paths if p in lines), paths[-1])
-
-    def check_keys(obj, valid, where):
-        if not isinstance(obj, dict):
-            fail(where, f"expected a mapping with keys {', '.join(sorted(valid))}")
-        for key in obj:
-            if key not in valid:
-                fail((*where, key), f"unknown key {key!r}; valid: {', '.join(sorted(valid))}")
-
-    check_keys(data, TOP_KEYS, ())
-    _check_values(data, TOP_RULES, (), fail)
+    r = _Reader(path)
+    data = r.data
+    r.check_keys(data, TOP_KEYS, ())
+    _check_values(data, TOP_RULES, (), r.fail)
     if not data.get("models"):
-        fail(("models",), "a study needs a non-empty 'models' list")
+        r.fail(("models",), "a study needs a non-empty 'models' list")
     sections = {}
     for sec, defaults in SECTION_KEYS.items():
         given = data.get(sec) or {}
-        check_keys(given, set(SECTION_RULES[sec]), (sec,))
-        _check_values(given, SECTION_RULES[sec], (sec,), fail)
+        r.check_keys(given, set(SECTION_RULES[sec]), (sec,))
+        _check_values(given, SECTION_RULES[sec], (sec,), r.fail)
         sections[sec] = {**defaults, **given}
-    _check_limit(sections["eval"], ("eval",), fail)
+    _check_limit(sections["eval"], ("eval",), r.fail)
     seed = data.get("seed", 0)
-    top_variants = data.get("variants") or ["vanilla"]
-    top_schemes = data.get("schemes") or []
-    models = []
-    for i, m in enumerate(data["models"]):
-        where = ("models", i)
-        check_keys(m, MODEL_KEYS, where)
-        _check_values(m, MODEL_RULES, where, fail)
-        if ("preset" in m) == ("load" in m):
-            fail(where, "each model needs exactly one of 'preset' (built from config) or 'load' (a checkpoint)")
-        if "preset" in m and m["preset"] not in PRESETS:
-            fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
-        config, family = _model_config(m, where, fail)
-        objective = family.objective if family else None
-
-        train = m.get("train")
-        if train is not None:
-            at: tuple = (*where, "train")
-            check_keys(train, TRAIN_KEYS, at)
-            _check_values(train, TRAIN_RULES, at, fail)
-            _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), fail)
-            try:
-                TrainConfig(**train).resolved(family.name if family else "opt")  # unknown yet: a recipe to check with
-            except ValueError as e:  # the trainer's own check of the schedule
-                fail((*at, "schedule"), str(e))
-            for key in ("data", "eval_data"):
-                if train.get(key) is not None:
-                    _check_source(train[key], (*at, key), fail, objective)
-            _check_seq_len(
-                family, config, "train", train.get("seq_len", TrainConfig.seq_len), first((*at, "seq_len"), at), fail
-            )
-        if m.get("placement") is not None:
-            check_keys(m["placement"], {f.name for f in dataclasses.fields(Placement)}, (*where, "placement"))
-            _check_placement(m, (*where, "placement"), fail)
-        variants = m.get("variants", top_variants)
-        for j, v in enumerate(variants):
-            at = (*where, "variants", j) if "variants" in m else first(("variants", j), where)
-            try:
-                variant = AttentionVariant.parse(v)
-            except ValueError as e:
-                fail(at, str(e))
-            try:
-                _check_variant(variant, family, config, loaded="load" in m)
-            except ValueError as e:
-                fail(at, f"variant {v!r}: {e}")
-        for sec in ("eval", "observe", "calibration"):
-            check_keys(m.get(sec) or {}, set(SECTION_RULES[sec]), (*where, sec))
-            _check_values(m.get(sec) or {}, SECTION_RULES[sec], (*where, sec), fail)
-        ev = {**sections["eval"], **(m.get("eval") or {})}
-        _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), fail)
-        if "limit" in (m.get("eval") or {}):
-            _check_limit(ev, (*where, "eval"), fail)
-        schemes = []
-        for j, s in enumerate(m.get("schemes", top_schemes)):
-            at = (*where, "schemes", j) if "schemes" in m else ("schemes", j)
-            entry = s if isinstance(s, dict) else {"scheme": s}
-            check_keys(entry, {"scheme", "tasks", *OPTIONS}, at)
-            try:
-                names = expand_scheme(entry)
-            except ValueError as e:
-                fail(at, str(e))
-            tasks = entry.get("tasks")
-            if tasks is not None and not set(tasks) <= set(ev["tasks"]):
-                fail(
-                    (*at, "tasks"),
-                    f"a scheme evaluates a subset of the model's tasks ({', '.join(ev['tasks'])}), "
-                    f"so that its numbers compare with the float model's; got {tasks}",
-                )
-            schemes += [{"scheme": name, "tasks": tasks} for name in names]
-        ob = {**sections["observe"], **(m.get("observe") or {})}
-        if ob["sink_tokens"] >= ob["seq_len"]:
-            fail(
-                first((*where, "observe", "sink_tokens"), ("observe", "sink_tokens"), where),
-                f"sink_tokens ({ob['sink_tokens']}) must be fewer than observe's seq_len ({ob['seq_len']})",
-            )
-        cal = {**sections["calibration"], **(m.get("calibration") or {})}
-        for sec, cfg in (("observe", ob), ("calibration", cal)):
-            _check_source(cfg["data"], first((*where, sec, "data"), (sec, "data"), where), fail, objective)
-            _check_seq_len(
-                family, config, sec, cfg["seq_len"], first((*where, sec, "seq_len"), (sec, "seq_len"), where), fail
-            )
-        name = str(m.get("name") or m.get("preset") or m.get("load"))
-        source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
-        seeds = list(m.get("seeds") or [seed])
-        settings = EvalSettings(**ev), ObserveSettings(**ob), DataSettings(**cal)
-        models.append(
-            ModelSpec(
-                name,
-                source,
-                train,
-                list(variants),
-                list(schemes),
-                settings[0],
-                settings[1],
-                seeds,
-                settings[2],
-                m.get("dtype") if m.get("dtype") != "float32" else None,
-                m.get("resources"),
-                m.get("placement"),
-            )
-        )
-    calibration = DataSettings(**sections["calibration"])
+    models = [r.model(i, m, sections, seed) for i, m in enumerate(data["models"])]
     study = Study(
         data.get("name") or path.stem,
         data.get("description", ""),
         models,
-        calibration,
+        DataSettings(**sections["calibration"]),
         sections["report"],
         executor=data.get("executor", "serial"),
         out=path.parent / data["out"] if "out" in data else None,
     )
-    _check_folders(study, lines, fail)
-    names = [m.name for m in models]
-    for i, pair in enumerate(sections["report"].get("pairs") or []):
-        for name in pair:
-            if name not in names:
-                fail(
-                    ("report", "pairs", i),
-                    f"pair {pair} names {name!r}, not a model of this study; models: {', '.join(names)}",
-                )
-    baseline = sections["report"].get("baseline")
-    if baseline is not None and not any(baseline in m.variants for m in models):
-        fail(
-            ("report", "baseline"),
-            f"baseline {baseline!r} is not a variant of any model; variants: "
-            f"{', '.join(sorted({v for m in models for v in m.variants}))}",
-        )
-    fixes = sections["report"].get("fixes")
-    if fixes is not None:
-        _check_fixes(
-            fixes, {e["scheme"] for m in models for e in m.schemes}, lambda msg: fail(("report", "fixes"), msg)
-        )
+    _check_folders(study, r.lines, r.fail)
+    r.check_report(sections["report"], models)
     default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
     study.raw = {
         "name": study.name,
@@ -337,6 +206,157 @@ def load_study(path: str | Path) -> Study:
         **{k: sections[k] for k in ("calibration", "report")},
     }
     return study
+
+
+class _Reader:
+    """A study file being read: its data, the YAML line of each key path, and the checks that name that line
+    (:meth:`fail` raises StudyError ``FILE:LINE: message``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data, self.lines = _compose(path)
+
+    def fail(self, where: tuple, message: str) -> NoReturn:
+        raise StudyError(f"{self.path}:{_line(self.lines, where)}: {message}")
+
+    def first(self, *paths: tuple) -> tuple:
+        """The first of ``paths`` the file sets: where a merged setting (model's, else study's) was written."""
+        return next((p for p in paths if p in self.lines), paths[-1])
+
+    def check_keys(self, obj: Any, valid: Iterable[str], where: tuple) -> None:
+        if not isinstance(obj, dict):
+            self.fail(where, f"expected a mapping with keys {', '.join(sorted(valid))}")
+        for key in obj:
+            if key not in valid:
+                self.fail((*where, key), f"unknown key {key!r}; valid: {', '.join(sorted(valid))}")
+
+    def model(self, i: int, m: Any, sections: dict[str, dict], seed: int) -> ModelSpec:
+        """The ``models`` entry ``i``, checked section by section, with the study's sections merged in."""
+        where = ("models", i)
+        self.check_keys(m, MODEL_KEYS, where)
+        _check_values(m, MODEL_RULES, where, self.fail)
+        if ("preset" in m) == ("load" in m):
+            self.fail(where, "each model needs exactly one of 'preset' (built from config) or 'load' (a checkpoint)")
+        if "preset" in m and m["preset"] not in PRESETS:
+            self.fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
+        config, family = _model_config(m, where, self.fail)
+        train = m.get("train")
+        if train is not None:
+            self.train(train, (*where, "train"), config, family)
+        if m.get("placement") is not None:
+            self.check_keys(m["placement"], {f.name for f in dataclasses.fields(Placement)}, (*where, "placement"))
+            _check_placement(m, (*where, "placement"), self.fail)
+        variants = m.get("variants", self.data.get("variants") or ["vanilla"])
+        self.variants(variants, m, where, config, family)
+        for sec in ("eval", "observe", "calibration"):
+            self.check_keys(m.get(sec) or {}, set(SECTION_RULES[sec]), (*where, sec))
+            _check_values(m.get(sec) or {}, SECTION_RULES[sec], (*where, sec), self.fail)
+        ev = {**sections["eval"], **(m.get("eval") or {})}
+        _check_tasks(ev["tasks"], (*where, "eval") if "eval" in m else ("eval", "tasks"), self.fail)
+        if "limit" in (m.get("eval") or {}):
+            _check_limit(ev, (*where, "eval"), self.fail)
+        schemes = self.schemes(m, where, ev["tasks"])
+        ob = {**sections["observe"], **(m.get("observe") or {})}
+        if ob["sink_tokens"] >= ob["seq_len"]:
+            self.fail(
+                self.first((*where, "observe", "sink_tokens"), ("observe", "sink_tokens"), where),
+                f"sink_tokens ({ob['sink_tokens']}) must be fewer than observe's seq_len ({ob['seq_len']})",
+            )
+        cal = {**sections["calibration"], **(m.get("calibration") or {})}
+        objective = family.objective if family else None
+        for sec, cfg in (("observe", ob), ("calibration", cal)):
+            _check_source(cfg["data"], self.first((*where, sec, "data"), (sec, "data"), where), self.fail, objective)
+            at = self.first((*where, sec, "seq_len"), (sec, "seq_len"), where)
+            _check_seq_len(family, config, sec, cfg["seq_len"], at, self.fail)
+        name = str(m.get("name") or m.get("preset") or m.get("load"))
+        source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
+        return ModelSpec(
+            name,
+            source,
+            train,
+            list(variants),
+            list(schemes),
+            EvalSettings(**ev),
+            ObserveSettings(**ob),
+            list(m.get("seeds") or [seed]),
+            DataSettings(**cal),
+            m.get("dtype") if m.get("dtype") != "float32" else None,
+            m.get("resources"),
+            m.get("placement"),
+        )
+
+    def train(self, train: Any, at: tuple, config: Any, family: Any) -> None:
+        """A model's ``train`` section: its keys and values, the trainer's own checks, its data sources."""
+        self.check_keys(train, TRAIN_KEYS, at)
+        _check_values(train, TRAIN_RULES, at, self.fail)
+        _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), self.fail)
+        try:
+            TrainConfig(**train).resolved(family.name if family else "opt")  # unknown yet: a recipe to check with
+        except ValueError as e:  # the trainer's own check of the schedule
+            self.fail((*at, "schedule"), str(e))
+        objective = family.objective if family else None
+        for key in ("data", "eval_data"):
+            if train.get(key) is not None:
+                _check_source(train[key], (*at, key), self.fail, objective)
+        seq_len = train.get("seq_len", TrainConfig.seq_len)
+        _check_seq_len(family, config, "train", seq_len, self.first((*at, "seq_len"), at), self.fail)
+
+    def variants(self, variants: list, m: Any, where: tuple, config: Any, family: Any) -> None:
+        """Each variant of a model parses and fits its family (a loaded model: a gate it can take)."""
+        for j, v in enumerate(variants):
+            at = (*where, "variants", j) if "variants" in m else self.first(("variants", j), where)
+            try:
+                variant = AttentionVariant.parse(v)
+            except ValueError as e:
+                self.fail(at, str(e))
+            try:
+                _check_variant(variant, family, config, loaded="load" in m)
+            except ValueError as e:
+                self.fail(at, f"variant {v!r}: {e}")
+
+    def schemes(self, m: Any, where: tuple, model_tasks: list[str]) -> list[dict]:
+        """A model's scheme entries (its own, else the study's), each expanded (bit sweeps) with its tasks, a
+        subset of the model's."""
+        schemes = []
+        for j, s in enumerate(m.get("schemes", self.data.get("schemes") or [])):
+            at = (*where, "schemes", j) if "schemes" in m else ("schemes", j)
+            entry = s if isinstance(s, dict) else {"scheme": s}
+            self.check_keys(entry, {"scheme", "tasks", *OPTIONS}, at)
+            try:
+                names = expand_scheme(entry)
+            except ValueError as e:
+                self.fail(at, str(e))
+            tasks = entry.get("tasks")
+            if tasks is not None and not set(tasks) <= set(model_tasks):
+                self.fail(
+                    (*at, "tasks"),
+                    f"a scheme evaluates a subset of the model's tasks ({', '.join(model_tasks)}), "
+                    f"so that its numbers compare with the float model's; got {tasks}",
+                )
+            schemes += [{"scheme": name, "tasks": tasks} for name in names]
+        return schemes
+
+    def check_report(self, report: dict, models: list[ModelSpec]) -> None:
+        """The report section names models, a baseline variant and fixes the study has."""
+        names = [m.name for m in models]
+        for i, pair in enumerate(report.get("pairs") or []):
+            for name in pair:
+                if name not in names:
+                    self.fail(
+                        ("report", "pairs", i),
+                        f"pair {pair} names {name!r}, not a model of this study; models: {', '.join(names)}",
+                    )
+        baseline = report.get("baseline")
+        if baseline is not None and not any(baseline in m.variants for m in models):
+            self.fail(
+                ("report", "baseline"),
+                f"baseline {baseline!r} is not a variant of any model; variants: "
+                f"{', '.join(sorted({v for m in models for v in m.variants}))}",
+            )
+        fixes = report.get("fixes")
+        if fixes is not None:
+            schemes = {e["scheme"] for m in models for e in m.schemes}
+            _check_fixes(fixes, schemes, lambda msg: self.fail(("report", "fixes"), msg))
 
 
 def _check_fixes(fixes: dict, schemes: set[str], fail) -> None:

@@ -28,15 +28,18 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import load
 from ..data import batches
 from ..data.batches import cache_dir, source_sha256
+from ..errors import InputError
 from ..evaluate import check_limit_per_process, evaluate
 from ..files import claim_output, content_sha256, folder_name, read_json, write_text_atomic
 from ..measurements import CellObserve
@@ -141,7 +144,7 @@ def plan(path: str | Path, processes: int = 1, executor: str | None = None, smok
     study file's; the study shrunk as ``smoke`` runs it), as :func:`run_study` would once they started."""
     study = load_study(path)
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"--processes must be a whole number >= 1, got {processes!r}")
+        raise InputError(f"--processes must be a whole number >= 1, got {processes!r}")
     if processes > 1:
         _check_data_parallel(shrink(study) if smoke else study, executor or study.executor, processes)
     lines = [
@@ -215,13 +218,13 @@ def _check_data_parallel(study: Study, executor: str, processes: int | None = No
     """Refuse what a data-parallel study cannot split: cells on Ray, training, and (given the number of
     ``processes``) an evaluation limit of fewer documents than processes."""
     if executor != "serial":
-        raise ValueError(
+        raise InputError(
             f"a data-parallel study runs its cells in the processes it was started in; the {executor} executor "
             f"runs them elsewhere: leave out --processes, or the executor"
         )
     trained = [m.name for m in study.models if m.train is not None]
     if trained:
-        raise ValueError(
+        raise InputError(
             f"a data-parallel study splits evaluation, not training, and {', '.join(trained)} train(s) here: run "
             f"the study in one process, or train with accelerate launch -m quantgate.cli train and load: the model"
         )
@@ -233,74 +236,88 @@ def _check_data_parallel(study: Study, executor: str, processes: int | None = No
             check_limit_per_process(one, processes, [task], f"{m.name}'s eval limit", f" (--processes {processes})")
 
 
-def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
-    m, seed = cell.model, cell.seed
-    dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
-    model_key = _key("model", m.source, cell.variant, m.train, seed, *_content_keys(m), *dtype)
-    state: dict[str, Any] = {"model": None, "tokenizer": None}
-    seconds = 0.0
+class _CellRun:
+    """One cell's run: its model, loaded at first use (a step found done needs none), and its steps, each read
+    from ``cdir``/NAME.json where its key matches, else computed and written there."""
 
-    def model():
-        if state["model"] is None:
-            made, tok = _materialise(m, cell, cdir, seed, model_key)
+    def __init__(self, cell: Cell, cdir: Path) -> None:
+        self.cell, self.cdir, self.spec = cell, cdir, cell.model
+        m = cell.model
+        dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
+        self.model_key = _key("model", m.source, cell.variant, m.train, cell.seed, *_content_keys(m), *dtype)
+        self._model: nn.Module | None = None
+        self._tokenizer: Any = None
+        self.seconds = 0.0
+
+    def model(self) -> nn.Module:
+        if self._model is None:
+            m = self.spec
+            made, tok = _materialise(m, self.cell, self.cdir, self.cell.seed, self.model_key)
             if m.placement is None and (device := _cell_device()) is not None:  # a placed model is where it is
                 made = made.to(device)
-            state["model"], state["tokenizer"] = made, tok
-        return state["model"]
+            self._model, self._tokenizer = made, tok
+        return self._model
 
-    def tokenizer():
-        model()
-        return state["tokenizer"]
+    def tokenizer(self) -> Any:
+        self.model()
+        return self._tokenizer
 
-    def to_quantize():
+    def to_quantize(self) -> nn.Module:
         """The float model for a scheme: a placed one is quantized in place, so the next use loads it afresh."""
-        taken = model()
-        if m.placement is not None:
-            state["model"] = None
+        taken = self.model()
+        if self.spec.placement is not None:
+            self._model = None
         return taken
 
-    def step(name: str, key: str, compute, needs: tuple[str, ...] = ()):
-        nonlocal seconds
-        path = cdir / f"{name}.json"
+    def step(self, name: str, key: str, compute: Callable[..., dict], needs: tuple[str, ...] = ()) -> dict:
+        path = self.cdir / f"{name}.json"
         version = STEP_FORMATS[step_kind(name)]
         key = key if version == 1 else _key(key, "format", version)
         done = from_first(_done(path, key, needs) if is_first() else None)  # rank 0 reads; every rank gets it
         if done is not None:
-            seconds += done.get("seconds", 0.0)
+            self.seconds += done.get("seconds", 0.0)
             return done
-        log.info("  %s: %s", cell.id, name)
+        log.info("  %s: %s", self.cell.id, name)
         t0 = time.perf_counter()
         result = {"key": key, **compute()}
         result["seconds"] = round(time.perf_counter() - t0, 2)
-        seconds += result["seconds"]
+        self.seconds += result["seconds"]
         if is_first():
             _write_json(path, {**result, "format": version})
         return result
 
-    trained = step("model", model_key, lambda: _train_summary(model, cdir))
+
+def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
+    run, m, seed = _CellRun(cell, cdir), cell.model, cell.seed
+    model_key = run.model_key
+    trained = run.step("model", model_key, lambda: _train_summary(run.model, cdir))
     ob_cfg = m.observe
-    observed = step(
+    observed = run.step(
         "observe",
         _key(model_key, ob_cfg.as_dict(), *_data_keys(ob_cfg.data)),
-        lambda: _observe(model(), tokenizer(), ob_cfg, cdir),
+        lambda: _observe(run.model(), run.tokenizer(), ob_cfg, cdir),
         needs=("observe",),
     )
     ev_cfg = _eval_settings(m)
-    float_eval = step(
+    float_eval = run.step(
         "eval-float",
         _key(model_key, ev_cfg.as_dict(), EVAL_FORMAT),
-        lambda: _evaluate(model(), tokenizer(), ev_cfg),
+        lambda: _evaluate(run.model(), run.tokenizer(), ev_cfg),
         needs=("results", "documents"),
     )
-    cost = step("cost", model_key, lambda: gate_cost(model()).to_json(), needs=("gate_params", "gate_flops_per_token"))
+    cost = run.step(
+        "cost", model_key, lambda: gate_cost(run.model()).to_json(), needs=("gate_params", "gate_flops_per_token")
+    )
     schemes = {}
     data = _data_keys(m.calibration.data, m.observe.data)
     for entry in m.schemes:
         scheme = entry["scheme"]
         cfg = dataclasses.replace(ev_cfg, tasks=entry["tasks"] or ev_cfg.tasks)
         key = _key(model_key, scheme, m.calibration.as_dict(), cfg.as_dict(), m.observe.as_dict(), EVAL_FORMAT, *data)
-        schemes[scheme] = step(
-            f"scheme-{slug(scheme)}", key, lambda s=scheme, c=cfg: _quantized(to_quantize(), tokenizer(), s, c, m, seed)
+        schemes[scheme] = run.step(
+            f"scheme-{slug(scheme)}",
+            key,
+            lambda s=scheme, c=cfg: _quantized(run.to_quantize(), run.tokenizer(), s, c, m, seed),
         )
     return CellRecord(
         id=cell.id,
@@ -314,7 +331,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
         float_results=float_eval["results"],
         float_documents=float_eval["documents"],
         schemes={k: SchemeRecord.from_json(v) for k, v in schemes.items()},
-        seconds=round(seconds, 1),
+        seconds=round(run.seconds, 1),
     )
 
 

@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from ..errors import InputError, MissingFile
 from ..files import json_kind, publish_folder, read_json, short_repr, temporary_folder, write_failure
 from ..models.families import config_of, family_of
 from ..models.swap import variant_of
@@ -108,19 +109,19 @@ def _whole_weights(run: Run) -> dict[str, torch.Tensor]:
 def check_checkpointable(acc: Accelerator, data: Iterable[Batch]) -> None:
     """Before any work: refuse checkpoints this trainer cannot write or resume correctly."""
     if acc.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        raise ValueError(
+        raise InputError(
             f"checkpoints (checkpoint_every, stop_after, resume) are not supported under "
             f"{acc.distributed_type.value}: its sharded state has no pickle-free format here; use "
             f"DDP or FSDP version 2 (accelerate configs), or train without checkpoints"
         )
     if acc.distributed_type == DistributedType.FSDP and not acc.is_fsdp2:
-        raise ValueError(
+        raise InputError(
             "checkpoints (checkpoint_every, stop_after, resume) need FSDP version 2 (fsdp_version: 2 in the "
             "accelerate config): version 1's flattened parameters do not map to the checkpoint's per-parameter "
             "optimizer state"
         )
     if not (hasattr(data, "state_dict") and hasattr(data, "load_state_dict")):
-        raise ValueError(
+        raise InputError(
             f"checkpoints (checkpoint_every, stop_after, resume) need data that can resume: "
             f"{type(data).__name__} has no state_dict/load_state_dict; pass quantgate.data.batches "
             f"(or an object with both), or train without checkpoints"
@@ -138,7 +139,7 @@ def write_checkpoint(run: Run, path: Path, identity: dict, c: TrainConfig) -> No
     except (OSError, SafetensorError) as e:
         shutil.rmtree(temporary_folder(path), ignore_errors=True)
         kept = sorted(p.name for p in path.parent.glob("step-*") if p.is_dir())
-        raise ValueError(
+        raise InputError(
             f"cannot write the checkpoint {path}: {write_failure(e)}; "
             + (f"the earlier ones are kept ({', '.join(kept)}): " if kept else "")
             + "free space (or choose a writable --out) and continue with --resume"
@@ -219,7 +220,7 @@ def newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
         except ValueError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
             skipped.append(f"{path.name}: {e}")
-    raise FileNotFoundError(
+    raise MissingFile(
         f"nothing to resume: no complete checkpoint under {out}/checkpoints (train with "
         f"checkpoint_every > 0 first, or drop --resume)" + (f"; skipped {'; '.join(skipped)}" if skipped else "")
     )
@@ -253,31 +254,31 @@ def _read_trainer(path: Path) -> dict:
     ValueError saying why ``path`` is not a complete checkpoint, naming the file and field."""
     file = path / TRAINER_FILE
     if not file.is_file():
-        raise ValueError(f"it has no {TRAINER_FILE} (its write was interrupted)")
+        raise InputError(f"it has no {TRAINER_FILE} (its write was interrupted)")
     saved = read_json(file, limit=TRAINER_LIMIT)
     if saved.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError("it is in an older format (accelerate's pickled state), which quantgate does not load")
+        raise InputError("it is in an older format (accelerate's pickled state), which quantgate does not load")
     for name, (kind, valid) in TRAINER_FIELDS.items():
         value: object = saved
         for part in name.split("."):
             value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
         if value is _MISSING:
-            raise ValueError(f"{file} lacks {name}")
+            raise InputError(f"{file} lacks {name}")
         exact = not isinstance(value, bool) or kind is bool
         if not (exact and isinstance(value, kind) and in_range(value, valid)):
             wants = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
-            raise ValueError(
+            raise InputError(
                 f"{file}: {name} must be a JSON {wants}{f', {valid[1]}' if valid else ''}; got {short_repr(value)}"
             )
     if "model_config" in saved and not isinstance(saved["model_config"], dict):
-        raise ValueError(f"{file}: model_config must be a JSON object; got {short_repr(saved['model_config'])}")
+        raise InputError(f"{file}: model_config must be a JSON object; got {short_repr(saved['model_config'])}")
     missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (path / f).is_file()]
     if missing:
-        raise ValueError(f"it lacks {', '.join(missing)}")
+        raise InputError(f"it lacks {', '.join(missing)}")
     world = saved["world_size"]
     ranks = {p.name for p in path.glob("rng-*.safetensors")}
     if world > len(ranks) or not all(f"rng-{r}.safetensors" in ranks for r in range(world)):
-        raise ValueError(
+        raise InputError(
             f"{file}: world_size is {world}, but the checkpoint holds the RNG states of "
             f"{sum(f'rng-{r}.safetensors' in ranks for r in range(min(world, len(ranks))))} processes "
             f"(rng-<rank>.safetensors, one per process)"

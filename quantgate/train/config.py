@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..data import batches as text_batches
 from ..data.batches import Resumable
+from ..errors import InputError
 from ..models.families import is_norm
 from ..models.swap import gate_parameters
 from ..options import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, check_range
@@ -87,7 +88,7 @@ class TrainConfig:
         for key, valid in TRAIN_RANGES.items():
             check_range(name(key), getattr(self, key), valid)
         if self.resume and self.overwrite:
-            raise ValueError(
+            raise InputError(
                 f"{name('resume')} continues the run in {name('out')} and {name('overwrite')} removes it: give one"
             )
         return self
@@ -96,7 +97,7 @@ class TrainConfig:
         self.check()
         unset = [k for k in ("lr", "betas", "weight_decay", "schedule") if getattr(self, k) is None]
         if family not in FAMILY_DEFAULTS and unset:
-            raise ValueError(
+            raise InputError(
                 f"family {family!r} has no training recipe in FAMILY_DEFAULTS: give {', '.join(unset)} "
                 f"(or add the family's recipe to quantgate.train.FAMILY_DEFAULTS)"
             )
@@ -108,7 +109,7 @@ class TrainConfig:
         c.weight_decay = self.weight_decay if self.weight_decay is not None else d["weight_decay"]
         c.schedule = self.schedule or d["schedule"]
         if c.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"unknown schedule {c.schedule!r}; valid: cosine, linear, constant")
+            raise InputError(f"unknown schedule {c.schedule!r}; valid: cosine, linear, constant")
         return c
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.utils import is_tensorboard_available
 
+from ..errors import InputError
 from ..files import write_text_atomic
 from .config import TrainConfig
 
@@ -24,11 +25,11 @@ def check_tracker(log_with: str | None, out: Path | None) -> None:
     if log_with is None:
         return
     if log_with not in TRACKERS:
-        raise ValueError(f"unknown log_with {log_with!r}; valid: {', '.join(TRACKERS)}")
+        raise InputError(f"unknown log_with {log_with!r}; valid: {', '.join(TRACKERS)}")
     if out is None:
-        raise ValueError(f"log_with={log_with} writes into the run directory: give out (--out)")
+        raise InputError(f"log_with={log_with} writes into the run directory: give out (--out)")
     if not TRACKERS[log_with]():
-        raise ValueError(f"log_with={log_with} needs the {log_with} package: pip install {log_with}")
+        raise InputError(f"log_with={log_with} needs the {log_with} package: pip install {log_with}")
 
 
 class JsonLog:

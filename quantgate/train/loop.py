@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ..data.synthetic import is_backcopy
+from ..errors import InputError, Unavailable
 from ..models.families import config_of, family_of
 from ..models.modes import eval_mode
 from ..models.record import set_record
@@ -35,7 +36,7 @@ from .resume import resume
 from .rundir import check_fresh, claim_run_dir, remove_leftovers, save_model
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(Unavailable):
     """The loss or the gradient norm became NaN/inf; the last finite weights were saved (see :func:`train`)."""
 
 
@@ -89,7 +90,7 @@ def _check_float(model: nn.Module) -> None:
     record = quantization_of(model)
     if record is not None:
         source = record.get("source_model")
-        raise ValueError(
+        raise InputError(
             f"this model is quantized ({record['scheme']}); training would update rounded weights and keep a "
             f"quantization record that no longer describes them: train the float model"
             f"{f' it was made from ({source})' if source else ''} and quantize the result"
@@ -106,17 +107,10 @@ def _train(
 ) -> nn.Module:
     family = family_of(model)
     set_seed(c.seed)
-    world, rank = acc.num_processes, acc.process_index
+    world = acc.num_processes
     data = data if data is not None else make_data(c, tokenizer, family.objective, world)
-    if out is not None and (c.checkpoint_every or c.stop_after or c.resume):
-        check_checkpointable(acc, data)
     if out is not None:
-        claim_run_dir(out)  # on every process, before anything there changes
-    if out is not None and not c.resume:
-        check_fresh(acc, out, c.overwrite, getattr(config_of(model), "_name_or_path", ""))
-    if out is not None and acc.is_main_process:
-        claim_run_dir(out, mark=True)
-        remove_leftovers(out)
+        _claim(acc, out, c, model, data)
     identity = model_identity(model)
     assert c.lr is not None and c.betas is not None, "train() passes the config resolved()"
     opt = torch.optim.AdamW(param_groups(model, c), lr=c.lr, betas=c.betas)
@@ -144,34 +138,7 @@ def _train(
         t_last, tok_last = time.perf_counter(), run.tokens
         stop = min(c.steps, c.stop_after or c.steps)
         while run.step < stop:
-            loss_sum = 0.0
-            for _ in range(c.grad_accum):
-                batch = _shard(next(it), rank, world, acc.device)
-                with acc.accumulate(model):
-                    loss = family.masked_lm_loss(raw, batch) if mlm_single else model(**batch).loss
-                    if not _finite_everywhere(acc, loss):
-                        _diverged(
-                            run,
-                            out,
-                            f"the loss became non-finite at step {run.step + 1}{_first_nonfinite_block(raw, batch)}",
-                        )
-                    acc.backward(loss)
-                    grad_norm = None
-                    if acc.sync_gradients:
-                        grad_norm = acc.clip_grad_norm_(model.parameters(), c.max_grad_norm)
-                        if acc.scaler is None and not torch.isfinite(grad_norm):
-                            _diverged(
-                                run,
-                                out,
-                                f"the gradient norm became non-finite at step {run.step + 1} (its "
-                                f"loss was finite: the backward pass overflowed)",
-                            )
-                    opt.step()  # accelerate skips it until the last micro-step of the accumulation
-                    if acc.sync_gradients:
-                        sched.step()
-                    opt.zero_grad(set_to_none=True)
-                loss_sum += float(loss.detach())
-                run.tokens += int(batch["attention_mask"].sum()) * world
+            loss_sum, grad_norm = _optimizer_step(run, model, it, c, out, mlm_single)
             run.step += 1
             bar.update(1)
             step = run.step
@@ -208,6 +175,56 @@ def _train(
     return acc.unwrap_model(model, keep_fp32_wrapper=False)
 
 
+def _claim(acc: Accelerator, out: Path, c: TrainConfig, model: nn.Module, data: Iterable[Batch]) -> None:
+    """Check and claim the run directory ``out`` before anything there changes: checkpointable data where the
+    run writes or reads checkpoints, a fresh folder unless resuming; the main process marks it as a run's."""
+    if c.checkpoint_every or c.stop_after or c.resume:
+        check_checkpointable(acc, data)
+    claim_run_dir(out)  # on every process, before anything there changes
+    if not c.resume:
+        check_fresh(acc, out, c.overwrite, getattr(config_of(model), "_name_or_path", ""))
+    if acc.is_main_process:
+        claim_run_dir(out, mark=True)
+        remove_leftovers(out)
+
+
+def _optimizer_step(
+    run: Run, model: nn.Module, it: Iterator[Batch], c: TrainConfig, out: Path | None, mlm_single: bool
+) -> tuple[float, torch.Tensor | None]:
+    """One optimizer step of ``c.grad_accum`` micro-batches from ``it``: (the micro-batches' summed loss, the
+    clipped gradient norm). A non-finite loss or gradient norm stops the run (:func:`_diverged`)."""
+    acc, raw, opt, sched = run.acc, run.model, run.optimizer, run.scheduler
+    world, rank = acc.num_processes, acc.process_index
+    family = family_of(raw)
+    loss_sum, grad_norm = 0.0, None
+    for _ in range(c.grad_accum):
+        batch = _shard(next(it), rank, world, acc.device)
+        with acc.accumulate(model):
+            loss = family.masked_lm_loss(raw, batch) if mlm_single else model(**batch).loss
+            if not _finite_everywhere(acc, loss):
+                _diverged(
+                    run, out, f"the loss became non-finite at step {run.step + 1}{_first_nonfinite_block(raw, batch)}"
+                )
+            acc.backward(loss)
+            grad_norm = None
+            if acc.sync_gradients:
+                grad_norm = acc.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+                if acc.scaler is None and not torch.isfinite(grad_norm):
+                    _diverged(
+                        run,
+                        out,
+                        f"the gradient norm became non-finite at step {run.step + 1} (its "
+                        f"loss was finite: the backward pass overflowed)",
+                    )
+            opt.step()  # accelerate skips it until the last micro-step of the accumulation
+            if acc.sync_gradients:
+                sched.step()
+            opt.zero_grad(set_to_none=True)
+        loss_sum += float(loss.detach())
+        run.tokens += int(batch["attention_mask"].sum()) * world
+    return loss_sum, grad_norm
+
+
 def _finite_everywhere(acc: Accelerator, loss: torch.Tensor) -> bool:
     """Whether every process's ``loss`` is finite, so that all stop together (one alone would leave the others
     waiting in the backward pass's collectives)."""
@@ -218,7 +235,7 @@ def _shard(batch: dict, rank: int, world: int, device) -> dict:
     """This process's rows of a global micro-batch, on its device."""
     n = batch["input_ids"].shape[0]
     if n % world:
-        raise ValueError(f"a global batch of {n} rows does not split over {world} processes")
+        raise InputError(f"a global batch of {n} rows does not split over {world} processes")
     part = n // world
     return {k: v[rank * part : (rank + 1) * part].to(device) for k, v in batch.items()}
 

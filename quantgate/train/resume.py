@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from ..data.batches import Resumable
+from ..errors import InputError
 from ..files import short_repr
 from ..models.io import check_state, read_safetensors
 from .checkpoint import (
@@ -38,7 +39,7 @@ def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
     path, saved = newest_checkpoint(out)
     if saved["identity"] != identity:
         s = saved["identity"]
-        raise ValueError(
+        raise InputError(
             f"{path} belongs to another model ({s['family']}, variant {s['variant']}, "
             f"{s['parameters']} tensors) than this one ({identity['family']}, variant "
             f"{identity['variant']}, {identity['parameters']} tensors); resume with the same model and "
@@ -53,7 +54,7 @@ def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
     if saved["world_size"] != run.acc.num_processes:
         changed.append(f"processes {saved['world_size']} -> {run.acc.num_processes}")
     if changed:
-        raise ValueError(
+        raise InputError(
             f"cannot resume {path} with changed settings: {', '.join(changed)}. They change the data "
             f"or the updates, so the run would match neither config; resume with the saved values, "
             f"or train into a new --out"
@@ -61,7 +62,7 @@ def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
     _check_model_settings(run.model, path, saved)
     step = saved["progress"]["step"]
     if c.stop_after is not None and c.stop_after <= step:
-        raise ValueError(
+        raise InputError(
             f"stop_after {c.stop_after}: {path} is at step {step} already; give a later stop_after "
             f"(--stop-after) or none (to the end, step {c.steps})"
         )
@@ -80,7 +81,7 @@ def _check_model_settings(model: nn.Module, path: Path, saved: dict) -> None:
     was, now = saved["model_config"], model_settings(model)
     changed = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
     if changed:
-        raise ValueError(
+        raise InputError(
             f"cannot resume {path}: the model's config changed: {', '.join(changed)}. Its weights were trained "
             f"with the saved values: resume with the same model and --config, or train into a new --out"
         )
@@ -94,7 +95,7 @@ def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
     fresh = json.loads(json.dumps(run.optimizer.state_dict()["param_groups"]))
     groups = saved["optimizer"]["param_groups"]
     if len(groups) != len(fresh):
-        raise ValueError(
+        raise InputError(
             f"{file}: optimizer.param_groups holds {len(groups)} groups, but this model and config make "
             f"{len(fresh)}; resume the run it belongs to, or train into a new --out"
         )
@@ -108,7 +109,7 @@ def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
             else:
                 expected, same = want.get(key), value == want.get(key)
             if not same:
-                raise ValueError(
+                raise InputError(
                     f"{file}: optimizer.param_groups[{i}].{key} is {short_repr(value)}, but the run's config makes it "
                     f"{short_repr(expected)} at step {step}; the file was edited or belongs to another run: resume "
                     f"an unedited checkpoint, or train into a new --out"
@@ -123,7 +124,7 @@ def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
         else:
             same = value == json.loads(json.dumps(want))
         if not same:
-            raise ValueError(
+            raise InputError(
                 f"{file}: scheduler.{key} is {short_repr(value)}, but the run's config makes it {short_repr(want)} at "
                 f"step {step}; the file was edited or belongs to another run: resume an unedited checkpoint, or "
                 f"train into a new --out"
@@ -141,7 +142,7 @@ def _check_data_position(run: Run, path: Path, saved: dict, c: TrainConfig) -> N
     for key in ("epoch", "batch"):
         value = saved["data"].get(key)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise ValueError(f"{file}: data.{key} must be an integer >= 0; got {short_repr(value)}")
+            raise InputError(f"{file}: data.{key} must be an integer >= 0; got {short_repr(value)}")
         position.append(value)
     try:
         per_epoch = len(cast(Sized, run.data))
@@ -156,7 +157,7 @@ def _check_data_position(run: Run, path: Path, saved: dict, c: TrainConfig) -> N
         return
     expected = same[-1]
     key, i = ("batch", 1) if position[0] == expected[0] else ("epoch", 0)
-    raise ValueError(
+    raise InputError(
         f"{file}: data.{key} is {position[i]}, but the run's config makes it {expected[i]} at step {step} "
         f"({taken} micro-batches taken, {per_epoch} per epoch: data.epoch {expected[0]}, data.batch {expected[1]}); "
         f"the file was edited or belongs to another run: resume an unedited checkpoint, or train into a new --out"
@@ -187,12 +188,12 @@ def _load_checkpoint(run: Run, path: Path, saved: dict) -> None:
         index, _, name = key.partition(".")
         i = int(index) if index.isdigit() else -1
         if not 0 <= i < len(params) or name not in OPTIMIZER_STATES:
-            raise ValueError(
+            raise InputError(
                 f"{file}: tensor {key!r} is not '<parameter index>.<AdamW state>' of this model's optimizer"
             )
         want = (1,) if name == "step" else tuple(params[i].shape)
         if ((t.numel(),) if name == "step" else tuple(t.shape)) != want:
-            raise ValueError(f"{file}: tensor {key!r} has shape {list(t.shape)}; its parameter needs {list(want)}")
+            raise InputError(f"{file}: tensor {key!r} has shape {list(t.shape)}; its parameter needs {list(want)}")
         state.setdefault(i, {})[name] = t
     names = run.parameter_names()
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["optimizer"]["param_groups"]]
@@ -206,7 +207,7 @@ def _load_checkpoint(run: Run, path: Path, saved: dict) -> None:
     cast(Checkpointable, run.data).load_state_dict(saved["data"])  # checked by check_checkpointable
     if run.acc.scaler is not None:
         if saved["scaler"] is None:
-            raise ValueError(f"{path / TRAINER_FILE}: scaler is null, but this run scales its fp16 loss")
+            raise InputError(f"{path / TRAINER_FILE}: scaler is null, but this run scales its fp16 loss")
         run.acc.scaler.load_state_dict(saved["scaler"])
     run.step, run.tokens = saved["progress"]["step"], saved["progress"]["tokens"]
     load_rng(path / f"rng-{run.acc.process_index}.safetensors")

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..errors import InputError
 from ..files import short_repr
 
 
@@ -35,7 +36,7 @@ def load_rng(file: Path) -> None:
     try:
         _set_rng(file)
     except (KeyError, ValueError, TypeError, RuntimeError, OverflowError) as e:  # an edited or foreign file
-        raise ValueError(
+        raise InputError(
             f"{file}: not the RNG states this trainer saves ({type(e).__name__}: {short_repr(str(e))})"
         ) from None
 

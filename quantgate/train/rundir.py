@@ -44,6 +44,7 @@ from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
 from ..checkpoint import save
+from ..errors import InputError
 from ..files import claim_output, publish_folder, temporary_folder
 from .checkpoint import can_resume
 from .log import LOG_FILE
@@ -72,7 +73,7 @@ def check_fresh(acc: Accelerator, out: Path, overwrite: bool, source: str) -> No
     if not found:
         return
     if not overwrite:
-        raise ValueError(
+        raise InputError(
             f"{out} holds another training run ({', '.join(found)}): continue it with resume=True (--resume), "
             f"start afresh with overwrite=True (--overwrite, which removes them), or give another out (--out)"
         )
@@ -82,7 +83,7 @@ def check_fresh(acc: Accelerator, out: Path, overwrite: bool, source: str) -> No
         if source and Path(source).resolve().is_relative_to((out / name).resolve())
     ]
     if inside:
-        raise ValueError(
+        raise InputError(
             f"overwrite would remove {out / inside[0]}, which holds the model being trained ({source}): "
             f"train into another out (--out)"
         )
