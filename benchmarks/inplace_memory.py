@@ -74,11 +74,11 @@ def measure(path: str, dtype: str, tokens: int, scheme: str, threads: int) -> di
     calibrate = quant._calibrate
     repeats = 1  # 3 when timing: each calibration pass run three times
 
-    def timed(model, batches, n):
+    def timed(model, batches, n, trim=False):
         batches, runs = list(batches), []
         for _ in range(repeats):
             t0 = time.process_time()
-            seen = calibrate(model, batches, n)
+            seen = calibrate(model, batches, n, trim)
             runs.append(time.process_time() - t0)
         passes.append(runs)
         forwards.append(seen["batches"])
