@@ -410,8 +410,9 @@ def _key_rows(keys: Iterable[str], rules: dict, defaults: dict[str, str], sectio
 
 
 def render_study_yaml() -> str:
+    from quantgate.models.families import FAMILIES
     from quantgate.study import schema
-    from quantgate.train import FAMILY_DEFAULTS, TrainConfig
+    from quantgate.train import TrainConfig
 
     top = _key_rows(schema.TOP_KEYS, schema.TOP_RULES, STUDY_DEFAULTS, "the section's defaults")
     models = _key_rows(schema.MODEL_KEYS, schema.MODEL_RULES, MODEL_DEFAULTS, "")
@@ -445,8 +446,9 @@ def render_study_yaml() -> str:
     recipes = table(
         ["family", "lr", "betas", "weight_decay", "schedule"],
         [
-            [f"`{fam}`", r["lr"], shown(r["betas"]), r["weight_decay"], r["schedule"]]
-            for fam, r in FAMILY_DEFAULTS.items()
+            [f"`{fam}`", r.lr, shown(r.betas), r.weight_decay, r.schedule]
+            for fam, f in FAMILIES.items()
+            if (r := f.recipe) is not None
         ],
     )
     parts += [
@@ -454,8 +456,8 @@ def render_study_yaml() -> str:
         "line checks: `TRAIN_RANGES`). `data:` and `eval_data:` take a text source or "
         "`backcopy[:key=value,...]`; `mixed_precision:` takes `auto`, `no`, `bf16` or `fp16`.",
         table(["key", "type", "default", "allowed", "what it is"], train_rows),
-        "The family's recipe (`quantgate.train.FAMILY_DEFAULTS`) fills `lr`, `betas`, `weight_decay` and "
-        "`schedule` where the file leaves them out:",
+        "The family's recipe (`Family.recipe` in `quantgate/models/families.py`) fills `lr`, `betas`, "
+        "`weight_decay` and `schedule` where the file leaves them out:",
         recipes,
     ]
     return page(

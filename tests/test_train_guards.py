@@ -290,12 +290,11 @@ def test_overwrite_does_not_remove_the_model_it_trains(tmp_path):
 def test_every_family_names_its_training_recipe():
     """A family trains with its own recipe or an explicit one (the causal families without a paper recipe take
     OPT's, listed by name); a family with none is refused unless every value is given."""
-    from quantgate.models.families import FAMILIES
-    from quantgate.train import BERT_RECIPE, FAMILY_DEFAULTS, OPT_RECIPE
+    from quantgate.models.families import BERT_RECIPE, FAMILIES, OPT_RECIPE
 
-    assert set(FAMILY_DEFAULTS) == set(FAMILIES)
-    assert FAMILY_DEFAULTS["bert"] is BERT_RECIPE and FAMILY_DEFAULTS["llama"] is OPT_RECIPE
-    with pytest.raises(ValueError, match=r"family 'gpt9' has no training recipe in FAMILY_DEFAULTS: give lr, betas"):
+    assert all(f.recipe is not None for f in FAMILIES.values())  # a field of the family's row
+    assert FAMILIES["bert"].recipe is BERT_RECIPE and FAMILIES["llama"].recipe is OPT_RECIPE
+    with pytest.raises(ValueError, match=r"family 'gpt9' has no training recipe: give lr, betas"):
         TrainConfig(weight_decay=0.0, schedule="constant").resolved("gpt9")
     given = TrainConfig(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0, schedule="constant").resolved("gpt9")
     assert (given.lr, given.betas, given.weight_decay, given.schedule) == (1e-3, (0.9, 0.99), 0.0, "constant")

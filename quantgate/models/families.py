@@ -39,6 +39,23 @@ def _qwen3_next_gate(q_out: torch.Tensor, dims: AttentionDims) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class TrainRecipe:
+    """A family's optimiser recipe: the values TrainConfig's ``None`` fields take (quantgate.train)."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    schedule: str
+
+
+# The papers' optimiser settings (Bondarenko et al.: OPT lr 4e-4, AdamW(0.9, 0.95), wd 0.1; BERT lr 1e-4, linear
+# decay, wd 0.01). Every family names its recipe: the causal families without a paper recipe of their own take
+# OPT's, said in their rows; a family without one trains only with all four values given.
+OPT_RECIPE = TrainRecipe(lr=4e-4, betas=(0.9, 0.95), weight_decay=0.1, schedule="cosine")
+BERT_RECIPE = TrainRecipe(lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, schedule="linear")
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     model_types: tuple[str, ...]  # config.model_type values
@@ -77,6 +94,7 @@ class Family:
     attn_inputs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
     no_rotation: str | None = None  # why a Hadamard rotation cannot be folded into this family, if it cannot
     head: str | None = None  # from the model: the task head (default: the output embeddings)
+    recipe: TrainRecipe | None = None  # how to train it from scratch (OPT_RECIPE, BERT_RECIPE); None: not known
 
     def config_class(self) -> type[transformers.PreTrainedConfig]:
         return getattr(transformers, self.config_cls)
@@ -170,6 +188,7 @@ class _DecoderLayout(TypedDict):
     o_proj: str
     ffn: str
     objective: str
+    recipe: TrainRecipe
 
 
 _DECODER: _DecoderLayout = {
@@ -180,6 +199,7 @@ _DECODER: _DecoderLayout = {
     "o_proj": "self_attn.o_proj",
     "ffn": "mlp",
     "objective": "clm",
+    "recipe": OPT_RECIPE,  # no paper recipe of their own: OPT's
 }
 
 _GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj")  # act(gate) * up -> down
@@ -210,6 +230,7 @@ FAMILIES: dict[str, Family] = {
             final_norm=None,
             position_table="embeddings.position_embeddings",
             head="cls",
+            recipe=BERT_RECIPE,
             attn_inputs=("query", "key", "value"),
             no_rotation="post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and "
             "its readers",
@@ -237,6 +258,7 @@ FAMILIES: dict[str, Family] = {
             final_norm="decoder.final_layer_norm",
             position_table="decoder.embed_positions",
             ffn_linears=(("fc1",), "fc1", "fc2"),
+            recipe=OPT_RECIPE,
         ),
         Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
         Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
@@ -269,6 +291,7 @@ FAMILIES: dict[str, Family] = {
             "mlp",
             v_head_dim="v_head_dim",
             value_gate=False,
+            recipe=OPT_RECIPE,  # no paper recipe of its own: OPT's
             attn_inputs=("q_a_proj", "kv_a_proj_with_mqa"),
             no_rotation="the attention reads the stream through latent projections with their own norms inside "
             "the attention",

@@ -14,18 +14,15 @@ The modules, each importing only those below it:
     log.py          log.jsonl and the accelerate tracker (TensorBoard)
     checkpoint.py   the checkpoint format: writing one, reading trainer.json, FSDP weights gathered whole
     rng.py          each process's generator states in a checkpoint
-    config.py       TrainConfig, the families' recipes, the settings' ranges, parameter groups, the schedule
+    config.py       TrainConfig (its unset optimiser settings: the family's recipe), the settings' ranges,
+                    parameter groups, the schedule
 """
 
 from .checkpoint import TRAINER_FIELDS, can_resume
 from .config import (
-    BERT_RECIPE,
-    FAMILY_DEFAULTS,
     FREE_ON_RESUME,
-    OPT_RECIPE,
     TRAIN_RANGES,
     Batch,
-    FamilyDefaults,
     TrainConfig,
     make_data,
     param_groups,
@@ -38,11 +35,7 @@ __all__ = [
     "train",
     "can_resume",
     "TrainingDiverged",
-    "FAMILY_DEFAULTS",
     "make_data",
-    "FamilyDefaults",
-    "OPT_RECIPE",
-    "BERT_RECIPE",
     "TRAIN_RANGES",
     "FREE_ON_RESUME",
     "TRAINER_FIELDS",

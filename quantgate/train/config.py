@@ -1,5 +1,5 @@
-"""What a training run is told: :class:`TrainConfig`, the families' optimiser recipes
-(:data:`FAMILY_DEFAULTS`), the ranges every setting is checked against (:data:`TRAIN_RANGES`), the settings a
+"""What a training run is told: :class:`TrainConfig` (whose unset optimiser settings take the family's recipe,
+``Family.recipe``), the ranges every setting is checked against (:data:`TRAIN_RANGES`), the settings a
 resume may change (:data:`FREE_ON_RESUME`), and what a config makes: its data (:func:`make_data`), AdamW's
 parameter groups (:func:`param_groups`) and the learning-rate schedule (:func:`schedule`)."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TypedDict, cast
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -17,39 +17,14 @@ from transformers import PreTrainedTokenizerBase
 from ..data import batches as text_batches
 from ..data.batches import Resumable
 from ..errors import InputError
-from ..models.families import is_norm
+from ..models.families import FAMILIES, OPT_RECIPE, is_norm
 from ..models.swap import gate_parameters
 from ..options import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, check_range
 
 
-class FamilyDefaults(TypedDict):
-    """A family's optimiser recipe: the values TrainConfig's ``None`` fields take."""
-
-    lr: float
-    betas: tuple[float, float]
-    weight_decay: float
-    schedule: str
-
-
-# The papers' optimiser settings (Bondarenko et al.: OPT lr 4e-4, AdamW(0.9, 0.95), wd 0.1; BERT lr 1e-4, linear
-# decay, wd 0.01). Every family names its recipe: the causal families without a paper recipe of their own take
-# OPT's, said here; a family missing from this table trains only with all four values given.
-OPT_RECIPE: FamilyDefaults = {"lr": 4e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "schedule": "cosine"}
-BERT_RECIPE: FamilyDefaults = {"lr": 1e-4, "betas": (0.9, 0.999), "weight_decay": 0.01, "schedule": "linear"}
-FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
-    "opt": OPT_RECIPE,
-    "bert": BERT_RECIPE,
-    "llama": OPT_RECIPE,
-    "qwen2": OPT_RECIPE,
-    "qwen3": OPT_RECIPE,
-    "qwen3-next": OPT_RECIPE,
-    "mla": OPT_RECIPE,
-}
-
-
 @dataclass
 class TrainConfig:
-    """What to train for and how. ``None`` fields take the family's default (:data:`FAMILY_DEFAULTS`)."""
+    """What to train for and how. ``None`` fields take the family's recipe (``Family.recipe``)."""
 
     steps: int = 1000  # optimizer steps of the whole run (sets the schedule)
     stop_after: int | None = None  # end this invocation at this step (checkpointed); --resume continues
@@ -96,18 +71,19 @@ class TrainConfig:
     def resolved(self, family: str) -> TrainConfig:
         self.check()
         unset = [k for k in ("lr", "betas", "weight_decay", "schedule") if getattr(self, k) is None]
-        if family not in FAMILY_DEFAULTS and unset:
+        recipe = FAMILIES[family].recipe if family in FAMILIES else None
+        if recipe is None and unset:
             raise InputError(
-                f"family {family!r} has no training recipe in FAMILY_DEFAULTS: give {', '.join(unset)} "
-                f"(or add the family's recipe to quantgate.train.FAMILY_DEFAULTS)"
+                f"family {family!r} has no training recipe: give {', '.join(unset)} (or set the family's recipe, "
+                f"Family.recipe in quantgate/models/families.py)"
             )
-        d = FAMILY_DEFAULTS.get(family, OPT_RECIPE)  # every value comes from self where the family has none
+        d = recipe or OPT_RECIPE  # every value comes from self where the family has none
         c = TrainConfig(**asdict(self))
-        c.lr = self.lr if self.lr is not None else d["lr"]
+        c.lr = self.lr if self.lr is not None else d.lr
         # a list where the config came from JSON or YAML: tuple() keeps its two values
-        c.betas = cast(tuple[float, float], tuple(self.betas)) if self.betas is not None else d["betas"]
-        c.weight_decay = self.weight_decay if self.weight_decay is not None else d["weight_decay"]
-        c.schedule = self.schedule or d["schedule"]
+        c.betas = cast(tuple[float, float], tuple(self.betas)) if self.betas is not None else d.betas
+        c.weight_decay = self.weight_decay if self.weight_decay is not None else d.weight_decay
+        c.schedule = self.schedule or d.schedule
         if c.schedule not in ("cosine", "linear", "constant"):
             raise InputError(f"unknown schedule {c.schedule!r}; valid: cosine, linear, constant")
         return c
