@@ -10,7 +10,8 @@ An audit is a generated study (:mod:`quantgate.study`), not a second pipeline:
 3. It climbs :data:`LADDER`, cheapest at run time first. Each rung adds one scheme to ``DIR/audit.yaml`` and runs
    that study: its cached steps are reused, so each run computes only the new rung, and the run is resumable.
    It stops at the first rung whose whole 95% interval (paired over the same documents) lies below ``within``;
-   with time left, it then tries the probes (fewer bits). What the budget cut is stated.
+   with time left, it then tries the probes (fewer bits). What the budget cut is stated. A rung the model cannot
+   run (INT4's groups of 128 on SmolLM2's width of 576) is left out of the default ladder, and logged.
 4. It writes ``DIR/audit.md`` (the answer first: static INT8 or not, the cheapest recipe within the tolerance,
    why), and the recipe as an export (``DIR/export``): in a format transformers and vLLM load where one holds
    it (else the next recipe within that one does), in quantgate's own format where none does (a gated model).
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .checkpoint import load, save
@@ -302,6 +304,7 @@ class Costs:
     overhead_s: float = 2.0  # one study run's fixed work besides loading: lm-eval's set-up, the report
 
     tasks: int = 1  # tasks evaluated; each is counted as costing what the perplexity task costs
+    widths: frozenset[int] = frozenset()  # the input widths of the model's Linears (what a group size must divide)
 
     def eval_s(self, docs: int) -> float:
         return self.tasks * (1.15 * self.per_token_s * sum(self.doc_tokens[:docs]) + self.overhead_s)
@@ -351,7 +354,8 @@ def _measure(target: Target, settings: Settings, dtype: str, placement: Placemen
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
     per_token = min(times[1:]) / length
-    return Costs(load_s, per_token, _doc_tokens(settings, tok), tasks=len(settings.tasks))
+    widths = frozenset(m.in_features for m in model.modules() if isinstance(m, nn.Linear))
+    return Costs(load_s, per_token, _doc_tokens(settings, tok), tasks=len(settings.tasks), widths=widths)
 
 
 @dataclass(frozen=True)
@@ -684,6 +688,20 @@ def _progress(total_s: float, enabled: bool) -> Iterator[tqdm]:
         bar.close()
 
 
+def _runnable(ladder: list[Rung], costs: list[Costs]) -> list[Rung]:
+    """The default ladder's rungs every audited model can run (a weight group size that divides each Linear's input
+    width: SmolLM2's 576 is no multiple of INT4's groups of 128); one left out is logged with why."""
+    widths = frozenset().union(*(c.widths for c in costs))
+    kept = []
+    for rung in ladder:
+        why = get_scheme(rung.scheme).unfit(widths)
+        if why:
+            log.info("audit: %s left out: %s", rung.scheme, why)
+        else:
+            kept.append(rung)
+    return kept
+
+
 def _ladder(schemes: list[str] | None) -> list[Rung]:
     """The default ladder (with torchao's real kernels where a GPU and torchao are here), or the schemes given."""
     if schemes:
@@ -741,6 +759,7 @@ def audit(
     asked = {"model": str(model), "budget_s": budget_s, "within": tolerance, "tasks": tasks, "dtype": dtype,
              "variant": variant, "ladder": [r.scheme for r in ladder], "docs": docs}  # fmt: skip
     costs = [_measure(t, s, dtype, placement) for t, s in zip(targets, settings, strict=True)]
+    ladder = ladder if schemes else _runnable(ladder, costs)  # schemes given by name: their study refuses them
     spent = time.perf_counter() - started
     plan = _sized(plan_file, asked, costs, settings, ladder, budget_s, spent, docs, targets)
     c0, s0 = costs[targets.index(target)], settings[targets.index(target)]

@@ -278,3 +278,21 @@ def test_a_study_file_writes_its_run_only_inside_its_own_folder(out, tmp_path):
     study.write_text(f"out: {out!r}\n" + TINY_STUDY.format(name="s"))
     with pytest.raises(StudyError, match="relative to the study file"):
         load_study(study)
+
+
+def test_the_default_ladder_leaves_out_a_rung_the_model_cannot_run():
+    """INT4's groups of 128 do not divide SmolLM2's width of 576: the audit leaves that probe out (logged), where a
+    study would refuse it; widths that take it keep every rung."""
+    audit_module = importlib.import_module("quantgate.audit")
+    smollm2 = audit_module.Costs(0.1, 1e-3, [100], widths=frozenset({576, 1536}))
+    kept = [r.scheme for r in audit_module._runnable(list(audit_module.LADDER), [smollm2])]
+    assert "w4-int4-group" not in kept and kept == [
+        r.scheme for r in audit_module.LADDER if r.scheme != "w4-int4-group"
+    ]
+    llama = audit_module.Costs(0.1, 1e-3, [100], widths=frozenset({512, 1024}))
+    assert audit_module._runnable(list(audit_module.LADDER), [llama]) == list(audit_module.LADDER)
+    assert (
+        qg.quant.get_scheme("w4-int4-group").unfit(frozenset({576}))
+        == "its weight groups of 128 do not divide input width 576"
+    )
+    assert qg.quant.get_scheme("w8a8-int8-static").unfit(frozenset({576})) is None

@@ -140,6 +140,10 @@ class Scheme:
         """Whether the family's whole task head (not just the LM head) stays in full precision."""
         return False
 
+    def unfit(self, widths: frozenset[int]) -> str | None:
+        """Why the scheme cannot quantize Linears of these input widths (None: it can)."""
+        return None
+
     def export_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype config.json names for transformers to build the exported model in."""
         return model_dtype
@@ -313,6 +317,13 @@ class SimulatedScheme(CalibratedScheme):
     @property
     def task_head_in_float(self) -> bool:
         return self.acts == "bondarenko"
+
+    def unfit(self, widths: frozenset[int]) -> str | None:
+        w = self.weight
+        if w is None or w.granularity != "group":
+            return None
+        bad = sorted(x for x in widths if x % min(w.group_size, x))
+        return f"its weight groups of {w.group_size} do not divide input width {bad[0]}" if bad else None
 
     def export_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """bfloat16 for NVFP4 weights, which compressed-tensors 0.20 decompresses to bfloat16 whatever the model's
