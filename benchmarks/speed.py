@@ -1,6 +1,6 @@
 """What observing and simulated quantization cost, as ratios measured side by side in one run (issue 44).
 
-    python benchmarks/speed.py                        # observe and quantization tables (~25 min on 2 cores)
+    python benchmarks/speed.py                        # observe and quantization tables (about 9 min on 2 cores)
     python benchmarks/speed.py --parts observe --models smollm2-135m --tokens 128 --rounds 3   # a quick look
 
 * ``observe``: ``qg.observe`` on one sequence against the forward it runs (the base model, no LM head:

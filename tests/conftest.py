@@ -28,7 +28,7 @@ def warm_tests() -> bool:
 def warm_python() -> Warm | None:
     """The warm interpreter for run_python, started with this process's environment at the first call and again
     where that environment has changed since (libraries the tests import set variables: ray, tokenizers), at most
-    _RESTARTS times; None: cold."""
+    _STARTS times; None: cold."""
     if not warm_tests():
         return None
     server = _warm[-1] if _warm else None
