@@ -6,31 +6,76 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from quantgate.errors import InputError
 
-Range = tuple[Callable[[Any], bool], str]  # (test, what it wants): the values a setting accepts
-AT_LEAST_1: Range = (lambda x: x >= 1, ">= 1")
-AT_LEAST_0: Range = (lambda x: x >= 0, ">= 0")
-ABOVE_0: Range = (lambda x: x > 0, "> 0")
+
+@dataclass(frozen=True)
+class Range:
+    """The values a setting accepts: ``test(value)`` is True for those, and ``wants`` says which in words
+    (``">= 1"``, ``"one of a, b"``), as an error shows them. Numeric intervals come from :meth:`between`. A value
+    is ``in`` the range where the test accepts it; a float must also be finite, and a value of another type (a
+    string where a number belongs) is not in it."""
+
+    test: Callable[[Any], bool]
+    wants: str
+
+    @classmethod
+    def between(
+        cls, lo: float = -math.inf, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False
+    ) -> Range:
+        """The numbers from ``lo`` to ``hi``, each end closed unless ``*_open`` (``>= 1``, ``in (50, 100]``)."""
+        if hi == math.inf:
+            wants = f"{'>' if lo_open else '>='} {lo:g}"
+        elif lo == -math.inf:
+            wants = f"{'<' if hi_open else '<='} {hi:g}"
+        else:
+            wants = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+        def test(x: float) -> bool:
+            return (lo < x if lo_open else lo <= x) and (x < hi if hi_open else x <= hi)
+
+        return cls(test, wants)
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        try:
+            return bool(self.test(value))
+        except TypeError:  # a value of another type ("5" where a number belongs)
+            return False
+
+    def check(self, owner: str, name: str, value: float) -> None:
+        """An InputError ``owner: name must be WANTS, got VALUE`` unless ``value`` is finite and in the range
+        (the form a spec string's parameter is refused in)."""
+        if not math.isfinite(value):
+            raise InputError(f"{owner}: {name} must be a finite number, got {value}")
+        if value not in self:
+            raise InputError(f"{owner}: {name} must be {self.wants}, got {value:g}")
+
+    def __str__(self) -> str:
+        return self.wants
+
+
+AT_LEAST_1 = Range.between(1)
+AT_LEAST_0 = Range.between(0)
+ABOVE_0 = Range.between(0, lo_open=True)
 
 
 def in_range(value: object, valid: Range | None) -> bool:
-    """Whether ``value`` is one ``valid`` accepts (None: any); a float must also be finite."""
+    """Whether ``value`` is one ``valid`` accepts (None: any finite value)."""
     if isinstance(value, float) and not math.isfinite(value):
         return False
-    try:
-        return valid is None or bool(valid[0](value))
-    except TypeError:  # a value of another type ("5" where a number belongs)
-        return False
+    return valid is None or value in valid
 
 
 def check_range(name: str, value: object, valid: Range | None) -> None:
     """A one-line ValueError ``NAME must be WANTS; got VALUE`` unless ``value`` is None (the default) or
     :func:`in_range`."""
     if value is not None and not in_range(value, valid):
-        raise InputError(f"{name} must be {valid[1] if valid else 'finite'}; got {value!r}")
+        raise InputError(f"{name} must be {valid.wants if valid else 'finite'}; got {value!r}")
 
 
 def convert(typ: type, raw: str) -> object:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypedDict, TypeVar
 
 from .errors import InputError
-from .options import key_values, printed
+from .options import Range, key_values, printed
+from .registry import Registry
 
 __all__ = [
     "AttentionVariant",
@@ -37,37 +38,7 @@ __all__ = [
     "gate_kind",
     "logit",
     "VariantLike",
-    "Range",
 ]
-
-
-@dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric parameter: finite, between ``lo`` and ``hi`` (each end open or closed)."""
-
-    lo: float = -math.inf
-    hi: float = math.inf
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def check(self, owner: str, name: str, value: float) -> None:
-        """Raise ValueError ``owner: name must be ...`` unless ``value`` is finite and in the range."""
-        if not math.isfinite(value):
-            raise InputError(f"{owner}: {name} must be a finite number, got {value}")
-        if (
-            value < self.lo
-            or value > self.hi
-            or (self.lo_open and value == self.lo)
-            or (self.hi_open and value == self.hi)
-        ):
-            raise InputError(f"{owner}: {name} must be {self}, got {value:g}")
-
-    def __str__(self) -> str:
-        if self.hi == math.inf:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        if self.lo == -math.inf:
-            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
-        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
 
 
 # the bound on a softmax logit or stretch a variant takes: beyond it float16 (largest 65504) overflows in the
@@ -122,9 +93,9 @@ class GateKind:
         self.options.setdefault("finetune", (bool, False, (True, False)))
 
 
-# filled, in the order variants list them, by the @gate_kind classes of quantgate.attention.gates (imported
-# with the package)
-GATE_KINDS: dict[str, GateKind] = {}
+# the gate kinds, in the order variants list them: the @gate_kind classes of quantgate.attention.gates, which
+# the first read of the table imports
+GATE_KINDS: Registry[str, GateKind] = Registry("gate kind", filled_by=("quantgate.attention.gates",))
 
 
 def gate_kind(
@@ -140,11 +111,7 @@ def gate_kind(
     class (its position, activation, bias initialisation and x readers are class attributes and methods)."""
 
     def register(cls: type[_G]) -> type[_G]:
-        if name in GATE_KINDS:
-            raise InputError(
-                f"gate kind {name!r} is registered twice ({GATE_KINDS[name].gate.__name__}, {cls.__name__})"
-            )
-        GATE_KINDS[name] = GateKind(cls, description, pi_init, low_rank, dict(options or {}), dict(aliases or {}))
+        GATE_KINDS.add(name, GateKind(cls, description, pi_init, low_rank, dict(options or {}), dict(aliases or {})))
         return cls
 
     return register
@@ -167,9 +134,7 @@ class GateSpec:
     options: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
-        spec = GATE_KINDS.get(self.kind)
-        if spec is None:
-            raise InputError(f"unknown gate kind {self.kind!r}; valid: {', '.join(GATE_KINDS)}")
+        spec = GATE_KINDS.lookup(self.kind)
         lo = spec.gate.floor
         if not lo < self.pi_init < 1.0:
             raise InputError(f"{self.kind}: pi_init must lie in ({lo}, 1), got {self.pi_init}")
@@ -213,9 +178,11 @@ class GateSpec:
 class ClipSpec:
     """Clipped softmax (Bondarenko et al.): ``clip((zeta - gamma) * p + gamma, 0, 1)``."""
 
-    gamma: float | None = _ranged(-0.025, Range(-_LOGIT_MAX, 0.0))  # stretches below 0: small probabilities reach 0
-    zeta: float = _ranged(1.0, Range(1.0, _LOGIT_MAX))  # stretches above 1, so large probabilities reach 1
-    alpha: float | None = _ranged(None, Range(0.0, _LOGIT_MAX))  # gamma = -alpha / T
+    gamma: float | None = _ranged(
+        -0.025, Range.between(-_LOGIT_MAX, 0.0)
+    )  # stretches below 0: small probabilities reach 0
+    zeta: float = _ranged(1.0, Range.between(1.0, _LOGIT_MAX))  # stretches above 1, so large probabilities reach 1
+    alpha: float | None = _ranged(None, Range.between(0.0, _LOGIT_MAX))  # gamma = -alpha / T
 
     def __post_init__(self):
         if (self.gamma is None) == (self.alpha is None):
@@ -242,7 +209,7 @@ class ClipSpec:
 class SinkSpec:
     """Learnable attention sink: one logit per head, initialised to ``init``."""
 
-    init: float = _ranged(0.0, Range(-_LOGIT_MAX, _LOGIT_MAX))
+    init: float = _ranged(0.0, Range.between(-_LOGIT_MAX, _LOGIT_MAX))
 
     def __post_init__(self):
         _check_ranges(self, "sink")

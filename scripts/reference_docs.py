@@ -207,7 +207,7 @@ def _option_value(key: str, value: object) -> str:
 
 
 def _allowed_values(opt: Any) -> str:
-    from quantgate.variants import Range
+    from quantgate.options import Range
 
     if isinstance(opt.valid, Range):
         return str(opt.valid)
@@ -371,9 +371,7 @@ def _wants(test: object) -> str:
     """A rule's allowed range in words (the rule's own description)."""
     if test is None:
         return "any"
-    if isinstance(test, tuple) and len(test) == 2 and isinstance(test[1], str):
-        return test[1]
-    return str(test)
+    return str(test)  # a Range: its words
 
 
 def _field_comments(cls: type) -> dict[str, str]:

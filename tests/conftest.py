@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 # Triton kernels run on the CPU through the interpreter; triton reads this when it is first imported
@@ -60,6 +61,20 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def registries():
+    """``registries(*tables)``: a test adds to these quantgate registries (``quantgate.registry.Registry``) and
+    each is put back as it was after the test; returns the first table."""
+    with contextlib.ExitStack() as stack:
+
+        def snapshot(*tables):
+            for table in tables:
+                stack.enter_context(table.snapshot())
+            return tables[0]
+
+        yield snapshot
 
 
 # a training run of a few seconds (tiny-llama): the settings the training tests share

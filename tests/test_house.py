@@ -222,12 +222,12 @@ def apply(model, scheme, calibrate):
     return model
 
 
-SCHEMES["w16-toy"] = ToyScheme("w16-toy", "weights rounded to bfloat16")
+SCHEMES.add("w16-toy", ToyScheme("w16-toy", "weights rounded to bfloat16"))
 '''
 
 
 @pytest.fixture
-def toy_backend(tmp_path, monkeypatch):
+def toy_backend(tmp_path, monkeypatch, registries):
     """The toy backend's module, imported from a temporary folder; the registries it fills restored after."""
     import importlib
 
@@ -235,8 +235,7 @@ def toy_backend(tmp_path, monkeypatch):
 
     (tmp_path / "toy_backend.py").write_text(TOY_BACKEND)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(schemes, "SCHEMES", dict(schemes.SCHEMES))
-    monkeypatch.setattr(schemes, "HANDLERS", dict(schemes.HANDLERS))
+    registries(schemes.SCHEMES, schemes.HANDLERS)
     monkeypatch.delitem(sys.modules, "toy_backend", raising=False)
     return importlib.import_module("toy_backend")
 

@@ -64,16 +64,15 @@ def test_check_notices_a_newly_registered_scheme(generator, tmp_path):
     from quantgate.quant.schemes import SCHEMES, SimulatedScheme, TensorQuant
 
     generator.write(tmp_path)
-    saved = dict(SCHEMES)
-    try:
-        SCHEMES["w6-int6-extra"] = SimulatedScheme(
-            "w6-int6-extra", "an extra scheme this test registers", weight=TensorQuant("int6", "channel")
+    with SCHEMES.snapshot():  # the registry is as the other tests expect it afterwards
+        SCHEMES.add(
+            "w6-int6-extra",
+            SimulatedScheme(
+                "w6-int6-extra", "an extra scheme this test registers", weight=TensorQuant("int6", "channel")
+            ),
         )
         assert generator.stale(tmp_path) == ["schemes.md"]
         assert "### `w6-int6-extra`" in generator.render_schemes()
-    finally:  # leave the registry as the other tests expect it
-        SCHEMES.clear()
-        SCHEMES.update(saved)
     assert generator.stale(tmp_path) == []
 
 

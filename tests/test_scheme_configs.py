@@ -72,13 +72,13 @@ def test_calibration_is_the_configs_to_say():
     assert get_scheme("w8a8-int8-dynamic:keep=auto").needs_calibration
 
 
-def test_a_new_torchao_config_is_one_row(monkeypatch, tmp_path):
+def test_a_new_torchao_config_is_one_row(registries, tmp_path):
     """A scheme added to SCHEMES with any torchao.quantization config class quantizes, saves and loads
     through the registered torchao handler, with no other change."""
     row = TorchaoScheme(
         "my-int8-weights", "torchao Int8WeightOnlyConfig under another name", config="Int8WeightOnlyConfig"
     )
-    monkeypatch.setitem(SCHEMES, row.name, row)
+    registries(SCHEMES).add(row.name, row)
     model = qg.build("tiny-llama", seed=0).eval()
     q = cast(LlamaForCausalLM, qg.quantize(model, "my-int8-weights:keep=model.layers.1*"))
     reference = qg.quantize(model, "torchao-int8-weight-only:keep=model.layers.1*")

@@ -110,7 +110,7 @@ def test_every_gate_kind_builds_with_its_size_and_initial_value(kind):
         torch.testing.assert_close(gated(ids).logits, base(ids).logits, rtol=1e-4, atol=1e-5)
 
 
-def test_a_new_gate_kind_is_one_decorated_class():
+def test_a_new_gate_kind_is_one_decorated_class(registries):
     """The gate registry: a class decorated with @gate_kind parses, prints, builds into a model, starts at
     its pi_init through its own bias_for, and rotates (it declares its x_readers); nothing else is edited."""
     import math
@@ -121,6 +121,8 @@ def test_a_new_gate_kind_is_one_decorated_class():
     from quantgate.attention.gates import Gate, _heads, _proj
     from quantgate.quant.rotate import rotate_
     from quantgate.variants import GATE_KINDS, gate_kind
+
+    registries(GATE_KINDS)  # the registry is as it was after the test
 
     @gate_kind("tanh-test", "test: (1 + tanh(x W)) / 2 per (head, channel)", pi_init=0.3)
     class TanhGate(Gate):
@@ -137,18 +139,15 @@ def test_a_new_gate_kind_is_one_decorated_class():
         def compute(self, x):
             return (1 + torch.tanh(_heads(self.proj(x), self.dims.n_heads))) / 2
 
-    try:
-        assert str(AttentionVariant.parse("tanh-test:low_rank=4")) == "tanh-test:low_rank=4"
-        model = cast(LlamaForCausalLM, qg.build("tiny-llama", "tanh-test", seed=0).eval())
-        gate = model.model.layers[0].self_attn.gate
-        assert isinstance(gate, TanhGate)
-        with torch.no_grad():
-            gate.get_parameter("proj.weight").zero_()
-            x = torch.randn(2, 5, model.config.hidden_size)
-            torch.testing.assert_close(gate(x), torch.full((2, 4, 5, 16), 0.3))
-            ids = torch.randint(0, model.config.vocab_size, (2, 12))
-            before = model(input_ids=ids).logits
-            rotate_(model)
-            torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)
-    finally:
-        del GATE_KINDS["tanh-test"]
+    assert str(AttentionVariant.parse("tanh-test:low_rank=4")) == "tanh-test:low_rank=4"
+    model = cast(LlamaForCausalLM, qg.build("tiny-llama", "tanh-test", seed=0).eval())
+    gate = model.model.layers[0].self_attn.gate
+    assert isinstance(gate, TanhGate)
+    with torch.no_grad():
+        gate.get_parameter("proj.weight").zero_()
+        x = torch.randn(2, 5, model.config.hidden_size)
+        torch.testing.assert_close(gate(x), torch.full((2, 4, 5, 16), 0.3))
+        ids = torch.randint(0, model.config.vocab_size, (2, 12))
+        before = model(input_ids=ids).logits
+        rotate_(model)
+        torch.testing.assert_close(model(input_ids=ids).logits, before, atol=1e-4, rtol=1e-4)

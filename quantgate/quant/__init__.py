@@ -26,7 +26,7 @@ from ..models.modes import eval_mode
 from ..models.record import record_of, set_record
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
-from . import backends, imported, simulate  # noqa: F401  (backends, simulate: imported to register the schemes' handlers)
+from . import imported, simulate
 from .error import quant_error, site_sensitivity
 from .heap import trimming
 from .schemes import (

@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import InputError
-from ..options import key_values, printed
-from ..variants import Range
+from ..options import Range, key_values, printed
+from ..registry import Registry
 from .quantizers import BLOCK, ESTIMATORS, FORMATS, INT_BITS
 
 if TYPE_CHECKING:
@@ -426,7 +426,10 @@ def quantgate_format_only(model: nn.Module, scheme: Scheme) -> tuple[str, str]:
     return "quantgate", f"no other tool's format is known to hold {type(scheme).__name__} ({scheme.name})"
 
 
-HANDLERS: dict[type, Handler] = {}
+# the handler of each scheme class, registered by @handles in the backend modules the first read imports
+HANDLERS: Registry[type, Handler] = Registry(
+    "scheme handler", filled_by=("quantgate.quant.simulate", "quantgate.quant.backends")
+)
 
 
 def handles(
@@ -445,7 +448,7 @@ def handles(
     state replaces the parameters (tensor subclasses) instead of being copied in."""
 
     def register(apply: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        HANDLERS[scheme_class] = Handler(apply, restore, export, quantization_config, assign)
+        HANDLERS.add(scheme_class, Handler(apply, restore, export, quantization_config, assign))
         return apply
 
     return register
@@ -465,7 +468,7 @@ def handler_for(scheme: Scheme) -> Handler:
 @dataclass(frozen=True)
 class Option:
     """A scheme option: where it lives (``weight``, ``act`` or None: the scheme), its field, type,
-    valid values (choices, or a numeric :class:`~quantgate.variants.Range`) and accepted aliases."""
+    valid values (choices, or a numeric :class:`~quantgate.options.Range`) and accepted aliases."""
 
     where: str | None
     field: str
@@ -501,33 +504,44 @@ class BitsOption(Option):
         return f"int{value}"
 
 
-OPTIONS = {
-    "w_granularity": Option("weight", "granularity", str, ("tensor", "channel", "group")),
-    "w_estimator": Option("weight", "estimator", str, ("minmax", "mse")),
-    "w_symmetric": Option("weight", "symmetric", bool),
-    "group_size": Option("weight", "group_size", int, Range(lo=1)),
-    "a_granularity": Option("act", "granularity", str, ("tensor", "token", "channel")),
-    "a_symmetric": Option("act", "symmetric", bool),
-    "dynamic": Option("act", "dynamic", bool),
-    "estimator": Option("act", "estimator", str, ESTIMATORS),
-    "momentum": Option("act", "momentum", float, Range(0.0, 1.0, hi_open=True)),  # r = m r + (1 - m) x
-    "percentile": Option("act", "percentile", float, Range(50.0, 100.0, lo_open=True)),  # clips (100 - p)% each side
-    "calib_skip": Option("act", "calib_skip", int, Range(lo=0)),  # first positions of each sequence, not calibrated
-    "a_bits": BitsOption("act", "format", int, Range(2, 8)),
-    "w_bits": BitsOption("weight", "format", int, Range(2, 8)),
-    # "everything" was a placement that missed the mid-block residual sums: it now means bondarenko
-    "acts": Option(None, "acts", str, ("linear-inputs", "bondarenko"), aliases=(("everything", "bondarenko"),)),
-    "keep": Option(None, "keep", tuple),
-    "gates": Option(None, "gates", bool),
-    "calib": Option(None, "calib", int, Range(lo=1)),  # batches
-    "threshold": Option(None, "threshold", float, Range(lo=0.0)),  # LLM.int8 outlier magnitude; 0: none kept
-    "kv_bits": BitsOption("kv", "format", int, Range(2, 8)),
-    "kv_granularity": Option("kv", "granularity", str, ("token", "group", "channel")),
-    "kv_group": Option("kv", "group_size", int, Range(lo=1)),  # channels (group) or tokens (channel) per range
-    "sink": Option(None, "sink", int, Range(lo=0)),  # tokens
-    "smooth": Option(None, "smooth", float, Range(0.0, 1.0)),  # SmoothQuant alpha
-    "rotate": Option(None, "rotate", str, ("none", "residual", "online")),
-}
+OPTIONS: Registry[str, Option] = Registry(
+    "scheme option",
+    {
+        "w_granularity": Option("weight", "granularity", str, ("tensor", "channel", "group")),
+        "w_estimator": Option("weight", "estimator", str, ("minmax", "mse")),
+        "w_symmetric": Option("weight", "symmetric", bool),
+        "group_size": Option("weight", "group_size", int, Range.between(lo=1)),
+        "a_granularity": Option("act", "granularity", str, ("tensor", "token", "channel")),
+        "a_symmetric": Option("act", "symmetric", bool),
+        "dynamic": Option("act", "dynamic", bool),
+        "estimator": Option("act", "estimator", str, ESTIMATORS),
+        "momentum": Option("act", "momentum", float, Range.between(0.0, 1.0, hi_open=True)),  # r = m r + (1 - m) x
+        "percentile": Option(
+            "act", "percentile", float, Range.between(50.0, 100.0, lo_open=True)
+        ),  # clips (100 - p)% each side
+        "calib_skip": Option(
+            "act", "calib_skip", int, Range.between(lo=0)
+        ),  # first positions of each sequence, not calibrated
+        "a_bits": BitsOption("act", "format", int, Range.between(2, 8)),
+        "w_bits": BitsOption("weight", "format", int, Range.between(2, 8)),
+        # "everything" was a placement that missed the mid-block residual sums: it now means bondarenko
+        "acts": Option(None, "acts", str, ("linear-inputs", "bondarenko"), aliases=(("everything", "bondarenko"),)),
+        "keep": Option(None, "keep", tuple),
+        "gates": Option(None, "gates", bool),
+        "calib": Option(None, "calib", int, Range.between(lo=1)),  # batches
+        "threshold": Option(
+            None, "threshold", float, Range.between(lo=0.0)
+        ),  # LLM.int8 outlier magnitude; 0: none kept
+        "kv_bits": BitsOption("kv", "format", int, Range.between(2, 8)),
+        "kv_granularity": Option("kv", "granularity", str, ("token", "group", "channel")),
+        "kv_group": Option(
+            "kv", "group_size", int, Range.between(lo=1)
+        ),  # channels (group) or tokens (channel) per range
+        "sink": Option(None, "sink", int, Range.between(lo=0)),  # tokens
+        "smooth": Option(None, "smooth", float, Range.between(0.0, 1.0)),  # SmoothQuant alpha
+        "rotate": Option(None, "rotate", str, ("none", "residual", "online")),
+    },
+)
 
 
 def _options(s: Scheme) -> dict[str, object]:
@@ -564,148 +578,145 @@ def _block_scaled(name: str, description: str) -> SimulatedScheme:
     return SimulatedScheme(name, description, weight=TensorQuant(fmt), act=TensorQuant(fmt, dynamic=True))
 
 
-SCHEMES: dict[str, Scheme] = {}  # filled below: a scheme compares itself with its named row, once there is one
-SCHEMES.update(
-    (s.name, s)
-    for s in (
-        SimulatedScheme(
-            "w8a8-int8-static",
-            "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
-            "running min-max, momentum 0.9, over the first calib batches of the calibration set: calib=16 unless "
-            "set, and the quantization record counts the batches used) at the input of every nn.Linear but the LM "
-            "head and the attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm "
-            "outputs and the attention's q/k/v and softmax stay in float",
-            weight=TensorQuant("int8"),
-            act=_I8_STATIC_ACT,
-        ),
-        SimulatedScheme(
-            "w8a8-int8-bondarenko",
-            "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
-            "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
-            "tensor, running min-max, momentum 0.9, over the first calib batches of the calibration set: calib=16 "
-            "unless set, and the quantization record counts the batches used) at every site of acts=bondarenko: "
-            "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
-            "FFN activation and output; the LM head and the attention gates stay in full precision. These are the "
-            "BERT ranges; the OPT ones are w_estimator=mse,estimator=running-percentile (percentile 99.999), with "
-            "calib_skip=1 to keep the BOS position, which the reference's text blocks lack, out of the ranges",
-            weight=TensorQuant("int8"),
-            act=_I8_STATIC_ACT,
-            acts="bondarenko",
-        ),
-        SimulatedScheme(
-            "w8a16-int8-bondarenko",
-            "The weights of w8a8-int8-bondarenko alone (INT8, symmetric, per tensor, min-max; embeddings and norm "
-            "weights too), activations in float: with w16a8-int8-bondarenko, it splits W8A8's loss into its weight "
-            "and activation parts",
-            weight=TensorQuant("int8"),
-            acts="bondarenko",
-        ),
-        SimulatedScheme(
-            "w16a8-int8-bondarenko",
-            "The activations of w8a8-int8-bondarenko alone (INT8 at every site of acts=bondarenko, static per-tensor "
-            "ranges), weights in float",
-            act=_I8_STATIC_ACT,
-            acts="bondarenko",
-        ),
-        SimulatedScheme(
-            "w8a8-int8-dynamic",
-            "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
-            weight=TensorQuant("int8", "channel"),
-            act=TensorQuant("int8", "token", dynamic=True),
-        ),
-        SimulatedScheme(
-            "w8a8-fp8-e4m3",
-            "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
-            "saturation at 448 counted)",
-            weight=TensorQuant("fp8-e4m3"),
-            act=TensorQuant("fp8-e4m3"),
-        ),
-        SimulatedScheme(
-            "w8a8-fp8-e5m2",
-            "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation counted)",
-            weight=TensorQuant("fp8-e5m2"),
-            act=TensorQuant("fp8-e5m2"),
-        ),
-        SimulatedScheme(
-            "w4a4-fp4-e2m1",
-            "FP4 E2M1 weights and activations with one scale per tensor (activations static from calibration; "
-            "saturation at 6 x scale counted): the contrast to the block-scaled FP4 formats",
-            weight=TensorQuant("fp4-e2m1"),
-            act=TensorQuant("fp4-e2m1"),
-        ),
-        _block_scaled(
-            "w8a8-mxfp8",
-            "OCP MXFP8: E4M3 elements, one power-of-two (E8M0) scale per block of 32 along the input dim, "
-            "weights and activations (scales from each block at run time; torchao's emulation)",
-        ),
-        _block_scaled(
-            "w4a4-mxfp4",
-            "OCP MXFP4: E2M1 elements, one power-of-two (E8M0) scale per block of 32, weights and activations",
-        ),
-        _block_scaled(
-            "w4a4-nvfp4",
-            "NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per block of 16 under a float32 scale per tensor, "
-            "weights and activations",
-        ),
-        SimulatedScheme(
-            "kv8-int8",
-            "The KV cache alone in INT8: keys and values as written, asymmetric, one range per "
-            "token and head (weights and activations in float)",
-            kv=TensorQuant("int8", "token", symmetric=False, dynamic=True, group_size=32),
-        ),
-        SimulatedScheme(
-            "kv4-int4",
-            "The KV cache alone in INT4, asymmetric, one range per token and head; "
-            "kv_granularity=channel is KIVI's keys per channel over blocks of kv_group tokens",
-            kv=TensorQuant("int4", "token", symmetric=False, dynamic=True, group_size=32),
-        ),
-        SimulatedScheme(
-            "kv8-fp8-e4m3",
-            "The KV cache alone in FP8 E4M3, one scale per token and head",
-            kv=TensorQuant("fp8-e4m3", "token", dynamic=True, group_size=32),
-        ),
-        SimulatedScheme(
-            "w8-int8", "INT8 weight-only, symmetric per output channel", weight=TensorQuant("int8", "channel")
-        ),
-        SimulatedScheme(
-            "w4-int4-group",
-            "INT4 weight-only, asymmetric, groups of 128 input channels",
-            weight=TensorQuant("int4", "group", symmetric=False),
-        ),
-        TorchaoScheme(
-            "torchao-int8-dynamic",
-            "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)",
-            config="Int8DynamicActivationInt8WeightConfig",
-        ),
-        TorchaoScheme(
-            "torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig", weight_only=True
-        ),
-        TorchaoStaticScheme(
-            "torchao-int8-static",
-            "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales "
-            "calibrated here, per-channel weights",
-            config="Int8StaticActivationInt8WeightConfig",
-        ),
-        TorchaoScheme(
-            "torchao-fp8-weight-only",
-            "torchao Float8WeightOnlyConfig",
-            config="Float8WeightOnlyConfig",
-            weight_only=True,
-        ),
-        TorchaoScheme(
-            "torchao-fp8-dynamic",
-            "torchao Float8DynamicActivationFloat8WeightConfig",
-            config="Float8DynamicActivationFloat8WeightConfig",
-            needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this "
-            "machine use the simulated scheme w8a8-fp8-e4m3:dynamic=true",
-        ),
-        BnbScheme(
-            "llm-int8",
-            "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above the "
-            "threshold (6.0) kept in 16-bit",
-        ),
-    )
-)
+# filled below, one row at a time: a scheme compares itself with its named row, once there is one
+SCHEMES: Registry[str, Scheme] = Registry("quantization scheme")
+for _row in (
+    SimulatedScheme(
+        "w8a8-int8-static",
+        "INT8 weights (symmetric, per tensor, min-max) and activations (asymmetric, per tensor, static ranges: "
+        "running min-max, momentum 0.9, over the first calib batches of the calibration set: calib=16 unless "
+        "set, and the quantization record counts the batches used) at the input of every nn.Linear but the LM "
+        "head and the attention gates, and nowhere else (acts=linear-inputs): the residual stream, the norm "
+        "outputs and the attention's q/k/v and softmax stay in float",
+        weight=TensorQuant("int8"),
+        act=_I8_STATIC_ACT,
+    ),
+    SimulatedScheme(
+        "w8a8-int8-bondarenko",
+        "Bondarenko et al. 2023's W8A8 protocol (Qualcomm's outlier-free-transformers code): INT8 weights "
+        "(symmetric, per tensor, min-max; embeddings and norm weights too) and activations (asymmetric, per "
+        "tensor, running min-max, momentum 0.9, over the first calib batches of the calibration set: calib=16 "
+        "unless set, and the quantization record counts the batches used) at every site of acts=bondarenko: "
+        "embedding sum, norm outputs, q/k/v, softmax input and output, attention output, both residual sums, "
+        "FFN activation and output; the LM head and the attention gates stay in full precision. These are the "
+        "BERT ranges; the OPT ones are w_estimator=mse,estimator=running-percentile (percentile 99.999), with "
+        "calib_skip=1 to keep the BOS position, which the reference's text blocks lack, out of the ranges",
+        weight=TensorQuant("int8"),
+        act=_I8_STATIC_ACT,
+        acts="bondarenko",
+    ),
+    SimulatedScheme(
+        "w8a16-int8-bondarenko",
+        "The weights of w8a8-int8-bondarenko alone (INT8, symmetric, per tensor, min-max; embeddings and norm "
+        "weights too), activations in float: with w16a8-int8-bondarenko, it splits W8A8's loss into its weight "
+        "and activation parts",
+        weight=TensorQuant("int8"),
+        acts="bondarenko",
+    ),
+    SimulatedScheme(
+        "w16a8-int8-bondarenko",
+        "The activations of w8a8-int8-bondarenko alone (INT8 at every site of acts=bondarenko, static per-tensor "
+        "ranges), weights in float",
+        act=_I8_STATIC_ACT,
+        acts="bondarenko",
+    ),
+    SimulatedScheme(
+        "w8a8-int8-dynamic",
+        "INT8 weights per output channel, activations symmetric per token from each batch (dynamic)",
+        weight=TensorQuant("int8", "channel"),
+        act=TensorQuant("int8", "token", dynamic=True),
+    ),
+    SimulatedScheme(
+        "w8a8-fp8-e4m3",
+        "FP8 E4M3 weights and activations with per-tensor scales (activations static from calibration; "
+        "saturation at 448 counted)",
+        weight=TensorQuant("fp8-e4m3"),
+        act=TensorQuant("fp8-e4m3"),
+    ),
+    SimulatedScheme(
+        "w8a8-fp8-e5m2",
+        "FP8 E5M2 weights and activations with per-tensor scales (static activations; saturation counted)",
+        weight=TensorQuant("fp8-e5m2"),
+        act=TensorQuant("fp8-e5m2"),
+    ),
+    SimulatedScheme(
+        "w4a4-fp4-e2m1",
+        "FP4 E2M1 weights and activations with one scale per tensor (activations static from calibration; "
+        "saturation at 6 x scale counted): the contrast to the block-scaled FP4 formats",
+        weight=TensorQuant("fp4-e2m1"),
+        act=TensorQuant("fp4-e2m1"),
+    ),
+    _block_scaled(
+        "w8a8-mxfp8",
+        "OCP MXFP8: E4M3 elements, one power-of-two (E8M0) scale per block of 32 along the input dim, "
+        "weights and activations (scales from each block at run time; torchao's emulation)",
+    ),
+    _block_scaled(
+        "w4a4-mxfp4",
+        "OCP MXFP4: E2M1 elements, one power-of-two (E8M0) scale per block of 32, weights and activations",
+    ),
+    _block_scaled(
+        "w4a4-nvfp4",
+        "NVIDIA NVFP4: E2M1 elements, one FP8 E4M3 scale per block of 16 under a float32 scale per tensor, "
+        "weights and activations",
+    ),
+    SimulatedScheme(
+        "kv8-int8",
+        "The KV cache alone in INT8: keys and values as written, asymmetric, one range per "
+        "token and head (weights and activations in float)",
+        kv=TensorQuant("int8", "token", symmetric=False, dynamic=True, group_size=32),
+    ),
+    SimulatedScheme(
+        "kv4-int4",
+        "The KV cache alone in INT4, asymmetric, one range per token and head; "
+        "kv_granularity=channel is KIVI's keys per channel over blocks of kv_group tokens",
+        kv=TensorQuant("int4", "token", symmetric=False, dynamic=True, group_size=32),
+    ),
+    SimulatedScheme(
+        "kv8-fp8-e4m3",
+        "The KV cache alone in FP8 E4M3, one scale per token and head",
+        kv=TensorQuant("fp8-e4m3", "token", dynamic=True, group_size=32),
+    ),
+    SimulatedScheme("w8-int8", "INT8 weight-only, symmetric per output channel", weight=TensorQuant("int8", "channel")),
+    SimulatedScheme(
+        "w4-int4-group",
+        "INT4 weight-only, asymmetric, groups of 128 input channels",
+        weight=TensorQuant("int4", "group", symmetric=False),
+    ),
+    TorchaoScheme(
+        "torchao-int8-dynamic",
+        "torchao Int8DynamicActivationInt8WeightConfig (real int8 kernels)",
+        config="Int8DynamicActivationInt8WeightConfig",
+    ),
+    TorchaoScheme(
+        "torchao-int8-weight-only", "torchao Int8WeightOnlyConfig", config="Int8WeightOnlyConfig", weight_only=True
+    ),
+    TorchaoStaticScheme(
+        "torchao-int8-static",
+        "torchao Int8StaticActivationInt8WeightConfig: per-tensor symmetric activation scales "
+        "calibrated here, per-channel weights",
+        config="Int8StaticActivationInt8WeightConfig",
+    ),
+    TorchaoScheme(
+        "torchao-fp8-weight-only",
+        "torchao Float8WeightOnlyConfig",
+        config="Float8WeightOnlyConfig",
+        weight_only=True,
+    ),
+    TorchaoScheme(
+        "torchao-fp8-dynamic",
+        "torchao Float8DynamicActivationFloat8WeightConfig",
+        config="Float8DynamicActivationFloat8WeightConfig",
+        needs_cuda="FP8 matmuls need a CUDA GPU with compute capability >= 8.9 (Ada/Hopper); on this "
+        "machine use the simulated scheme w8a8-fp8-e4m3:dynamic=true",
+    ),
+    BnbScheme(
+        "llm-int8",
+        "bitsandbytes LLM.int8 (Linear8bitLt): int8 matmul with outlier features above the "
+        "threshold (6.0) kept in 16-bit",
+    ),
+):
+    SCHEMES.add(_row.name, _row)
 
 
 def get_scheme(text: str | Scheme) -> Scheme:
@@ -715,9 +726,7 @@ def get_scheme(text: str | Scheme) -> Scheme:
     if isinstance(text, Scheme):
         return text
     name, _, arg = str(text).strip().partition(":")
-    if name not in SCHEMES:
-        raise InputError(f"unknown quantization scheme {name!r}; valid: {', '.join(SCHEMES)}")
-    scheme = SCHEMES[name]
+    scheme = SCHEMES.lookup(name)
     changes: dict[str | None, dict[str, Any]] = {None: {}, "weight": {}, "act": {}, "kv": {}}
     allowed = _allowed(scheme)
     given = list(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import write_text_atomic
+from ..registry import Registry
 from ..stats import DELTA_LEGEND, NOISE_LEGEND, fmt, format_delta, pearson, seed_delta, spearman, table_head
 from .fixes import LOW_PRECISION_DTYPES, Changes, which_fix
 from .measures import (
@@ -86,7 +87,7 @@ class Report:
 
     def markdown(self) -> str:
         """report.md: the sections in order, each left out where it has nothing to show."""
-        return "\n".join(text for section in SECTIONS if (text := section(self))).rstrip() + "\n"
+        return "\n".join(text for section in SECTIONS.values() if (text := section(self))).rstrip() + "\n"
 
     def draw(self, out: Path) -> None:
         """The report's plots (:func:`plot_files`), drawn into ``out``."""
@@ -693,25 +694,31 @@ def reading(report: Report) -> str:
     return "\n".join(["", "## Reading (from the study file)", "", notes])
 
 
-SECTIONS: list[Callable[[Report], str]] = [
-    header,
-    criterion,
-    fixes,
-    answer,
-    numbers,
-    outliers,
-    across_seeds,
-    bit_budget,
-    accuracy,
-    gates,
-    correlations,
-    against_baseline,
-    side_by_side,
-    quantization_error,
-    training,
-    plots,
-    reading,
-]
+SECTIONS: Registry[str, Callable[[Report], str]] = Registry(
+    "report section",
+    {
+        section.__name__: section
+        for section in (
+            header,
+            criterion,
+            fixes,
+            answer,
+            numbers,
+            outliers,
+            across_seeds,
+            bit_budget,
+            accuracy,
+            gates,
+            correlations,
+            against_baseline,
+            side_by_side,
+            quantization_error,
+            training,
+            plots,
+            reading,
+        )
+    },
+)
 
 
 def plot_files(report: Report) -> dict[str, Callable[[Path], object]]:

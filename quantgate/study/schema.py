@@ -73,7 +73,6 @@ TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume
 
 # Each value a study sets: (type, its range or None); None values take the defaults. The ranges are the ones
 # the command line checks its options against (quantgate.options): one definition for both doors
-Test = Range  # (test, what it wants)
 
 
 def _inside(folder: str) -> bool:
@@ -81,8 +80,8 @@ def _inside(folder: str) -> bool:
     return bool(folder.strip()) and not Path(folder).is_absolute() and ".." not in Path(folder).parts
 
 
-Rules = dict[str, tuple[Any, Test | None]]  # key: (type hint, test or None)
-FOLDER_NAME = (is_folder_name, "without / or \\, not '.' or '..' (it names a folder)")
+Rules = dict[str, tuple[Any, Range | None]]  # key: (type hint, its range or None)
+FOLDER_NAME = Range(is_folder_name, "without / or \\, not '.' or '..' (it names a folder)")
 TRAIN_RULES: Rules = {
     k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS
 }
@@ -93,8 +92,8 @@ TOP_RULES: Rules = {
     "variants": (list[str], None),
     "schemes": (list, None),
     "models": (list, None),
-    "executor": (str, (lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
-    "out": (str, (_inside, "a folder relative to the study file, inside its folder")),  # default results/<name>
+    "executor": (str, Range(lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
+    "out": (str, Range(_inside, "a folder relative to the study file, inside its folder")),  # default results/<name>
 }
 MODEL_RULES: Rules = {
     "name": (str, FOLDER_NAME),
@@ -104,11 +103,11 @@ MODEL_RULES: Rules = {
     "train": (dict | None, None),
     "variants": (list[str], None),
     "schemes": (list, None),
-    "seeds": (list[int], (lambda s: all(x >= 0 for x in s), "each >= 0")),
+    "seeds": (list[int], Range(lambda s: all(x >= 0 for x in s), "each >= 0")),
     "eval": (dict | None, None),
     "observe": (dict | None, None),
-    "dtype": (str, (lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
-    "resources": (dict, (check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
+    "dtype": (str, Range(lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
+    "resources": (dict, Range(check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
     "placement": (dict, None),  # Placement's fields: _check_placement
 }
 DATA_RULES: Rules = {
@@ -123,17 +122,17 @@ SECTION_RULES: dict[str, Rules] = {
     "eval": {
         "tasks": (list[str], None),
         "limit": (float | dict[str, float | None] | None, None),  # values: _check_limit
-        "batch_size": (int | str, (lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
+        "batch_size": (int | str, Range(lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
         "max_length": (int, AT_LEAST_1),
     },  # lm-eval's window (tokens); default: see _eval_settings
     "report": {
         "notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
         "criterion": (str, None),  # the experiment's success criterion, committed before its runs
-        "pairs": (list[list[str]], (lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
+        "pairs": (list[list[str]], Range(lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
         "baseline": (str, None),  # a variant the report sets every other variant of a model against
         "fixes": (dict, None),
         # the unit the intervals resample: "work" (documents of one work together; the default) or "document"
-        "cluster": (str, (lambda c: c in CLUSTERS, " or ".join(repr(c) for c in CLUSTERS))),
+        "cluster": (str, Range(lambda c: c in CLUSTERS, " or ".join(repr(c) for c in CLUSTERS))),
     },  # {reference: scheme, within: fraction}: the report opens with a ranking
 }
 
@@ -399,12 +398,12 @@ def _fits(value, hint) -> bool:
 
 
 def _check_values(given: dict, rules: dict, where: tuple, fail) -> None:
-    """Check each value of ``given`` against its rule: (type, (test, what the test wants) or None)."""
+    """Check each value of ``given`` against its rule: (type, its :class:`~quantgate.options.Range` or None)."""
     for key, value in given.items():
         hint, test = rules.get(key, (object, None))
-        if _fits(value, hint) and (value is None or test is None or test[0](value)):
+        if _fits(value, hint) and (value is None or test is None or value in test):
             continue
-        wants = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hint)) + (f", {test[1]}" if test else "")
+        wants = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hint)) + (f", {test.wants}" if test else "")
         fail((*where, key), f"{key} must be {wants}; got {value!r}{_number_as_text(value)}")
 
 

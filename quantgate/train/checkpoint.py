@@ -242,7 +242,7 @@ TRAINER_FIELDS: dict[str, tuple[type | tuple[type, ...], Range | None]] = {
     "progress.step": (int, AT_LEAST_0),
     "progress.tokens": (int, AT_LEAST_0),
     "optimizer": (dict, None),
-    "optimizer.param_groups": (list, (lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
+    "optimizer.param_groups": (list, Range(lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
     "scheduler": (dict, None),
     "data": (dict, None),
     "scaler": ((dict, type(None)), None),
@@ -268,7 +268,7 @@ def _read_trainer(path: Path) -> dict:
         if not (exact and isinstance(value, kind) and in_range(value, valid)):
             wants = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
             raise InputError(
-                f"{file}: {name} must be a JSON {wants}{f', {valid[1]}' if valid else ''}; got {short_repr(value)}"
+                f"{file}: {name} must be a JSON {wants}{f', {valid.wants}' if valid else ''}; got {short_repr(value)}"
             )
     if "model_config" in saved and not isinstance(saved["model_config"], dict):
         raise InputError(f"{file}: model_config must be a JSON object; got {short_repr(saved['model_config'])}")

@@ -107,11 +107,11 @@ TRAIN_RANGES: dict[str, Range] = {
     "gate_lr": ABOVE_0,
     "max_grad_norm": ABOVE_0,
     "warmup": AT_LEAST_0,
-    "min_lr_ratio": (lambda x: 0 <= x <= 1, "in [0, 1]"),
+    "min_lr_ratio": Range.between(0, 1),
     "weight_decay": AT_LEAST_0,
     "gate_weight_decay": AT_LEAST_0,
     "norm_weight_decay": AT_LEAST_0,
-    "betas": (lambda b: len(b) == 2 and all(0 <= x < 1 for x in b), "each in [0, 1)"),
+    "betas": Range(lambda b: len(b) == 2 and all(0 <= x < 1 for x in b), "each in [0, 1)"),
 }
 
 # Settings a resumed run may change: when this invocation stops, what it evaluates, observes and logs,

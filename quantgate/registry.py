@@ -1,0 +1,123 @@
+"""One kind of table for everything quantgate looks up by name: gate kinds, schemes and their options, scheme
+handlers, model families, presets, packaged models and report sections.
+
+A :class:`Registry` is a read-only mapping in registration order with one way in (:meth:`Registry.add`, or
+:meth:`Registry.register` as a decorator), which refuses a name given twice, and one way to look a name up that
+refuses an unknown one by listing the names it knows (:meth:`Registry.lookup`). A table whose entries are
+registered by a module above it names that module (``filled_by``): the first read imports it, so a reader of the
+table never depends on who imported what before. Tests add an entry inside :meth:`Registry.snapshot`, which
+puts the table back as it was.
+
+>>> colours = Registry("colour", {"red": 1})
+>>> colours.lookup("blue")
+Traceback (most recent call last):
+...
+quantgate.errors.InputError: unknown colour 'blue'; valid: red
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import Generic, TypeVar
+
+from .errors import InputError
+
+__all__ = ["Registry"]
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+E = TypeVar("E")
+
+
+def _shown(key: object) -> str:
+    """A key as an error lists it: a class by its name, anything else as it prints."""
+    return getattr(key, "__name__", None) or str(key)
+
+
+class Registry(Mapping[K, T], Generic[K, T]):
+    """The entries of one table, in registration order. ``noun`` names an entry in errors (``unknown {noun}
+    'x'; {listing}: a, b``); ``filled_by``: the modules whose import registers the entries (imported at the
+    first read of the table, not before)."""
+
+    def __init__(
+        self,
+        noun: str,
+        entries: Mapping[K, T] | None = None,
+        *,
+        listing: str = "valid",
+        filled_by: tuple[str, ...] = (),
+    ) -> None:
+        self.noun, self.listing = noun, listing
+        self._entries: dict[K, T] = {}
+        self._filled_by, self._filled = filled_by, not filled_by
+        for key, entry in (entries or {}).items():
+            self.add(key, entry)
+
+    def _fill(self) -> None:
+        if not self._filled:
+            self._filled = True  # before importing: the filling modules read the table as they register
+            for module in self._filled_by:
+                importlib.import_module(module)
+
+    def add(self, key: K, entry: T, *, before: K | None = None, after: K | None = None) -> T:
+        """Register ``entry`` as ``key``: at the end, or just ``before`` or ``after`` another entry; an
+        InputError if ``key`` is registered already (two entries cannot share a name: which was meant cannot
+        be known)."""
+        self._fill()
+        if key in self._entries:
+            raise InputError(f"{self.noun} {_shown(key)!r} is registered twice; give the new one another name")
+        items = list(self._entries.items())
+        at = len(items)
+        if before is not None or after is not None:
+            self.lookup(before if before is not None else after)  # type: ignore[arg-type]  # one of them is set
+            at = next(i for i, (k, _) in enumerate(items) if k in (before, after)) + (after is not None)
+        self._entries = dict([*items[:at], (key, entry), *items[at:]])
+        return entry
+
+    def register(self, key: K) -> Callable[[E], E]:
+        """Decorator: register the decorated class or function as ``key`` (:meth:`add`), and return it."""
+
+        def decorate(entry: E) -> E:
+            self.add(key, entry)  # type: ignore[arg-type]  # E is T where the registry holds what it decorates
+            return entry
+
+        return decorate
+
+    def lookup(self, key: K) -> T:
+        """The entry ``key``; an InputError naming the known ones where there is none."""
+        self._fill()
+        if key not in self._entries:
+            known = ", ".join(_shown(k) for k in self._entries)
+            raise InputError(f"unknown {self.noun} {_shown(key)!r}; {self.listing}: {known}")
+        return self._entries[key]
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Registry[K, T]]:
+        """Within the block, entries may be added; afterwards the table is as it was (for tests)."""
+        self._fill()
+        saved = dict(self._entries)
+        try:
+            yield self
+        finally:
+            self._entries = saved
+
+    def __getitem__(self, key: K) -> T:
+        self._fill()
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[K]:
+        self._fill()
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        self._fill()
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        self._fill()
+        return key in self._entries
+
+    def __repr__(self) -> str:
+        return f"Registry({self.noun!r}: {', '.join(_shown(k) for k in self)})"

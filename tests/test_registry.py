@@ -1,0 +1,103 @@
+"""quantgate.registry.Registry: the one table kind behind every name quantgate looks up (issue 45)."""
+
+import sys
+
+import pytest
+
+import quantgate as qg
+from quantgate.errors import InputError
+from quantgate.registry import Registry
+
+
+def test_lookup_refuses_an_unknown_name_listing_the_known_ones():
+    table = Registry("colour", {"red": 1, "green": 2}, listing="known")
+    assert table.lookup("green") == 2 and table["red"] == 1 and list(table) == ["red", "green"] and len(table) == 2
+    with pytest.raises(InputError, match=r"^unknown colour 'blue'; known: red, green$"):
+        table.lookup("blue")
+    with pytest.raises(KeyError):  # a Mapping: [] and get() keep their meaning
+        table["blue"]
+    assert table.get("blue") is None and "blue" not in table
+
+
+def test_a_name_given_twice_is_refused_and_the_first_entry_kept():
+    table = Registry("colour", {"red": 1})
+    with pytest.raises(InputError, match=r"colour 'red' is registered twice"):
+        table.add("red", 2)
+    assert table["red"] == 1
+    decorate = table.register("red")
+    with pytest.raises(InputError, match=r"colour 'red' is registered twice"):
+        decorate(3)
+
+
+def test_entries_go_at_the_end_or_beside_a_named_one():
+    table = Registry("section", {"a": 1, "c": 3})
+    table.add("d", 4)
+    table.add("b", 2, after="a")
+    table.add("start", 0, before="a")
+    assert list(table.items()) == [("start", 0), ("a", 1), ("b", 2), ("c", 3), ("d", 4)]
+    with pytest.raises(InputError, match=r"unknown section 'z'"):
+        table.add("e", 5, before="z")
+
+
+def test_keys_that_are_classes_are_named_in_errors():
+    class Odd:
+        pass
+
+    table: Registry[type, int] = Registry("handler", {int: 1})
+    with pytest.raises(InputError, match=r"^unknown handler 'Odd'; valid: int$"):
+        table.lookup(Odd)
+
+
+def test_a_snapshot_puts_the_table_back():
+    table = Registry("colour", {"red": 1})
+    with table.snapshot():
+        table.add("blue", 2)
+        assert list(table) == ["red", "blue"]
+    assert list(table) == ["red"]
+    with pytest.raises(RuntimeError), table.snapshot():  # also when the block fails
+        table.add("blue", 2)
+        raise RuntimeError
+    assert list(table) == ["red"]
+
+
+def test_a_table_filled_by_a_module_imports_it_at_the_first_read(tmp_path, monkeypatch):
+    """The module that registers the entries is imported by the first read, not by whoever happened to import
+    it before, and not at all where nothing reads the table."""
+    (tmp_path / "fills_the_table.py").write_text(
+        "from test_registry_table import TABLE\nTABLE.add('one', 1)\n@TABLE.register('two')\ndef two():\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    table: Registry[str, object] = Registry("entry", filled_by=("fills_the_table",))
+    module = type(sys)("test_registry_table")
+    module.TABLE = table  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "test_registry_table", module)
+    monkeypatch.delitem(sys.modules, "fills_the_table", raising=False)
+    assert "fills_the_table" not in sys.modules  # made, not read: nothing imported
+    assert list(table) == ["one", "two"] and "fills_the_table" in sys.modules
+    assert getattr(table["two"], "__name__", None) == "two"  # the decorator returns what it registers
+
+
+@pytest.mark.parametrize(
+    ("table", "lookup", "words"),
+    [
+        (qg.quant.SCHEMES, qg.quant.get_scheme, "unknown quantization scheme 'nope'; valid: w8a8-int8-static, "),
+        (qg.models.FAMILIES, qg.models.get_family, "unknown model family 'nope'; supported: bert, opt, "),
+        (qg.models.PRESETS, qg.models.presets.get_preset, "unknown preset 'nope'; valid: tiny-bert, "),
+    ],
+)
+def test_every_named_table_is_a_registry_and_refuses_in_its_words(table, lookup, words):
+    assert isinstance(table, Registry)
+    with pytest.raises(InputError) as e:
+        lookup("nope")
+    assert str(e.value).startswith(words)
+
+
+def test_the_package_tables_are_registries():
+    from quantgate.models.sources import PACKAGED
+    from quantgate.quant.schemes import HANDLERS, OPTIONS
+    from quantgate.study.report import SECTIONS
+    from quantgate.variants import GATE_KINDS
+
+    for table in (GATE_KINDS, HANDLERS, OPTIONS, PACKAGED, SECTIONS):
+        assert isinstance(table, Registry) and len(table) > 0, table
+    assert list(SECTIONS)[:2] == ["header", "criterion"]  # by the functions' names, in the page's order
