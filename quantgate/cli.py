@@ -172,7 +172,9 @@ def _check_options(args: argparse.Namespace, section: str, options: dict[str, st
     """Each option in the range a study file's ``section`` allows the same setting (``options``: the option's
     argparse dest -> the section's key): one definition of what the two doors accept."""
     for dest, key in options.items():
-        check_range(_option(dest), getattr(args, dest), SECTION_RULES[section][key][1])
+        valid = SECTION_RULES[section][key].valid
+        assert not isinstance(valid, tuple)  # a study file's rules bound numbers by a Range
+        check_range(_option(dest), getattr(args, dest), valid)
 
 
 def cmd_observe(args: argparse.Namespace) -> int:

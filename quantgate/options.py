@@ -59,6 +59,36 @@ class Range:
         return self.wants
 
 
+@dataclass(frozen=True)
+class Option:
+    """A setting given by name (a gate's, a scheme's, a synthetic task's, a study file's key, a trainer.json
+    field): its ``type`` (a class, or a type hint such as ``list[str]``), the values it accepts (``valid``: a
+    tuple of choices, a :class:`Range`, or None: any value of the type) and its ``default`` (None: unset)."""
+
+    type: Any
+    valid: tuple | Range | None = None
+    default: object = None
+
+    def accepts(self, value: object) -> bool:
+        """Whether ``value`` (already of the option's type) is one it takes; a float must also be finite."""
+        return in_range(value, None) and (self.valid is None or value in self.valid)
+
+    @property
+    def wants(self) -> str:
+        """The values it takes, in words: a range's words, ``one of a, b``, or ``""`` (any)."""
+        if self.valid is None or isinstance(self.valid, Range):
+            return str(self.valid or "")
+        return f"one of {', '.join(printed(v) for v in self.valid)}"
+
+    def check(self, owner: str, key: str, value: object) -> None:
+        """An InputError ``owner: key must be WANTS, got VALUE`` unless the option takes ``value``."""
+        if isinstance(self.valid, Range):
+            assert isinstance(value, (int, float))  # a Range bounds an int or float option
+            self.valid.check(owner, key, value)
+        elif not self.accepts(value):
+            raise InputError(f"{owner}: {key} must be {self.wants}, got {value!r}")
+
+
 AT_LEAST_1 = Range.between(1)
 AT_LEAST_0 = Range.between(0)
 ABOVE_0 = Range.between(0, lo_open=True)

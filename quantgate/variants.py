@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Protocol, TypedDict, TypeVar
 
 from .errors import InputError
-from .options import Range, key_values, printed
+from .options import Option, Range, key_values, printed
 from .registry import Registry
 
 __all__ = [
@@ -78,19 +78,20 @@ _G = TypeVar("_G", bound=GateLike)
 @dataclass(frozen=True)
 class GateKind:
     """A registered gate kind: its Gate class (:mod:`quantgate.attention.gates`), description, default
-    initial value, whether its projection can be factorised, its own options (name -> (type,
-    default, choices)), which :class:`AttentionVariant` parses and prints, and other names its paper
-    gives the common parameters (``{"d_int": "low_rank"}``), which parse as those."""
+    initial value, whether its projection can be factorised, its own options (name ->
+    :class:`~quantgate.options.Option`: type, choices, default), which :class:`AttentionVariant` parses and
+    prints, and other names its paper gives the common parameters (``{"d_int": "low_rank"}``), which parse as
+    those."""
 
     gate: type[GateLike]
     description: str
     pi_init: float
     low_rank: bool
-    options: dict[str, tuple[type, object, tuple]] = field(default_factory=dict)
+    options: dict[str, Option] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):  # every gate can start as the identity for fine-tuning a pretrained model
-        self.options.setdefault("finetune", (bool, False, (True, False)))
+        self.options.setdefault("finetune", Option(bool, (True, False), False))
 
 
 # the gate kinds, in the order variants list them: the @gate_kind classes of quantgate.attention.gates, which
@@ -104,7 +105,7 @@ def gate_kind(
     *,
     pi_init: float = 0.5,
     low_rank: bool = True,
-    options: dict[str, tuple[type, object, tuple]] | None = None,
+    options: dict[str, Option] | None = None,
     aliases: dict[str, str] | None = None,
 ) -> Callable[[type[_G]], type[_G]]:
     """Class decorator: register a Gate subclass as the gate kind ``name``: a new gate is one decorated
@@ -147,10 +148,8 @@ class GateSpec:
         for name, value in given.items():
             if name not in spec.options:
                 raise InputError(f"{self.kind}: unknown option {name!r}; valid: {_param_names(self.kind)}")
-            _, _, choices = spec.options[name]
-            if value not in choices:
-                raise InputError(f"{self.kind}: {name} must be one of {choices}, got {value!r}")
-        full = {name: given.get(name, default) for name, (_, default, _) in spec.options.items()}
+            spec.options[name].check(self.kind, name, value)
+        full = {name: given.get(name, option.default) for name, option in spec.options.items()}
         object.__setattr__(self, "options", tuple(sorted(full.items())))
 
     def option(self, name: str) -> object:
@@ -169,7 +168,7 @@ class GateSpec:
         if self.low_rank is not None:
             params.append(f"low_rank={self.low_rank}")
         for name, value in self.options:
-            if value != spec.options[name][1]:
+            if value != spec.options[name].default:
                 params.append(f"{name}={printed(value)}")
         return self.kind + (":" + ",".join(params) if params else "")
 
@@ -321,6 +320,6 @@ def _parse_params(name: str, arg: str) -> dict[str, Any]:  # a value per key, of
     def type_of(key: str) -> type | None:
         if key not in valid:
             return None
-        return kind_opts[key][0] if key in kind_opts else _TYPES[aliases.get(key, key)]
+        return kind_opts[key].type if key in kind_opts else _TYPES[aliases.get(key, key)]
 
     return dict(key_values(name, arg, type_of, valid=", ".join(valid), noun="parameter"))

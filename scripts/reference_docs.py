@@ -324,8 +324,8 @@ def render_variants() -> str:
                 f"`{kind.pi_init!r}`, in ({gate.floor:g}, 1)",
                 "yes" if kind.low_rank else "no",
                 ", ".join(
-                    f"`{o}` ({type_name(t)}, default `{printed(d)}`: {', '.join(printed(c) for c in ch)})"
-                    for o, (t, d, ch) in kind.options.items()
+                    f"`{o}` ({type_name(opt.type)}, default `{printed(opt.default)}`: {opt.wants})"
+                    for o, opt in kind.options.items()
                 ),
                 ", ".join(f"`{a}` for `{m}`" for a, m in kind.aliases.items()),
             ]
@@ -391,14 +391,18 @@ def _field_comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _key_rows(keys: Iterable[str], rules: dict, defaults: dict[str, str], section_default: str) -> list[list[str]]:
+def _key_rows(
+    keys: Iterable[str], rules: dict[str, Any], defaults: dict[str, str], section_default: str
+) -> list[list[str]]:
     """A row per valid key (sorted): its type, default and range from ``rules``; a key of a section
     (``eval:``, ...) without a rule of its own is a mapping of that section's keys."""
+    from quantgate.options import Option
     from quantgate.study.schema import SECTION_RULES
 
     rows = []
     for k in sorted(keys):
-        t, test = rules.get(k, (dict, None))
+        rule = rules.get(k, Option(dict))
+        t, test = rule.type, rule.valid
         default = defaults.get(k, section_default if k in SECTION_RULES else "") or "not set"
         wants = _wants(test)
         if k in SECTION_RULES or k == "train":  # a section of this page
@@ -426,21 +430,21 @@ def render_study_yaml() -> str:
     for sec, rules in schema.SECTION_RULES.items():
         defaults = schema.SECTION_KEYS.get(sec, {})
         rows = [
-            [f"`{k}`", type_name(t), code(shown(defaults[k])) if k in defaults else "not set", _wants(test)]
-            for k, (t, test) in rules.items()
+            [f"`{k}`", type_name(r.type), code(shown(defaults[k])) if k in defaults else "not set", _wants(r.valid)]
+            for k, r in rules.items()
         ]
         parts += [f"## {sec}", table(["key", "type", "default", "allowed"], rows)]
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     comments = _field_comments(TrainConfig)
     train_rows = []
-    for k, (t, test) in schema.TRAIN_RULES.items():
+    for k, rule in schema.TRAIN_RULES.items():
         f = fields[k]
         default = f.default if f.default is not dataclasses.MISSING else None
         if default is None and k in ("lr", "betas", "weight_decay", "schedule"):
             shown_default = "the family's recipe"
         else:
             shown_default = f"`{shown(default)}`"
-        train_rows.append([f"`{k}`", type_name(t), shown_default, _wants(test), comments.get(k, "")])
+        train_rows.append([f"`{k}`", type_name(rule.type), shown_default, _wants(rule.valid), comments.get(k, "")])
     recipes = table(
         ["family", "lr", "betas", "weight_decay", "schedule"],
         [

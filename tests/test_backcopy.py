@@ -1,6 +1,8 @@
 """The backcopy task's options: ``backcopy:start=chain`` draws the token after BOS from the chain, a
 trained model records its task, and the ``quantgate_backcopy`` evaluation scores it on that task."""
 
+import re
+
 import pytest
 import torch
 
@@ -42,15 +44,16 @@ def test_the_default_task_is_unchanged_by_the_options():
 @pytest.mark.parametrize(
     "source, message",
     [
-        ("backcopy:start=sideways", "backcopy: start=sideways is not one of random, chain"),
-        ("backcopy:starts=chain", "backcopy: unknown option 'starts=chain'; valid: start (random, chain)"),
-        ("backcopy:trigger_prob=1.5", "trigger_prob=1.5 is not a probability"),
+        ("backcopy:start=sideways", "backcopy: start must be one of random, chain, got 'sideways'"),
+        ("backcopy:starts=chain", "backcopy: unknown option 'starts=chain'; valid: start (str, one of random, chain)"),
+        ("backcopy:trigger_prob=1.5", "backcopy: trigger_prob must be in [0, 1], got 1.5"),
+        ("backcopy:trigger_prob=nan", "backcopy: trigger_prob must be a finite number, got nan"),
         ("backcopy:trigger_prob=often", "backcopy: trigger_prob expects float, got 'often'"),
-        ("backcopy:triggers=0", "triggers=0 needs at least 1 trigger token"),
+        ("backcopy:triggers=0", "backcopy: triggers must be >= 1, got 0"),
     ],
 )
 def test_bad_task_options_name_the_option(source, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         task_options(source)
 
 

@@ -33,7 +33,7 @@ BAD = {
     "backcopy-option": (
         TINY + "    train: {data: 'backcopy:start=sideways'}\n",
         5,
-        "backcopy: start=sideways is not one of random, chain",
+        "backcopy: start must be one of random, chain, got 'sideways'",
     ),
     "calibration-backcopy-option": (
         TINY + "calibration: {data: 'backcopy:trigger=0.1'}\n",

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..options import Option
 from ..variants import GATE_KINDS, GateSpec, gate_kind, logit
 
 __all__ = ["AttentionDims", "Gate", "ProjGate", "build_gate"]
@@ -239,7 +240,7 @@ class OutputGate(ProjGate):
     "Bondarenko et al.: per head sigmoid(G_h(x_h)) from the head's d_head slice of x",
     pi_init=0.25,
     low_rank=False,
-    options={"mode": (str, "linear", ("linear", "mlp", "all-heads"))},
+    options={"mode": Option(str, ("linear", "mlp", "all-heads"), "linear")},
 )
 class BondarenkoGate(Gate):
     """Bondarenko et al. eq. 5: per head h, sigmoid(G_h(x_h)) with x_h the h-th of Hq equal slices
@@ -283,9 +284,9 @@ class BondarenkoGate(Gate):
     "hyga",
     "HyGA: sigmoid(X-gate(x) + H-gate(SDPA out)) * sigmoid(C-gate(all heads)), low rank d_int",
     options={
-        "h_gate": (bool, True, (True, False)),
-        "c_gate": (bool, True, (True, False)),
-        "fusion": (str, "sum", ("sum", "product")),
+        "h_gate": Option(bool, (True, False), True),
+        "c_gate": Option(bool, (True, False), True),
+        "fusion": Option(str, ("sum", "product"), "sum"),
     },
     aliases={"d_int": "low_rank"},  # the paper's name for the gate rank
 )

@@ -21,18 +21,17 @@ from typing import TypedDict, cast
 import torch
 
 from ..errors import InputError
-from ..options import key_values
+from ..options import Option, Range, key_values
 
 __all__ = ["BackcopyBatches", "Resumable", "TASK_OPTIONS", "TaskOptions", "is_backcopy", "task_options"]
 
 _STARTS = ("random", "chain")  # the token after BOS: uniform over the vocabulary, or drawn from BOS's successors
 
-# option: (type, its valid values or None); start: see _STARTS; trigger_prob: the chance of a trigger at each
-# position; triggers: how many there are
-TASK_OPTIONS: dict[str, tuple[type, tuple[str, ...] | None]] = {
-    "start": (str, _STARTS),
-    "trigger_prob": (float, None),
-    "triggers": (int, None),
+# start: see _STARTS; trigger_prob: the chance of a trigger at each position; triggers: how many there are
+TASK_OPTIONS: dict[str, Option] = {
+    "start": Option(str, _STARTS),
+    "trigger_prob": Option(float, Range.between(0, 1)),
+    "triggers": Option(int, Range.between(1)),
 }
 
 
@@ -93,18 +92,13 @@ def task_options(source: str) -> TaskOptions:
     _, _, arg = source.partition(":")
     if not is_backcopy(source):
         raise InputError(f"{source!r} is not a backcopy source (backcopy[:key=value,...])")
-    valid = ", ".join(f"{k} ({', '.join(v[1]) if v[1] else v[0].__name__})" for k, v in TASK_OPTIONS.items())
-    parsed = dict(key_values("backcopy", arg, lambda k: TASK_OPTIONS[k][0] if k in TASK_OPTIONS else None, valid=valid))
+    valid = ", ".join(f"{k} ({o.type.__name__}, {o.wants})" for k, o in TASK_OPTIONS.items())
+    parsed = dict(
+        key_values("backcopy", arg, lambda k: TASK_OPTIONS[k].type if k in TASK_OPTIONS else None, valid=valid)
+    )
     for key, value in parsed.items():
-        choices = TASK_OPTIONS[key][1]
-        if choices and value not in choices:
-            raise InputError(f"backcopy: {key}={value} is not one of {', '.join(choices)}")
-    options = cast(TaskOptions, parsed)  # key_values converted each value to its TASK_OPTIONS type
-    if not 0 <= options.get("trigger_prob", 0.5) <= 1:
-        raise InputError(f"backcopy: trigger_prob={options['trigger_prob']} is not a probability (0-1)")
-    if options.get("triggers", 1) < 1:
-        raise InputError(f"backcopy: triggers={options['triggers']} needs at least 1 trigger token")
-    return options
+        TASK_OPTIONS[key].check("backcopy", key, value)
+    return cast(TaskOptions, parsed)  # key_values converted each value to its TASK_OPTIONS type
 
 
 class BackcopyBatches(Resumable):

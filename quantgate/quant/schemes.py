@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import InputError
-from ..options import Range, key_values, printed
+from ..options import Option, Range, key_values, printed
 from ..registry import Registry
 from .quantizers import BLOCK, ESTIMATORS, FORMATS, INT_BITS
 
@@ -466,22 +466,14 @@ def handler_for(scheme: Scheme) -> Handler:
 
 
 @dataclass(frozen=True)
-class Option:
-    """A scheme option: where it lives (``weight``, ``act`` or None: the scheme), its field, type,
-    valid values (choices, or a numeric :class:`~quantgate.options.Range`) and accepted aliases."""
+class SchemeOption(Option):
+    """A scheme option: an :class:`~quantgate.options.Option` (type, valid values), where it lives (``weight``,
+    ``act``, ``kv`` or None: the scheme itself), the field it sets there, and accepted aliases."""
 
+    _: KW_ONLY
     where: str | None
     field: str
-    type: type
-    valid: tuple | Range | None = None
     aliases: tuple[tuple[str, str], ...] = ()  # (alias, the value it stands for)
-
-    def check(self, scheme: str, key: str, value: object) -> None:
-        if isinstance(self.valid, Range):
-            assert isinstance(value, (int, float))  # a Range bounds an int or float option
-            self.valid.check(scheme, key, value)
-        elif self.valid is not None and value not in self.valid:
-            raise InputError(f"{scheme}: {key} must be one of {', '.join(self.valid)}, got {value!r}")
 
     def read(self, holder: object) -> object:
         return getattr(holder, self.field)
@@ -492,7 +484,7 @@ class Option:
 
 
 @dataclass(frozen=True)
-class BitsOption(Option):
+class BitsOption(SchemeOption):
     """The width of an integer format, kept in the format's name (``a_bits=6``: format ``int6``);
     None for float and block-scaled formats, whose width is fixed."""
 
@@ -504,42 +496,42 @@ class BitsOption(Option):
         return f"int{value}"
 
 
-OPTIONS: Registry[str, Option] = Registry(
+_BITS = Range.between(2, 8)
+OPTIONS: Registry[str, SchemeOption] = Registry(
     "scheme option",
     {
-        "w_granularity": Option("weight", "granularity", str, ("tensor", "channel", "group")),
-        "w_estimator": Option("weight", "estimator", str, ("minmax", "mse")),
-        "w_symmetric": Option("weight", "symmetric", bool),
-        "group_size": Option("weight", "group_size", int, Range.between(lo=1)),
-        "a_granularity": Option("act", "granularity", str, ("tensor", "token", "channel")),
-        "a_symmetric": Option("act", "symmetric", bool),
-        "dynamic": Option("act", "dynamic", bool),
-        "estimator": Option("act", "estimator", str, ESTIMATORS),
-        "momentum": Option("act", "momentum", float, Range.between(0.0, 1.0, hi_open=True)),  # r = m r + (1 - m) x
-        "percentile": Option(
-            "act", "percentile", float, Range.between(50.0, 100.0, lo_open=True)
-        ),  # clips (100 - p)% each side
-        "calib_skip": Option(
-            "act", "calib_skip", int, Range.between(lo=0)
-        ),  # first positions of each sequence, not calibrated
-        "a_bits": BitsOption("act", "format", int, Range.between(2, 8)),
-        "w_bits": BitsOption("weight", "format", int, Range.between(2, 8)),
+        "w_granularity": SchemeOption(str, ("tensor", "channel", "group"), where="weight", field="granularity"),
+        "w_estimator": SchemeOption(str, ("minmax", "mse"), where="weight", field="estimator"),
+        "w_symmetric": SchemeOption(bool, where="weight", field="symmetric"),
+        "group_size": SchemeOption(int, Range.between(1), where="weight", field="group_size"),
+        "a_granularity": SchemeOption(str, ("tensor", "token", "channel"), where="act", field="granularity"),
+        "a_symmetric": SchemeOption(bool, where="act", field="symmetric"),
+        "dynamic": SchemeOption(bool, where="act", field="dynamic"),
+        "estimator": SchemeOption(str, ESTIMATORS, where="act", field="estimator"),
+        # r = m r + (1 - m) x
+        "momentum": SchemeOption(float, Range.between(0.0, 1.0, hi_open=True), where="act", field="momentum"),
+        # clips (100 - p)% each side
+        "percentile": SchemeOption(float, Range.between(50.0, 100.0, lo_open=True), where="act", field="percentile"),
+        # first positions of each sequence, not calibrated
+        "calib_skip": SchemeOption(int, Range.between(0), where="act", field="calib_skip"),
+        "a_bits": BitsOption(int, _BITS, where="act", field="format"),
+        "w_bits": BitsOption(int, _BITS, where="weight", field="format"),
         # "everything" was a placement that missed the mid-block residual sums: it now means bondarenko
-        "acts": Option(None, "acts", str, ("linear-inputs", "bondarenko"), aliases=(("everything", "bondarenko"),)),
-        "keep": Option(None, "keep", tuple),
-        "gates": Option(None, "gates", bool),
-        "calib": Option(None, "calib", int, Range.between(lo=1)),  # batches
-        "threshold": Option(
-            None, "threshold", float, Range.between(lo=0.0)
-        ),  # LLM.int8 outlier magnitude; 0: none kept
-        "kv_bits": BitsOption("kv", "format", int, Range.between(2, 8)),
-        "kv_granularity": Option("kv", "granularity", str, ("token", "group", "channel")),
-        "kv_group": Option(
-            "kv", "group_size", int, Range.between(lo=1)
-        ),  # channels (group) or tokens (channel) per range
-        "sink": Option(None, "sink", int, Range.between(lo=0)),  # tokens
-        "smooth": Option(None, "smooth", float, Range.between(0.0, 1.0)),  # SmoothQuant alpha
-        "rotate": Option(None, "rotate", str, ("none", "residual", "online")),
+        "acts": SchemeOption(
+            str, ("linear-inputs", "bondarenko"), where=None, field="acts", aliases=(("everything", "bondarenko"),)
+        ),
+        "keep": SchemeOption(tuple, where=None, field="keep"),
+        "gates": SchemeOption(bool, where=None, field="gates"),
+        "calib": SchemeOption(int, Range.between(1), where=None, field="calib"),  # batches
+        # LLM.int8 outlier magnitude; 0: none kept
+        "threshold": SchemeOption(float, Range.between(0.0), where=None, field="threshold"),
+        "kv_bits": BitsOption(int, _BITS, where="kv", field="format"),
+        "kv_granularity": SchemeOption(str, ("token", "group", "channel"), where="kv", field="granularity"),
+        # channels (group) or tokens (channel) per range
+        "kv_group": SchemeOption(int, Range.between(1), where="kv", field="group_size"),
+        "sink": SchemeOption(int, Range.between(0), where=None, field="sink"),  # tokens
+        "smooth": SchemeOption(float, Range.between(0.0, 1.0), where=None, field="smooth"),  # SmoothQuant alpha
+        "rotate": SchemeOption(str, ("none", "residual", "online"), where=None, field="rotate"),
     },
 )
 

@@ -25,7 +25,7 @@ from ..models.io import DTYPES, Placement, read_config
 from ..models.presets import PRESETS, preset_config
 from ..models.sources import PACKAGED, resolve
 from ..models.swap import check_expressible
-from ..options import AT_LEAST_0, AT_LEAST_1, Range
+from ..options import AT_LEAST_0, AT_LEAST_1, Option, Range
 from ..quant.schemes import OPTIONS, get_scheme
 from ..stats import CLUSTERS
 from ..train import TRAIN_RANGES, TrainConfig
@@ -71,7 +71,7 @@ MODEL_KEYS = {
 }
 TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"out", "resume", "overwrite", "extra", "stop_after"}
 
-# Each value a study sets: (type, its range or None); None values take the defaults. The ranges are the ones
+# Each value a study sets: an Option (type, its range or None); None values take the defaults. The ranges are the ones
 # the command line checks its options against (quantgate.options): one definition for both doors
 
 
@@ -80,59 +80,63 @@ def _inside(folder: str) -> bool:
     return bool(folder.strip()) and not Path(folder).is_absolute() and ".." not in Path(folder).parts
 
 
-Rules = dict[str, tuple[Any, Range | None]]  # key: (type hint, its range or None)
+Rules = dict[str, Option]  # key: its type hint and range (or None)
 FOLDER_NAME = Range(is_folder_name, "without / or \\, not '.' or '..' (it names a folder)")
 TRAIN_RULES: Rules = {
-    k: (t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS
+    k: Option(t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS
 }
 TOP_RULES: Rules = {
-    "name": (str, FOLDER_NAME),
-    "description": (str, None),
-    "seed": (int, AT_LEAST_0),
-    "variants": (list[str], None),
-    "schemes": (list, None),
-    "models": (list, None),
-    "executor": (str, Range(lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
-    "out": (str, Range(_inside, "a folder relative to the study file, inside its folder")),  # default results/<name>
+    "name": Option(str, FOLDER_NAME),
+    "description": Option(str, None),
+    "seed": Option(int, AT_LEAST_0),
+    "variants": Option(list[str], None),
+    "schemes": Option(list, None),
+    "models": Option(list, None),
+    "executor": Option(str, Range(lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
+    "out": Option(
+        str, Range(_inside, "a folder relative to the study file, inside its folder")
+    ),  # default results/<name>
 }
 MODEL_RULES: Rules = {
-    "name": (str, FOLDER_NAME),
-    "preset": (str, None),
-    "load": (str, None),
-    "config": (dict | None, None),
-    "train": (dict | None, None),
-    "variants": (list[str], None),
-    "schemes": (list, None),
-    "seeds": (list[int], Range(lambda s: all(x >= 0 for x in s), "each >= 0")),
-    "eval": (dict | None, None),
-    "observe": (dict | None, None),
-    "dtype": (str, Range(lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
-    "resources": (dict, Range(check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
-    "placement": (dict, None),  # Placement's fields: _check_placement
+    "name": Option(str, FOLDER_NAME),
+    "preset": Option(str, None),
+    "load": Option(str, None),
+    "config": Option(dict | None, None),
+    "train": Option(dict | None, None),
+    "variants": Option(list[str], None),
+    "schemes": Option(list, None),
+    "seeds": Option(list[int], Range(lambda s: all(x >= 0 for x in s), "each >= 0")),
+    "eval": Option(dict | None, None),
+    "observe": Option(dict | None, None),
+    "dtype": Option(str, Range(lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
+    "resources": Option(dict, Range(check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
+    "placement": Option(dict, None),  # Placement's fields: _check_placement
 }
 DATA_RULES: Rules = {
-    "data": (str, None),
-    "batches": (int, AT_LEAST_1),
-    "seq_len": (int, AT_LEAST_1),
-    "batch_size": (int, AT_LEAST_1),
+    "data": Option(str, None),
+    "batches": Option(int, AT_LEAST_1),
+    "seq_len": Option(int, AT_LEAST_1),
+    "batch_size": Option(int, AT_LEAST_1),
 }
 SECTION_RULES: dict[str, Rules] = {
     "calibration": DATA_RULES,
-    "observe": {**DATA_RULES, "sink_tokens": (int, AT_LEAST_1)},
+    "observe": {**DATA_RULES, "sink_tokens": Option(int, AT_LEAST_1)},
     "eval": {
-        "tasks": (list[str], None),
-        "limit": (float | dict[str, float | None] | None, None),  # values: _check_limit
-        "batch_size": (int | str, Range(lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")),
-        "max_length": (int, AT_LEAST_1),
+        "tasks": Option(list[str], None),
+        "limit": Option(float | dict[str, float | None] | None, None),  # values: _check_limit
+        "batch_size": Option(
+            int | str, Range(lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")
+        ),
+        "max_length": Option(int, AT_LEAST_1),
     },  # lm-eval's window (tokens); default: see _eval_settings
     "report": {
-        "notes": (str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
-        "criterion": (str, None),  # the experiment's success criterion, committed before its runs
-        "pairs": (list[list[str]], Range(lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
-        "baseline": (str, None),  # a variant the report sets every other variant of a model against
-        "fixes": (dict, None),
+        "notes": Option(str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
+        "criterion": Option(str, None),  # the experiment's success criterion, committed before its runs
+        "pairs": Option(list[list[str]], Range(lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
+        "baseline": Option(str, None),  # a variant the report sets every other variant of a model against
+        "fixes": Option(dict, None),
         # the unit the intervals resample: "work" (documents of one work together; the default) or "document"
-        "cluster": (str, Range(lambda c: c in CLUSTERS, " or ".join(repr(c) for c in CLUSTERS))),
+        "cluster": Option(str, Range(lambda c: c in CLUSTERS, " or ".join(repr(c) for c in CLUSTERS))),
     },  # {reference: scheme, within: fraction}: the report opens with a ranking
 }
 
@@ -398,12 +402,12 @@ def _fits(value, hint) -> bool:
 
 
 def _check_values(given: dict, rules: dict, where: tuple, fail) -> None:
-    """Check each value of ``given`` against its rule: (type, its :class:`~quantgate.options.Range` or None)."""
+    """Check each value of ``given`` against its rule, an :class:`~quantgate.options.Option` (type, range)."""
     for key, value in given.items():
-        hint, test = rules.get(key, (object, None))
-        if _fits(value, hint) and (value is None or test is None or value in test):
+        rule = rules.get(key, Option(object))
+        if _fits(value, rule.type) and (value is None or rule.accepts(value)):
             continue
-        wants = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(hint)) + (f", {test.wants}" if test else "")
+        wants = re.sub(r"<class '(\w+)'>|typing\.", r"\1", str(rule.type)) + (f", {rule.wants}" if rule.valid else "")
         fail((*where, key), f"{key} must be {wants}; got {value!r}{_number_as_text(value)}")
 
 

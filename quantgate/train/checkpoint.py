@@ -27,7 +27,7 @@ from ..errors import InputError, MissingFile
 from ..files import json_kind, publish_folder, read_json, short_repr, temporary_folder, write_failure
 from ..models.families import config_of, family_of
 from ..models.swap import variant_of
-from ..options import AT_LEAST_0, AT_LEAST_1, Range, in_range
+from ..options import AT_LEAST_0, AT_LEAST_1, Option, Range
 from .config import Batch, TrainConfig
 from .rng import save_rng
 
@@ -229,23 +229,23 @@ def newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
 TRAINER_LIMIT = 64 << 20  # bytes: the most of a trainer.json read (a run's is a few kB)
 _MISSING = object()
 
-# trainer.json's fields: (JSON type, range or None); each is checked before a resume uses it
-TRAINER_FIELDS: dict[str, tuple[type | tuple[type, ...], Range | None]] = {
-    "identity": (dict, None),
-    "identity.family": (str, None),
-    "identity.variant": (str, None),
-    "identity.parameters": (int, AT_LEAST_0),
-    "identity.shapes_sha": (str, None),
-    "config": (dict, None),
-    "world_size": (int, AT_LEAST_1),
-    "progress": (dict, None),
-    "progress.step": (int, AT_LEAST_0),
-    "progress.tokens": (int, AT_LEAST_0),
-    "optimizer": (dict, None),
-    "optimizer.param_groups": (list, Range(lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
-    "scheduler": (dict, None),
-    "data": (dict, None),
-    "scaler": ((dict, type(None)), None),
+# trainer.json's fields: an Option each (JSON type or types, range or None), checked before a resume uses it
+TRAINER_FIELDS: dict[str, Option] = {
+    "identity": Option(dict, None),
+    "identity.family": Option(str, None),
+    "identity.variant": Option(str, None),
+    "identity.parameters": Option(int, AT_LEAST_0),
+    "identity.shapes_sha": Option(str, None),
+    "config": Option(dict, None),
+    "world_size": Option(int, AT_LEAST_1),
+    "progress": Option(dict, None),
+    "progress.step": Option(int, AT_LEAST_0),
+    "progress.tokens": Option(int, AT_LEAST_0),
+    "optimizer": Option(dict, None),
+    "optimizer.param_groups": Option(list, Range(lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
+    "scheduler": Option(dict, None),
+    "data": Option(dict, None),
+    "scaler": Option((dict, type(None)), None),
 }
 
 
@@ -258,18 +258,18 @@ def _read_trainer(path: Path) -> dict:
     saved = read_json(file, limit=TRAINER_LIMIT)
     if saved.get("format") != CHECKPOINT_FORMAT:
         raise InputError("it is in an older format (accelerate's pickled state), which quantgate does not load")
-    for name, (kind, valid) in TRAINER_FIELDS.items():
+    for name, field in TRAINER_FIELDS.items():
+        kind = field.type
         value: object = saved
         for part in name.split("."):
             value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
         if value is _MISSING:
             raise InputError(f"{file} lacks {name}")
         exact = not isinstance(value, bool) or kind is bool
-        if not (exact and isinstance(value, kind) and in_range(value, valid)):
+        if not (exact and isinstance(value, kind) and field.accepts(value)):
             wants = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
-            raise InputError(
-                f"{file}: {name} must be a JSON {wants}{f', {valid.wants}' if valid else ''}; got {short_repr(value)}"
-            )
+            wants += f", {field.wants}" if field.valid else ""
+            raise InputError(f"{file}: {name} must be a JSON {wants}; got {short_repr(value)}")
     if "model_config" in saved and not isinstance(saved["model_config"], dict):
         raise InputError(f"{file}: model_config must be a JSON object; got {short_repr(saved['model_config'])}")
     missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (path / f).is_file()]
