@@ -63,7 +63,7 @@ __all__ = [
     "get_scheme",
     "act_bits",
     "OPTIONS",
-    "Option",
+    "SchemeOption",
 ]
 
 

@@ -1,0 +1,181 @@
+"""Each kind of extension docs/architecture.md lists, written as one module outside the package (issue 45): a
+gate, a scheme, a model family, a report section (the backend is tests/test_house.py's). Each module is
+imported from a temporary folder, registers through the package's registries and is then used end to end; the
+registries are put back afterwards. The page's table says how many files each kind touches, and the count
+checked here is that number: one module, nothing of the package edited."""
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import quantgate as qg
+
+ROOT = Path(__file__).parents[1]
+
+TOY_GATE = '''"""A gate in one module: G1 per head with a temperature option."""
+import torch
+
+from quantgate.attention.gates import Gate, _heads, _proj
+from quantgate.options import Option
+from quantgate.variants import gate_kind
+
+
+@gate_kind(
+    "g1-toy",
+    "test: sigmoid(x W / t) per (head, channel), t = 1 (cold) or 4 (warm)",
+    pi_init=0.3,
+    options={"heat": Option(str, ("cold", "warm"), "cold")},
+)
+class ToyGate(Gate):
+    x_readers = ("proj",)
+
+    def __init__(self, spec, dims, std):
+        super().__init__(spec, dims)
+        self.t = 4.0 if spec.option("heat") == "warm" else 1.0
+        self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init * self.t, std)
+
+    @classmethod
+    def bias_for(cls, pi_init):
+        return float(torch.logit(torch.tensor(pi_init)))
+
+    def compute(self, x):
+        return torch.sigmoid(_heads(self.proj(x), self.dims.n_heads) / self.t)
+'''
+
+TOY_SCHEME = '''"""A scheme in one module: a row of an existing class."""
+from quantgate.quant.schemes import SCHEMES, SimulatedScheme, TensorQuant
+
+SCHEMES.add(
+    "w6a8-toy",
+    SimulatedScheme(
+        "w6a8-toy",
+        "test: INT6 weights per channel, INT8 activations per token, dynamic",
+        weight=TensorQuant("int6", "channel"),
+        act=TensorQuant("int8", "token", dynamic=True),
+    ),
+)
+'''
+
+TOY_FAMILY = '''"""A model family in one module: Mistral's row, and a tiny preset of it."""
+from quantgate.models.families import _DECODER, _GATED_MLP, FAMILIES, Family
+from quantgate.models.presets import PRESETS, Preset, _decoder
+
+FAMILIES.add(
+    "mistral",
+    Family("mistral", ("mistral",), "MistralConfig", "MistralForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+)
+PRESETS.add("tiny-mistral", Preset("mistral", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2"))
+'''
+
+TOY_SECTION = '''"""A report section in one module, placed after "What the numbers show"."""
+from quantgate.study.report import SECTIONS
+
+
+def cells_and_schemes(report):
+    return f"\\n## Toy section\\n\\n{len(report.cells)} cells, {len(report.schemes)} schemes\\n"
+
+
+SECTIONS.add("cells_and_schemes", cells_and_schemes, after="numbers")
+'''
+
+
+@pytest.fixture
+def extension(tmp_path, monkeypatch, registries):
+    """``extension(name, text)``: the module ``name`` written to a temporary folder and imported; the package's
+    registries it may fill are put back after the test."""
+    from quantgate.models.families import FAMILIES
+    from quantgate.models.presets import PRESETS
+    from quantgate.quant.schemes import SCHEMES
+    from quantgate.study.report import SECTIONS
+    from quantgate.variants import GATE_KINDS
+
+    registries(GATE_KINDS, SCHEMES, FAMILIES, PRESETS, SECTIONS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def load(name: str, text: str):
+        (tmp_path / f"{name}.py").write_text(text)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        return importlib.import_module(name)
+
+    return load
+
+
+def _ids(model, n=10):
+    return torch.randint(0, model.config.vocab_size, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def test_a_gate_is_one_module(extension, tmp_path):
+    toy = extension("toy_gate", TOY_GATE)
+    printed = str(qg.AttentionVariant.parse("g1-toy:heat=warm,low_rank=4"))
+    assert printed == "g1-toy:low_rank=4,heat=warm"  # the grammar parses and prints its option
+    with pytest.raises(ValueError, match=r"g1-toy: heat must be one of cold, warm, got 'hot'"):
+        qg.AttentionVariant.parse("g1-toy:heat=hot")
+    model = qg.build("tiny-llama", "g1-toy:heat=warm", seed=0).eval()
+    gate = model.get_submodule("model.layers.0.self_attn.gate")
+    assert isinstance(gate, toy.ToyGate)
+    with torch.no_grad():
+        gate.get_parameter("proj.weight").zero_()  # the bias alone: the gate starts at pi_init
+        torch.testing.assert_close(gate(torch.randn(1, 3, 64)), torch.full((1, 4, 3, 16), 0.3))
+    qg.save(model, tmp_path / "gated")
+    again = qg.load(tmp_path / "gated")
+    assert str(qg.variant_of(again)) == "g1-toy:heat=warm"
+    with torch.no_grad():
+        torch.testing.assert_close(again(_ids(model)).logits, model(_ids(model)).logits)
+
+
+def test_a_scheme_is_one_module(extension, tmp_path):
+    extension("toy_scheme", TOY_SCHEME)
+    model = qg.build("tiny-llama", seed=0).eval()
+    q = qg.quantize(model, "w6a8-toy:w_bits=5")
+    assert (qg.quantization_of(q) or {}).get("scheme") == "w6a8-toy:w_bits=5"
+    w = q.get_parameter("model.layers.0.mlp.up_proj.weight")
+    for row in w:  # INT5 per channel, symmetric: at most 2^5 - 1 levels in a row
+        assert row.unique().numel() <= 31
+    qg.save(q, tmp_path / "q")
+    with torch.no_grad():
+        torch.testing.assert_close(qg.load(tmp_path / "q")(_ids(model)).logits, q(_ids(model)).logits)
+
+
+def test_a_family_is_one_module(extension):
+    extension("toy_family", TOY_FAMILY)
+    model = qg.build("tiny-mistral", "g1-headwise", seed=0).eval()
+    assert type(model).__name__ == "MistralForCausalLM" and str(qg.variant_of(model)) == "g1-headwise"
+    assert qg.models.family_of(model).name == "mistral"
+    data = [{"input_ids": _ids(model, 16), "attention_mask": torch.ones(2, 16, dtype=torch.long)}]
+    report = qg.observe(model, data, progress=False)
+    mass = report.summary.sink_mass
+    assert mass is not None and 0 < mass <= 1
+    q = qg.quantize(model, "w8a8-int8-static", calibration=data, calib=1)
+    with torch.no_grad():
+        assert torch.isfinite(q(_ids(model)).logits).all()
+
+
+def test_a_report_section_is_one_module(extension, tmp_path):
+    import shutil
+
+    from quantgate.study.report import write_study_report
+
+    extension("toy_section", TOY_SECTION)
+    run = tmp_path / "quickstart"
+    shutil.copytree(ROOT / "results" / "quickstart", run, ignore=shutil.ignore_patterns("cells", "*.png"))
+    write_study_report(run)
+    page = (run / "report.md").read_text()
+    headings = re.findall(r"^## (.+)$", page, flags=re.M)
+    assert "Toy section" in headings
+    at = headings.index("Toy section")
+    assert headings[at - 1] == "What the numbers show"  # after numbers, as registered
+
+
+def test_the_architecture_page_counts_one_file_for_each_kind():
+    """The page's "Where a new thing goes" table names the one file each kind tested here touches."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = dict(
+        re.findall(r"^\| (a gate|a quantization scheme|a model family|a report section) \| (.+?) \|", page, re.M)
+    )
+    assert set(rows) == {"a gate", "a quantization scheme", "a model family", "a report section"}
+    for kind, touch in rows.items():
+        assert len(re.findall(r"`quantgate/[\w/]+\.py`", touch)) == 1, (kind, touch)
