@@ -45,7 +45,6 @@ from quantgate.study.measures import (
     ppl_of,
     scheme_change,
 )
-from quantgate.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "findings.md"  # the headline table moves with the findings
@@ -186,7 +185,7 @@ def bondarenko_table2_paper() -> str:
     study = load_study(ROOT / "experiments" / "bondarenko_table2_paper.yaml")
     tokens = []
     for m in study.models:
-        c = TrainConfig(**_known(m.train))
+        c = _known(m.train).value
         tokens.append(f"{c.steps * c.batch_size * c.grad_accum * c.seq_len / 1e9:.1f} B tokens per {m.name} run")
     return f"validated by `--dry-run` in CI: {len(study.cells())} cells, {' and '.join(tokens)}"
 

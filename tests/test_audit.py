@@ -13,6 +13,7 @@ import quantgate as qg
 from quantgate.audit import LADDER, MIN_DOCS, REFERENCE, AuditError, parse_budget, parse_within
 from quantgate.cli import main
 from quantgate.study import load_study, run_study
+from quantgate.study.grid import LoadSource
 
 FAST: dict[str, Any] = {"budget": "10m", "docs": MIN_DOCS, "progress": False}  # the fewest that give a verdict
 
@@ -214,7 +215,7 @@ def test_a_quantized_checkpoint_is_audited_through_its_float_source(tmp_path, mo
     q = qg.quantize(qg.load(folder), "w8a8-int8-dynamic")
     qg.save(q, tmp_path / "q")
     study = _first_study(monkeypatch, str(tmp_path / "q"), tmp_path / "audit")
-    assert study.models[0].source == {"load": str(folder.resolve())}
+    assert study.models[0].source == LoadSource(str(folder.resolve()))
 
 
 def test_a_hub_id_is_audited_from_the_local_cache(tmp_path, monkeypatch):
@@ -227,7 +228,7 @@ def test_a_hub_id_is_audited_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     study = _first_study(monkeypatch, "someone/tiny", tmp_path / "audit")
-    assert study.models[0].source == {"load": str(snapshot.resolve())}
+    assert study.models[0].source == LoadSource(str(snapshot.resolve()))
 
 
 def test_a_second_audit_reuses_the_documents_it_sized_to_the_budget(tmp_path, monkeypatch):

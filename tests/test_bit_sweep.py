@@ -30,7 +30,7 @@ def _study(tmp_path, entry):
 
 def test_listed_option_values_expand_to_one_scheme_each(tmp_path):
     study = _study(tmp_path, "{scheme: w8a8-int8-bondarenko, a_bits: [8, 6, 4], estimator: percentile}")
-    assert [s["scheme"] for s in study.models[0].schemes] == [
+    assert [s.scheme for s in study.models[0].schemes] == [
         "w8a8-int8-bondarenko:estimator=percentile",
         "w8a8-int8-bondarenko:estimator=percentile,a_bits=6",
         "w8a8-int8-bondarenko:estimator=percentile,a_bits=4",

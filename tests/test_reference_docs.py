@@ -135,6 +135,7 @@ def test_stated_study_defaults_are_load_studys(generator, tmp_path):
     """The defaults the page states for top-level and model keys (written in the generator, since they live in
     load_study's code rather than in a table) are the ones load_study applies."""
     from quantgate.study import schema
+    from quantgate.study.grid import PresetSource
 
     assert set(generator.STUDY_DEFAULTS) <= set(schema.TOP_KEYS)
     assert set(generator.MODEL_DEFAULTS) <= set(schema.MODEL_KEYS)
@@ -147,7 +148,7 @@ def test_stated_study_defaults_are_load_studys(generator, tmp_path):
     assert model.name == "tiny-llama" and model.seeds == [0] and model.variants == ["vanilla"]
     assert model.schemes == [] and model.dtype is None and model.train is None
     assert model.resources is None and model.placement is None
-    assert model.source == {"preset": "tiny-llama", "config": {}}
+    assert model.source == PresetSource("tiny-llama", {})
     for sec, settings in [("eval", model.eval), ("observe", model.observe), ("calibration", model.calibration)]:
         for key, default in schema.SECTION_KEYS[sec].items():
             assert getattr(settings, key) == default, (sec, key)

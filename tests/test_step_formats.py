@@ -1,7 +1,7 @@
-"""Each study step's output format has a version (quantgate.study.steps.STEP_FORMATS). A tiny study's step files
-are reduced to their shape (keys and value kinds, lists by their first item) and held to tests/step_formats.json:
-a step whose output changes shape under the same version fails here, naming the step and what to bump; a
-resumed study recomputes, and names, steps that other code computed.
+"""Each study step's output format has a version (its ``format`` in quantgate.study.steps.STEPS). A tiny study's
+step files are reduced to their shape (keys and value kinds, lists by their first item) and held to
+tests/step_formats.json: a step whose output changes shape under the same version fails here, naming the step and
+what to bump; a resumed study recomputes, and names, steps that other code computed.
 
     python tests/test_step_formats.py     # after bumping a version: write the shapes this code makes
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.models.cost import GateCost
-from quantgate.study import run_study, steps
+from quantgate.study import load_study, run_study, steps
 
 SHAPES = Path(__file__).with_name("step_formats.json")
 STUDY = (
@@ -39,12 +39,19 @@ def shape(value):
     return "number" if isinstance(value, (int, float)) else type(value).__name__
 
 
+def formats() -> dict[str, int]:
+    """Each step's format now."""
+    return {name: step.format for name, step in steps.STEPS.items()}
+
+
 def shapes(run: Path) -> dict:
-    """Each step kind's output shape in the run's (one) cell."""
+    """Each step's output shape in the run's (one) cell."""
+    (cell,) = load_study(json.loads((run / "metrics.json").read_text())["study"]["file"]).cells()
+    cdir = next(run.glob("cells/*"))
     found = {}
-    for f in sorted(run.glob("cells/*/*.json")):
-        data = json.loads(f.read_text())
-        found[steps.step_kind(f.stem)] = shape({k: v for k, v in data.items() if k not in VOLATILE})
+    for step, name, _ in steps._CellRun(cell, cdir).planned():
+        data = json.loads((cdir / f"{name}.json").read_text())
+        found[step.name] = shape({k: v for k, v in data.items() if k not in VOLATILE})
     return found
 
 
@@ -55,12 +62,12 @@ def problems(found: dict, recorded: dict, formats: dict) -> list[str]:
         was = recorded.get(kind, {})
         if was.get("format") != version:
             out.append(
-                f"{kind}: STEP_FORMATS says {version}, {SHAPES.name} holds format {was.get('format')}: "
+                f"{kind}: STEPS says format {version}, {SHAPES.name} holds format {was.get('format')}: "
                 f"run python tests/test_step_formats.py to record the shape of format {version}"
             )
         elif was.get("shape") != found.get(kind):
             out.append(
-                f"{kind}: its output changed shape under format {version}: raise STEP_FORMATS['{kind}'] "
+                f"{kind}: its output changed shape under format {version}: raise STEPS['{kind}'].format "
                 f"(cached results of the old code are then computed again), then run python "
                 f"tests/test_step_formats.py"
             )
@@ -80,8 +87,8 @@ def run(tmp_path_factory):
 
 def test_every_step_keeps_the_shape_its_format_records(run):
     found = shapes(run)
-    assert set(found) == set(steps.STEP_FORMATS)
-    assert problems(found, json.loads(SHAPES.read_text()), steps.STEP_FORMATS) == []
+    assert set(found) == set(steps.STEPS)
+    assert problems(found, json.loads(SHAPES.read_text()), formats()) == []
 
 
 def test_a_changed_output_under_the_same_format_fails(tmp_path, monkeypatch):
@@ -94,12 +101,12 @@ def test_a_changed_output_under_the_same_format_fails(tmp_path, monkeypatch):
     cost = steps.gate_cost
     monkeypatch.setattr(steps, "gate_cost", lambda model: CostWithBytes(**dataclasses.asdict(cost(model))))
     found = shapes(_run(tmp_path))
-    assert problems(found, json.loads(SHAPES.read_text()), steps.STEP_FORMATS) == [
-        "cost: its output changed shape under format 1: raise STEP_FORMATS['cost'] (cached results of the old code "
+    assert problems(found, json.loads(SHAPES.read_text()), formats()) == [
+        "cost: its output changed shape under format 1: raise STEPS['cost'].format (cached results of the old code "
         "are then computed again), then run python tests/test_step_formats.py"
     ]
-    bumped = {**steps.STEP_FORMATS, "cost": 2}
-    assert problems(found, json.loads(SHAPES.read_text()), bumped)[0].startswith("cost: STEP_FORMATS says 2")
+    bumped = {**formats(), "cost": 2}
+    assert problems(found, json.loads(SHAPES.read_text()), bumped)[0].startswith("cost: STEPS says format 2")
 
 
 def test_a_resumed_study_recomputes_and_names_steps_other_code_made(run, tmp_path, monkeypatch, caplog):
@@ -108,7 +115,7 @@ def test_a_resumed_study_recomputes_and_names_steps_other_code_made(run, tmp_pat
     again = tmp_path / "run"
     shutil.copytree(run, again)
     before = {f.name: f.stat().st_mtime_ns for f in again.glob("cells/*/*.json")}
-    monkeypatch.setitem(steps.STEP_FORMATS, "cost", 2)
+    monkeypatch.setitem(steps.STEPS, "cost", dataclasses.replace(steps.STEPS["cost"], format=2))
     with caplog.at_level(logging.WARNING, logger="quantgate"):
         _run(tmp_path)
     after = {f.name: f.stat().st_mtime_ns for f in again.glob("cells/*/*.json")}
@@ -123,6 +130,6 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         made = shapes(_run(Path(tmp)))
     SHAPES.write_text(
-        json.dumps({k: {"format": steps.STEP_FORMATS[k], "shape": made[k]} for k in sorted(made)}, indent=1) + "\n"
+        json.dumps({k: {"format": formats()[k], "shape": made[k]} for k in sorted(made)}, indent=1) + "\n"
     )
     print(f"wrote {SHAPES}", file=sys.stderr)

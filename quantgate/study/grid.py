@@ -8,14 +8,21 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from ..models.io import Placement
 from ..quant.schemes import OPTIONS, get_scheme
+from ..train import TrainConfig
 
 __all__ = [
     "DataSettings",
     "ObserveSettings",
     "EvalSettings",
+    "PresetSource",
+    "LoadSource",
+    "ModelSource",
+    "SchemeEntry",
+    "Written",
     "ModelSpec",
     "Study",
     "Cell",
@@ -66,13 +73,79 @@ class EvalSettings:
         return d if self.max_length is not None else {k: v for k, v in d.items() if k != "max_length"}
 
 
+@dataclass(frozen=True)
+class PresetSource:
+    """A model built from a preset (``preset:``) with ``config:``'s overrides of its config (empty: none)."""
+
+    preset: str
+    config: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The source as config.yaml, metrics.json and the model's step key record it."""
+        return {"preset": self.preset, "config": self.config}
+
+
+@dataclass(frozen=True)
+class LoadSource:
+    """A model loaded from a checkpoint (``load:``): a packaged model's name, a folder or a hub id."""
+
+    load: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The source as config.yaml, metrics.json and the model's step key record it."""
+        return {"load": self.load}
+
+
+ModelSource = PresetSource | LoadSource  # where a study model comes from: exactly one of preset: or load:
+
+
+@dataclass(frozen=True)
+class SchemeEntry:
+    """One scheme a model is quantized with: its canonical name (a ``schemes:`` entry's sweep expanded) and the
+    tasks its evaluation runs, a subset of the model's (None: all of them)."""
+
+    scheme: str
+    tasks: list[str] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as config.yaml and metrics.json record it."""
+        return {"scheme": self.scheme, "tasks": self.tasks}
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Written(Generic[T]):
+    """A study file's mapping as the typed value it makes (``value``: a TrainConfig, a Placement) and as the file
+    wrote it (``given``: the keys set, in the file's order, with the values YAML read). config.yaml, metrics.json
+    and the step keys record ``given``: a default the type fills in (every other TrainConfig field) or a value it
+    normalises (Placement's max_memory key "0": GPU 0) is not what the file said, and recording it would change a
+    recorded study and the key of every cached step."""
+
+    value: T
+    given: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The mapping as the study file wrote it."""
+        return self.given
+
+    def replace(self, **changes: Any) -> Written[T]:
+        """The same with ``changes`` set (as if the file wrote them, after its own keys)."""
+        return Written(dataclasses.replace(self.value, **changes), {**self.given, **changes})  # type: ignore[type-var]
+
+
 @dataclass
 class ModelSpec:
+    """One ``models:`` entry, resolved: where the model comes from, how it trains here (None: it does not), the
+    variants, schemes and seeds of its cells, and its evaluation, observation and calibration settings (its
+    own, else the study's)."""
+
     name: str
-    source: dict  # {"preset": ..., "config": {...}} or {"load": ...}
-    train: dict | None
+    source: ModelSource
+    train: Written[TrainConfig] | None
     variants: list[str]
-    schemes: list[dict]  # {"scheme": canonical name, "tasks": None (all of eval's) or a subset}
+    schemes: list[SchemeEntry]
     eval: EvalSettings
     observe: ObserveSettings
     seeds: list[int]
@@ -83,16 +156,21 @@ class ModelSpec:
     # what one of its cells asks of a Ray worker ({"cpus": n, "gpus": n}); None: DEFAULT_RESOURCES. The serial
     # executor ignores it; it changes no number, so no step key holds it
     resources: dict[str, float] | None = None
-    # accelerate's big-model loading of a `load:` checkpoint (Placement's fields); each scheme then quantizes a
-    # fresh load in place. Like resources it says where, not what: no step key holds it
-    placement: dict[str, Any] | None = None
+    # accelerate's big-model loading of a `load:` checkpoint; each scheme then quantizes a fresh load in place.
+    # Like resources it says where, not what: no step key holds it
+    placement: Written[Placement] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The resolved model entry, as config.yaml and metrics.json record it (dtype, resources and placement
         when set)."""
         unset = {f for f in ("dtype", "resources", "placement") if getattr(self, f) is None}
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in unset}
-        return d | {k: getattr(self, k).as_dict() for k in ("eval", "observe", "calibration")}
+        typed = ("source", "train", "eval", "observe", "calibration", "placement")
+        return (
+            d
+            | {k: v.as_dict() for k in typed if (v := getattr(self, k)) is not None}
+            | {"schemes": [s.as_dict() for s in self.schemes]}
+        )
 
 
 @dataclass
@@ -171,15 +249,7 @@ def shrink(study: Study) -> Study:
         train = (
             None
             if m.train is None
-            else {
-                **m.train,
-                **small,
-                "steps": 4,
-                "eval_every": 0,
-                "observe_every": 2,
-                "eval_batches": 1,
-                "grad_accum": 1,
-            }
+            else m.train.replace(**small, steps=4, eval_every=0, observe_every=2, eval_batches=1, grad_accum=1)
         )
         models.append(
             dataclasses.replace(

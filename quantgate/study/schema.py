@@ -32,7 +32,20 @@ from ..train import TRAIN_RANGES, TrainConfig
 from ..variants import AttentionVariant
 from ..yaml_file import read_yaml
 from .executors import DEFAULT_RESOURCES, EXECUTORS, check_resources
-from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, expand_scheme
+from .grid import (
+    Cell,
+    DataSettings,
+    EvalSettings,
+    LoadSource,
+    ModelSource,
+    ModelSpec,
+    ObserveSettings,
+    PresetSource,
+    SchemeEntry,
+    Study,
+    Written,
+    expand_scheme,
+)
 
 __all__ = ["load_study", "StudyError", "DEFAULT_STUDY"]
 
@@ -272,11 +285,14 @@ class _Reader:
             at = self.first((*where, sec, "seq_len"), (sec, "seq_len"), where)
             _check_seq_len(family, config, sec, cfg["seq_len"], at, self.fail)
         name = str(m.get("name") or m.get("preset") or m.get("load"))
-        source = {"preset": m["preset"], "config": m.get("config") or {}} if "preset" in m else {"load": str(m["load"])}
+        source: ModelSource = (
+            PresetSource(m["preset"], m.get("config") or {}) if "preset" in m else LoadSource(str(m["load"]))
+        )
+        placement = m.get("placement")
         return ModelSpec(
             name,
             source,
-            train,
+            None if train is None else Written(TrainConfig(**train), train),
             list(variants),
             list(schemes),
             EvalSettings(**ev),
@@ -285,7 +301,7 @@ class _Reader:
             DataSettings(**cal),
             m.get("dtype") if m.get("dtype") != "float32" else None,
             m.get("resources"),
-            m.get("placement"),
+            None if placement is None else Written(Placement(**placement), placement),
         )
 
     def train(self, train: Any, at: tuple, config: Any, family: Any) -> None:
@@ -317,7 +333,7 @@ class _Reader:
             except ValueError as e:
                 self.fail(at, f"variant {v!r}: {e}")
 
-    def schemes(self, m: Any, where: tuple, model_tasks: list[str]) -> list[dict]:
+    def schemes(self, m: Any, where: tuple, model_tasks: list[str]) -> list[SchemeEntry]:
         """A model's scheme entries (its own, else the study's), each expanded (bit sweeps) with its tasks, a
         subset of the model's."""
         schemes = []
@@ -336,7 +352,7 @@ class _Reader:
                     f"a scheme evaluates a subset of the model's tasks ({', '.join(model_tasks)}), "
                     f"so that its numbers compare with the float model's; got {tasks}",
                 )
-            schemes += [{"scheme": name, "tasks": tasks} for name in names]
+            schemes += [SchemeEntry(name, tasks) for name in names]
         return schemes
 
     def check_report(self, report: dict, models: list[ModelSpec]) -> None:
@@ -358,7 +374,7 @@ class _Reader:
             )
         fixes = report.get("fixes")
         if fixes is not None:
-            schemes = {e["scheme"] for m in models for e in m.schemes}
+            schemes = {e.scheme for m in models for e in m.schemes}
             _check_fixes(fixes, schemes, lambda msg: self.fail(("report", "fixes"), msg))
 
 

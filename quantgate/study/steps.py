@@ -29,6 +29,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ from ..measurements import CellObserve
 from ..models import build
 from ..models.cost import GateCost, gate_cost
 from ..models.families import family_of
-from ..models.io import DTYPES, Placement
+from ..models.io import DTYPES
 from ..models.sources import PACKAGED, package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
@@ -59,7 +60,18 @@ from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
 from ..yaml_file import yaml_text
 from .executors import run_cells
-from .grid import Cell, DataSettings, EvalSettings, ModelSpec, ObserveSettings, Study, shrink, slug
+from .grid import (
+    Cell,
+    DataSettings,
+    EvalSettings,
+    LoadSource,
+    ModelSpec,
+    ObserveSettings,
+    SchemeEntry,
+    Study,
+    shrink,
+    slug,
+)
 from .records import CellRecord, SchemeRecord, StudyRecord, Training
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
@@ -67,20 +79,6 @@ from .schema import DEFAULT_STUDY, load_study
 __all__ = ["run_study", "plan", "quantize_calibrated"]
 
 log = logging.getLogger("quantgate")
-# in the evaluation steps' keys: cached evaluations of an older format rerun (per-document values; then
-# quantgate_ppl 2.0, whose documents come in turn from each work; then backcopy's first prediction apart)
-EVAL_FORMAT = "per-document values, quantgate_ppl 2.0, backcopy after the first prediction"
-# The version of the code behind each step's output ("scheme": every scheme-<name> step). Raise a step's number
-# when its code starts computing something else (another field, meaning or selection): its key then changes,
-# so a cached result of the old code is computed again, and the run says which (a file records its format).
-# At 1 a key is what it was before formats existed. tests/test_step_formats.py holds each step's output shape at
-# its number and fails when the shape changes under the same number.
-STEP_FORMATS = {"model": 1, "observe": 2, "eval-float": 2, "cost": 1, "scheme": 2}  # 2: per-document text hashes
-
-
-def step_kind(name: str) -> str:
-    """The STEP_FORMATS entry of step file ``name`` (``scheme-w8a8-int8-static`` -> ``scheme``)."""
-    return "scheme" if name.startswith("scheme-") else name
 
 
 def _key(*parts) -> str:
@@ -91,9 +89,10 @@ def _write_json(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
-def _done(path: Path, key: str, needs: tuple[str, ...] = ()) -> dict | None:
+def _done(path: Path, key: str, needs: tuple[str, ...] = (), version: int = 1) -> dict | None:
     """The step's cached result where ``path`` holds one with ``key`` (and the fields ``needs``); None where
-    there is none to use: no file, another key, or a file that cannot be read back (then with a warning)."""
+    there is none to use: no file, another key, or a file that cannot be read back (then with a warning, which
+    names the step's format ``version`` where the file's differs)."""
     if not path.is_file():
         return None
     try:
@@ -102,7 +101,7 @@ def _done(path: Path, key: str, needs: tuple[str, ...] = ()) -> dict | None:
         log.warning("  %s; computing that step again", e)
         return None
     if data.get("key") != key:  # another key (a setting it depends on, or the step's code, changed), or none
-        was, now = data.get("format", 1), STEP_FORMATS[step_kind(path.stem)]
+        was, now = data.get("format", 1), version
         if not isinstance(data.get("key"), str):  # a file without its key cannot say what it was computed from
             log.warning("  cannot read %s: it records no key; computing that step again", path)
         elif was != now:
@@ -125,11 +124,11 @@ def _content_keys(m: ModelSpec) -> list[str]:
     made before content was keyed."""
     memo = cache_dir() / "content-sha256.json"
     keys = []
-    load_from = m.source.get("load")
-    if load_from is not None:
+    if isinstance(m.source, LoadSource):
+        load_from = m.source.load
         folder = package_dir(load_from) if load_from in PACKAGED else resolve(load_from)
         keys.append(content_sha256(folder, patterns=CHECKPOINT_FILES, memo=memo))
-    data = source_sha256(str((m.train or {}).get("data", "")))
+    data = source_sha256("" if m.train is None else m.train.value.data)
     return keys + ([data] if data else [])
 
 
@@ -149,16 +148,19 @@ def plan(path: str | Path, processes: int = 1, executor: str | None = None, smok
         _check_data_parallel(shrink(study) if smoke else study, executor or study.executor, processes)
     lines = [
         f"study {study.name}: {len(study.cells())} cells, schemes "
-        f"{', '.join(dict.fromkeys(x['scheme'] for m in study.models for x in m.schemes))}"
+        f"{', '.join(dict.fromkeys(x.scheme for m in study.models for x in m.schemes))}"
     ]
     for cell in study.cells():
         m = cell.model
-        preset = " ".join(str(x) for x in (m.source.get("preset"), m.source.get("config")) if x)
-        if m.train is None:
-            what = f"load {m.source['load']}" if "load" in m.source else f"build {preset} untrained"
+        if isinstance(m.source, LoadSource):
+            verb, untrained = f"fine-tune {m.source.load}", f"load {m.source.load}"
         else:
-            c = TrainConfig(**m.train)
-            verb = f"fine-tune {m.source['load']}" if "load" in m.source else f"train {preset}"
+            preset = " ".join(str(x) for x in (m.source.preset, m.source.config) if x)
+            verb, untrained = f"train {preset}", f"build {preset} untrained"
+        if m.train is None:
+            what = untrained
+        else:
+            c = m.train.value
             what = (
                 f"{verb} on {c.data}: {c.steps} steps x {c.batch_size * c.grad_accum} x {c.seq_len} = "
                 f"{c.steps * c.batch_size * c.grad_accum * c.seq_len:,} tokens"
@@ -197,7 +199,7 @@ def run_study(
         records = run_cells(study.cells(), out, _run_cell, executor, address)
         if not is_first():
             return out
-        order = list(dict.fromkeys(x["scheme"] for m in study.models for x in m.schemes))
+        order = list(dict.fromkeys(x.scheme for m in study.models for x in m.schemes))
         metrics = StudyRecord(
             study=study.raw,
             cells=records,
@@ -231,20 +233,23 @@ def _check_data_parallel(study: Study, executor: str, processes: int | None = No
     if processes is None:
         return
     for m in study.models:
-        for task in dict.fromkeys([*m.eval.tasks, *(t for x in m.schemes for t in x["tasks"] or ())]):
+        for task in dict.fromkeys([*m.eval.tasks, *(t for x in m.schemes for t in x.tasks or ())]):
             one = m.eval.limit.get(task) if isinstance(m.eval.limit, dict) else m.eval.limit
             check_limit_per_process(one, processes, [task], f"{m.name}'s eval limit", f" (--processes {processes})")
 
 
 class _CellRun:
-    """One cell's run: its model, loaded at first use (a step found done needs none), and its steps, each read
-    from ``cdir``/NAME.json where its key matches, else computed and written there."""
+    """One cell's run, the context its steps read: the cell, its folder ``cdir``, its model's spec, the model's
+    key and eval settings, and the model, loaded at first use (a step found done needs none). :meth:`run` reads a
+    step from ``cdir``/NAME.json where its key matches, else computes it and writes it there."""
 
     def __init__(self, cell: Cell, cdir: Path) -> None:
         self.cell, self.cdir, self.spec = cell, cdir, cell.model
         m = cell.model
         dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
-        self.model_key = _key("model", m.source, cell.variant, m.train, cell.seed, *_content_keys(m), *dtype)
+        train = None if m.train is None else m.train.as_dict()
+        self.model_key = _key("model", m.source.as_dict(), cell.variant, train, cell.seed, *_content_keys(m), *dtype)
+        self.eval = _eval_settings(m)
         self._model: nn.Module | None = None
         self._tokenizer: Any = None
         self.seconds = 0.0
@@ -259,7 +264,9 @@ class _CellRun:
         return self._model
 
     def tokenizer(self) -> Any:
-        self.model()
+        """The model's tokenizer (it outlives a placed model taken by :meth:`to_quantize`)."""
+        if self._tokenizer is None:
+            self.model()
         return self._tokenizer
 
     def to_quantize(self) -> nn.Module:
@@ -269,68 +276,146 @@ class _CellRun:
             self._model = None
         return taken
 
-    def step(self, name: str, key: str, compute: Callable[..., dict], needs: tuple[str, ...] = ()) -> dict:
+    def eval_for(self, entry: SchemeEntry) -> EvalSettings:
+        """The settings of a scheme's evaluation: the model's, on the entry's tasks where it names some."""
+        return dataclasses.replace(self.eval, tasks=entry.tasks or self.eval.tasks)
+
+    def planned(self) -> list[tuple[Step, str, SchemeEntry | None]]:
+        """The cell's steps in order: each step, its file's name and the scheme entry it is for (None: the
+        step's one file)."""
+        return [(step, name, entry) for step in STEPS.values() for name, entry in step.files(self.spec)]
+
+    def run(self, step: Step, name: str, entry: SchemeEntry | None) -> dict:
+        """``step``'s result for ``entry``: read from its file where the file holds its key, else computed
+        (and written, by rank 0)."""
         path = self.cdir / f"{name}.json"
-        version = STEP_FORMATS[step_kind(name)]
-        key = key if version == 1 else _key(key, "format", version)
-        done = from_first(_done(path, key, needs) if is_first() else None)  # rank 0 reads; every rank gets it
+        key = step.key_of(self, entry)
+        done = from_first(_done(path, key, step.needs, step.format) if is_first() else None)  # rank 0 reads
         if done is not None:
             self.seconds += done.get("seconds", 0.0)
             return done
         log.info("  %s: %s", self.cell.id, name)
         t0 = time.perf_counter()
-        result = {"key": key, **compute()}
+        result = {"key": key, **step.compute(self, entry)}
         result["seconds"] = round(time.perf_counter() - t0, 2)
         self.seconds += result["seconds"]
         if is_first():
-            _write_json(path, {**result, "format": version})
+            _write_json(path, {**result, "format": step.format})
         return result
 
 
-def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
-    run, m, seed = _CellRun(cell, cdir), cell.model, cell.seed
-    model_key = run.model_key
-    trained = run.step("model", model_key, lambda: _train_summary(run.model, cdir))
-    ob_cfg = m.observe
-    observed = run.step(
-        "observe",
-        _key(model_key, ob_cfg.as_dict(), *_data_keys(ob_cfg.data)),
-        lambda: _observe(run.model(), run.tokenizer(), ob_cfg, cdir),
-        needs=("observe",),
-    )
-    ev_cfg = _eval_settings(m)
-    float_eval = run.step(
-        "eval-float",
-        _key(model_key, ev_cfg.as_dict(), EVAL_FORMAT),
-        lambda: _evaluate(run.model(), run.tokenizer(), ev_cfg),
-        needs=("results", "documents"),
-    )
-    cost = run.step(
-        "cost", model_key, lambda: gate_cost(run.model()).to_json(), needs=("gate_params", "gate_flops_per_token")
-    )
-    schemes = {}
+@dataclass(frozen=True)
+class Step:
+    """One step of a cell's run, the one place that says what it is. ``name``: its file, ``<cell>/NAME.json``
+    (a step ``per_scheme`` runs once for each of the model's scheme entries, as ``NAME-<scheme>.json``).
+    ``format``: the version of the code behind its output (recorded in its file). ``key``: what its result
+    depends on, as a key (given the cell's run, the scheme entry and ``legacy``), of which ``format`` is part
+    from 2 on. ``compute``: its result's fields. ``needs``: the fields a cached file must have to be used.
+    ``record``: the typed record of its result that the cell's record holds. ``legacy``: a text its key holds
+    for the versions it had before formats were numbered (:data:`EVAL_LEGACY`)."""
+
+    name: str
+    format: int
+    key: Callable[[_CellRun, Any, str], str]
+    compute: Callable[[_CellRun, Any], dict[str, Any]]
+    record: Callable[[dict[str, Any]], Any]
+    needs: tuple[str, ...] = ()
+    legacy: str = ""
+    per_scheme: bool = False
+
+    def files(self, m: ModelSpec) -> list[tuple[str, SchemeEntry | None]]:
+        """The step's files in a cell of ``m``, each with the scheme entry it is for (None: the step's one)."""
+        if not self.per_scheme:
+            return [(self.name, None)]
+        return [(f"{self.name}-{slug(e.scheme)}", e) for e in m.schemes]
+
+    def key_of(self, run: _CellRun, entry: SchemeEntry | None) -> str:
+        """The step's key in ``run`` for ``entry``: a key of format 1 is what it was before formats existed."""
+        key = self.key(run, entry, self.legacy)
+        return key if self.format == 1 else _key(key, "format", self.format)
+
+
+def _scheme_key(run: _CellRun, entry: SchemeEntry, legacy: str) -> str:
+    """A scheme step's key: the model's, the scheme, the settings of its calibration, evaluation and held-out batch,
+    ``legacy``, and the sha256 of the local data files it reads."""
+    m = run.spec
     data = _data_keys(m.calibration.data, m.observe.data)
-    for entry in m.schemes:
-        scheme = entry["scheme"]
-        cfg = dataclasses.replace(ev_cfg, tasks=entry["tasks"] or ev_cfg.tasks)
-        key = _key(model_key, scheme, m.calibration.as_dict(), cfg.as_dict(), m.observe.as_dict(), EVAL_FORMAT, *data)
-        schemes[scheme] = run.step(
-            f"scheme-{slug(scheme)}",
-            key,
-            lambda s=scheme, c=cfg: _quantized(run.to_quantize(), run.tokenizer(), s, c, m, seed),
-        )
+    cal, ev, ob = m.calibration.as_dict(), run.eval_for(entry).as_dict(), m.observe.as_dict()
+    return _key(run.model_key, entry.scheme, cal, ev, ob, legacy, *data)
+
+
+def _scheme(run: _CellRun, entry: SchemeEntry) -> dict[str, Any]:
+    """A scheme step's result: the entry's scheme applied to the cell's model, its error and its evaluation."""
+    return _quantized(run.to_quantize(), run.tokenizer(), entry.scheme, run.eval_for(entry), run.spec, run.cell.seed)
+
+
+# What the evaluation steps' keys hold for the versions they had before formats were numbered (per-document values;
+# then quantgate_ppl 2.0; then backcopy's first prediction apart). Frozen: their cached files are found by it, and a
+# change of their code raises their format.
+EVAL_LEGACY = "per-document values, quantgate_ppl 2.0, backcopy after the first prediction"
+
+# A cell's steps, in the order they run: a new step is one entry (and, for the cell's record to hold it, a
+# CellRecord field). Raise a step's format when its code starts computing something else (another field, meaning
+# or selection): its key then changes, so a cached result of the old code is computed again, and the run says
+# which. tests/test_step_formats.py holds each step's output shape at its format and fails when the shape changes
+# under the same one; tests/test_step_keys.py holds the keys. Format 2 (observe, eval-float, scheme): per-document
+# text hashes.
+STEPS: dict[str, Step] = {
+    s.name: s
+    for s in (
+        Step(
+            "model",
+            1,
+            lambda run, _, __: run.model_key,
+            lambda run, _: _train_summary(run.model, run.cdir),
+            lambda out: Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds", "format")}),
+        ),
+        Step(
+            "observe",
+            2,
+            lambda run, _, __: _key(run.model_key, run.spec.observe.as_dict(), *_data_keys(run.spec.observe.data)),
+            lambda run, _: _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir),
+            lambda out: CellObserve.from_json(out["observe"]),
+            needs=("observe",),
+        ),
+        Step(
+            "eval-float",
+            2,
+            lambda run, _, legacy: _key(run.model_key, run.eval.as_dict(), legacy),
+            lambda run, _: _evaluate(run.model(), run.tokenizer(), run.eval),
+            lambda out: out,  # its results and documents
+            needs=("results", "documents"),
+            legacy=EVAL_LEGACY,
+        ),
+        Step(
+            "cost",
+            1,
+            lambda run, _, __: run.model_key,
+            lambda run, _: gate_cost(run.model()).to_json(),
+            lambda out: GateCost(out["gate_params"], out["gate_flops_per_token"]),
+            needs=("gate_params", "gate_flops_per_token"),
+        ),
+        Step("scheme", 2, _scheme_key, _scheme, SchemeRecord.from_json, legacy=EVAL_LEGACY, per_scheme=True),
+    )
+}
+
+
+def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
+    run = _CellRun(cell, cdir)
+    made = [(step, entry, step.record(run.run(step, name, entry))) for step, name, entry in run.planned()]
+    one = {step.name: record for step, entry, record in made if entry is None}
     return CellRecord(
         id=cell.id,
-        model=m.name,
+        model=cell.model.name,
         variant=cell.variant,
-        seed=seed,
-        source=m.source,
-        trained=Training.from_json({k: v for k, v in trained.items() if k not in ("key", "seconds", "format")}),
-        observe=CellObserve.from_json(observed["observe"]),
-        cost=GateCost(cost["gate_params"], cost["gate_flops_per_token"]),
-        float_results=float_eval["results"],
-        float_documents=float_eval["documents"],
-        schemes={k: SchemeRecord.from_json(v) for k, v in schemes.items()},
+        seed=cell.seed,
+        source=cell.model.source.as_dict(),
+        trained=one["model"],
+        observe=one["observe"],
+        cost=one["cost"],
+        float_results=one["eval-float"]["results"],
+        float_documents=one["eval-float"]["documents"],
+        schemes={entry.scheme: record for _, entry, record in made if entry is not None},
         seconds=round(run.seconds, 1),
     )
 
@@ -345,12 +430,12 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
         model = load(train_dir / "model", dtype=dtype)
         return model, get_tokenizer(model)
     untrained = dtype if m.train is None else None  # a model trained here trains in float32, then is cast
-    if "load" in m.source:
+    if isinstance(m.source, LoadSource):
         variant = cell.variant if cell.variant != "vanilla" else None
-        placement = Placement(**m.placement) if m.placement is not None else None
-        model = load(m.source["load"], variant, seed=seed, dtype=untrained, placement=placement)
+        placement = m.placement.value if m.placement is not None else None
+        model = load(m.source.load, variant, seed=seed, dtype=untrained, placement=placement)
     else:
-        model = build(m.source["preset"], cell.variant, seed=seed, dtype=untrained, **m.source["config"])
+        model = build(m.source.preset, cell.variant, seed=seed, dtype=untrained, **m.source.config)
     tok = get_tokenizer(model)
     if m.train is not None:
         if not _same_key(train_dir, model_key):
@@ -358,9 +443,9 @@ def _materialise(m: ModelSpec, cell: Cell, cdir: Path, seed: int, model_key: str
         claim_output(train_dir, "train", "a study cell's train/", mark=True, by="quantgate study")
         (train_dir / "study-key").write_text(model_key)
         resume = can_resume(train_dir)
-        steps = int(m.train.get("steps", TrainConfig.steps))
+        steps = m.train.value.steps
         run = {"out": str(train_dir), "resume": resume, "overwrite": not resume}  # no checkpoint: start afresh
-        cfg = TrainConfig(**{"checkpoint_every": max(1, steps // 4), **m.train, "seed": seed, **run})
+        cfg = TrainConfig(**{"checkpoint_every": max(1, steps // 4), **m.train.given, "seed": seed, **run})
         model = train(model, tok, config=cfg)
         if dtype is not None:
             model = model.to(dtype)
@@ -407,7 +492,7 @@ def _eval_settings(m: ModelSpec) -> EvalSettings:
     default); item tasks (cloze, next sentence) always do: an item must fit whole."""
     if m.train is None or m.eval.max_length is not None or not set(m.eval.tasks) & set(ROLLING_TASKS):
         return m.eval
-    return dataclasses.replace(m.eval, max_length=m.train.get("seq_len", TrainConfig.seq_len))
+    return dataclasses.replace(m.eval, max_length=m.train.value.seq_len)
 
 
 def _evaluate(model, tok, cfg: EvalSettings) -> dict:
