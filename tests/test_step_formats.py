@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from quantgate.models.cost import GateCost
+from quantgate.registry import Registry
 from quantgate.study import load_study, run_study, steps
 
 SHAPES = Path(__file__).with_name("step_formats.json")
@@ -115,7 +116,8 @@ def test_a_resumed_study_recomputes_and_names_steps_other_code_made(run, tmp_pat
     again = tmp_path / "run"
     shutil.copytree(run, again)
     before = {f.name: f.stat().st_mtime_ns for f in again.glob("cells/*/*.json")}
-    monkeypatch.setitem(steps.STEPS, "cost", dataclasses.replace(steps.STEPS["cost"], format=2))
+    raised = dataclasses.replace(steps.STEPS["cost"], format=2)
+    monkeypatch.setattr(steps, "STEPS", Registry("study step", {**steps.STEPS, "cost": raised}))
     with caplog.at_level(logging.WARNING, logger="quantgate"):
         _run(tmp_path)
     after = {f.name: f.stat().st_mtime_ns for f in again.glob("cells/*/*.json")}
