@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_or_build(args.model, None)
     tok = qg.tokenizer(model)
     runs = {
-        name: qg.evaluate(m, tok, ["quantgate_ppl"], limit=args.docs, batch_size=1)["documents"]["quantgate_ppl"]
+        name: qg.evaluate(m, tok, ["quantgate_ppl"], limit=args.docs, batch_size=1).documents["quantgate_ppl"]
         for name, m in (("float", model), ("quant", qg.quantize(model, args.scheme)))
     }
     print(f"{args.model}, {args.scheme} vs float, quantgate_ppl, 95% paired interval over the first k documents")

@@ -99,7 +99,7 @@ def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def ppl(model: torch.nn.Module, tok, limit: int) -> dict:
     out = qg.evaluate(model, tok, ["quantgate_ppl"], limit=limit, max_length=WINDOW)
-    return {"value": out["results"]["quantgate_ppl"]["word_perplexity"], "documents": out["documents"]["quantgate_ppl"]}
+    return {"value": out.results["quantgate_ppl"]["word_perplexity"], "documents": out.documents["quantgate_ppl"]}
 
 
 def lm_eval_ppl(path: Path, limit: int, out: Path) -> float:

@@ -208,7 +208,8 @@ def _float_source(folder: Path, config: Any) -> str | None:
             named = read_json(sidecar).get("source_model")
         except ValueError:
             named = None
-    what = (record.quantization or {}).get("scheme") or (imported or {}).get("quant_method", "quantized")
+    own = record.quantization.scheme if record.quantization else None
+    what = own or (imported or {}).get("quant_method", "quantized")
     if isinstance(named, str) and named and (named in PACKAGED or Path(named).is_dir()):
         return named
     hint = f" its quantization.json names {named!r}, which is not here;" if named else ""

@@ -68,7 +68,7 @@ def save(
         raise InputError("dtype= applies to quantized checkpoints; cast a float model with model.to(dtype) first")
     if weights is not None and quantization:
         raise InputError("weights= applies to float models; a quantized model is saved from its own tensors")
-    source = (quantization or {}).get("source_model")
+    source = quantization.source_model if quantization else None
     if source and Path(str(source)).is_dir():
         refuse_same(path, source, "the float checkpoint this model was quantized from")
     try:

@@ -20,6 +20,8 @@ from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
 from .errors import InputError, MissingFile, QuantgateError
 from .evaluate import (
+    Evaluation,
+    LmEvalOutput,
     NonFiniteOutputs,
     check_limit,
     check_limit_per_process,
@@ -231,7 +233,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluate(args: argparse.Namespace, model, model_args: dict) -> dict:
+def _evaluate(args: argparse.Namespace, model, model_args: dict) -> Evaluation:
     """``quantgate eval``'s call of :func:`evaluate` with its options."""
     return evaluate(
         model,
@@ -292,7 +294,7 @@ def _eval(args: argparse.Namespace, state) -> int:
         raise
     if not is_first():  # every rank holds rank 0's result; rank 0 reports and writes it
         return 0
-    for task, metrics in result["results"].items():
+    for task, metrics in result.results.items():
         shown = [
             f"{k} {v:.4g}" + (f" ± {metrics[k + '_stderr']:.2g}" if k + "_stderr" in metrics else "")
             for k, v in metrics.items()
@@ -301,16 +303,16 @@ def _eval(args: argparse.Namespace, state) -> int:
         print(f"{task}: " + ", ".join(shown))
     if args.out:
         out = claim_output(args.out, "eval", mark=True)
-        write_text_atomic(out / "eval.json", json.dumps(result, indent=1))
+        write_text_atomic(out / "eval.json", json.dumps(result.to_json(), indent=1))
         print(f"wrote {out / 'eval.json'}")
-    for path in _lm_eval_files(result.get("lm_eval_output")):
+    for path in _lm_eval_files(result.lm_eval_output):
         print(f"wrote {path}")
     return 0
 
 
-def _lm_eval_files(written: dict | None) -> list[str]:
+def _lm_eval_files(written: LmEvalOutput | None) -> list[str]:
     """The files evaluate() wrote in lm-eval's format: its results, then each task's samples."""
-    return [written["results"], *written.get("samples", {}).values()] if written else []
+    return [written.results, *(written.samples or {}).values()] if written else []
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:

@@ -19,7 +19,8 @@ Started as N processes (``quantgate eval --processes N``, torchrun, ``accelerate
 each task's requests between them in its own data-parallel way (:mod:`quantgate.parallel`) and every rank
 returns rank 0's result.
 
-Besides each task's metrics, the result keeps each document's values (``result["documents"][task]``,
+The result is an :class:`Evaluation` record (``result.to_json()``: the dict ``quantgate eval`` writes as eval.json).
+Besides each task's metrics, it keeps each document's values (``result.documents[task]``,
 columns as :mod:`quantgate.stats` reads them): the summed log-likelihood with the document's words,
 bytes and tokens for perplexity tasks, acc (and acc_norm) per item for multiple-choice and cloze tasks,
 the summed log-likelihood and token count per sequence for the computed tasks. From them
@@ -44,6 +45,7 @@ import os
 import platform
 import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +72,7 @@ from .eval_inputs import (
     load_for_eval,
     score_floats,
 )
+from .json_record import JsonRecord, json_field
 from .models.families import family_of
 from .models.modes import eval_mode
 from .models.record import record_of
@@ -87,6 +90,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "evaluate",
+    "Evaluation",
+    "EvaluationSettings",
+    "LmEvalOutput",
     "check_limit",
     "check_limit_per_process",
     "check_lm_eval_options",
@@ -114,6 +120,64 @@ OFFLINE_EQUIVALENTS = {
 }
 
 
+Results = dict[str, dict[str, float]]  # {task: {metric: value}}
+Documents = dict[str, dict[str, list]]  # {task: {column: [one value per document]}}: numbers; works, hashes: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmEvalOutput(JsonRecord):
+    """The files lm-eval's EvaluationTracker wrote for an evaluation: its ``results`` file and, with
+    ``log_samples``, each task's ``samples`` file (paths)."""
+
+    results: str
+    samples: dict[str, str] | None = json_field(omit_none=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluationSettings(JsonRecord):
+    """What an evaluation ran with, to reproduce its numbers: the ``tasks``; lm-eval's ``limit`` (documents per
+    task, or a fraction of them), ``num_fewshot`` as asked and, where an lm-eval task ran, as lm-eval applied it
+    (``n_shot``, per task), the tasks' ``task_versions`` and the ``fewshot_seed``; ``bootstrap_iters``,
+    ``batch_size``, ``max_length`` (tokens per window); the model's name or path (``model``, None where it has
+    none), ``model_sha256`` (:func:`quantgate.quant.fingerprint`), ``family``, ``variant`` and ``dtype``; its
+    ``quantization`` (scheme, None for a float model), the tool that made it (``quantization_origin``), the
+    float model it came from (``source_sha256``) and the whole ``quantization_record``
+    (:func:`quantgate.quant.quantization_of`)."""
+
+    tasks: list[str]
+    limit: int | float | None
+    num_fewshot: int | None
+    n_shot: dict[str, int] | None = json_field(omit_none=True)
+    task_versions: dict[str, Any] | None = json_field(omit_none=True)
+    fewshot_seed: int | None = json_field(omit_none=True)
+    bootstrap_iters: int
+    batch_size: int | str
+    max_length: int
+    model: str | None
+    model_sha256: str
+    family: str
+    variant: str
+    quantization: str | None
+    quantization_origin: str | None
+    source_sha256: str | None
+    quantization_record: dict[str, Any] | None
+    dtype: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation(JsonRecord):
+    """What :func:`evaluate` returns: per task its ``results`` (``{metric: value}``) and ``documents`` (``{column:
+    [one value per document]}``, the columns :mod:`quantgate.stats` reads), lm-eval's files where it wrote them
+    (``lm_eval_output``), the ``settings`` and the library ``versions``. ``to_json()`` is quantgate eval's
+    eval.json."""
+
+    results: Results
+    documents: Documents
+    lm_eval_output: LmEvalOutput | None = json_field(omit_none=True)
+    settings: EvaluationSettings
+    versions: dict[str, str | None]
+
+
 @lru_cache(maxsize=2)
 def task_manager(include_defaults: bool = True) -> TaskManager:
     """lm-eval's task index with quantgate's tasks; without lm-eval's own ~10k task configs (slow to
@@ -137,10 +201,10 @@ def evaluate(
     output_path: str | os.PathLike[str] | None = None,
     log_samples: bool = False,
     model_args: dict[str, Any] | None = None,
-) -> dict:
-    """Evaluate ``model`` on lm-eval ``tasks``; returns ``{"results": {task: {metric: value}},
-    "documents": {task: {column: [one value per document]}}, "settings": ..., "versions": ...}`` with what
-    is needed to reproduce the numbers.
+) -> Evaluation:
+    """Evaluate ``model`` on lm-eval ``tasks``; returns an :class:`Evaluation`: ``.results[task][metric]``,
+    ``.documents[task][column]`` (one value per document), ``.settings`` and ``.versions``, what is needed to
+    reproduce the numbers (``.to_json()``: the same as a dict, as eval.json holds it).
 
     lm-eval's options apply to the lm-eval tasks (not the computed ones, ``COMPUTED_TASKS``):
     ``num_fewshot`` examples of context (None: each task's default, 0 for the bundled ones; perplexity
@@ -149,7 +213,7 @@ def evaluate(
     perplexity by that many bootstrap resamples; word/byte perplexity have none); ``output_path``
     writes lm-eval's own results file (``DIR/<model>/results_<date>.json``, or ``NAME_<date>.json``
     for a ``NAME.json`` path) and ``log_samples`` its ``samples_<task>_<date>.jsonl`` beside it, both
-    by lm-eval's EvaluationTracker; the paths are returned under ``"lm_eval_output"``. The computed
+    by lm-eval's EvaluationTracker; the paths are returned as ``lm_eval_output``. The computed
     tasks appear in neither file. ``model_args`` (e.g. ``{"pretrained": DIR, "scheme": S}``) is what
     lm-eval's file records as the model's arguments, with ``quantgate`` (``quantgate-mlm``) as its
     model, the lm-eval model that loads the same thing; without it the file records the model as
@@ -169,7 +233,7 @@ def evaluate(
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
     settings = {"tasks": tasks, "limit": limit, "num_fewshot": num_fewshot, "bootstrap_iters": bootstrap_iters,
                 "batch_size": batch_size, "max_length": max_length or context_length(model)}  # fmt: skip
-    run = _Evaluation(model, settings)
+    run = _Run(model, settings)
     if lm_tasks:
         run.lm_eval(tokenizer, lm_tasks, output_path, log_samples, model_args)
     if "quantgate_mlm_ppl" in tasks:
@@ -183,48 +247,44 @@ def evaluate(
     return run.result()
 
 
-class _Evaluation:
-    """One :func:`evaluate` call's results and documents as they come in, per task, and the dict it returns
-    (:meth:`result`), which a NonFiniteOutputs error keeps too. ``settings``: the call's tasks, limit,
+class _Run:
+    """One :func:`evaluate` call's results and documents as they come in, per task, and the record it returns
+    (:meth:`result`), which a NonFiniteOutputs error keeps too (as JSON). ``settings``: the call's tasks, limit,
     num_fewshot, bootstrap_iters, batch_size and max_length."""
 
     def __init__(self, model: nn.Module, settings: dict[str, Any]) -> None:
         self.model, self.family, self.settings = model, family_of(model), settings
         self.results: dict[str, dict] = {}
         self.documents: dict[str, dict] = {}
-        self.written: dict[str, Any] | None = None
+        self.written: LmEvalOutput | None = None
         self.protocol: dict[str, Any] = {}  # what lm-eval used that changes the numbers (quantgate compare checks it)
 
-    def result(self) -> dict:
-        model, s = self.model, self.settings
+    def result(self) -> Evaluation:
+        model = self.model
         quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
-        return {
-            "results": self.results,
-            "documents": self.documents,
-            **({"lm_eval_output": self.written} if self.written is not None else {}),
-            "settings": {
-                "tasks": s["tasks"],
-                "limit": s["limit"],
-                "num_fewshot": s["num_fewshot"],
-                **self.protocol,  # n_shot (per task, as lm-eval applied it), task_versions, fewshot_seed
-                "bootstrap_iters": s["bootstrap_iters"],
-                "batch_size": s["batch_size"],
-                "max_length": s["max_length"],
-                "model": getattr(model.config, "_name_or_path", None) or None,
-                "model_sha256": fingerprint(model),  # identity: quantize() records it as its source_sha256
-                "family": self.family.name,
-                "variant": str(variant_of(model)),
-                "quantization": quant["scheme"] if quant else None,
-                "quantization_origin": quant.get("origin") if quant else None,
-                "source_sha256": quant.get("source_sha256") if quant else None,  # the float model it came from
-                "quantization_record": quant,
-                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            },
-            "versions": {
+        settings = EvaluationSettings(
+            **self.settings,
+            **self.protocol,  # n_shot (per task, as lm-eval applied it), task_versions, fewshot_seed
+            model=getattr(model.config, "_name_or_path", None) or None,
+            model_sha256=fingerprint(model),  # identity: quantize() records it as its source_sha256
+            family=self.family.name,
+            variant=str(variant_of(model)),
+            quantization=quant["scheme"] if quant else None,
+            quantization_origin=quant.get("origin") if quant else None,
+            source_sha256=quant.get("source_sha256") if quant else None,  # the float model it came from
+            quantization_record=quant,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
+        return Evaluation(
+            results=self.results,
+            documents=self.documents,
+            lm_eval_output=self.written,
+            settings=settings,
+            versions={
                 **versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
                 "python": platform.python_version(),
             },
-        }
+        )
 
     def refuse_non_finite(self, scored: dict[str, list[tuple[Any, list[float]]]]) -> None:
         """Raise NonFiniteOutputs naming the first task and document with a NaN or inf score (``scored``:
@@ -241,7 +301,7 @@ class _Evaluation:
             f"{task}: document {doc} scores a log-likelihood of {value}{others}: the model's outputs are NaN or inf "
             f"there, so no metric can be computed; find the first non-finite activation (quantgate observe) and "
             f"fix the model or its quantization",
-            self.result(),
+            self.result().to_json(),
         )
 
     def lm_eval(
@@ -378,7 +438,7 @@ def _tracker(output_path) -> EvaluationTracker | None:
 
 def _write_lm_eval_output(
     tracker: EvaluationTracker, out: dict, log_samples: bool, lm_model: str, model_args: dict | None, model
-) -> dict:
+) -> LmEvalOutput:
     """Write lm-eval's results file (and with ``log_samples`` its per-task samples files) as ``lm_eval
     --output_path`` does (lm_eval/_cli/run.py), through lm-eval's own tracker; the paths written."""
     if model_args is not None:  # what `lm_eval --model quantgate --model_args ...` would record
@@ -405,16 +465,16 @@ def _write_lm_eval_output(
         results_file = folder / f"results_{date}.json"
     if date is None or not results_file.is_file():  # lm-eval logs its failure to write and goes on
         raise OSError(f"lm-eval could not write its results under {base} (is it writable?)")
-    written: dict[str, Any] = {"results": str(results_file)}
-    if log_samples:
-        written["samples"] = {}
-        for task in aggregated["configs"]:
-            tracker.save_results_samples(task_name=task, samples=samples[task])
-            path = folder / f"samples_{task}_{date}.jsonl"
-            if not path.is_file():
-                raise OSError(f"lm-eval could not write its samples of {task} to {path}")
-            written["samples"][task] = str(path)
-    return written
+    if not log_samples:
+        return LmEvalOutput(results=str(results_file))
+    written = {}
+    for task in aggregated["configs"]:
+        tracker.save_results_samples(task_name=task, samples=samples[task])
+        path = folder / f"samples_{task}_{date}.jsonl"
+        if not path.is_file():
+            raise OSError(f"lm-eval could not write its samples of {task} to {path}")
+        written[task] = str(path)
+    return LmEvalOutput(results=str(results_file), samples=written)
 
 
 def unknown_tasks(tasks: Iterable[str]) -> list[str]:

@@ -2,7 +2,8 @@
 
 A record is a frozen dataclass subclassing :class:`JsonRecord`; its fields are what code reads
 (``summary.sink_mass``), and the JSON keys are the field names unless :func:`json_field` names another
-key (``"below_0.1"``) or leaves a None value out. Fields holding records, lists or dicts of records, or
+key (``"below_0.1"``), leaves a None value out, writes None as a stand-in (``{}``) or keeps a field out of the
+JSON altogether (where a record was read from). Fields holding records, lists or dicts of records, or
 optional records are converted both ways from the annotations. Reading refuses a key the record does not
 know (a renamed or misspelt key fails loudly instead of vanishing) and a missing field without default::
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
@@ -30,11 +31,24 @@ __all__ = ["JsonRecord", "json_field"]
 R = TypeVar("R", bound="JsonRecord")
 
 
-def json_field(*, key: str | None = None, omit_none: bool = False, default: Any = None) -> Any:
+def json_field(
+    *,
+    key: str | None = None,
+    omit_none: bool = False,
+    none_as: Any = None,
+    stored: bool = True,
+    default: Any = None,
+    default_factory: Callable[[], Any] | None = None,
+) -> Any:
     """A record field stored under JSON ``key`` (default: the field's name), left out of the JSON when
-    ``omit_none`` and its value is None; ``default``: its value where the JSON lacks it."""
-    metadata = {"key": key, "omit_none": omit_none}
-    return dataclasses.field(default=default, metadata={k: v for k, v in metadata.items() if v})
+    ``omit_none`` and its value is None, or written as ``none_as`` then (``{}``; read back as None); not in the
+    JSON at all unless ``stored`` (reading refuses it as unknown); ``default`` (or ``default_factory()``): its
+    value where the JSON lacks it."""
+    metadata = {"key": key, "omit_none": omit_none, "none_as": none_as, "unstored": not stored}
+    kept = {k: v for k, v in metadata.items() if v is not None and v is not False}
+    if default_factory is not None:
+        return dataclasses.field(default_factory=default_factory, metadata=kept)
+    return dataclasses.field(default=default, metadata=kept)
 
 
 class JsonRecord:
@@ -43,11 +57,11 @@ class JsonRecord:
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object: nested records converted, omitted Nones left out."""
         out = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # subclasses are dataclasses
+        for f in _stored(type(self)):  # type: ignore[arg-type]  # a class is hashable
             value = getattr(self, f.name)
             if value is None and f.metadata.get("omit_none"):
                 continue
-            out[f.metadata.get("key", f.name)] = _to_json(value)
+            out[f.metadata.get("key", f.name)] = _to_json(f.metadata.get("none_as") if value is None else value)
         return out
 
     @classmethod
@@ -55,18 +69,31 @@ class JsonRecord:
         """The record a JSON object holds; ValueError naming an unknown key, TypeError a missing one."""
         if not isinstance(data, Mapping):
             raise InputError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
-        hints, fields = _hints(cls), dataclasses.fields(cls)  # type: ignore[arg-type]
-        keys = {f.metadata.get("key", f.name): f.name for f in fields}
+        hints, fields = _hints(cls), _stored(cls)  # type: ignore[arg-type]  # a class is hashable
+        keys = {f.metadata.get("key", f.name): f for f in fields}
         unknown = sorted(set(data) - set(keys))
         if unknown:
             raise InputError(f"{cls.__name__}: unknown field(s) {unknown} (known: {sorted(keys)})")
-        return cls(**{name: _from_json(hints[name], data[key]) for key, name in keys.items() if key in data})
+        return cls(**{f.name: _read(hints[f.name], f, data[key]) for key, f in keys.items() if key in data})
 
 
 @cache
 def _hints(cls: type) -> dict[str, Any]:
     """``cls``'s field annotations, evaluated once."""
     return get_type_hints(cls)
+
+
+@cache
+def _stored(cls: type) -> tuple[dataclasses.Field, ...]:
+    """``cls``'s fields that its JSON holds, in order."""
+    return tuple(f for f in dataclasses.fields(cls) if not f.metadata.get("unstored"))
+
+
+def _read(tp: Any, f: dataclasses.Field, value: Any) -> Any:
+    """Field ``f``'s ``value`` from the JSON: None where it is the field's stand-in for None."""
+    if "none_as" in f.metadata and value == f.metadata["none_as"]:
+        return None
+    return _from_json(tp, value)
 
 
 def _to_json(value: Any) -> Any:

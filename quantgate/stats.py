@@ -1,6 +1,6 @@
 """Intervals on the change quantization causes: per-document values in, a delta with its 95% interval out.
 
-An evaluation keeps, per task, the values of each document (``qg.evaluate(...)["documents"][task]``):
+An evaluation keeps, per task, the values of each document (``qg.evaluate(...).documents[task]``):
 columns of equal length, ``ids`` first, e.g. ``{"ids": [0, 1], "loglikelihood": [-812.5, -95.1],
 "words": [129, 17], "bytes": [783, 96], "tokens": [188, 25], "works": ["Othello", "Jude"],
 "hashes": ["5f1c...", "9a0e..."]}``: ``works`` the source group of each document (documents of one work are

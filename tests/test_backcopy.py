@@ -73,7 +73,7 @@ def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
     assert config_of(model).quantgate["task"] == "backcopy:start=chain"
     again = qg.load(qg.save(model, tmp_path / "m"))
     assert config_of(again).quantgate["task"] == "backcopy:start=chain"
-    docs = evaluate(again, None, ["quantgate_backcopy"], limit=1)["documents"]["quantgate_backcopy"]
+    docs = evaluate(again, None, ["quantgate_backcopy"], limit=1).documents["quantgate_backcopy"]
     # by hand: the held-out stream of the chain-start task, next-token log-likelihood per sequence
     ids = next(iter(qg.data.batches(TOK, "backcopy:start=chain", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))["input_ids"]
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
     by_hand = logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1)
     assert docs["loglikelihood"] == pytest.approx(by_hand.tolist(), rel=1e-5)
     del config_of(again).quantgate["task"]  # a model with no recorded task is scored on the default one
-    plain = evaluate(again, None, ["quantgate_backcopy"], limit=1)["documents"]["quantgate_backcopy"]
+    plain = evaluate(again, None, ["quantgate_backcopy"], limit=1).documents["quantgate_backcopy"]
     ids = next(iter(qg.data.batches(TOK, "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))["input_ids"]
     with torch.no_grad():
         logp = again(input_ids=ids).logits[:, :-1].log_softmax(-1)

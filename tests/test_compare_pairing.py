@@ -31,7 +31,7 @@ def _row(table, fragment):
 def test_pairs_by_source_hash_not_by_label(tmp_path):
     # two different float models, both labelled tiny-llama (in memory: build names them so)
     a, b = qg.build("tiny-llama", seed=0), qg.build("tiny-llama", seed=1)
-    fa, fb = (qg.evaluate(m, tasks=TASK, limit=3) for m in (a, b))
+    fa, fb = (qg.evaluate(m, tasks=TASK, limit=3).to_json() for m in (a, b))
     assert fa["settings"]["model"] == fb["settings"]["model"] == "tiny-llama"
     assert fa["settings"]["model_sha256"] != fb["settings"]["model_sha256"]
     _write(fa, tmp_path, "fp_a")
@@ -44,7 +44,7 @@ def test_pairs_by_source_hash_not_by_label(tmp_path):
     qb = json.loads((tmp_path / "ev_q_b" / "eval.json").read_text())
     assert qb["settings"]["source_sha256"] == fb["settings"]["model_sha256"]
     # a quantized model of a third float model that no run evaluated, with the same label as the floats
-    qc = qg.evaluate(qg.quantize(qg.build("tiny-llama", seed=2), "w8-int8"), tasks=TASK, limit=3)
+    qc = qg.evaluate(qg.quantize(qg.build("tiny-llama", seed=2), "w8-int8"), tasks=TASK, limit=3).to_json()
     assert qc["settings"]["model"] == "tiny-llama" and qc["settings"]["quantization"] == "w8-int8"
     _write(qc, tmp_path, "q_c")
 

@@ -44,8 +44,8 @@ def test_a_block_on_disk_gives_the_whole_models_numbers(checkpoint, tmp_path):
     assert stats[1].summary == stats[0].summary and stats[1].layers == stats[0].layers
     tok = tokenizer(whole)
     one, two = (evaluate(m, tok, ["quantgate_ppl"], limit=3, batch_size=1) for m in (whole, placed))
-    assert two["documents"] == one["documents"]
-    assert two["settings"]["model_sha256"] == one["settings"]["model_sha256"]  # the disk-placed weights hashed too
+    assert two.documents == one.documents
+    assert two.settings.model_sha256 == one.settings.model_sha256  # the disk-placed weights hashed too
     with pytest.raises(ValueError, match=r"placed on disk by its device_map: .* must be in memory"):
         qg.quantize(placed, "w8a8-int8-dynamic")
 
@@ -60,8 +60,8 @@ def test_a_placed_model_quantizes_in_place_as_the_whole_one_does(checkpoint, tmp
         q = qg.quantize(model, "w8a8-int8-static", calibration=calib, inplace=True, calib=1)
         assert q is model
         results.append(evaluate(q, tokenizer(q), ["quantgate_ppl"], limit=3, batch_size=1))
-    assert results[1]["documents"] == results[0]["documents"]
-    assert results[1]["results"] == results[0]["results"]
+    assert results[1].documents == results[0].documents
+    assert results[1].results == results[0].results
 
 
 def test_the_command_line_places_and_refuses_what_cannot_be_placed(checkpoint, tmp_path, capsys):

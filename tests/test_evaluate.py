@@ -30,7 +30,7 @@ def test_bits_per_byte_equals_the_models_own_loss(tiny):
         loss = tiny(ids, labels=ids).loss.item()  # mean over the document's tokens, each given BOS + prefix
     loglik = -loss * (ids.shape[1] - 1)
     n_bytes = len(doc.encode("utf-8"))
-    res = evaluate(tiny, tok, ["quantgate_ppl"], limit=1)["results"]["quantgate_ppl"]
+    res = evaluate(tiny, tok, ["quantgate_ppl"], limit=1).results["quantgate_ppl"]
     assert res["bits_per_byte"] == pytest.approx(-loglik / n_bytes / math.log(2), rel=1e-4)
     assert res["byte_perplexity"] == pytest.approx(math.exp(-loglik / n_bytes), rel=1e-4)
     assert res["word_perplexity"] == pytest.approx(math.exp(-loglik / len(doc.split())), rel=1e-3)
@@ -41,13 +41,13 @@ def test_per_document_values_recompute_lm_evals_metrics(tiny):
     lm-eval reported; a perplexity document's token count is what the model scores (the text, BOS-prefixed)."""
     tok = qg.tokenizer(tiny)
     out = evaluate(tiny, tok, ["quantgate_ppl", "quantgate_cloze", "quantgate_nextsent"], limit=3)
-    for task, metrics in out["results"].items():
-        docs = out["documents"][task]
-        assert docs["ids"] == [0, 1, 2]
+    for task, metrics in out.results.items():
+        columns = out.documents[task]
+        assert columns["ids"] == [0, 1, 2]
         for metric, value in metrics.items():
             if metric != "sample_len":
-                assert aggregate(docs, metric) == pytest.approx(value, rel=1e-12), (task, metric)
-    ppl = out["documents"]["quantgate_ppl"]
+                assert aggregate(columns, metric) == pytest.approx(value, rel=1e-12), (task, metric)
+    ppl = out.documents["quantgate_ppl"]
     assert set(ppl) == {"ids", "loglikelihood", "words", "bytes", "tokens", "works", "hashes"}
     first_of_each: dict[str, Document] = {}  # the task takes the test split's documents in turn from each work
     for d in corpus("test"):
@@ -59,9 +59,9 @@ def test_per_document_values_recompute_lm_evals_metrics(tiny):
     assert document_keys([0, 1, 2], [w + 1 for w in ppl["words"]]) is None  # another order: nothing guessed
     assert ppl["bytes"] == [len(d.text.encode("utf-8")) for d in docs]
     assert ppl["tokens"] == [tok(d.text, return_tensors="pt").input_ids.shape[1] - 1 for d in docs]
-    assert set(out["documents"]["quantgate_nextsent"]) == {"ids", "acc", "acc_norm", "hashes"}
-    assert set(out["documents"]["quantgate_cloze"]) == {"ids", "loglikelihood", "acc", "hashes"}
-    assert len(set(out["documents"]["quantgate_cloze"]["hashes"])) == 3  # three different documents
+    assert set(out.documents["quantgate_nextsent"]) == {"ids", "acc", "acc_norm", "hashes"}
+    assert set(out.documents["quantgate_cloze"]) == {"ids", "loglikelihood", "acc", "hashes"}
+    assert len(set(out.documents["quantgate_cloze"]["hashes"])) == 3  # three different documents
 
 
 def test_computed_tasks_keep_per_sequence_values():
@@ -69,18 +69,18 @@ def test_computed_tasks_keep_per_sequence_values():
 
     bert = qg.build("tiny-bert", seed=0).eval()
     out = evaluate(bert, None, ["quantgate_mlm_ppl"], limit=1)
-    docs = out["documents"]["quantgate_mlm_ppl"]
+    docs = out.documents["quantgate_mlm_ppl"]
     assert len(docs["ids"]) == 16 and all(n > 0 for n in docs["tokens"])  # one batch of 16 sequences
     assert len(docs["hashes"]) == 16
-    assert out["results"]["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(
+    assert out.results["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(
         math.exp(-sum(docs["loglikelihood"]) / sum(docs["tokens"])), rel=1e-12
     )
     assert mlm_perplexity(bert, qg.tokenizer(bert), limit=1) == pytest.approx(
-        out["results"]["quantgate_mlm_ppl"]["perplexity"], rel=1e-6
+        out.results["quantgate_mlm_ppl"]["perplexity"], rel=1e-6
     )
     llama = qg.build("tiny-llama", seed=0).eval()
     out = evaluate(llama, None, ["quantgate_backcopy"], limit=1)
-    docs = out["documents"]["quantgate_backcopy"]
+    docs = out.documents["quantgate_backcopy"]
     assert (
         set(docs)
         == {
@@ -96,7 +96,7 @@ def test_computed_tasks_keep_per_sequence_values():
         and len(docs["ids"]) == 16
         and len(set(docs["hashes"])) == 16  # each sequence named by its tokens
     )
-    assert out["results"]["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
+    assert out.results["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
     # without the first prediction, by hand: each sequence's own loss over targets 2..L-1
     from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED
 
@@ -107,10 +107,10 @@ def test_computed_tasks_keep_per_sequence_values():
     nll = torch.nn.functional.cross_entropy(logits[:, 1:-1].transpose(1, 2), ids[:, 2:], reduction="none").sum(1)
     assert docs["loglikelihood_after_first"] == pytest.approx((-nll).tolist(), rel=1e-5)
     assert docs["tokens_after_first"] == [126] * 16
-    assert out["results"]["quantgate_backcopy"]["perplexity_after_first"] == pytest.approx(
+    assert out.results["quantgate_backcopy"]["perplexity_after_first"] == pytest.approx(
         math.exp(float(nll.sum()) / (126 * 16)), rel=1e-6
     )
-    assert backcopy_metrics(llama, qg.tokenizer(llama), limit=1) == pytest.approx(out["results"]["quantgate_backcopy"])
+    assert backcopy_metrics(llama, qg.tokenizer(llama), limit=1) == pytest.approx(out.results["quantgate_backcopy"])
 
 
 def test_cloze_and_nextsent_against_direct_scores(tiny):
@@ -119,7 +119,7 @@ def test_cloze_and_nextsent_against_direct_scores(tiny):
 
     with open(TASK_DIR / "data" / "quantgate_nextsent.jsonl") as f:
         items = [json.loads(line) for line in f][:4]
-    res = evaluate(tiny, tok, ["quantgate_nextsent"], limit=4)["results"]["quantgate_nextsent"]
+    res = evaluate(tiny, tok, ["quantgate_nextsent"], limit=4).results["quantgate_nextsent"]
     correct = 0
     for item in items:
         ctx = tok(item["context"], add_special_tokens=False).input_ids
@@ -136,15 +136,15 @@ def test_cloze_and_nextsent_against_direct_scores(tiny):
 
 def test_quantized_models_evaluate_through_the_same_call(tiny):
     tok = qg.tokenizer(tiny)
-    ref = evaluate(tiny, tok, ["quantgate_cloze"], limit=8)["results"]["quantgate_cloze"]["perplexity"]
+    ref = evaluate(tiny, tok, ["quantgate_cloze"], limit=8).results["quantgate_cloze"]["perplexity"]
     calib = qg.data.batches(tok, "train", 64, 4)
     for scheme in ("w8a8-int8-static", "torchao-int8-weight-only", "llm-int8"):
         options: dict[str, Any] = {"calib": 2} if scheme == "w8a8-int8-static" else {}
         q = qg.quantize(tiny, scheme, calibration=calib, **options)
         out = evaluate(q, tok, ["quantgate_cloze"], limit=8)
         record = qg.quantization_of(q)
-        assert record is not None and out["settings"]["quantization"] == record["scheme"]
-        assert out["results"]["quantgate_cloze"]["perplexity"] == pytest.approx(ref, rel=0.2)
+        assert record is not None and out.settings.quantization == record["scheme"]
+        assert out.results["quantgate_cloze"]["perplexity"] == pytest.approx(ref, rel=0.2)
 
 
 def _rank_real_over_shuffled(model, tok, n_docs: int = 40) -> float:
@@ -184,8 +184,8 @@ def test_masked_lm_pseudo_log_likelihood_prefers_real_sentences():
 def test_mlm_tasks_run_on_bert():
     bert = qg.build("tiny-bert")
     out = evaluate(bert, None, ["quantgate_nextsent", "quantgate_mlm_ppl"], limit=2)
-    assert set(out["results"]) == {"quantgate_nextsent", "quantgate_mlm_ppl"}
-    assert out["results"]["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(8192, rel=0.3)  # untrained: ~uniform
+    assert set(out.results) == {"quantgate_nextsent", "quantgate_mlm_ppl"}
+    assert out.results["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(8192, rel=0.3)  # untrained: ~uniform
 
 
 def test_bad_input(tiny, monkeypatch):

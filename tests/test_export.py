@@ -155,7 +155,7 @@ def test_lm_eval_hf_on_an_export_gives_quantgate_evals_number(float_model, calib
     the tokenizer's own, lm-eval's prefix token instead; 4,096-token windows)."""
     q = qg.quantize(float_model, "w8a8-int8-static", calibration=calib)
     qg.save(q, tmp_path / "q")
-    ours = qg.evaluate(qg.load(tmp_path / "q"), tasks=["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]
+    ours = qg.evaluate(qg.load(tmp_path / "q"), tasks=["quantgate_ppl"], limit=2).results["quantgate_ppl"]
     args = "pretrained={},dtype=float32,add_bos_token=False,max_length=4096".format(tmp_path / "q")
     cmd = ["-m", "lm_eval", "--model", "hf", "--model_args", args, "--tasks", "quantgate_ppl"]
     cmd += ["--include_path", str(ROOT / "quantgate" / "tasks"), "--limit", "2", "--batch_size", "8"]

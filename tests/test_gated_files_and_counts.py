@@ -148,7 +148,7 @@ def test_gated_checkpoint_still_loads_in_quantgate(tmp_path, capsys, monkeypatch
     assert main(cmd) == 0, capsys.readouterr().err[-3000:]
     (results,) = out.rglob("results_*.json")
     theirs = json.loads(results.read_text())["results"]["quantgate_ppl"]["word_perplexity,none"]
-    ours = qg.evaluate(qg.load(tmp_path / "g2"), tasks=["quantgate_ppl"], limit=2)["results"]["quantgate_ppl"]
+    ours = qg.evaluate(qg.load(tmp_path / "g2"), tasks=["quantgate_ppl"], limit=2).results["quantgate_ppl"]
     assert theirs == pytest.approx(ours["word_perplexity"], rel=1e-3)
 
 

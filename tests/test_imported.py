@@ -293,7 +293,7 @@ def test_a_sidecar_source_hash_pairs_a_foreign_checkpoint_with_its_float_run(ckp
         and record["scheme"] == CT_LABEL
         and record["source_sha256"] == fp["settings"]["model_sha256"]
     )
-    out = qg.evaluate(model, qg.tokenizer(folder), "quantgate_ppl", limit=3)
+    out = qg.evaluate(model, qg.tokenizer(folder), "quantgate_ppl", limit=3).to_json()
     assert out["settings"]["source_sha256"] == fp["settings"]["model_sha256"]
     (ckpts["root"] / "ev_sidecar").mkdir()
     (ckpts["root"] / "ev_sidecar" / "eval.json").write_text(json.dumps(out))

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
         qg.quantize(m, "llm-int8")
     with pytest.raises(ModuleNotFoundError, match=r"needs lm-eval \\(pip install lm-eval==0.4.13"):
         qg.evaluate(m, tasks=["quantgate_ppl"], limit=1)
-    assert "perplexity" in qg.evaluate(m, tasks=["quantgate_backcopy"], limit=1)["results"]["quantgate_backcopy"]
+    assert "perplexity" in qg.evaluate(m, tasks=["quantgate_backcopy"], limit=1).results["quantgate_backcopy"]
     from quantgate.study.executors import run_cells
     assert run_cells([], None, None, "serial") == []  # serial studies need no Ray
     with pytest.raises(ModuleNotFoundError, match=r"the ray executor needs Ray \\(pip install 'ray>=2.60,<3'"):

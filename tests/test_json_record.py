@@ -93,3 +93,19 @@ def test_cell_observe_keeps_the_headline_and_the_three_largest_massive_activatio
 
 def test_unit_summary_reads_the_reports_key():
     assert UnitSummary.from_json({"mean": 0.5, "below_0.1": 0.125, "per_head": [0.5], "hist": []}).below_0_1 == 0.125
+
+
+@dataclass(frozen=True)
+class Holder(JsonRecord):
+    leaf: Leaf | None = json_field(none_as={})
+    renamed: dict[str, float] = json_field(key="float", default_factory=dict)
+    where: str | None = json_field(stored=False)
+
+
+def test_stand_ins_for_none_renamed_defaults_and_unstored_fields():
+    empty = Holder()
+    assert empty.to_json() == {"leaf": {}, "float": {}}  # None written as its stand-in; `where` not in the JSON
+    assert Holder.from_json({"leaf": {}, "float": {"a": 1.0}}) == Holder(renamed={"a": 1.0})  # {} read as None
+    assert Holder(where="run").to_json() == empty.to_json() and Holder().renamed is not Holder().renamed
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['where'\]"):
+        Holder.from_json({"where": "run"})

@@ -99,10 +99,10 @@ def runs(tmp_path_factory):
     a, b = qg.build("tiny-llama", seed=0), qg.build("tiny-llama", seed=1)
     q = qg.quantize(b, "w8-int8")
     made = {
-        "fa": qg.evaluate(a, tasks=CLOZE, limit=3),
-        "fb": qg.evaluate(b, tasks=CLOZE, limit=3),
-        "qb": qg.evaluate(q, tasks=CLOZE, limit=3),
-        "qb2": qg.evaluate(q, tasks=CLOZE, limit=3, num_fewshot=2),
+        "fa": qg.evaluate(a, tasks=CLOZE, limit=3).to_json(),
+        "fb": qg.evaluate(b, tasks=CLOZE, limit=3).to_json(),
+        "qb": qg.evaluate(q, tasks=CLOZE, limit=3).to_json(),
+        "qb2": qg.evaluate(q, tasks=CLOZE, limit=3, num_fewshot=2).to_json(),
     }
     assert made["qb"]["settings"]["source_sha256"] == made["fb"]["settings"]["model_sha256"]
     assert made["fa"]["settings"]["model_sha256"] != made["fb"]["settings"]["model_sha256"]

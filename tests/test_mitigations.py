@@ -325,6 +325,8 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
         return Delta(v, lo, hi, "perplexity", 4, "paired bootstrap")
 
     schemes = ["w8a8-int8-static", "w8a8-int8-static:rotate=online", "w8a8-int8-static:smooth=0.5", "kv4-int4"]
+    rotation = {"kind": "hadamard", "online": True, "seed": 0, "d_model": 64, "d_ff": 128, "extra_params": 0,
+                "extra_ops_per_token": 1792}  # fmt: skip
     raw = [
         {
             "id": f"{m}/v",
@@ -332,7 +334,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
             "variant": "vanilla",
             "schemes": {
                 "w8a8-int8-static:rotate=online": {
-                    "mitigation": {"rotation": {"extra_params": 0, "extra_ops_per_token": 1792}},
+                    "mitigation": {"rotation": rotation},
                     "quantize_s": 2.5,
                 }
             },

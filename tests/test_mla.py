@@ -74,5 +74,5 @@ def test_quantize_evaluate_and_train_unchanged(tmp_path):
     q = qg.quantize(out, "w8a8-int8-dynamic")
     with torch.no_grad():
         assert torch.isfinite(q(IDS).logits).all()
-    res = qg.evaluate(q, tok, ["quantgate_ppl"], limit=1)["results"]["quantgate_ppl"]
+    res = qg.evaluate(q, tok, ["quantgate_ppl"], limit=1).results["quantgate_ppl"]
     assert res["word_perplexity"] > 1

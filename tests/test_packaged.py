@@ -125,7 +125,7 @@ def test_smollm2_quantgate_ppl_through_lm_eval(smollm2, smollm2_quantized):
     tok = qg.tokenizer(smollm2)
 
     def word_ppl(model):
-        return qg.evaluate(model, tok, ["quantgate_ppl"], limit=1)["results"]["quantgate_ppl"]["word_perplexity"]
+        return qg.evaluate(model, tok, ["quantgate_ppl"], limit=1).results["quantgate_ppl"]["word_perplexity"]
 
     fp, static, dynamic = (
         word_ppl(smollm2),

@@ -33,6 +33,6 @@ def test_packaged_twins_load_offline_and_reproduce_their_search_numbers(name, va
     cell = next(c for c in metrics["cells"] if c["variant"] == variant)
     settings = metrics["study"]["models"][0]["eval"]
     got = qg.evaluate(model, tasks=["quantgate_backcopy"], limit=settings["limit"]["quantgate_backcopy"])
-    assert got["results"]["quantgate_backcopy"]["perplexity"] == pytest.approx(
+    assert got.results["quantgate_backcopy"]["perplexity"] == pytest.approx(
         cell["float"]["quantgate_backcopy"]["perplexity"], rel=1e-5
     )

@@ -2,8 +2,9 @@
 so that config.json carries it) and read and written only through this module.
 
 Fields: the attention ``variant`` and ``family`` (apply_variant), the bundled ``tokenizer`` (build), the
-synthetic ``task`` it was trained on (train), the ``quantization`` (quantize), the ``rotation`` (rotate_)
-and a pending ``mitigation`` (SmoothQuant, keep=auto: moved into the quantization record by quantize), and
+synthetic ``task`` it was trained on (train), the ``quantization`` (quantize: a :class:`QuantizationRecord`), the
+``rotation`` (rotate_) and a pending ``mitigation`` (a :class:`MitigationRecord` of SmoothQuant, keep=auto and the
+rotation: moved into the quantization record by quantize), and
 for a checkpoint only quantgate loads, the real ``model_type`` and the ``load_with`` note.
 """
 
@@ -19,7 +20,95 @@ from ..errors import InputError
 from ..files import json_kind
 from ..json_record import JsonRecord, json_field
 
-__all__ = ["ModelRecord", "record_of", "set_record", "drop_record", "checked_record"]
+__all__ = [
+    "ModelRecord",
+    "QuantizationRecord",
+    "CalibrationRecord",
+    "MitigationRecord",
+    "RotationRecord",
+    "SmoothingRecord",
+    "record_of",
+    "set_record",
+    "drop_record",
+    "checked_record",
+]
+
+
+@dataclass(frozen=True)
+class CalibrationRecord(JsonRecord):
+    """The calibration a quantization ran: ``batches`` consumed of the ``requested`` (fewer where the calibration
+    set ran out; None in records made before it was kept), their ``tokens`` (all positions of every batch), and the
+    data's ``source`` split and ``seq_len`` (tokens per sequence) where the batches say (None otherwise)."""
+
+    batches: int
+    requested: int | None = json_field(omit_none=True)
+    tokens: int = 0
+    source: str | None = None
+    seq_len: int | None = None
+
+
+@dataclass(frozen=True)
+class RotationRecord(JsonRecord):
+    """A Hadamard rotation (:func:`quantgate.quant.rotate.rotate_`): ``kind`` ("hadamard"), ``online`` (a transform
+    at each FFN output projection), the ``seed`` of Q's random signs, ``d_model``, ``d_ff`` (the online transform's
+    size; None without it), ``extra_params`` (biases added where a LayerNorm bias folds into a bias-free reader) and
+    ``extra_ops_per_token`` (additions and subtractions of the online transforms per token; 0 without them)."""
+
+    kind: str
+    online: bool
+    seed: int
+    d_model: int
+    d_ff: int | None
+    extra_params: int
+    extra_ops_per_token: int
+
+
+@dataclass(frozen=True)
+class SmoothingRecord(JsonRecord):
+    """What SmoothQuant did (:func:`quantgate.quant.mitigate.smooth_`): the ``groups`` of Linears smoothed and the
+    largest and smallest smoothing factor s (``max_s``, ``min_s``; unitless)."""
+
+    groups: int
+    max_s: float
+    min_s: float
+
+
+@dataclass(frozen=True)
+class MitigationRecord(JsonRecord):
+    """The fixes applied before quantizing (:func:`quantgate.quant.mitigate.mitigate`), each absent where it did
+    not run: the ``rotation``, SmoothQuant's ``smooth``, and keep=auto's ``keep`` (the FFNs left in full
+    precision, by module name) with ``kept_params`` (the parameters inside them)."""
+
+    rotation: RotationRecord | None = json_field(omit_none=True)
+    smooth: SmoothingRecord | None = json_field(omit_none=True)
+    keep: list[str] | None = json_field(omit_none=True)
+    kept_params: int | None = json_field(omit_none=True)
+
+    @property
+    def extra_params(self) -> int:
+        """The parameters the fixes cost: those keep=auto leaves in full precision and the rotation's added biases."""
+        return (self.kept_params or 0) + (self.rotation.extra_params if self.rotation else 0)
+
+    @property
+    def extra_ops_per_token(self) -> int:
+        """The operations per token the fixes add: the rotation's online transforms (0 without them)."""
+        return self.rotation.extra_ops_per_token if self.rotation else 0
+
+
+@dataclass(frozen=True)
+class QuantizationRecord(JsonRecord):
+    """How quantgate quantized a model (:func:`quantgate.quant.quantize` writes it; saved in config.json's
+    ``quantgate`` object and the checkpoint's quantization.json): the ``scheme`` (its full text, options included),
+    the ``calibration`` that ran (None for a scheme without), the float ``source_model`` (its name or path, where it
+    had one) and ``source_sha256`` (:func:`quantgate.quant.fingerprint` of its weights), ``dequantized_from`` (the
+    other tool's quantization it was decompressed from) and the ``mitigation`` applied, each absent where none."""
+
+    scheme: str
+    calibration: CalibrationRecord | None = None
+    source_model: str | None = None
+    source_sha256: str | None = None
+    dequantized_from: str | None = json_field(omit_none=True)
+    mitigation: MitigationRecord | None = json_field(omit_none=True)
 
 
 @dataclass(frozen=True)
@@ -30,9 +119,9 @@ class ModelRecord(JsonRecord):
     family: str | None = json_field(omit_none=True)
     tokenizer: str | None = json_field(omit_none=True)
     task: str | None = json_field(omit_none=True)
-    quantization: dict[str, Any] | None = json_field(omit_none=True)
+    quantization: QuantizationRecord | None = json_field(omit_none=True)
     rotation: dict[str, Any] | None = json_field(omit_none=True)
-    mitigation: dict[str, Any] | None = json_field(omit_none=True)
+    mitigation: MitigationRecord | None = json_field(omit_none=True)
     model_type: str | None = json_field(omit_none=True)
     load_with: str | None = json_field(omit_none=True)
 
@@ -60,7 +149,7 @@ def drop_record(config: Any) -> ModelRecord:
     return record
 
 
-_TYPES = {f.name: dict if f.type.startswith("dict") else str for f in dataclasses.fields(ModelRecord)}
+_TYPES = {f.name: str if f.type == "str | None" else dict for f in dataclasses.fields(ModelRecord)}
 
 
 def checked_record(data: Mapping[str, Any], file: Path, fix: str) -> ModelRecord:
@@ -83,4 +172,7 @@ def checked_record(data: Mapping[str, Any], file: Path, fix: str) -> ModelRecord
                 f"{file}: field 'quantgate.{key}' must be {'a string' if want is str else 'an object'}, got a "
                 f"JSON {json_kind(value)}; {fix}"
             )
-    return ModelRecord.from_json(meta)
+    try:
+        return ModelRecord.from_json(meta)
+    except (InputError, TypeError) as e:  # a field inside one of its objects unknown, or missing
+        raise InputError(f"{file}: field 'quantgate' is not the record qg.save writes ({e}); {fix}") from None

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 from ..errors import InputError, Unavailable
 from ..models.io import offloaded
 from ..models.modes import eval_mode
-from ..models.record import record_of, set_record
+from ..models.record import CalibrationRecord, QuantizationRecord, record_of, set_record
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
 from . import imported, simulate
@@ -110,35 +110,31 @@ def quantize(
         seen.update(_calibrate(m, calibration, scheme.calib, trim=inplace))
 
     handler_for(scheme).apply(target, scheme, calibrate if calibration is not None else None)
-    quantization = {
-        "scheme": str(scheme),
-        "calibration": {
-            **seen,
-            "source": getattr(calibration, "split", None),
-            "seq_len": getattr(calibration, "seq_len", None),
-        }
+    quantization = QuantizationRecord(
+        scheme=str(scheme),
+        calibration=CalibrationRecord(
+            **seen, source=getattr(calibration, "split", None), seq_len=getattr(calibration, "seq_len", None)
+        )
         if seen
         else None,
-        "source_model": getattr(model.config, "_name_or_path", None) or None,
-        "source_sha256": source_sha256,
-    }
-    if dequantized_from is not None:
-        quantization["dequantized_from"] = dequantized_from
-    mitigation = record_of(target).mitigation
-    if mitigation:
-        quantization["mitigation"] = mitigation
+        source_model=getattr(model.config, "_name_or_path", None) or None,
+        source_sha256=source_sha256,
+        dequantized_from=dequantized_from,
+        mitigation=record_of(target).mitigation,
+    )
     set_record(target, quantization=quantization, mitigation=None)
     return target
 
 
 def quantization_of(model: nn.Module) -> dict | None:
-    """The quantization record of ``model``, None for a float model: for a model made by :func:`quantize`,
-    quantgate's own (``origin`` ``quantgate``); for one another tool quantized, the record of its
+    """The quantization record of ``model`` as JSON, None for a float model: for a model made by :func:`quantize`,
+    quantgate's own (:class:`~quantgate.models.record.QuantizationRecord`, ``origin`` ``quantgate``; the typed
+    record is ``record_of(model).quantization``); for one another tool quantized, the record of its
     ``quantization_config`` or its quantized tensors (:func:`quantgate.quant.imported.imported_quantization`:
     ``origin`` the tool, e.g. ``compressed-tensors``). ``scheme`` names the quantization either way."""
     own = record_of(model).quantization
-    if own:
-        return {"origin": "quantgate", **own}
+    if own is not None:
+        return {"origin": "quantgate", **own.to_json()}
     return imported.imported_quantization(model)
 
 

@@ -88,7 +88,7 @@ def save_quantized(
     config = config_of(model)
     quant = record_of(config).quantization
     assert quant is not None, "qg.save sends only quantized models here"
-    scheme = get_scheme(quant["scheme"])
+    scheme = get_scheme(quant.scheme)
     check_ranges(model)
     fmt, why = export_format(model, scheme)
     if dtype is not None and fmt != "compressed-tensors":
@@ -122,9 +122,9 @@ def save_quantized(
     if quantization_config is not None:  # with the dtype the model computes in, whatever the storage dtype
         _add_to_config(path, {"quantization_config": quantization_config, "dtype": compute_dtype(model, scheme)})
     else:
-        model_io.mark_quantgate_only(path, f"it is quantized with {quant['scheme']} and {why}")
+        model_io.mark_quantgate_only(path, f"it is quantized with {quant.scheme} and {why}")
     manifest = {
-        **quant,
+        **quant.to_json(),
         "variant": str(variant_of(model)),
         "family": family_of(model).name,
         "format": fmt,
@@ -234,7 +234,7 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> dict[str, Any]:
         raise InputError(f"{file}: field 'format' must be one of {', '.join(FORMATS)}; {_RESAVE}")
     record = record_of(config)
     recorded = {
-        "scheme": (record.quantization or {}).get("scheme"),
+        "scheme": record.quantization.scheme if record.quantization else None,
         "variant": record.variant,
         "family": family_of(config).name,
     }

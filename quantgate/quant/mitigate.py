@@ -27,7 +27,7 @@ import torch.nn as nn
 from ..errors import InputError
 from ..massive import MassiveActivations
 from ..models.families import config_of, family_of
-from ..models.record import set_record
+from ..models.record import MitigationRecord, set_record
 from ..models.swap import attention_modules
 from .rotate import gate_readers, linear_at
 from .schemes import CalibratedScheme, Scheme
@@ -60,7 +60,7 @@ def mitigate(model: nn.Module, scheme: S, calibrate: Calibrate | None, done: dic
         done["kept_params"] = sum(p.numel() for name in found for p in model.get_submodule(name).parameters())
         scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(found))
     if done:
-        set_record(model, mitigation=done)
+        set_record(model, mitigation=MitigationRecord.from_json(done))
     return scheme
 
 

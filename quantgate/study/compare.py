@@ -321,9 +321,9 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
     if folder is not None and (folder / "config.json").is_file():
         file, fix = folder / "config.json", "restore the config.json saved with the model"
         cfg = read_json(file, fix=fix)
-        own = checked_record(cfg, file, fix).quantization or {}
-        if own.get("scheme"):
-            return str(own["scheme"]), source or own.get("source_sha256")
+        own = checked_record(cfg, file, fix).quantization
+        if own is not None and own.scheme:
+            return own.scheme, source or own.source_sha256
         qc = quantization_config(cfg)
         if qc is not None:
             return describe(qc)["scheme"], source

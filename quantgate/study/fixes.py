@@ -121,15 +121,14 @@ def fix_rows(
         d = changes.get((cell.id, s))
         if d is None:
             continue
-        m = r.mitigation or {}
-        rot = m.get("rotation") or {}
+        m = r.mitigation
         rows.append(
             FixRow(
                 scheme=s,
                 delta=d,
                 verdict=verdict(d, within, low_precision=low_precision),
-                params=(m.get("kept_params") or 0) + (rot.get("extra_params") or 0),
-                ops=rot.get("extra_ops_per_token") or 0,
+                params=m.extra_params if m else 0,
+                ops=m.extra_ops_per_token if m else 0,
                 seconds=r.quantize_s,
             )
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,16 @@ import numpy as np
 
 from ..data.corpus import document_keys
 from ..errors import InputError, MissingFile
+from ..evaluate import Documents, Results
 from ..files import json_kind, read_json, write_text_atomic
-from ..json_record import JsonRecord
+from ..json_record import JsonRecord, json_field
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
+from ..models.record import CalibrationRecord, MitigationRecord
 from ..stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate, check_cluster
 from .grid import cell_dir
 
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
-
-Results = dict[str, dict[str, float]]  # {task: {metric: value}}
-Documents = dict[str, dict[str, list]]  # {task: {column: [one value per document]}}: numbers; works, hashes: str
 
 
 @dataclass(frozen=True)
@@ -140,39 +140,54 @@ def key_documents(run_dir: str | Path, cluster: str | None = None) -> bool:
 
 
 @dataclass(frozen=True)
-class SchemeRecord:
-    """One scheme's step in a cell: its evaluation, quantization error and what quantizing recorded;
-    ``error`` (and nothing else) where the hardware could not run it."""
+class WorstLayer(JsonRecord):
+    """A block among a quantized model's three least faithful (:func:`quantgate.quant.quant_error`): its index
+    (``layer``) and the SQNR of its output against the float model's (``sqnr_db``, dB)."""
+
+    layer: int
+    sqnr_db: float
+
+
+@dataclass(frozen=True)
+class SchemeRecord(JsonRecord):
+    """One scheme's step in a cell: its evaluation (``results``, ``documents``), its error against the float model
+    on one held-out batch (``logits_sqnr_db``, dB; the ``worst_layers``; ``overflow``: FP8 values saturated), what
+    quantizing recorded (``calibration``, ``mitigation``: None where none ran), how long quantizing took
+    (``quantize_s``, seconds; None in runs made before it was recorded) and the step (``seconds``); ``error`` (and
+    nothing else) where the hardware could not run it."""
 
     results: Results | None = None
     documents: Documents = field(default_factory=dict)
     logits_sqnr_db: float | None = None
-    worst_layers: list[dict[str, Any]] = field(default_factory=list)
+    worst_layers: list[WorstLayer] = field(default_factory=list)
     overflow: int = 0
-    calibration: dict[str, Any] | None = None
-    mitigation: dict[str, Any] | None = None
+    calibration: CalibrationRecord | None = None
+    mitigation: MitigationRecord | None = None
     quantize_s: float | None = None
     seconds: float = 0.0
-    error: str | None = None
+    error: str | None = json_field(omit_none=True)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SchemeRecord:
-        d = {k: v for k, v in data.items() if k != "key"}
-        d["documents"] = keyed(d.get("documents") or {})
-        return cls(**d)
+    def from_json(cls, data: Mapping[str, Any]) -> SchemeRecord:
+        """The record of a scheme step's JSON (its cache ``key``, which a step file holds, left out), with the
+        works and text hashes of older runs' documents recovered (:func:`keyed`)."""
+        record = super().from_json({k: v for k, v in data.items() if k != "key"})
+        return dataclasses.replace(record, documents=keyed(record.documents))
 
     def to_json(self) -> dict[str, Any]:
         """The step's JSON as the run writes it (an error step keeps only its error and seconds)."""
         if self.error is not None:
             return {"error": self.error, "seconds": self.seconds}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "error"}
+        return super().to_json()
 
 
 @dataclass(frozen=True)
-class CellRecord:
-    """One cell (model x variant x seed) of a study run. ``trained``: how its model was trained here;
-    ``observe``: observe's summary and per-block rows; ``cost``: the gate's parameters and FLOPs per token
-    (None in runs made before they were recorded)."""
+class CellRecord(JsonRecord):
+    """One cell (model x variant x seed) of a study run. ``source``: the study's source of its model (``preset`` and
+    ``config``, or ``load``); ``trained``: how its model was trained here; ``observe``: observe's summary and
+    per-block rows (``{}`` in the JSON where there are none); ``cost``: the gate's parameters and FLOPs per token
+    (None in runs made before they were recorded); ``float_results`` and ``float_documents``: the float model's
+    evaluation (``float`` in the JSON); ``schemes``: each scheme's step; ``seconds``: the cell's steps, summed."""
 
     id: str
     model: str
@@ -180,34 +195,21 @@ class CellRecord:
     seed: int = 0
     source: dict[str, Any] = field(default_factory=dict)
     trained: Training = field(default_factory=Training)
-    observe: CellObserve | None = None
+    observe: CellObserve | None = json_field(none_as={})
     cost: GateCost | None = None
-    float_results: Results = field(default_factory=dict)
+    float_results: Results = json_field(key="float", default_factory=dict)
     float_documents: Documents = field(default_factory=dict)
     schemes: dict[str, SchemeRecord] = field(default_factory=dict)
     seconds: float = 0.0
-    run_dir: Path | None = None  # the run directory it was read from (not part of the JSON)
-    cluster: str = "work"  # the unit its intervals resample: the study's report: cluster (not part of the JSON)
+    run_dir: Path | None = json_field(stored=False)  # the run directory it was read from
+    cluster: str = json_field(stored=False, default="work")  # the unit its intervals resample: the report's cluster
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], run_dir: Path | None = None, cluster: str = "work") -> CellRecord:
-        d = dict(data, run_dir=run_dir, cluster=cluster)
-        d["float_results"] = d.pop("float", {})
-        d["schemes"] = {s: SchemeRecord.from_json(r) for s, r in (d.get("schemes") or {}).items()}
-        d["float_documents"] = keyed(d.get("float_documents") or {})
-        d["trained"] = Training.from_json(d.get("trained") or {})
-        d["observe"] = CellObserve.from_json(d["observe"]) if d.get("observe") else None
-        d["cost"] = GateCost.from_json(d["cost"]) if d.get("cost") else None
-        return cls(**d)
-
-    def to_json(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("run_dir", "cluster")}
-        d["float"] = d.pop("float_results")
-        d["schemes"] = {s: r.to_json() for s, r in self.schemes.items()}
-        d["trained"] = self.trained.to_json()
-        d["observe"] = self.observe.to_json() if self.observe else {}
-        d["cost"] = self.cost.to_json() if self.cost else None
-        return d
+    def from_json(cls, data: Mapping[str, Any]) -> CellRecord:
+        """The record of a cell's JSON, with the works and text hashes of older runs' documents recovered
+        (:func:`keyed`)."""
+        record = super().from_json(data)
+        return dataclasses.replace(record, float_documents=keyed(record.float_documents))
 
     @property
     def summary(self) -> CellSummary:
@@ -238,8 +240,9 @@ class CellRecord:
 
 
 @dataclass(frozen=True)
-class StudyRecord:
-    """A run's metrics.json: the resolved study, its cells, the schemes in order, and where it ran."""
+class StudyRecord(JsonRecord):
+    """A run's metrics.json: the resolved ``study`` (its settings as run), its ``cells``, the ``schemes`` in order,
+    the library ``versions``, the ``machine`` it ran on, and ``wall_seconds`` (seconds, per phase of the run)."""
 
     study: dict[str, Any]
     cells: list[CellRecord]
@@ -249,19 +252,12 @@ class StudyRecord:
     wall_seconds: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], run_dir: Path | None = None) -> StudyRecord:
-        cluster = (data.get("study", {}).get("report") or {}).get("cluster", "work")
-        return cls(**{**data, "cells": [CellRecord.from_json(c, run_dir, cluster) for c in data["cells"]]})
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "study": self.study,
-            "cells": [c.to_json() for c in self.cells],
-            "schemes": self.schemes,
-            "versions": self.versions,
-            "machine": self.machine,
-            "wall_seconds": self.wall_seconds,
-        }
+    def from_json(cls, data: Mapping[str, Any], run_dir: Path | None = None) -> StudyRecord:
+        """The record of a metrics.json, its cells read from ``run_dir`` with the study's report ``cluster``."""
+        record = super().from_json(data)
+        cluster = (record.study.get("report") or {}).get("cluster", "work")
+        cells = [dataclasses.replace(c, run_dir=run_dir, cluster=cluster) for c in record.cells]
+        return dataclasses.replace(record, cells=cells)
 
     @property
     def report(self) -> dict[str, Any]:

@@ -655,7 +655,7 @@ def quantization_error(report: Report) -> str:
             if r.error is not None:
                 lines.append(f"| {c.model} | {c.variant} | {sch} | not run: {r.error} | | |")
                 continue
-            worst = ", ".join(f"{w['layer']} ({w['sqnr_db']:.1f})" for w in r.worst_layers)
+            worst = ", ".join(f"{w.layer} ({w.sqnr_db:.1f})" for w in r.worst_layers)
             lines.append(f"| {c.model} | {c.variant} | {sch} | {fmt(r.logits_sqnr_db)} | {worst} | {r.overflow} |")
     return "\n".join(lines)
 

@@ -506,8 +506,8 @@ def _evaluate(model, tok, cfg: EvalSettings) -> dict:
         limit = cfg.limit.get(task) if isinstance(cfg.limit, dict) else cfg.limit
         window = cfg.max_length if task in ROLLING_TASKS else None
         out = evaluate(model, tok, [task], limit=limit, batch_size=cfg.batch_size, max_length=window)
-        results.update(out["results"])
-        documents.update(out["documents"])
+        results.update(out.results)
+        documents.update(out.documents)
     return {"results": results, "documents": documents}
 
 
