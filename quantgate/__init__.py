@@ -13,7 +13,7 @@ from .attention import gated_sdpa
 from .audit import Audit, audit
 from .checkpoint import load, save
 from .errors import InputError, MissingDependency, MissingFile, QuantgateError, Unavailable
-from .evaluate import evaluate
+from .evaluate import Evaluation, evaluate
 from .models import apply_variant, build, gate_parameters, set_backend, tokenizer, variant_of
 from .observe import ObserveReport, observe
 from .quant import SCHEMES, quant_error, quantization_of, quantize
@@ -42,6 +42,7 @@ __all__ = [
     "quantization_of",
     "SCHEMES",
     "evaluate",
+    "Evaluation",
     "TrainConfig",
     "train",
     "run_study",

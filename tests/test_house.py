@@ -180,7 +180,7 @@ def test_the_command_line_prints_a_refusal_in_one_line_and_a_bug_with_its_traceb
 
 
 def test_qg_names_the_verbs_and_the_refusals():
-    for name in ("train", "TrainConfig", "run_study", "QuantgateError", "InputError"):
+    for name in ("train", "TrainConfig", "run_study", "Evaluation", "QuantgateError", "InputError"):
         assert name in qg.__all__ and getattr(qg, name) is not None
     assert callable(qg.train) and callable(qg.run_study)
     assert "quantgate.train.loop" in sys.modules  # the package's modules stay importable by name
