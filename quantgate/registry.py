@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from .errors import InputError
@@ -54,6 +54,14 @@ class Registry(Mapping[K, T], Generic[K, T]):
         self._filled_by, self._filled = filled_by, not filled_by
         for key, entry in (entries or {}).items():
             self.add(key, entry)
+
+    @classmethod
+    def named(cls, noun: str, entries: Iterable[E], *, listing: str = "valid") -> Registry[str, E]:
+        """A registry of ``entries`` (objects with a ``name``), each registered under its name, in order."""
+        table: Registry[str, E] = Registry(noun, listing=listing)
+        for entry in entries:
+            table.add(getattr(entry, "name"), entry)  # noqa: B009  (E is any type with a name)
+        return table
 
     def _fill(self) -> None:
         if not self._filled:

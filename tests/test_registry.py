@@ -39,6 +39,18 @@ def test_entries_go_at_the_end_or_beside_a_named_one():
         table.add("e", 5, before="z")
 
 
+def test_a_registry_of_named_entries_keys_each_by_its_name():
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(name="b"), SimpleNamespace(name="a")]
+    table = Registry.named("row", rows, listing="rows")
+    assert list(table) == ["b", "a"] and table["a"] is rows[1]
+    with pytest.raises(InputError, match=r"row 'b' is registered twice"):
+        Registry.named("row", [*rows, SimpleNamespace(name="b")])
+    with pytest.raises(InputError, match=r"^unknown row 'c'; rows: b, a$"):
+        table.lookup("c")
+
+
 def test_keys_that_are_classes_are_named_in_errors():
     class Odd:
         pass

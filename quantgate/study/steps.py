@@ -361,46 +361,43 @@ EVAL_LEGACY = "per-document values, quantgate_ppl 2.0, backcopy after the first 
 # which. tests/test_step_formats.py holds each step's output shape at its format and fails when the shape changes
 # under the same one; tests/test_step_keys.py holds the keys. Format 2 (observe, eval-float, scheme): per-document
 # text hashes.
-STEPS: Registry[str, Step] = Registry(
+STEPS: Registry[str, Step] = Registry.named(
     "study step",
-    {
-        s.name: s
-        for s in (
-            Step(
-                "model",
-                1,
-                lambda run, _, __: run.model_key,
-                lambda run, _: _train_summary(run.model, run.cdir),
-                lambda out: Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds", "format")}),
-            ),
-            Step(
-                "observe",
-                2,
-                lambda run, _, __: _key(run.model_key, run.spec.observe.as_dict(), *_data_keys(run.spec.observe.data)),
-                lambda run, _: _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir),
-                lambda out: CellObserve.from_json(out["observe"]),
-                needs=("observe",),
-            ),
-            Step(
-                "eval-float",
-                2,
-                lambda run, _, legacy: _key(run.model_key, run.eval.as_dict(), legacy),
-                lambda run, _: _evaluate(run.model(), run.tokenizer(), run.eval),
-                lambda out: out,  # its results and documents
-                needs=("results", "documents"),
-                legacy=EVAL_LEGACY,
-            ),
-            Step(
-                "cost",
-                1,
-                lambda run, _, __: run.model_key,
-                lambda run, _: gate_cost(run.model()).to_json(),
-                lambda out: GateCost(out["gate_params"], out["gate_flops_per_token"]),
-                needs=("gate_params", "gate_flops_per_token"),
-            ),
-            Step("scheme", 2, _scheme_key, _scheme, SchemeRecord.from_json, legacy=EVAL_LEGACY, per_scheme=True),
-        )
-    },
+    (
+        Step(
+            "model",
+            1,
+            lambda run, _, __: run.model_key,
+            lambda run, _: _train_summary(run.model, run.cdir),
+            lambda out: Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds", "format")}),
+        ),
+        Step(
+            "observe",
+            2,
+            lambda run, _, __: _key(run.model_key, run.spec.observe.as_dict(), *_data_keys(run.spec.observe.data)),
+            lambda run, _: _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir),
+            lambda out: CellObserve.from_json(out["observe"]),
+            needs=("observe",),
+        ),
+        Step(
+            "eval-float",
+            2,
+            lambda run, _, legacy: _key(run.model_key, run.eval.as_dict(), legacy),
+            lambda run, _: _evaluate(run.model(), run.tokenizer(), run.eval),
+            lambda out: out,  # its results and documents
+            needs=("results", "documents"),
+            legacy=EVAL_LEGACY,
+        ),
+        Step(
+            "cost",
+            1,
+            lambda run, _, __: run.model_key,
+            lambda run, _: gate_cost(run.model()).to_json(),
+            lambda out: GateCost(out["gate_params"], out["gate_flops_per_token"]),
+            needs=("gate_params", "gate_flops_per_token"),
+        ),
+        Step("scheme", 2, _scheme_key, _scheme, SchemeRecord.from_json, legacy=EVAL_LEGACY, per_scheme=True),
+    ),
 )
 
 
