@@ -102,8 +102,8 @@ def check_lm_eval_options(
 
 
 class NonFiniteOutputs(InputError):
-    """The model's log-likelihood of a task's document is NaN or inf (its outputs are). ``partial``: what
-    :func:`evaluate` returns, over the tasks finished before it with finite outputs."""
+    """The model's log-likelihood of a task's document is NaN or inf (its outputs are). ``partial``: the JSON of
+    what :func:`evaluate` returns (``Evaluation.to_json()``), over the tasks finished before it with finite outputs."""
 
     def __init__(self, message: str, partial: dict):
         super().__init__(message)

@@ -1,6 +1,7 @@
 """The ``key=value,...`` part of a spec string (``name:key=value,...``), one parser for attention
-variants, quantization schemes and synthetic tasks; and the ranges of settings (:data:`Range`), one
-definition that the command line, a study file and the Python API all check a value against."""
+variants, quantization schemes and synthetic tasks; the values a setting accepts (:class:`Range`) and the one
+option type (:class:`Option`: type, valid values, default) of gates, schemes, tasks, study files and trainer.json,
+one definition that the command line, a study file and the Python API all check a value against."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from quantgate.errors import InputError
+
+
+@dataclass(frozen=True)
+class _Interval:
+    """The test of :meth:`Range.between`: plain data, so that such a range compares by value and pickles."""
+
+    lo: float
+    hi: float
+    lo_open: bool
+    hi_open: bool
+
+    def __call__(self, x: float) -> bool:
+        lo, hi = self.lo, self.hi
+        return (lo < x if self.lo_open else lo <= x) and (x < hi if self.hi_open else x <= hi)
 
 
 @dataclass(frozen=True)
@@ -33,14 +48,10 @@ class Range:
             wants = f"{'<' if hi_open else '<='} {hi:g}"
         else:
             wants = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-
-        def test(x: float) -> bool:
-            return (lo < x if lo_open else lo <= x) and (x < hi if hi_open else x <= hi)
-
-        return cls(test, wants)
+        return cls(_Interval(lo, hi, lo_open, hi_open), wants)
 
     def __contains__(self, value: object) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):
+        if not _finite(value):
             return False
         try:
             return bool(self.test(value))
@@ -71,7 +82,7 @@ class Option:
 
     def accepts(self, value: object) -> bool:
         """Whether ``value`` (already of the option's type) is one it takes; a float must also be finite."""
-        return in_range(value, None) and (self.valid is None or value in self.valid)
+        return _finite(value) and (self.valid is None or value in self.valid)
 
     @property
     def wants(self) -> str:
@@ -94,11 +105,14 @@ AT_LEAST_0 = Range.between(0)
 ABOVE_0 = Range.between(0, lo_open=True)
 
 
+def _finite(value: object) -> bool:
+    """False for a float NaN or infinity, True for anything else."""
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 def in_range(value: object, valid: Range | None) -> bool:
     """Whether ``value`` is one ``valid`` accepts (None: any finite value)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return False
-    return valid is None or value in valid
+    return _finite(value) if valid is None else value in valid
 
 
 def check_range(name: str, value: object, valid: Range | None) -> None:

@@ -1,12 +1,12 @@
 """One kind of table for everything quantgate looks up by name: gate kinds, schemes and their options, scheme
 handlers, model families, presets, packaged models and report sections.
 
-A :class:`Registry` is a read-only mapping in registration order with one way in (:meth:`Registry.add`, or
-:meth:`Registry.register` as a decorator), which refuses a name given twice, and one way to look a name up that
-refuses an unknown one by listing the names it knows (:meth:`Registry.lookup`). A table whose entries are
-registered by a module above it names that module (``filled_by``): the first read imports it, so a reader of the
-table never depends on who imported what before. Tests add an entry inside :meth:`Registry.snapshot`, which
-puts the table back as it was.
+A :class:`Registry` is a read-only mapping in registration order with one way in (:meth:`Registry.add`; the
+registering decorators ``@gate_kind`` and ``@handles`` call it), which refuses a name given twice, and one way to
+look a name up that refuses an unknown one by listing the names it knows (:meth:`Registry.lookup`). A table whose
+entries are registered by a module above it names that module (``filled_by``): the first read imports it (adding
+is not a read), so a reader of the table never depends on who imported what before. Tests add an entry inside
+:meth:`Registry.snapshot`, which puts the table back as it was.
 
 >>> colours = Registry("colour", {"red": 1})
 >>> colours.lookup("blue")
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
 from .errors import InputError
@@ -64,16 +64,25 @@ class Registry(Mapping[K, T], Generic[K, T]):
         return table
 
     def _fill(self) -> None:
-        if not self._filled:
-            self._filled = True  # before importing: the filling modules read the table as they register
+        """Import the modules that fill the table, once, at its first read (adding to it is not a read: a filling
+        module registers while it is being imported). A failed import leaves the table as it was, to be filled
+        at the next read."""
+        if self._filled:
+            return
+        self._filled, before = True, dict(self._entries)  # True first: the filling modules may read the table
+        try:
             for module in self._filled_by:
                 importlib.import_module(module)
+        except BaseException:
+            self._filled, self._entries = False, before
+            raise
 
     def add(self, key: K, entry: T, *, before: K | None = None, after: K | None = None) -> T:
         """Register ``entry`` as ``key``: at the end, or just ``before`` or ``after`` another entry; an
         InputError if ``key`` is registered already (two entries cannot share a name: which was meant cannot
         be known)."""
-        self._fill()
+        if before is not None and after is not None:
+            raise InputError(f"{self.noun} {_shown(key)!r}: give before= or after=, not both")
         if key in self._entries:
             raise InputError(f"{self.noun} {_shown(key)!r} is registered twice; give the new one another name")
         items = list(self._entries.items())
@@ -83,15 +92,6 @@ class Registry(Mapping[K, T], Generic[K, T]):
             at = next(i for i, (k, _) in enumerate(items) if k in (before, after)) + (after is not None)
         self._entries = dict([*items[:at], (key, entry), *items[at:]])
         return entry
-
-    def register(self, key: K) -> Callable[[E], E]:
-        """Decorator: register the decorated class or function as ``key`` (:meth:`add`), and return it."""
-
-        def decorate(entry: E) -> E:
-            self.add(key, entry)  # type: ignore[arg-type]  # E is T where the registry holds what it decorates
-            return entry
-
-        return decorate
 
     def lookup(self, key: K) -> T:
         """The entry ``key``; an InputError naming the known ones where there is none."""

@@ -1,5 +1,6 @@
 """quantgate.registry.Registry: the one table kind behind every name quantgate looks up (issue 45)."""
 
+import importlib
 import sys
 
 import pytest
@@ -24,9 +25,6 @@ def test_a_name_given_twice_is_refused_and_the_first_entry_kept():
     with pytest.raises(InputError, match=r"colour 'red' is registered twice"):
         table.add("red", 2)
     assert table["red"] == 1
-    decorate = table.register("red")
-    with pytest.raises(InputError, match=r"colour 'red' is registered twice"):
-        decorate(3)
 
 
 def test_entries_go_at_the_end_or_beside_a_named_one():
@@ -37,6 +35,8 @@ def test_entries_go_at_the_end_or_beside_a_named_one():
     assert list(table.items()) == [("start", 0), ("a", 1), ("b", 2), ("c", 3), ("d", 4)]
     with pytest.raises(InputError, match=r"unknown section 'z'"):
         table.add("e", 5, before="z")
+    with pytest.raises(InputError, match=r"section 'e': give before= or after=, not both"):
+        table.add("e", 5, before="a", after="b")
 
 
 def test_a_registry_of_named_entries_keys_each_by_its_name():
@@ -72,21 +72,36 @@ def test_a_snapshot_puts_the_table_back():
     assert list(table) == ["red"]
 
 
-def test_a_table_filled_by_a_module_imports_it_at_the_first_read(tmp_path, monkeypatch):
-    """The module that registers the entries is imported by the first read, not by whoever happened to import
-    it before, and not at all where nothing reads the table."""
-    (tmp_path / "fills_the_table.py").write_text(
-        "from test_registry_table import TABLE\nTABLE.add('one', 1)\n@TABLE.register('two')\ndef two():\n    pass\n"
-    )
+def _filled_table(tmp_path, monkeypatch, text: str) -> Registry[str, object]:
+    """A table filled by the module ``fills_the_table`` (``text``), which reaches the table as
+    ``test_registry_table.TABLE``."""
+    (tmp_path / "fills_the_table.py").write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     table: Registry[str, object] = Registry("entry", filled_by=("fills_the_table",))
     module = type(sys)("test_registry_table")
     module.TABLE = table  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "test_registry_table", module)
     monkeypatch.delitem(sys.modules, "fills_the_table", raising=False)
-    assert "fills_the_table" not in sys.modules  # made, not read: nothing imported
-    assert list(table) == ["one", "two"] and "fills_the_table" in sys.modules
-    assert getattr(table["two"], "__name__", None) == "two"  # the decorator returns what it registers
+    return table
+
+
+def test_a_table_filled_by_a_module_imports_it_at_the_first_read(tmp_path, monkeypatch):
+    """The module that registers the entries is imported by the first read, not by whoever happened to import
+    it before, and not by an entry added before that (adding is not a read)."""
+    table = _filled_table(tmp_path, monkeypatch, "from test_registry_table import TABLE\nTABLE.add('one', 1)\n")
+    table.add("zero", 0)
+    assert "fills_the_table" not in sys.modules  # made and added to, not read: nothing imported
+    assert list(table) == ["zero", "one"] and "fills_the_table" in sys.modules
+
+
+def test_a_fill_that_fails_leaves_the_table_to_be_filled_at_the_next_read(tmp_path, monkeypatch):
+    text = "from test_registry_table import TABLE\nTABLE.add('one', 1)\nraise RuntimeError('half-way')\n"
+    table = _filled_table(tmp_path, monkeypatch, text)
+    with pytest.raises(RuntimeError, match="half-way"):
+        list(table)
+    (tmp_path / "fills_the_table.py").write_text("from test_registry_table import TABLE\nTABLE.add('one', 1)\n")
+    importlib.invalidate_caches()
+    assert list(table) == ["one"]  # filled again, without the half-filled entry counted twice
 
 
 @pytest.mark.parametrize(
@@ -113,3 +128,27 @@ def test_the_package_tables_are_registries():
     for table in (GATE_KINDS, HANDLERS, OPTIONS, PACKAGED, SECTIONS):
         assert isinstance(table, Registry) and len(table) > 0, table
     assert list(SECTIONS)[:2] == ["header", "criterion"]  # by the functions' names, in the page's order
+
+
+def test_an_interval_range_is_data_and_an_option_says_what_it_wants():
+    import pickle
+
+    from quantgate.options import AT_LEAST_1, Option, Range
+
+    momentum = Range.between(0.0, 1.0, hi_open=True)
+    assert momentum == Range.between(0.0, 1.0, hi_open=True) and Range.between(1) == AT_LEAST_1
+    assert pickle.loads(pickle.dumps(momentum)) == momentum and str(momentum) == "in [0, 1)"
+    assert [x in momentum for x in (0.0, 0.5, 1.0, -0.1, float("nan"), "0.5")] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+    ]
+    heat = Option(str, ("cold", "warm"), "cold")
+    assert heat.wants == "one of cold, warm" and heat.accepts("warm") and not heat.accepts("hot")
+    with pytest.raises(InputError, match=r"^gate: heat must be one of cold, warm, got 'hot'$"):
+        heat.check("gate", "heat", "hot")
+    with pytest.raises(InputError, match=r"^s: momentum must be a finite number, got nan$"):
+        Option(float, momentum).check("s", "momentum", float("nan"))

@@ -2,7 +2,7 @@
 
 The JSON keeps its keys (older runs read the same); these classes are what the report, the plots, the
 experiments and the headline script read instead of string keys. Nested measurements that are tables of
-their own (an evaluation's ``{task: {metric: value}}``, observe's per-layer rows) stay mappings.
+their own (an evaluation's ``{task: {metric: value}}`` and per-document columns) stay mappings.
 """
 
 from __future__ import annotations

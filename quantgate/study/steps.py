@@ -312,14 +312,15 @@ class Step:
     ``format``: the version of the code behind its output (recorded in its file). ``key``: what its result
     depends on, as a key (given the cell's run, the scheme entry and ``legacy``), of which ``format`` is part
     from 2 on. ``compute``: its result's fields. ``needs``: the fields a cached file must have to be used.
-    ``record``: the typed record of its result that the cell's record holds. ``legacy``: a text its key holds
+    ``record``: the :class:`CellRecord` fields its result fills, typed (a ``per_scheme`` step's: its scheme's
+    record, in ``CellRecord.schemes``). ``legacy``: a text its key holds
     for the versions it had before formats were numbered (:data:`EVAL_LEGACY`)."""
 
     name: str
     format: int
     key: Callable[[_CellRun, Any, str], str]
     compute: Callable[[_CellRun, Any], dict[str, Any]]
-    record: Callable[[dict[str, Any]], Any]
+    record: Callable[[dict[str, Any]], Any]  # per_scheme: a SchemeRecord; else {CellRecord field: value}
     needs: tuple[str, ...] = ()
     legacy: str = ""
     per_scheme: bool = False
@@ -369,14 +370,14 @@ STEPS: Registry[str, Step] = Registry.named(
             1,
             lambda run, _, __: run.model_key,
             lambda run, _: _train_summary(run.model, run.cdir),
-            lambda out: Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds", "format")}),
+            lambda out: {"trained": Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds")})},
         ),
         Step(
             "observe",
             2,
             lambda run, _, __: _key(run.model_key, run.spec.observe.as_dict(), *_data_keys(run.spec.observe.data)),
             lambda run, _: _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir),
-            lambda out: CellObserve.from_json(out["observe"]),
+            lambda out: {"observe": CellObserve.from_json(out["observe"])},
             needs=("observe",),
         ),
         Step(
@@ -384,7 +385,7 @@ STEPS: Registry[str, Step] = Registry.named(
             2,
             lambda run, _, legacy: _key(run.model_key, run.eval.as_dict(), legacy),
             lambda run, _: _evaluate(run.model(), run.tokenizer(), run.eval),
-            lambda out: out,  # its results and documents
+            lambda out: {"float_results": out["results"], "float_documents": out["documents"]},
             needs=("results", "documents"),
             legacy=EVAL_LEGACY,
         ),
@@ -393,7 +394,7 @@ STEPS: Registry[str, Step] = Registry.named(
             1,
             lambda run, _, __: run.model_key,
             lambda run, _: gate_cost(run.model()).to_json(),
-            lambda out: GateCost(out["gate_params"], out["gate_flops_per_token"]),
+            lambda out: {"cost": GateCost(out["gate_params"], out["gate_flops_per_token"])},
             needs=("gate_params", "gate_flops_per_token"),
         ),
         Step("scheme", 2, _scheme_key, _scheme, SchemeRecord.from_json, legacy=EVAL_LEGACY, per_scheme=True),
@@ -402,22 +403,26 @@ STEPS: Registry[str, Step] = Registry.named(
 
 
 def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
+    """Run (or read) each of the cell's steps in turn; its record holds what each step's ``record`` gives."""
     run = _CellRun(cell, cdir)
-    made = [(step, entry, step.record(run.run(step, name, entry))) for step, name, entry in run.planned()]
-    one = {step.name: record for step, entry, record in made if entry is None}
+    fields: dict[str, Any] = {}
+    schemes: dict[str, SchemeRecord] = {}
+    for step, name, entry in run.planned():
+        record = step.record(run.run(step, name, entry))
+        if entry is None:
+            fields |= record
+        else:
+            schemes[entry.scheme] = record
+    source = cell.model.source.as_dict()
     return CellRecord(
-        id=cell.id,
-        model=cell.model.name,
-        variant=cell.variant,
-        seed=cell.seed,
-        source=cell.model.source.as_dict(),
-        trained=one["model"],
-        observe=one["observe"],
-        cost=one["cost"],
-        float_results=one["eval-float"]["results"],
-        float_documents=one["eval-float"]["documents"],
-        schemes={entry.scheme: record for _, entry, record in made if entry is not None},
+        cell.id,
+        cell.model.name,
+        cell.variant,
+        cell.seed,
+        source,
+        schemes=schemes,
         seconds=round(run.seconds, 1),
+        **fields,
     )
 
 
