@@ -85,11 +85,13 @@ class Registry(Mapping[K, T], Generic[K, T]):
             raise InputError(f"{self.noun} {_shown(key)!r}: give before= or after=, not both")
         if key in self._entries:
             raise InputError(f"{self.noun} {_shown(key)!r} is registered twice; give the new one another name")
+        beside = before if before is not None else after
+        if beside is None:
+            self._entries[key] = entry
+            return entry
+        self.lookup(beside)
         items = list(self._entries.items())
-        at = len(items)
-        if before is not None or after is not None:
-            self.lookup(before if before is not None else after)  # type: ignore[arg-type]  # one of them is set
-            at = next(i for i, (k, _) in enumerate(items) if k in (before, after)) + (after is not None)
+        at = [k for k, _ in items].index(beside) + (after is not None)
         self._entries = dict([*items[:at], (key, entry), *items[at:]])
         return entry
 

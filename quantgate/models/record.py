@@ -3,9 +3,9 @@ so that config.json carries it) and read and written only through this module.
 
 Fields: the attention ``variant`` and ``family`` (apply_variant), the bundled ``tokenizer`` (build), the
 synthetic ``task`` it was trained on (train), the ``quantization`` (quantize: a :class:`QuantizationRecord`), the
-``rotation`` (rotate_) and a pending ``mitigation`` (a :class:`MitigationRecord` of SmoothQuant, keep=auto and the
-rotation: moved into the quantization record by quantize), and
-for a checkpoint only quantgate loads, the real ``model_type`` and the ``load_with`` note.
+``rotation`` (rotate_: a :class:`RotationRecord`) and a pending ``mitigation`` (a :class:`MitigationRecord` of
+SmoothQuant, keep=auto and the rotation: moved into the quantization record by quantize), and for a checkpoint
+only quantgate loads, the real ``model_type`` and the ``load_with`` note.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class ModelRecord(JsonRecord):
     tokenizer: str | None = json_field(omit_none=True)
     task: str | None = json_field(omit_none=True)
     quantization: QuantizationRecord | None = json_field(omit_none=True)
-    rotation: dict[str, Any] | None = json_field(omit_none=True)
+    rotation: RotationRecord | None = json_field(omit_none=True)
     mitigation: MitigationRecord | None = json_field(omit_none=True)
     model_type: str | None = json_field(omit_none=True)
     load_with: str | None = json_field(omit_none=True)

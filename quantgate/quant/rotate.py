@@ -35,7 +35,7 @@ from quantgate.errors import InputError, MissingDependency
 
 from ..attention.gates import Gate
 from ..models.families import config_of, family_of, find_submodule
-from ..models.record import record_of, set_record
+from ..models.record import RotationRecord, record_of, set_record
 
 __all__ = [
     "rotate_",
@@ -134,7 +134,7 @@ def check_rotatable(model: nn.Module, *, online: bool = True) -> None:
         raise InputError(f"cannot rotate a {family.name} model: its FFN layout is not known (Family.ffn_linears)")
     record = record_of(config)
     if record.rotation is not None:
-        raise InputError(f"this model is already rotated ({record.rotation}); rotate a fresh float model")
+        raise InputError(f"this model is already rotated ({record.rotation.to_json()}); rotate a fresh float model")
     if record.quantization is not None:
         raise InputError("this model is already quantized; rotate the float model, then quantize it")
     if not family.is_pre_norm(config):
@@ -285,5 +285,5 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
         "extra_params": added,
         "extra_ops_per_token": ops,
     }
-    set_record(config, rotation=info)
+    set_record(config, rotation=RotationRecord.from_json(info))
     return info

@@ -100,11 +100,11 @@ TRAIN_RULES: Rules = {
 }
 TOP_RULES: Rules = {
     "name": Option(str, FOLDER_NAME),
-    "description": Option(str, None),
+    "description": Option(str),
     "seed": Option(int, AT_LEAST_0),
-    "variants": Option(list[str], None),
-    "schemes": Option(list, None),
-    "models": Option(list, None),
+    "variants": Option(list[str]),
+    "schemes": Option(list),
+    "models": Option(list),
     "executor": Option(str, Range(lambda e: e in EXECUTORS, f"one of {', '.join(EXECUTORS)}")),
     "out": Option(
         str, Range(_inside, "a folder relative to the study file, inside its folder")
@@ -112,21 +112,21 @@ TOP_RULES: Rules = {
 }
 MODEL_RULES: Rules = {
     "name": Option(str, FOLDER_NAME),
-    "preset": Option(str, None),
-    "load": Option(str, None),
-    "config": Option(dict | None, None),
-    "train": Option(dict | None, None),
-    "variants": Option(list[str], None),
-    "schemes": Option(list, None),
+    "preset": Option(str),
+    "load": Option(str),
+    "config": Option(dict | None),
+    "train": Option(dict | None),
+    "variants": Option(list[str]),
+    "schemes": Option(list),
     "seeds": Option(list[int], Range(lambda s: all(x >= 0 for x in s), "each >= 0")),
-    "eval": Option(dict | None, None),
-    "observe": Option(dict | None, None),
+    "eval": Option(dict | None),
+    "observe": Option(dict | None),
     "dtype": Option(str, Range(lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
     "resources": Option(dict, Range(check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
-    "placement": Option(dict, None),  # Placement's fields: _check_placement
+    "placement": Option(dict),  # Placement's fields: _check_placement
 }
 DATA_RULES: Rules = {
-    "data": Option(str, None),
+    "data": Option(str),
     "batches": Option(int, AT_LEAST_1),
     "seq_len": Option(int, AT_LEAST_1),
     "batch_size": Option(int, AT_LEAST_1),
@@ -135,19 +135,19 @@ SECTION_RULES: dict[str, Rules] = {
     "calibration": DATA_RULES,
     "observe": {**DATA_RULES, "sink_tokens": Option(int, AT_LEAST_1)},
     "eval": {
-        "tasks": Option(list[str], None),
-        "limit": Option(float | dict[str, float | None] | None, None),  # values: _check_limit
+        "tasks": Option(list[str]),
+        "limit": Option(float | dict[str, float | None] | None),  # values: _check_limit
         "batch_size": Option(
             int | str, Range(lambda x: x == "auto" if isinstance(x, str) else x >= 1, "'auto' or >= 1")
         ),
         "max_length": Option(int, AT_LEAST_1),
     },  # lm-eval's window (tokens); default: see _eval_settings
     "report": {
-        "notes": Option(str, None),  # pairs: [[ungated model, gated model], ...] the report opens with
-        "criterion": Option(str, None),  # the experiment's success criterion, committed before its runs
+        "notes": Option(str),  # pairs: [[ungated model, gated model], ...] the report opens with
+        "criterion": Option(str),  # the experiment's success criterion, committed before its runs
         "pairs": Option(list[list[str]], Range(lambda ps: all(len(p) == 2 for p in ps), "each [ungated, gated]")),
-        "baseline": Option(str, None),  # a variant the report sets every other variant of a model against
-        "fixes": Option(dict, None),
+        "baseline": Option(str),  # a variant the report sets every other variant of a model against
+        "fixes": Option(dict),
         # the unit the intervals resample: "work" (documents of one work together; the default) or "document"
         "cluster": Option(str, Range(lambda c: c in CLUSTERS, " or ".join(repr(c) for c in CLUSTERS))),
     },  # {reference: scheme, within: fraction}: the report opens with a ranking

@@ -231,21 +231,21 @@ _MISSING = object()
 
 # trainer.json's fields: an Option each (JSON type or types, range or None), checked before a resume uses it
 TRAINER_FIELDS: dict[str, Option] = {
-    "identity": Option(dict, None),
-    "identity.family": Option(str, None),
-    "identity.variant": Option(str, None),
+    "identity": Option(dict),
+    "identity.family": Option(str),
+    "identity.variant": Option(str),
     "identity.parameters": Option(int, AT_LEAST_0),
-    "identity.shapes_sha": Option(str, None),
-    "config": Option(dict, None),
+    "identity.shapes_sha": Option(str),
+    "config": Option(dict),
     "world_size": Option(int, AT_LEAST_1),
-    "progress": Option(dict, None),
+    "progress": Option(dict),
     "progress.step": Option(int, AT_LEAST_0),
     "progress.tokens": Option(int, AT_LEAST_0),
-    "optimizer": Option(dict, None),
+    "optimizer": Option(dict),
     "optimizer.param_groups": Option(list, Range(lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
-    "scheduler": Option(dict, None),
-    "data": Option(dict, None),
-    "scaler": Option((dict, type(None)), None),
+    "scheduler": Option(dict),
+    "data": Option(dict),
+    "scaler": Option((dict, type(None))),
 }
 
 
