@@ -424,7 +424,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
         args.out,
         budget=args.budget,
         within=args.within,
-        tasks=[t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None,
         variant=args.variant,
         dtype=args.dtype,
         placement=_placement(args),
@@ -683,8 +682,8 @@ def _audit_parser(sub: Any) -> None:
     """``quantgate audit``."""
     au = sub.add_parser(
         "audit",
-        help="will MODEL survive INT8/FP8, and which recipe should it use? A budgeted ladder of schemes, the answer "
-        "first, the recipe exported",
+        help="will MODEL survive INT8/FP8, and which recipe should it use? Whole-model schemes and per-layer "
+        "fallbacks searched within a budget, the cheapest certified on held-out documents, exported",
     )
     au.add_argument(
         "model", help="a folder saved by transformers or quantgate, a packaged model or a hub id in the local cache"
@@ -694,10 +693,11 @@ def _audit_parser(sub: Any) -> None:
     au.add_argument(
         "--within", default="1%", help="the perplexity change a recipe may cause, e.g. 1%% or 0.01 (default 1%%)"
     )
-    au.add_argument("--tasks", help="comma-separated tasks to evaluate (the first decides; default: by the model)")
     au.add_argument("--variant", help="the attention variant of a gated checkpoint (default: the one saved)")
-    au.add_argument("--schemes", help="climb these schemes, comma-separated, instead of the default ladder")
-    au.add_argument("--docs", type=int, help="read this many documents (default: what the budget allows)")
+    au.add_argument("--schemes", help="try these whole-model schemes, comma-separated, instead of the default ones")
+    au.add_argument(
+        "--docs", type=int, help="passages (or batches) in each of the search and held-out sets (default: by budget)"
+    )
     au.add_argument("--no-export", action="store_true", help="do not write the recipe to DIR/export")
     _placement_arguments(au)
     au.set_defaults(func=cmd_audit)

@@ -101,6 +101,7 @@ __all__ = [
     "mlm_perplexity",
     "mlm_documents",
     "backcopy_metrics",
+    "backcopy_documents",
     "NonFiniteOutputs",
     "first_non_finite",
     "score_floats",
@@ -241,7 +242,7 @@ def evaluate(
         run.refuse_non_finite({"quantgate_mlm_ppl": _scored(run.documents["quantgate_mlm_ppl"])})
         run.results["quantgate_mlm_ppl"] = {"perplexity": aggregate(run.documents["quantgate_mlm_ppl"], "perplexity")}
     if "quantgate_backcopy" in tasks:
-        run.documents["quantgate_backcopy"] = _backcopy_documents(model, tokenizer, limit=limit)
+        run.documents["quantgate_backcopy"] = backcopy_documents(model, tokenizer, limit=limit)
         run.refuse_non_finite({"quantgate_backcopy": _scored(run.documents["quantgate_backcopy"])})
         run.results["quantgate_backcopy"] = _backcopy_results(run.documents["quantgate_backcopy"])
     return run.result()
@@ -612,7 +613,7 @@ def backcopy_metrics(
 ) -> dict:
     """Held-out backcopy sequences (``limit`` batches, default 8): perplexity over all predicted tokens,
     and accuracy (greedy) on the copied tokens."""
-    return _backcopy_results(_backcopy_documents(model, tokenizer, seq_len=seq_len, batch_size=batch_size, limit=limit))
+    return _backcopy_results(backcopy_documents(model, tokenizer, seq_len=seq_len, batch_size=batch_size, limit=limit))
 
 
 def _backcopy_results(docs: dict) -> dict:
@@ -620,19 +621,25 @@ def _backcopy_results(docs: dict) -> dict:
 
 
 @torch.no_grad()
-def _backcopy_documents(
-    model: nn.Module, tokenizer, *, seq_len: int = 128, batch_size: int = 16, limit: int | float | None = None
+def backcopy_documents(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seq_len: int = 128,
+    batch_size: int = 16,
+    limit: int | float | None = None,
+    seed: int = BACKCOPY_HELD_OUT_SEED,
 ) -> dict:
-    """Per held-out sequence: summed log-likelihood and count of its predicted tokens, the same without the
-    first prediction (the token after BOS: on backcopy a uniformly random one, whose prediction must come out
-    flat), greedy hits on and count of its copied tokens."""
+    """Per held-out sequence (drawn with ``seed``): summed log-likelihood and count of its predicted tokens, the same
+    without the first prediction (the token after BOS: on backcopy a uniformly random one, whose prediction must
+    come out flat), greedy hits on and count of its copied tokens."""
     task = record_of(model).task or "backcopy"  # recorded by train
     data = batches(
         tokenizer,
         task,
         seq_len,
         batch_size,
-        seed=BACKCOPY_HELD_OUT_SEED,
+        seed=seed,
         max_batches=int(limit) if limit and limit >= 1 else 8,
     )
     assert isinstance(data, BackcopyBatches)  # train records only backcopy tasks, and backcopy is the default

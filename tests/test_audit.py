@@ -1,21 +1,25 @@
-"""quantgate audit: a generated study that climbs a ladder of schemes, answers first and exports the recipe."""
+"""quantgate audit: whole-model schemes and per-site fallbacks searched, the cheapest certified on held-out
+documents, the answer first, the certified state exported."""
 
-import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from conftest import TINY_STUDY, one_line_error
 
 import quantgate as qg
-from quantgate.audit import LADDER, MIN_DOCS, REFERENCE, AuditError, parse_budget, parse_within
+from quantgate.audit import LADDER, REFERENCE, AuditError, parse_budget, parse_within
+from quantgate.audit.plan import Speed, size
+from quantgate.audit.record import AuditRecord
+from quantgate.audit.run import _ladder, _runnable
+from quantgate.audit.target import target
 from quantgate.cli import main
-from quantgate.study import load_study, run_study
-from quantgate.study.grid import LoadSource
+from quantgate.models.record import set_record
+from quantgate.study import load_study
 
-FAST: dict[str, Any] = {"budget": "10m", "docs": MIN_DOCS, "progress": False}  # the fewest that give a verdict
+FAST: dict[str, Any] = {"budget": "1h", "docs": 9, "progress": False}  # one passage of each of 9 works
 
 
 def _saved(preset: str, folder: Path, **kw) -> Path:
@@ -29,10 +33,6 @@ def _saved(preset: str, folder: Path, **kw) -> Path:
     model.save_pretrained(folder)  # type: ignore[operator]
     qg.tokenizer(model).save_pretrained(folder)
     return folder
-
-
-def _step_files(run: Path) -> dict[str, float]:
-    return {str(p): p.stat().st_mtime_ns for p in sorted(run.glob("cells/*/*.json"))}
 
 
 def test_budget_and_tolerance_by_hand():
@@ -64,8 +64,7 @@ SLOW = pytest.mark.slow  # the same path as tiny-llama's (a decoder's text perpl
 
 @pytest.fixture(scope="module")
 def llama_audit(tmp_path_factory) -> tuple[Path, Any]:
-    """tiny-llama saved by plain transformers, audited on the first two rungs within 50%: it stops at the first
-    (with a scheme given beyond it, the family test's audit and the early stop's are this one audit)."""
+    """tiny-llama saved by plain transformers, audited on two whole-model schemes within 50%."""
     tmp = tmp_path_factory.mktemp("llama_audit")
     folder = _saved("tiny-llama", tmp / "tiny-llama")
     return tmp, qg.audit(str(folder), tmp / "audit", schemes=[REFERENCE, "w8a8-int8-dynamic"], within="50%", **FAST)
@@ -93,32 +92,25 @@ def test_audits_a_tiny_model_of_each_family(preset, tmp_path, request):
     assert first.startswith("- **Per-tensor static INT8**: ") and "[" in first  # the answer first, with its interval
     change = found.changes[preset][REFERENCE]
     assert change.n >= 2 and change.low is not None and change.high is not None
-    assert change.low <= change.value <= change.high and found.survives_static_int8 == (change.high < 0.5)
-    study = load_study(tmp_path / "audit" / "audit.yaml")  # a study file the study machinery reads
-    assert study.out == tmp_path / "audit" and [m.name for m in study.models] == [preset]
-    assert (tmp_path / "audit" / "report.md").is_file() and (
-        tmp_path / "audit" / "audit.md"
-    ).read_text() == found.answer
+    assert change.low <= change.value <= change.high
+    assert found.survives_static_int8 == (change.high < 0.5 if change.decisive else None)
+    assert (tmp_path / "audit" / "audit.md").read_text() == found.answer
+    record = AuditRecord.from_json(json.loads((tmp_path / "audit" / "audit.json").read_text()))
+    assert record == found.record and record.model == preset
+    assert record.candidates[0].scheme == REFERENCE
 
 
-def test_rerunning_the_generated_study_writes_no_step_file(tmp_path):
-    folder = _saved("tiny-llama", tmp_path / "m")
-    out = tmp_path / "audit"
-    found = qg.audit(str(folder), out, schemes=[REFERENCE, "w8a8-int8-dynamic"], within="0.001%", export=False, **FAST)
-    before = _step_files(out)
-    assert len(before) == 4 + len(found.changes["m"])  # model, observe, eval-float, cost and each rung run
-    run_study(out / "audit.yaml")  # its out: is the audit's folder
-    assert _step_files(out) == before
-    assert main(["audit", str(folder), "--out", str(out), "--docs", str(MIN_DOCS), "--schemes",
-                 f"{REFERENCE},w8a8-int8-dynamic", "--within", "0.001%", "--no-export"]) == 0  # fmt: skip
-    assert _step_files(out) == before  # the same audit again reuses its documents and steps
-
-
-def test_stops_at_the_first_rung_within_and_exports_it(llama_audit):
+def test_certifies_on_held_out_documents_and_exports_the_certified_state(llama_audit):
     tmp_path, found = llama_audit
-    assert found.recipe == REFERENCE and list(found.changes["tiny-llama"]) == [REFERENCE]  # it did not climb further
-    assert found.export == tmp_path / "audit" / "export"
-    assert found.export is not None
+    record = found.record
+    by = {c.scheme: c for c in record.candidates}
+    assert found.recipe in by and by[found.recipe].certified
+    held = by[found.recipe].held_out
+    assert held is not None and held.high is not None and held.high < 0.5  # certified: the held-out interval
+    # the sequence stops at its first failure: every test before the last certified; the recipe, the cheapest of them
+    assert found.recipe in record.order and all(by[n].certified for n in record.order[:-1])
+    assert "test split" in record.search_documents and "validation split" in record.held_out_documents
+    assert found.export == tmp_path / "audit" / "export" and found.export is not None
     assert json.loads((found.export / "config.json").read_text())["quantization_config"]["quant_method"] == (
         "compressed-tensors"
     )
@@ -132,15 +124,46 @@ def test_stops_at_the_first_rung_within_and_exports_it(llama_audit):
     assert f'from_pretrained("{found.export}")' in found.answer and f"vllm serve {found.export}" in found.answer
 
 
+def _planted(folder: Path) -> str:
+    """twin-vanilla (trained on backcopy) saved with an outlier weight in its first attention's output projection:
+    one value dimension of the layer is switched off (its v_proj row zeroed, so that channel of o_proj's input is
+    always 0) and o_proj's weight on that dead channel set to 200x the tensor's largest. The float model does not
+    read that weight; per-tensor INT8 takes its scale from it and rounds every other weight of o_proj to zero, so
+    that static INT8 loses the layer's attention output, and at that one site only. Returns the site's name."""
+    model = qg.load("twin-vanilla")
+    modules, cfg = dict(model.named_modules()), cast(Any, model.config)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    site = "model.layers.0.self_attn.o_proj"
+    v, o = modules["model.layers.0.self_attn.v_proj"].weight, modules[site].weight
+    with torch.no_grad():
+        v[0] = 0  # kv head 0, dim 0: read by query heads 0 .. heads / kv - 1
+        for h in range(heads // kv):
+            o[:, h * head_dim] = 0
+        o[0, 0] = 200 * o.abs().max()
+    set_record(model, task="backcopy")  # what it was trained on, as train records it
+    qg.save(model, folder, qg.tokenizer(model))
+    return site
+
+
+def test_a_planted_outlier_layer_is_the_one_kept(tmp_path):
+    site = _planted(tmp_path / "planted")
+    ask: dict[str, Any] = {"schemes": [REFERENCE], "within": "2%", "docs": 2, "budget": "1h", "progress": False}
+    found = qg.audit(str(tmp_path / "planted"), tmp_path / "audit", export=False, **ask)
+    static = found.changes["planted"][REFERENCE]
+    assert static.low is not None and static.low > 0.02  # the plant breaks static INT8
+    fallback = [c for c in found.record.candidates if c.kept]
+    assert [c.kept for c in fallback] == [[site]]  # exactly that Linear kept
+    assert found.record.ranked_sites[0] == site
+    assert fallback[0].search is not None and fallback[0].search.high is not None and fallback[0].search.high < 0.02
+    assert "Per-site fallback of `w8a8-int8-static`**: 1 of its 14 Linears kept in 16-bit" in found.answer
+
+
 def test_the_twins_are_audited_as_a_pair_with_the_gate_effect(tmp_path, capsys):
-    assert main(["audit", "twin-vanilla", "--out", str(tmp_path / "a"), "--docs", "2", "--schemes", REFERENCE]) == 0
+    assert main(["audit", "twin-vanilla", "--out", str(tmp_path / "a"), "--docs", "1", "--schemes", REFERENCE]) == 0
     text = capsys.readouterr().out
-    assert "**The gate's effect** under `w8a8-int8-static`: twin-g1's change minus twin-vanilla's" in text
-    study = load_study(tmp_path / "a" / "audit.yaml")
-    assert [m.name for m in study.models] == ["twin-vanilla", "twin-g1"] and study.models[1].variants == [
-        "g1-elementwise"
-    ]
-    assert study.report["pairs"] == [["twin-vanilla", "twin-g1"]]
+    assert "**The gate's effect** under `w8a8-int8-static`: the gated twin's change minus the ungated twin's" in text
+    assert "pp [" in text.split("**The gate's effect**")[1].splitlines()[0]
 
 
 @pytest.mark.parametrize(
@@ -175,8 +198,8 @@ def test_bad_input_gets_one_line(case, tmp_path, capsys):
         model, want = "twin-vanilla", "w9a9"
         args += ["--schemes", "w9a9-int9"]
     elif case == "docs":
-        model, want = "twin-vanilla", "--docs 1: a paired interval needs at least 2 documents"
-        args += ["--docs", "1"]
+        model, want = "twin-vanilla", "--docs 0: give a whole number of passages (or batches) of at least 1"
+        args += ["--docs", "0"]
     else:
         model, want = "someone/not-cached", "is not in the local Hugging Face cache"
     assert main(["audit", model, *args]) == 2
@@ -185,37 +208,14 @@ def test_bad_input_gets_one_line(case, tmp_path, capsys):
     if case == "budget":  # it names a larger budget, a duration --budget reads
         smallest = line.split("give --budget ")[1].split()[0]
         assert parse_budget(smallest) > 1
-    assert not (tmp_path / "out" / "audit.yaml").exists()
+    assert not (tmp_path / "out" / "audit.md").exists()
 
 
-class _StudyRun(Exception):
-    """Raised in place of the audit's first study run: what the audit measured and planned is in its folder."""
-
-
-def _first_study(monkeypatch, model: str, out: Path) -> Any:
-    """The study an audit of ``model`` generates, read from the study file it hands its first run: the audit resolves
-    the model, loads it and times it (``_measure``), plans and writes the file; the run itself, the same as any
-    folder's (test_audits_a_tiny_model_of_each_family), is left out."""
-    audit_module = importlib.import_module("quantgate.audit")
-    handed: list[Path] = []
-
-    def first_run(study_file, run_dir):
-        handed.append(Path(study_file))
-        raise _StudyRun
-
-    monkeypatch.setattr(audit_module, "run_study", first_run)
-    with pytest.raises(_StudyRun):
-        qg.audit(model, out, schemes=[REFERENCE], export=False, **FAST)
-    assert handed == [out / "audit.yaml"]
-    return load_study(handed[0])
-
-
-def test_a_quantized_checkpoint_is_audited_through_its_float_source(tmp_path, monkeypatch):
+def test_a_quantized_checkpoint_is_audited_through_its_float_source(tmp_path):
     folder = _saved("tiny-llama", tmp_path / "float")
     q = qg.quantize(qg.load(folder), "w8a8-int8-dynamic")
     qg.save(q, tmp_path / "q")
-    study = _first_study(monkeypatch, str(tmp_path / "q"), tmp_path / "audit")
-    assert study.models[0].source == LoadSource(str(folder.resolve()))
+    assert target(str(tmp_path / "q"), None).load == str(folder.resolve())
 
 
 def test_a_hub_id_is_audited_from_the_local_cache(tmp_path, monkeypatch):
@@ -227,48 +227,25 @@ def test_a_hub_id_is_audited_from_the_local_cache(tmp_path, monkeypatch):
     (cache / "models--someone--tiny" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    study = _first_study(monkeypatch, "someone/tiny", tmp_path / "audit")
-    assert study.models[0].source == LoadSource(str(snapshot.resolve()))
+    assert target("someone/tiny", None).load == str(snapshot.resolve())
 
 
-def test_a_second_audit_reuses_the_documents_it_sized_to_the_budget(tmp_path, monkeypatch):
-    """Without --docs the number of documents comes from the machine's measured speed; an audit run again with the
-    same question reads the same documents (audit.json), so its steps are reused, however busy the machine is now.
-    The speed is set here (per token): at 5.9e-3 s, by the plan's sums (base + one rung, each model), 2 of the
-    twins' 8 batches fit 10 minutes (3 would take 569 s of its 510); at 7e-3 s, 1 does."""
-    audit_module = importlib.import_module("quantgate.audit")  # the module: qg.audit is the function
-    speed = {"per_token_s": 5.9e-3}
-
-    def measured(target, settings, dtype, placement):
-        return audit_module.Costs(0.1, speed["per_token_s"], audit_module._doc_tokens(settings, None))
-
-    monkeypatch.setattr(audit_module, "_measure", measured)
-    ask: dict[str, Any] = {"schemes": [REFERENCE], "export": False, "progress": False}
-    first = qg.audit("twin-vanilla", tmp_path / "a", budget="10m", **ask)
-    before = _step_files(tmp_path / "a")
-    assert json.loads((tmp_path / "a" / "audit.json").read_text())["docs"] == 2
-    speed["per_token_s"] = 7e-3  # the machine is busier now
-    again = qg.audit("twin-vanilla", tmp_path / "a", budget="10m", **ask)
-    assert _step_files(tmp_path / "a") == before
-    assert again.changes["twin-vanilla"][REFERENCE].n == first.changes["twin-vanilla"][REFERENCE].n
-    targets = [audit_module._target(m, None) for m in ("twin-vanilla", "twin-g1")]
-    settings = [audit_module._settings(t, None) for t in targets]
-    costs = [measured(t, s, "float32", None) for t, s in zip(targets, settings, strict=True)]
-    fresh = audit_module._plan(costs, settings, audit_module._ladder([REFERENCE]), 600, 0)
-    assert fresh.docs == 1  # what a fresh plan would read now
+def test_the_documents_fit_the_budget_by_the_measured_speed():
+    """The passages each set holds come from the machine's speed: at 1 ms a token (3 in float32), 340 tokens a
+    passage, 211 Linears and 8 schemes, 36 fit 10 minutes and 9 (the fewest, one per work) fit 4; 3 minutes is
+    refused, naming a budget that fits."""
+    speed = Speed(1e-3, 3e-3)
+    n = size("text", speed, 340, 211, 8, 600, 0)
+    assert 9 <= n <= 270 and size("text", speed, 340, 211, 8, 600, 0, units=12) == 12
+    assert size("text", speed, 340, 211, 8, 240, 0) == 9
+    with pytest.raises(AuditError, match="give --budget") as e:
+        size("text", speed, 340, 211, 8, 180, 0)
+    assert parse_budget(str(e.value).split("give --budget ")[1].split()[0]) > 180
 
 
-def test_given_schemes_are_climbed_in_order_after_the_question_and_tasks_keep_a_perplexity_first():
-    audit_module = importlib.import_module("quantgate.audit")
-    rungs = audit_module._ladder(["w4-int4-group", "w8-int8", "w8a8-int8-static", "w8-int8"])
-    assert [(r.scheme, r.probe) for r in rungs] == [
-        (REFERENCE, False),
-        ("w4-int4-group", False),  # a probe of the default ladder, climbed here because it was asked for
-        ("w8-int8", False),
-    ]
-    twin = audit_module._target("twin-vanilla", None)
-    assert audit_module._settings(twin, ["quantgate_cloze"]).tasks == ["quantgate_backcopy", "quantgate_cloze"]
-    assert audit_module._settings(twin, None).tasks == ["quantgate_backcopy"]
+def test_given_schemes_are_tried_after_the_question():
+    rungs = _ladder(["w4-int4-group", "w8-int8", "w8a8-int8-static", "w8-int8"])
+    assert [r.scheme for r in rungs] == [REFERENCE, "w4-int4-group", "w8-int8"]
 
 
 @pytest.mark.parametrize("out", ["/tmp/elsewhere", "../sibling", "  "])
@@ -284,14 +261,11 @@ def test_a_study_file_writes_its_run_only_inside_its_own_folder(out, tmp_path):
 def test_the_default_ladder_leaves_out_a_rung_the_model_cannot_run():
     """INT4's groups of 128 do not divide SmolLM2's width of 576: the audit leaves that probe out (logged), where a
     study would refuse it; widths that take it keep every rung."""
-    audit_module = importlib.import_module("quantgate.audit")
-    smollm2 = audit_module.Costs(0.1, 1e-3, [100], widths=frozenset({576, 1536}))
-    kept = [r.scheme for r in audit_module._runnable(list(audit_module.LADDER), [smollm2])]
-    assert "w4-int4-group" not in kept and kept == [
-        r.scheme for r in audit_module.LADDER if r.scheme != "w4-int4-group"
-    ]
-    llama = audit_module.Costs(0.1, 1e-3, [100], widths=frozenset({512, 1024}))
-    assert audit_module._runnable(list(audit_module.LADDER), [llama]) == list(audit_module.LADDER)
+    smollm2 = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576))
+    kept = [r.scheme for r in _runnable(list(LADDER), smollm2)]
+    assert "w4-int4-group" not in kept and kept == [r.scheme for r in LADDER if r.scheme != "w4-int4-group"]
+    llama = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    assert _runnable(list(LADDER), llama) == list(LADDER)
     assert (
         qg.quant.get_scheme("w4-int4-group").unfit(frozenset({576}))
         == "its weight groups of 128 do not divide input width 576"

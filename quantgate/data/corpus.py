@@ -32,6 +32,8 @@ __all__ = [
     "Document",
     "corpus",
     "in_turn",
+    "passages",
+    "PASSAGE_WORDS",
     "text_hash",
     "document_keys",
     "BUNDLED_SPLITS",
@@ -84,6 +86,24 @@ def in_turn(documents: Iterable[Document]) -> list[Document]:
     for d in documents:
         by_work.setdefault(d.work, []).append(d)
     return [d for round_ in itertools.zip_longest(*by_work.values()) for d in round_ if d is not None]
+
+
+PASSAGE_WORDS = 256  # the most words in one passage of :func:`passages` (about 340 of SmolLM2's tokens)
+
+
+def passages(split: str, words: int = PASSAGE_WORDS) -> list[Document]:
+    """The bundled ``split``'s documents cut into passages of at most ``words`` words (at word boundaries, the text
+    between them kept as written), taken in turn from each work (:func:`in_turn`): the first ``n`` passages hold
+    about ``n / works`` passages of every work that has that many, so that no long work (a play's act, a novel's
+    chapter) outweighs the others. A passage's id is its document's with ``#i`` (its place in the document)."""
+    out = []
+    for d in corpus(split):
+        spans = [m.span() for m in re.finditer(r"\S+", d.text)]
+        for i in range(0, len(spans), words):
+            part = spans[i : i + words]
+            text = d.text[part[0][0] : part[-1][1]]
+            out.append(Document(f"{d.id}#{i // words}", d.source, d.work, d.title, text))
+    return in_turn(out)
 
 
 def text_hash(text: str | bytes) -> str:

@@ -1,0 +1,211 @@
+"""audit.md: the answer first (static INT8 or not, the certified recipe, why), then every candidate tried."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..certify import Test, certifies
+from ..stats import Delta, format_delta
+from .plan import duration
+from .record import AuditRecord
+from .search import LADDER, REFERENCE, WORK, Candidate
+from .target import Target
+
+if TYPE_CHECKING:
+    from ..observe import ObserveReport
+    from .run import Found
+
+__all__ = ["text", "LOADERS"]
+
+LOADERS = {"clm": "AutoModelForCausalLM", "mlm": "AutoModelForMaskedLM"}
+WORDS = {0: "static ranges: nothing read at run time", 1: "every token's range read at run time",
+         2: "per-token ranges and online Hadamard transforms"}  # fmt: skip
+
+
+def _cost(c: Candidate) -> str:
+    kept = f", {c.cost.kept} Linears ({c.cost.kept_share:.1%} of the weights) kept in 16-bit" if c.cost.kept else ""
+    bits = f"matmuls at {c.cost.compute_bits:.2f} bits, weights at {c.cost.weight_bits:.2f} bits"
+    return f"{bits}{kept}; {WORDS[c.cost.work]}"
+
+
+def _static_line(name: str, static: Delta | None, tolerance: float) -> str:
+    head = f"- **Per-tensor static INT8**: {name}"
+    if static is None:
+        return f"{head}: not evaluated (cut by the budget)."
+    said = (
+        f"perplexity {format_delta(static)} on the search documents (95% interval; the tolerance is +{tolerance:.2%})"
+    )
+    if certifies(static, tolerance):
+        return f"{head} survives it: {said}."
+    if static.decisive and static.low is not None and static.low >= tolerance:
+        return f"{head} does not survive it: {said}."
+    return f"{head}: not resolved: {said}."
+
+
+def _recipe_lines(found: Found, tests: list[Test], tolerance: float, record: AuditRecord) -> list[str]:
+    by = {c.scheme: c for c in found.candidates}
+    if record.recipe is not None:
+        c = by[record.recipe]
+        lines = [
+            f"- **Recipe**: `{_short(c)}`, certified: on held-out documents the search never read, computed in "
+            f"float32 from the same quantized state, perplexity {format_delta(c.held_out)}, wholly below "
+            f"+{tolerance:.2%} ({_cost(c)}; on the search documents {format_delta(c.search)})."
+        ]
+    else:
+        within = [c for c in found.candidates if certifies(c.search, tolerance)]
+        best = min(found.candidates, key=lambda c: c.search.value if c.search else float("inf"), default=None)
+        if not within:
+            tail = f"; the least change: `{_short(best)}` {format_delta(best.search)}" if best else ""
+            lines = [f"- **Recipe**: none of the {len(found.candidates)} tried lies wholly below +{tolerance:.2%} "
+                     f"on the search documents{tail}; a larger --budget reads more documents."]  # fmt: skip
+        else:
+            failed = tests[-1] if tests else None
+            why = (f"`{_short(by[failed.name])}` reads {format_delta(failed.delta)} on the held-out documents"
+                   if failed else "the budget left no time for the held-out documents")  # fmt: skip
+            lines = [f"- **Recipe**: none certified: {why}; {len(within)} looked within on the search documents."]
+    runners = [t for t in tests if t.certified and t.name != record.recipe]
+    if runners:
+        lines.append(
+            "- **Also certified** (costlier): "
+            + "; ".join(f"`{_short(by[t.name])}` {format_delta(t.delta)}" for t in runners)
+            + "."
+        )
+    return lines
+
+
+def _short(c: Candidate | None) -> str:
+    """A recipe's scheme, with a long keep= list shortened to its count (audit.json holds every name)."""
+    if c is None:
+        return "-"
+    if not c.kept:
+        return c.scheme
+    return f"{c.base} + {len(c.kept)} Linears kept in 16-bit"
+
+
+def _block(name: str) -> tuple[int | None, str]:
+    found = re.search(r"\.(\d+)\.(.+)$", name)
+    return (int(found.group(1)), found.group(2)) if found else (None, name)
+
+
+def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | None) -> list[str]:
+    lines = []
+    for f in found.fallbacks:
+        ks = [k for k, d in f.tried.items() if d is not None]
+        chosen = next((c for c in found.candidates if c.base == f.base and c.kept), None)
+        if chosen is None:
+            lines.append(f"- **Per-site fallback of `{f.base}`**: no number of its {len(f.order)} Linears kept in "
+                         f"16-bit brought it within in the time ({len(ks)} tried).")  # fmt: skip
+            continue
+        kinds: dict[str, int] = {}
+        for n in chosen.kept:
+            kinds[_block(n)[1]] = kinds.get(_block(n)[1], 0) + 1
+        top = ", ".join(f"`{n}`" for n in chosen.kept[:5])
+        lines.append(
+            f"- **Per-site fallback of `{f.base}`**: {len(chosen.kept)} of its {len(f.order)} Linears kept in 16-bit "
+            f"(ranked by {f.method}: {', '.join(f'{v} {k}' for k, v in sorted(kinds.items(), key=lambda x: -x[1]))})"
+            f" give {format_delta(chosen.search)} on the search documents; the costliest: {top}."
+            + _massive_note(chosen.kept, report)
+        )
+    if record.curve:
+        points = "; ".join(
+            f"+{p.tolerance:.0%}: {p.kept if p.kept is not None else 'not found'}"
+            + (f" ({_change(p.change)})" if p.change else "")
+            for p in record.curve
+        )
+        lines.append(f"- **Static INT8, tolerance against the fewest Linears kept**: {points}.")
+    return lines
+
+
+def _change(c) -> str:
+    return format_delta(Delta(c.value, c.low, c.high, "perplexity", c.n, c.method, c.clusters, c.approximate))
+
+
+def _massive_note(kept: tuple[str, ...], report: ObserveReport | None) -> str:
+    """Where the massive activations sit, beside the blocks of the kept sites."""
+    top = getattr(report.summary, "top_massive", None) if report is not None else None
+    if not top:
+        return ""
+    blocks = {_block(n)[0] for n in kept}
+    hits = [t for t in top if t.layer in blocks]
+    if not hits:
+        return ""
+    t = hits[0]
+    where = ", ".join(str(p[0]) for p in t.positions[:3])
+    return (f" Block {t.layer}, one of the kept, writes the model's massive activations (channel {t.channel}, "
+            f"token position(s) {where}).")  # fmt: skip
+
+
+def _why(report: ObserveReport | None) -> list[str]:
+    if report is None:
+        return []
+    s = report.summary
+    parts = []
+    if s.max_activation is not None:
+        parts.append(f"largest residual activation {s.max_activation:.4g}")
+    if s.max_median_ratio:
+        parts.append(f"{s.max_median_ratio:.4g}x its block's median |x|")
+    if s.sink_mass is not None:
+        parts.append(f"mean first-token attention {s.sink_mass:.2f}")
+    if s.gate_mean is not None:
+        parts.append(f"mean gate {s.gate_mean:.3g}")
+    massive = f"{s.massive_activations} massive activations" if s.massive_activations else "no massive activations"
+    return [f"- **Outlier profile** (float model, 3 held-out batches): {massive}; " + "; ".join(parts) + "."]
+
+
+def _table(found: Found, tolerance: float) -> list[str]:
+    head = ["recipe", "matmul / weight bits", "kept in 16-bit", "run-time work", "search change [95% CI]",
+            "held-out change [95% CI] (float32)", "certified", "s"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in sorted(found.candidates, key=lambda c: c.cost.key()):
+        verdict = "yes" if certifies(c.held_out, tolerance) else ("no" if c.held_out is not None else "-")
+        lines.append("| " + " | ".join([
+            f"`{_short(c)}`", f"{c.cost.compute_bits:.2f} / {c.cost.weight_bits:.2f}",
+            f"{c.cost.kept} ({c.cost.kept_share:.1%})" if c.cost.kept else "-", WORDS[c.cost.work].split(":")[0],
+            format_delta(c.search), format_delta(c.held_out), verdict, f"{c.seconds:.0f}",
+        ]) + " |")  # fmt: skip
+    return lines
+
+
+def _load_lines(t: Target, export: Path, others: bool) -> list[str]:
+    loader = LOADERS[t.family.objective]
+    lines = [f'- quantgate: `import quantgate as qg; qg.load("{export}")`']
+    if others:
+        lines.append(f'- transformers: `from transformers import {loader}; {loader}.from_pretrained("{export}")`')
+        if t.family.objective == "clm":
+            lines.append(f"- vLLM: `vllm serve {export}` (on the CPU: docs/guides/serve-with-vllm.md)")
+    return lines
+
+
+def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolerance: float, export: Path | None,
+         note: str, seconds: float, budget_s: float) -> str:  # fmt: skip
+    """audit.md's whole text."""
+    static = next((c.search for c in found.candidates if c.scheme == REFERENCE), None)
+    lines = [f"# Audit of {t.name}", "", _static_line(t.name, static, tolerance)]
+    lines += _recipe_lines(found, tests, tolerance, record)
+    lines += _fallback_lines(found, record, found.report)
+    lines += _why(found.report)
+    for scheme, gap in found.gaps.items():
+        lines.append(f"- **The gate's effect** under `{scheme}`: the gated twin's change minus the ungated twin's, "
+                     f"paired over the same sequences: {format_delta(gap)}.")  # fmt: skip
+    if found.cut:
+        lines.append(f"- **Cut by the budget**: {', '.join(f'`{s}`' for s in found.cut)}.")
+    lines += ["", f"Export: `{export}`, in {note}. Load it with:" if export else f"No export: {note}.", ""]
+    if export:
+        lines += [*_load_lines(t, export, not note.startswith("quantgate")), ""]
+    lines += ["## Every recipe tried", "", *_table(found, tolerance), ""]
+    ladder = ", ".join(f"`{r.scheme}`" for r in LADDER if not r.probe)
+    lines.append(
+        f"Search documents: {record.search_documents}; held-out documents: {record.held_out_documents}. Each change "
+        f"is the perplexity under the recipe over the float model's on the same documents, with a 95% interval "
+        f"paired over them (clustered by work). The search tries the whole-model schemes ({ladder}, then fewer bits) "
+        f"and the per-site fallbacks in the audit's dtype ({record.dtype}); the recipes wholly below "
+        f"+{tolerance:.2%} there are tested in turn, the most confident there first, on the held-out documents in "
+        f"float32, until one fails; the recipe is the cheapest certified (fixed-sequence testing: certifying a "
+        f"recipe whose true change is at or above the tolerance has a chance of at most 2.5%, however many were "
+        f"tried). Cost: bits of the matmuls, then of the weights, then "
+        f"run-time work ({', '.join(f'{k}' for k in WORK)}). Every name and number: audit.json. Audit time: "
+        f"{seconds:.0f} s of a {duration(budget_s)} budget."
+    )
+    return "\n".join(lines) + "\n"

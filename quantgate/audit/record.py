@@ -1,0 +1,79 @@
+"""audit.json: what an audit tried and found, as one typed record (its writer and reader)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..json_record import JsonRecord
+from ..stats import Delta
+
+__all__ = ["ChangeRecord", "CandidateRecord", "CurvePoint", "AuditRecord"]
+
+
+@dataclass(frozen=True)
+class ChangeRecord(JsonRecord):
+    """A perplexity change (a fraction) with its 95% interval, over ``n`` documents in ``clusters`` units."""
+
+    value: float
+    low: float | None
+    high: float | None
+    n: int
+    clusters: int | None
+    approximate: bool
+    method: str
+
+    @classmethod
+    def of(cls, d: Delta | None) -> ChangeRecord | None:
+        if d is None:
+            return None
+        return cls(d.value, d.low, d.high, d.n, d.clusters, d.approximate, d.method)
+
+
+@dataclass(frozen=True)
+class CandidateRecord(JsonRecord):
+    """One recipe tried: its scheme, the whole-model scheme it falls back from, the sites it keeps in 16-bit, its
+    cost (bits of its matmuls and weights, run-time work rank, share of the quantized Linears' weights kept), its
+    change on the search and held-out documents and whether the certificate holds, the seconds it took here."""
+
+    scheme: str
+    base: str
+    kept: list[str]
+    compute_bits: float
+    weight_bits: float
+    work: int
+    kept_share: float
+    search: ChangeRecord | None
+    held_out: ChangeRecord | None = None
+    certified: bool = False
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CurvePoint(JsonRecord):
+    """The fewest sites of a scheme kept in 16-bit for its change on the search documents to lie below a
+    tolerance (None: not found in the time), and that change."""
+
+    tolerance: float
+    kept: int | None
+    change: ChangeRecord | None
+
+
+@dataclass(frozen=True)
+class AuditRecord(JsonRecord):
+    """An audit: the question (model, dtype, tolerance, budget), the two document sets in words, every candidate
+    tried, the certification order, the recipe (None: none certified), the fallback's site ranking and curve."""
+
+    model: str
+    dtype: str
+    tolerance: float
+    budget_s: float
+    seconds: float
+    search_documents: str
+    held_out_documents: str
+    candidates: list[CandidateRecord]
+    order: list[str]
+    recipe: str | None
+    ranking: str | None = None
+    ranked_sites: list[str] = field(default_factory=list)
+    curve: list[CurvePoint] = field(default_factory=list)
+    cut: list[str] = field(default_factory=list)
