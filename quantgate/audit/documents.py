@@ -34,19 +34,22 @@ MOST = {"text": 270, "backcopy": 8, "mlm": 8}  # the most units a set reads: pas
 
 @torch.no_grad()
 def score_text(model: nn.Module, tok: PreTrainedTokenizerBase, docs: list[Document], max_length: int) -> dict:
-    """Per passage: its summed log-likelihood (nats, float64) and the tokens predicted, the passage read as one
-    window after the prefix token (BOS, else EOS, as lm-eval's rolling windows start), at most ``max_length``
-    tokens in all (a longer passage is cut); its work and text hash, for paired intervals."""
+    """Per document: its summed log-likelihood (nats, float64) and the tokens predicted, read as lm-eval's rolling
+    windows read it: disjoint windows of ``max_length`` tokens, the first after the prefix token (BOS, else EOS),
+    each later one after the last token of the one before (a passage of the audit's sets is one window); its work
+    and text hash, for paired intervals."""
     prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     device = next(model.parameters()).device
     loglik, tokens = [], []
     with eval_mode(model):
         for d in docs:
-            ids = [prefix, *tok(d.text, add_special_tokens=False)["input_ids"][: max_length - 1]]
-            x = torch.tensor([ids], device=device)
-            logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)
-            picked = logp.gather(-1, x[0, 1:, None])[:, 0]
-            loglik.append(float(picked.double().sum()))
+            ids = [prefix, *tok(d.text, add_special_tokens=False)["input_ids"]]
+            total = 0.0
+            for start in range(0, len(ids) - 1, max_length - 1):
+                x = torch.tensor([ids[start : start + max_length]], device=device)
+                logp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)
+                total += float(logp.gather(-1, x[0, 1:, None])[:, 0].double().sum())
+            loglik.append(total)
             tokens.append(len(ids) - 1)
     return {
         "ids": [d.id for d in docs],
@@ -94,9 +97,7 @@ class DocSet:
         """Tokens one scoring reads (for the budget)."""
         if self.kind != "text":
             return 16 * 128 * self.n
-        return sum(
-            min(len(tok(d.text, add_special_tokens=False)["input_ids"]) + 1, self.max_length) for d in self.texts
-        )
+        return sum(len(tok(d.text, add_special_tokens=False)["input_ids"]) + 1 for d in self.texts)
 
     def score(self, model: nn.Module, tok: PreTrainedTokenizerBase) -> dict:
         """Per-document scores of ``model`` on this set (:func:`score_text`, or the synthetic tasks' scorers)."""

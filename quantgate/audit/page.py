@@ -10,12 +10,11 @@ from ..certify import Test, certifies
 from ..stats import Delta, format_delta
 from .plan import duration
 from .record import AuditRecord
-from .search import LADDER, REFERENCE, WORK, Candidate
+from .search import LADDER, REFERENCE, WORK, Candidate, Found
 from .target import Target
 
 if TYPE_CHECKING:
     from ..observe import ObserveReport
-    from .run import Found
 
 __all__ = ["text", "LOADERS"]
 

@@ -34,7 +34,7 @@ from . import page
 from .documents import DocSet
 from .plan import CERTIFY, RATIO, SAFETY, Speed, measure, parse_budget, parse_within, size
 from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint
-from .search import LADDER, REFERENCE, Candidate, Fallback, Rung, Search, fallback, fresh_copy
+from .search import LADDER, REFERENCE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy
 from .sites import can_fall_back
 from .target import AuditError, Target, check_memory, dtype_of, target
 
@@ -227,19 +227,6 @@ def _sets(m: Model, speed: Speed, ladder: list[Rung], clock: Clock, docs: int | 
     sites = sum(isinstance(x, nn.Linear) for x in m.float_model.modules())
     n = size(m.kind, speed, per_unit, sites, len(ladder), clock.budget_s, clock.spent(), docs)
     return DocSet(m.kind, "search", n), DocSet(m.kind, "held-out", n)
-
-
-@dataclass
-class Found:
-    """What the search found: every candidate (whole-model and fallback), the fallbacks run, what was cut, the
-    gate's effect per scheme on a pair of twins, the outlier profile."""
-
-    candidates: list[Candidate]
-    fallbacks: list[Fallback]
-    cut: list[str]
-    gaps: dict[str, Delta]
-    report: ObserveReport | None
-    curve: list[CurvePoint]
 
 
 def _fresh(m: Model, placement: Placement | None, dtype: str):

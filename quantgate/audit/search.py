@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -26,9 +27,13 @@ from ..stats import Delta, paired_delta
 from ..study.grid import DataSettings
 from ..study.steps import quantize_calibrated
 from .documents import DocSet
+from .record import CurvePoint
 from .sites import Sites, can_fall_back, keep_scheme
 
-__all__ = ["Rung", "LADDER", "REFERENCE", "Cost", "Candidate", "Search", "scheme_bits", "WORK"]
+__all__ = ["Rung", "LADDER", "REFERENCE", "Cost", "Candidate", "Search", "Found", "scheme_bits", "WORK"]
+
+if TYPE_CHECKING:
+    from ..observe import ObserveReport
 
 log = logging.getLogger("quantgate")
 
@@ -210,3 +215,16 @@ def fallback(search: Search, base: str, method: str, ranking: Sequence[dict]) ->
 def fresh_copy(model: nn.Module) -> Callable[[], nn.Module]:
     """A maker of fresh copies of ``model`` (deep copies: quantizing one leaves the float model as it is)."""
     return lambda: copy.deepcopy(model)
+
+
+@dataclass
+class Found:
+    """What the search found: every candidate (whole-model and fallback), the fallbacks run, what was cut, the
+    gate's effect per scheme on a pair of twins, the outlier profile."""
+
+    candidates: list[Candidate]
+    fallbacks: list[Fallback]
+    cut: list[str]
+    gaps: dict[str, Delta]
+    report: ObserveReport | None
+    curve: list[CurvePoint]

@@ -122,7 +122,7 @@ def _loss(model: nn.Module, batches: Sequence[Batch]) -> float:
         for b in batches:
             out = model(**b)
             n = int((b["labels"] != -100).sum())
-            total, count = total + float(out.loss) * n, count + n
+            total, count = total + float(out.loss.detach()) * n, count + n
     return total / count
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from ..files import write_text_atomic
 from ..registry import Registry
 from ..stats import DELTA_LEGEND, NOISE_LEGEND, fmt, format_delta, pearson, seed_delta, spearman, table_head
-from .fixes import LOW_PRECISION_DTYPES, Changes, which_fix
+from .fixes import Changes, which_fix
 from .measures import (
     ACCURACY,
     AFTER_FIRST,
@@ -143,10 +143,7 @@ def fixes(report: Report) -> str:
     if not asked:
         return ""
     pairs = report.settings.get("pairs") or []
-    low = frozenset(
-        m["name"] for m in report.metrics.study.get("models") or [] if m.get("dtype") in LOW_PRECISION_DTYPES
-    )
-    return "\n".join(which_fix(report.cells, report.schemes, report.changes, asked, pairs, low))
+    return "\n".join(which_fix(report.cells, report.schemes, report.changes, asked, pairs))
 
 
 def answer(report: Report) -> str:
