@@ -94,7 +94,8 @@ def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | N
         ks = [k for k, d in f.tried.items() if d is not None]
         chosen = next((c for c in found.candidates if c.base == f.base and c.kept), None)
         if chosen is None:
-            lines.append(f"- **Per-site fallback of `{f.base}`**: no number of its {len(f.order)} Linears kept in "
+            n = len(f.sites.linears)
+            lines.append(f"- **Per-site fallback of `{f.base}`**: no number of its {n} Linears kept in "
                          f"16-bit brought it within in the time ({len(ks)} tried).")  # fmt: skip
             continue
         kinds: dict[str, int] = {}
@@ -102,7 +103,8 @@ def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | N
             kinds[_block(n)[1]] = kinds.get(_block(n)[1], 0) + 1
         top = ", ".join(f"`{n}`" for n in chosen.kept[:5])
         lines.append(
-            f"- **Per-site fallback of `{f.base}`**: {len(chosen.kept)} of its {len(f.order)} Linears kept in 16-bit "
+            f"- **Per-site fallback of `{f.base}`**: {len(chosen.kept)} of its {len(f.sites.linears)} Linears kept "
+            "in 16-bit "
             f"(ranked by {f.method}: {', '.join(f'{v} {k}' for k, v in sorted(kinds.items(), key=lambda x: -x[1]))})"
             f" give {format_delta(chosen.search)} on the search documents; the costliest: {top}."
             + _massive_note(chosen.kept, report)

@@ -196,9 +196,9 @@ class Fallback:
         return certifies(self.tried[k], tolerance)
 
     def candidate(self, search: Search, k: int) -> Candidate:
-        kept = tuple(self.order[:k])
+        kept = tuple(self.sites.linear_names(self.order[:k]))
         scheme = keep_scheme(self.base, kept)
-        cost = search.cost_of(self.base, kept, set(self.sites.names))
+        cost = search.cost_of(self.base, kept, set(self.sites.linears))
         return Candidate(scheme, self.base, kept, cost, self.tried[k], seconds=self.seconds)
 
 

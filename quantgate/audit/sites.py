@@ -1,9 +1,12 @@
 """Per-site fallback: which quantized Linears to keep in 16-bit so that a scheme stays within the tolerance.
 
-A *site* is one Linear a simulated scheme quantizes at ``acts=linear-inputs``: its weight and its input
-quantizer. :class:`Sites` holds a quantized model beside its float source and reverts any set of sites to float
-(the float weight back in place, the input quantizer off) without quantizing again; a recipe that keeps those
-sites is the scheme with ``keep=`` naming them, quantized afresh where it is certified and exported.
+A *site* is what one kept layer of a serving engine is: a Linear a simulated scheme quantizes at
+``acts=linear-inputs`` (its weight and its input quantizer), or the Linears vLLM fuses into one layer kept together
+(q, k and v; gate and up: vLLM refuses a fused layer whose parts are quantized differently, "Found different
+quantization schemes for the shards of model.layers.1.mlp.gate_up_proj"). :class:`Sites` holds a quantized model
+beside its float source and reverts any set of sites to float (the float weight back in place, the input quantizer
+off) without quantizing again; a recipe that keeps those sites is the scheme with ``keep=`` naming them, quantized
+afresh where it is certified and exported.
 
 Ranking the sites by how much each costs, four ways (:data:`RANKINGS`; the audit uses the exhaustive one, the others
 are there to be compared with it):
@@ -60,6 +63,16 @@ def keep_scheme(scheme: str, kept: Sequence[str]) -> str:
     return str(s) if not names else f"{s}{':' if ':' not in str(s) else ','}keep={'|'.join(names)}"
 
 
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+def site_of(linear: str) -> str:
+    """The site a Linear belongs to: its own name, or the fused layer's (``model.layers.3.self_attn.qkv_proj``)."""
+    head, _, last = linear.rpartition(".")
+    return f"{head}.{FUSED[last]}" if last in FUSED else linear
+
+
 class Sites:
     """The sites of ``quantized`` (a copy of ``float_model`` quantized by a simulated scheme at linear inputs), in
     the model's order; :meth:`reverted` puts any of them back to float for a block."""
@@ -72,21 +85,24 @@ class Sites:
         }
         self.float_weights = {n: floats[n].weight.data for n in self.linears}
         self.quant_weights = {n: m.weight.data for n, m in self.linears.items()}
-        self.names = list(self.linears)
+        self.members: dict[str, list[str]] = {}
+        for n in self.linears:
+            self.members.setdefault(site_of(n), []).append(n)
+        self.names = list(self.members)
 
     def __len__(self) -> int:
         return len(self.names)
 
-    def params(self, name: str) -> int:
-        """The site's weights (= its multiply-adds per token)."""
-        return self.linears[name].weight.numel()
+    def linear_names(self, sites: Sequence[str]) -> list[str]:
+        """The Linears of ``sites``, in order."""
+        return [n for s in sites for n in self.members[s]]
 
     @contextmanager
-    def reverted(self, names: Sequence[str]) -> Iterator[None]:
-        """The sites ``names`` in float for the block: their float weights in place, their input quantizers off."""
+    def reverted(self, sites: Sequence[str]) -> Iterator[None]:
+        """The ``sites`` in float for the block: their float weights in place, their input quantizers off."""
         saved = {}
         try:
-            for n in names:
+            for n in self.linear_names(sites):
                 m = self.linears[n]
                 saved[n] = m.weight.data
                 m.weight.data = self.float_weights[n]
@@ -108,7 +124,6 @@ class Sites:
         return _loss(self.model, batches)
 
 
-@torch.no_grad()
 def _quant(m: nn.Module) -> ActQuant:
     """A site's input quantizer."""
     q = m.input_quant
@@ -116,6 +131,7 @@ def _quant(m: nn.Module) -> ActQuant:
     return q
 
 
+@torch.no_grad()
 def _loss(model: nn.Module, batches: Sequence[Batch]) -> float:
     total, count = 0.0, 0
     with eval_mode(model):
@@ -154,7 +170,7 @@ def _site_errors(
     costs = dict.fromkeys(sites.names, 0.0)
 
     def hook(name: str):
-        m, weight = sites.linears[name], sites.quant_weights[name]
+        m, weight, site = sites.linears[name], sites.quant_weights[name], site_of(name)
 
         def run(module, args, output):
             with torch.no_grad():
@@ -164,14 +180,14 @@ def _site_errors(
                 finally:
                     _quant(m).enabled = False
             if weigh is None:
-                costs[name] += float(err.float().square().sum())
+                costs[site] += float(err.float().square().sum())
             else:
-                output.register_hook(lambda g: costs.__setitem__(name, costs[name] + float(weigh(err, g))))
+                output.register_hook(lambda g: costs.__setitem__(site, costs[site] + float(weigh(err, g))))
 
         return run
 
     with sites.reverted(sites.names):  # the float model runs; each hook quantizes its own site on the side
-        handles = [sites.linears[n].register_forward_hook(hook(n)) for n in sites.names]
+        handles = [m.register_forward_hook(hook(n)) for n, m in sites.linears.items()]
         try:
             with eval_mode(sites.model):
                 for b in batches:
