@@ -3,7 +3,7 @@ everything a search tried.
 
 A search reads one set of documents and tries many recipes; picking the best-looking one and quoting its interval on
 the same documents would certify noise. quantgate certifies on documents the search never read (held-out: other
-works), by *fixed-sequence testing*: the recipes that looked within the tolerance on the search's documents are
+works), by *fixed-sequence testing*: the recipes whose change on the search's documents is below the tolerance are
 ordered before any held-out document is read (by the search documents alone: the audit puts the most confident
 first, the lowest upper end), and tested one after another on the held-out documents, each at the full level; the
 first that fails ends the sequence. The answer is the cheapest recipe certified. Fixed-sequence testing keeps the

@@ -9,10 +9,10 @@
    passages; then, for per-tensor static INT8 (and the other simulated schemes, time allowing), the per-site
    fallback (:mod:`.sites`): its Linears ranked by how much each costs, and the fewest of the costliest kept in
    16-bit for the change to lie below the tolerance, found by bisection; at 1%, 2% and 5% for the curve.
-4. The certificate (:mod:`quantgate.certify`): the recipes within the tolerance on the search set, the most
-   confident there first (lowest upper end), are tested in turn on the held-out set, computed in float32 from the
-   same quantized state, until one fails. The answer is the cheapest certified; the chance of certifying a recipe
-   whose true change is at or above the tolerance stays at or below 2.5% whatever the search tried
+4. The certificate (:mod:`quantgate.certify`): the recipes whose change on the search set is below the tolerance,
+   the most confident there first (lowest upper end), are tested in turn on the held-out set, computed in float32
+   from the same quantized state, until one fails. The answer is the cheapest certified; the chance of certifying a
+   recipe whose true change is at or above the tolerance stays at or below 2.5% whatever the search tried
    (benchmarks/certify_rate.py measures it).
 5. It writes ``DIR/audit.md`` (the answer first), ``DIR/audit.json`` (:class:`~.record.AuditRecord`) and the
    recipe, as certified, to ``DIR/export``: in compressed-tensors (its kept Linears in ``ignore``) where that

@@ -53,17 +53,18 @@ def _recipe_lines(found: Found, tests: list[Test], tolerance: float, record: Aud
             f"+{tolerance:.2%} ({_cost(c)}; on the search documents {format_delta(c.search)})."
         ]
     else:
-        within = [c for c in found.candidates if certifies(c.search, tolerance)]
+        within = [c for c in found.candidates if c.search is not None and c.search.value < tolerance]
         best = min(found.candidates, key=lambda c: c.search.value if c.search else float("inf"), default=None)
         if not within:
             tail = f"; the least change: `{_short(best)}` {format_delta(best.search)}" if best else ""
-            lines = [f"- **Recipe**: none of the {len(found.candidates)} tried lies wholly below +{tolerance:.2%} "
-                     f"on the search documents{tail}; a larger --budget reads more documents."]  # fmt: skip
+            lines = [f"- **Recipe**: none of the {len(found.candidates)} tried changes the perplexity by less than "
+                     f"+{tolerance:.2%} on the search documents{tail}."]  # fmt: skip
         else:
             failed = tests[-1] if tests else None
             why = (f"`{_short(by[failed.name])}` reads {format_delta(failed.delta)} on the held-out documents"
                    if failed else "the budget left no time for the held-out documents")  # fmt: skip
-            lines = [f"- **Recipe**: none certified: {why}; {len(within)} looked within on the search documents."]
+            lines = [f"- **Recipe**: none certified: {why}; {len(within)} had a change below +{tolerance:.2%} on the "
+                     "search documents; a larger --budget reads more documents."]  # fmt: skip
     runners = [t for t in tests if t.certified and t.name != record.recipe]
     if runners:
         lines.append(
@@ -94,8 +95,8 @@ def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | N
         ks = [k for k, d in f.tried.items() if d is not None]
         chosen = next((c for c in found.candidates if c.base == f.base and c.kept), None)
         if chosen is None:
-            n = len(f.sites.linears)
-            lines.append(f"- **Per-site fallback of `{f.base}`**: no number of its {n} Linears kept in "
+            total = len(f.sites.linears)
+            lines.append(f"- **Per-site fallback of `{f.base}`**: no number of its {total} Linears kept in "
                          f"16-bit brought it within in the time ({len(ks)} tried).")  # fmt: skip
             continue
         kinds: dict[str, int] = {}
@@ -201,8 +202,8 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
         f"Search documents: {record.search_documents}; held-out documents: {record.held_out_documents}. Each change "
         f"is the perplexity under the recipe over the float model's on the same documents, with a 95% interval "
         f"paired over them (clustered by work). The search tries the whole-model schemes ({ladder}, then fewer bits) "
-        f"and the per-site fallbacks in the audit's dtype ({record.dtype}); the recipes wholly below "
-        f"+{tolerance:.2%} there are tested in turn, the most confident there first, on the held-out documents in "
+        f"and the per-site fallbacks in the audit's dtype ({record.dtype}); the recipes whose change there is "
+        f"below +{tolerance:.2%} are tested in turn, the most confident there first, on the held-out documents in "
         f"float32, until one fails; the recipe is the cheapest certified (fixed-sequence testing: certifying a "
         f"recipe whose true change is at or above the tolerance has a chance of at most 2.5%, however many were "
         f"tried). Cost: bits of the matmuls, then of the weights, then "

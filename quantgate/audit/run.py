@@ -32,7 +32,7 @@ from ..stats import Delta, paired_delta, paired_difference
 from ..study.grid import DataSettings
 from . import page
 from .documents import DocSet
-from .plan import CERTIFY, RATIO, SAFETY, Speed, measure, parse_budget, parse_within, size
+from .plan import CERTIFY, RANKING_TOKENS, RATIO, SAFETY, Speed, measure, parse_budget, parse_within, size
 from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint
 from .search import LADDER, REFERENCE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy
 from .sites import can_fall_back
@@ -257,7 +257,7 @@ def _search(models: list[Model], main: Model, ladder: list[Rung], sets: tuple[Do
         candidates.append(runs[id(main)])
         if len(models) == 2:
             gaps[rung.scheme] = _gap(models, runs, rung.scheme)
-    fallbacks, curve = _fallbacks(main, candidates, tolerance, clock, reserve, bar, cut)
+    fallbacks, curve = _fallbacks(main, candidates, tolerance, clock, reserve, bar, cut, _fallback_s(main, speed))
     assert main.search is not None
     for f in fallbacks:
         candidates += [f.candidate(main.search, k) for k in sorted(_chosen(f, tolerance))]
@@ -281,8 +281,16 @@ def _chosen(f: Fallback, tolerance: float) -> set[int]:
     return {k} if k is not None else set()
 
 
+def _fallback_s(m: Model, speed: Speed) -> float:
+    """Seconds a fallback needs at the least: ranking every Linear, and three scorings of the search set."""
+    assert m.search is not None
+    linears = sum(isinstance(x, nn.Linear) for x in m.float_model.modules())
+    score = m.search.docs.tokens(m.tok) * speed.per_token_s * RATIO
+    return linears * RANKING_TOKENS * speed.per_token_s * RATIO + 3 * score
+
+
 def _fallbacks(main: Model, candidates: list[Candidate], tolerance: float, clock: Clock, reserve: float, bar,
-               cut: list[str]) -> tuple[list[Fallback], list[CurvePoint]]:  # fmt: skip
+               cut: list[str], per: float) -> tuple[list[Fallback], list[CurvePoint]]:  # fmt: skip
     """The per-site fallbacks of the audited model's simulated schemes not within the tolerance, the question
     (static INT8) first, while time is left; the static-INT8 curve at :data:`CURVE`."""
     assert main.search is not None
@@ -292,7 +300,6 @@ def _fallbacks(main: Model, candidates: list[Candidate], tolerance: float, clock
     done: list[Fallback] = []
     curve: list[CurvePoint] = []
     for base in bases:
-        per = max(c.seconds for c in candidates) * 12
         if clock.left() - reserve < per:
             cut.append(f"{base.scheme} (per-site fallback)")
             continue
@@ -315,10 +322,11 @@ def _certify_reserve(m: Model, held: DocSet, speed: Speed) -> float:
 
 
 def _certify(m: Model, found: Found, held: DocSet, tolerance: float, clock: Clock) -> list[Test]:
-    """Fixed-sequence certification (:func:`~quantgate.certify.fixed_sequence`) of the recipes within the tolerance
-    on the search set, most confident there first (the lowest upper end: the order is fixed by the search's
-    documents alone), on the held-out set in float32."""
-    order = [c for c in found.candidates if certifies(c.search, tolerance)]
+    """Fixed-sequence certification (:func:`~quantgate.certify.fixed_sequence`) of the recipes whose change on the
+    search set is below the tolerance (the estimate: the held-out test alone carries the guarantee, and a stricter
+    entry only costs power, benchmarks/certify_rate.py), most confident there first (the lowest upper end: the
+    order is fixed by the search's documents alone), on the held-out set in float32."""
+    order = [c for c in found.candidates if c.search is not None and c.search.value < tolerance]
     order.sort(key=lambda c: c.search.high if c.search is not None and c.search.high is not None else 1.0)
     if not order:
         return []

@@ -133,13 +133,14 @@ class Search:
         return quantize_calibrated(self.fresh(), self.tok, scheme, self.calibration, 0, inplace=True)
 
     def whole(self, scheme: str) -> Candidate:
-        """``scheme`` on the whole model, tried on the search documents; its model kept while it is within."""
+        """``scheme`` on the whole model, tried on the search documents; its model kept where its change there is below
+        the tolerance (a candidate for the certificate)."""
         start = time.perf_counter()
         model = self.quantize(scheme)
         d = self.change(model)
         w, a, work = scheme_bits(scheme)
         c = Candidate(scheme, scheme, (), Cost(max(w, a), w, work), d, seconds=time.perf_counter() - start)
-        c.model = model if certifies(d, self.tolerance) else None
+        c.model = model if d.value < self.tolerance else None  # a candidate for the certificate: kept
         return c
 
     def cost_of(self, base: str, kept: tuple[str, ...], quantized: set[str]) -> Cost:
