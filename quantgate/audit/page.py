@@ -25,7 +25,7 @@ WORDS = {0: "static ranges: nothing read at run time", 1: "every token's range r
 
 def _cost(c: Candidate) -> str:
     kept = f", {c.cost.kept} Linears ({c.cost.kept_share:.1%} of the weights) kept in 16-bit" if c.cost.kept else ""
-    bits = f"matmuls at {c.cost.compute_bits:.2f} bits, weights at {c.cost.weight_bits:.2f} bits"
+    bits = f"weights at {c.cost.weight_bits:.2f} bits, matmuls at {c.cost.compute_bits:.2f} bits"
     return f"{bits}{kept}; {WORDS[c.cost.work]}"
 
 
@@ -157,13 +157,13 @@ def _why(report: ObserveReport | None) -> list[str]:
 
 
 def _table(found: Found, tolerance: float) -> list[str]:
-    head = ["recipe", "matmul / weight bits", "kept in 16-bit", "run-time work", "search change [95% CI]",
+    head = ["recipe", "weight / matmul bits", "kept in 16-bit", "run-time work", "search change [95% CI]",
             "held-out change [95% CI] (float32)", "certified", "s"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in sorted(found.candidates, key=lambda c: c.cost.key()):
         verdict = "yes" if certifies(c.held_out, tolerance) else ("no" if c.held_out is not None else "-")
         lines.append("| " + " | ".join([
-            f"`{_short(c)}`", f"{c.cost.compute_bits:.2f} / {c.cost.weight_bits:.2f}",
+            f"`{_short(c)}`", f"{c.cost.weight_bits:.2f} / {c.cost.compute_bits:.2f}",
             f"{c.cost.kept} ({c.cost.kept_share:.1%})" if c.cost.kept else "-", WORDS[c.cost.work].split(":")[0],
             format_delta(c.search), format_delta(c.held_out), verdict, f"{c.seconds:.0f}",
         ]) + " |")  # fmt: skip
@@ -206,7 +206,7 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
         f"below +{tolerance:.2%} are tested in turn, the most confident there first, on the held-out documents in "
         f"float32, until one fails; the recipe is the cheapest certified (fixed-sequence testing: certifying a "
         f"recipe whose true change is at or above the tolerance has a chance of at most 2.5%, however many were "
-        f"tried). Cost: bits of the matmuls, then of the weights, then "
+        f"tried). Cost: bits of the weights, then of the matmuls, then "
         f"run-time work ({', '.join(f'{k}' for k in WORK)}). Every name and number: audit.json. Audit time: "
         f"{seconds:.0f} s of a {duration(budget_s)} budget."
     )

@@ -32,7 +32,7 @@ class ChangeRecord(JsonRecord):
 @dataclass(frozen=True)
 class CandidateRecord(JsonRecord):
     """One recipe tried: its scheme, the whole-model scheme it falls back from, the sites it keeps in 16-bit, its
-    cost (bits of its matmuls and weights, run-time work rank, share of the quantized Linears' weights kept), its
+    cost (bits of its weights and matmuls, run-time work rank, share of the quantized Linears' weights kept), its
     change on the search and held-out documents and whether the certificate holds, the seconds it took here."""
 
     scheme: str

@@ -310,7 +310,8 @@ def _fallbacks(main: Model, candidates: list[Candidate], tolerance: float, clock
         if base.scheme == REFERENCE:
             for tol in CURVE:
                 k = f.fewest(main.search, tol, deadline)
-                curve.append(CurvePoint(tol, k, ChangeRecord.of(f.tried.get(k)) if k is not None else None))
+                kept = None if k is None else len(f.sites.linear_names(f.order[:k]))  # Linears, not fused sites
+                curve.append(CurvePoint(tol, kept, ChangeRecord.of(f.tried.get(k)) if k is not None else None))
         done.append(f)
     return done, curve
 

@@ -1,10 +1,11 @@
 """The audit's search: whole-model schemes and per-site fallback recipes, each tried on the search documents,
 compared on cost, the survivors certified on held-out documents (:mod:`quantgate.certify`).
 
-A candidate's *cost* (:class:`Cost`) is, in this order: the bits its matmuls run at (the mean over the quantized
-Linears' multiply-adds of max(weight bits, activation bits): 8 for W8A8, 16 for a weight-only W8A16 or a site
-kept in 16-bit), the mean bits of its weights, then the run-time work its activation ranges need (none for
-static ranges, reading every token for dynamic ones, extra transforms for online rotations).
+A candidate's *cost* (:class:`Cost`) is, in this order: the mean bits of its weights over the quantized Linears
+(ModelOpt's "effective bits": what the model weighs in memory, what decoding reads per token; 16 for a Linear
+kept), the bits its matmuls run at (the mean over those Linears' multiply-adds of max(weight bits, activation
+bits): 8 for W8A8, 16 for a weight-only W8A16 or a Linear kept), then the run-time work its activation ranges need
+(none for static ranges, reading every token for dynamic ones, extra transforms for online rotations).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def scheme_bits(scheme: str) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Cost:
-    """What a recipe costs (module docstring): bits of its matmuls and weights, run-time work, and the sites it
+    """What a recipe costs (module docstring): bits of its weights and matmuls, run-time work, and the sites it
     keeps in 16-bit with their share of the quantized Linears' weights (= multiply-adds per token)."""
 
     compute_bits: float
@@ -95,7 +96,7 @@ class Cost:
     kept_share: float = 0.0
 
     def key(self) -> tuple[float, float, int]:
-        return round(self.compute_bits, 4), round(self.weight_bits, 4), self.work
+        return round(self.weight_bits, 4), round(self.compute_bits, 4), self.work
 
 
 @dataclass
