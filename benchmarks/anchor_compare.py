@@ -13,7 +13,7 @@ run: the comparison names, for each recipe, the Linears kept, the effective bits
 interval and whether it is certified at +1% (the held-out interval wholly below), and the tools' times.
 
     python benchmarks/anchor_compare.py --modelopt /tmp/anchor-modelopt/search.json \\
-        --audit /tmp/smollm2-audit/audit.json --out results/bench/anchor-smollm2-cpu.md
+        --audit /tmp/smollm2-audit/audit.json --out results/bench/anchor-compare-smollm2-cpu.md
 
 About 1 minute per recipe on a quiet 2-core CPU.
 """
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modelopt", type=Path, required=True, help="anchor_modelopt.py's search.json")
     ap.add_argument("--audit", type=Path, required=True, help="an audit's audit.json (SmolLM2-135M)")
-    ap.add_argument("--out", type=Path, default=Path("results/bench/anchor-smollm2-cpu.md"))
+    ap.add_argument("--out", type=Path, default=Path("results/bench/anchor-compare-smollm2-cpu.md"))
     ap.add_argument("--within", type=float, default=0.01)
     args = ap.parse_args(argv)
     opt = json.loads(args.modelopt.read_text())

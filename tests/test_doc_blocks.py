@@ -820,7 +820,7 @@ def test_a_warm_command_prints_writes_and_exits_as_the_executable_does(warm_serv
         """\
         ```bash
         mkdir sub && cd sub && quantgate --version > version.txt
-        status=0; quantgate audit twin-vanilla --docs 1 2> err.txt || status=$?
+        status=0; quantgate audit twin-vanilla --docs 0 2> err.txt || status=$?
         echo "$status" > status.txt
         ```
         """,
@@ -830,7 +830,7 @@ def test_a_warm_command_prints_writes_and_exits_as_the_executable_does(warm_serv
     assert (sub / "version.txt").read_text() == f"quantgate {quantgate.__version__}\n"
     assert (sub / "status.txt").read_text() == "2\n"
     assert (sub / "err.txt").read_text().strip().splitlines()[-1] == (
-        "quantgate audit: error: --docs 1: a paired interval needs at least 2 documents"
+        "quantgate audit: error: --docs 0: give a whole number of passages (or batches) of at least 1"
     )
     log = (warm.folder / "server.log").read_text()
     assert f"{warm.real} --version" in log and f"{warm.real} audit twin-vanilla" in log

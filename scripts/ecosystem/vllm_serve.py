@@ -22,6 +22,11 @@ Run from the repository root with quantgate's python:
 
     python scripts/ecosystem/vllm_serve.py
     python scripts/ecosystem/vllm_serve.py --checkpoint /some/dir --checkpoint name=/other/dir
+
+Given one export folder instead, it runs vllm_export_nll.py on it (vLLM, ``quantgate.load`` and plain
+transformers on the same token windows; ``--out`` is then that script's JSON file, and its options apply):
+
+    python scripts/ecosystem/vllm_serve.py EXPORT_DIR --out RESULT.json [--venv DIR] [--window 256] ...
 """
 
 from __future__ import annotations
@@ -74,6 +79,18 @@ import time
 import traceback
 
 
+def layer_methods(model):
+    """What vLLM runs each layer with: its compressed-tensors scheme, or its quant method (the unquantized
+    one for a layer in the checkpoint's ignore list)."""
+    out = {}
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            scheme = getattr(module, "scheme", None)
+            out[name] = type(scheme if scheme is not None else method).__name__
+    return out
+
+
 def main():
     inp = json.load(open(sys.argv[1]))
     out = {"accepted": False, "model": inp["model"], "dtype": inp["dtype"]}
@@ -100,6 +117,12 @@ def main():
         out["vllm_dtype"] = str(getattr(mc, "dtype", None))
     except Exception as e:
         out["vllm_quantization"] = f"(unknown: {e})"
+    if inp.get("layer_methods"):  # needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the function goes to the worker)
+        try:  # by its module's name, not __main__'s: the engine process pickles it by reference
+            here = os.path.splitext(os.path.basename(__file__))[0]
+            out["layer_methods"] = llm.apply_model(__import__(here).layer_methods)[0]
+        except Exception as e:
+            out["layer_methods"] = {"(unknown)": f"{type(e).__name__}: {e}"}
     try:
         t1 = time.monotonic()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
@@ -129,11 +152,19 @@ if __name__ == "__main__":
 '''
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Serve checkpoints with vLLM (CPU) in its own venv and compare its prompt log-likelihoods "
-        "token by token with quantgate's; writes results/ecosystem/vllm.{md,json}.",
+        "token by token with quantgate's; writes results/ecosystem/vllm.{md,json}. With an EXPORT_DIR: "
+        "vllm_export_nll.py on that folder (see its --help), --out being its JSON file.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "export",
+        nargs="?",
+        type=Path,
+        metavar="EXPORT_DIR",
+        help="one export folder: vLLM, quantgate.load and plain transformers on it (vllm_export_nll.py)",
     )
     p.add_argument("--venv", type=Path, default=Path("/tmp/qg-venvs/vllm"), help="vLLM's venv")
     p.add_argument("--recreate-venv", action="store_true", help="delete the venv and install it again")
@@ -170,7 +201,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="where vllm.md and vllm.json go")
     p.add_argument("--setup-only", action="store_true", help="only create the venv")
     p.add_argument("--report-only", action="store_true", help="only rewrite vllm.md from the vllm.json in --out")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def parse_known_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments this parser knows, the rest left (vllm_export_nll.py's options, with an EXPORT_DIR)."""
+    return parser().parse_known_args(argv)
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
@@ -622,6 +662,11 @@ def score_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
+    args, _ = parse_known_args(argv)
+    if args.export is not None:  # one folder: the other script parses the whole command line
+        from vllm_export_nll import main as export_main
+
+        return export_main(argv)
     args = parse_args(argv)
     if args.fallback_dtype is None:
         args.fallback_dtype = ["bfloat16"]
