@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.out}`; the module docstring says what each column is. Sets: {record.search_documents} (search, "
             f"bfloat16), {record.held_out_documents} (held out, float32). ModelOpt "
             f"{opt['versions'].get('nvidia-modelopt', '?')} "
-            f"ran `auto_quantize` (method {opt['method']}, {opt['format']}, {len(opt['groups'])} layer groups) in "
+            f"ran `auto_quantize` (method {opt['method']}, {opt['format']}, {opt['groups']} layer groups) in "
             f"{opt['auto_quantize_seconds']:.0f} s on this machine (its scoring; the other cores were busy with other "
             f"work then); quantgate's audit took {record.seconds:.0f} s in all (every scheme, the fallback, the "
             "certificate).",
