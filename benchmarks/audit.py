@@ -42,10 +42,10 @@ def plain_smollm2(folder: Path) -> Path:
     return folder
 
 
-def run(model: str, budget: str, out: Path) -> tuple[float, float, int]:
+def run(model: str, budget: str, out: Path, serve: str = "any") -> tuple[float, float, int]:
     """Wall seconds, peak RSS (GiB, of this audit's process alone: wait4's rusage) and exit status of one audit."""
     start = time.perf_counter()
-    child = subprocess.Popen(["quantgate", "audit", model, "--budget", budget, "--out", str(out)])
+    child = subprocess.Popen(["quantgate", "audit", model, "--budget", budget, "--out", str(out), "--serve", serve])
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
     child.returncode = os.waitstatus_to_exitcode(status)
@@ -101,11 +101,14 @@ def main(argv: list[str] | None = None) -> None:
         "--twins", nargs="*", default=["twin-vanilla", "twin-g1"], help="packaged twins to audit at the default budget"
     )
     ap.add_argument("--keep", help="copy the last audit's folder here")
+    ap.add_argument("--serve", default="any", help="the audits' serving target (quantgate audit --serve)")
     args = ap.parse_args(argv)
     lines = [
         "# quantgate audit against its budget",
         "",
-        f"Command: `python benchmarks/audit.py --out {args.out}`, on {platform.system()} {platform.machine()} with "
+        f"Command: `python benchmarks/audit.py --out {args.out}"
+        + (f" --serve {args.serve}" if args.serve != "any" else "")
+        + f"`, on {platform.system()} {platform.machine()} with "
         f"{os.cpu_count()} CPUs and {_gpu()}"
         ". Each audit ran alone, into an empty folder, with the quantgate cache warm (the SmolLM2 conversion done).",
         "",
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         answers = []
         for budget in args.budgets:
             out = Path(tmp) / f"audit-{budget}"
-            wall, peak, code = run(model, budget, out)
+            wall, peak, code = run(model, budget, out, args.serve)
             lines.append(f"| {budget} | {wall:.0f} s | {wall / parse_budget(budget):.2f}x | {peak:.2f} GiB | {code} |")
             answer = (out / "audit.md").read_text() if (out / "audit.md").is_file() else "(no audit.md)\n"
             answers += [f"## The audit at {budget}, as it wrote audit.md", "", "```text", answer.rstrip(), "```", ""]

@@ -430,6 +430,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         schemes=args.schemes.split(",") if args.schemes else None,
         docs=args.docs,
         export=not args.no_export,
+        serve=args.serve,
     )
     print(found.answer, end="")
     return 0
@@ -699,6 +700,11 @@ def _audit_parser(sub: Any) -> None:
         "--docs", type=int, help="passages (or batches) in each of the search and held-out sets (default: by budget)"
     )
     au.add_argument("--no-export", action="store_true", help="do not write the recipe to DIR/export")
+    au.add_argument(
+        "--serve",
+        default="any",
+        help="where the recipe will run: any (default) or vllm-cpu (only recipes vLLM-CPU has kernels for)",
+    )
     _placement_arguments(au)
     au.set_defaults(func=cmd_audit)
 

@@ -207,7 +207,13 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
         f"float32, until one fails; the recipe is the cheapest certified (fixed-sequence testing: certifying a "
         f"recipe whose true change is at or above the tolerance has a chance of at most 2.5%, however many were "
         f"tried). Cost: bits of the weights, then of the matmuls, then "
-        f"run-time work ({', '.join(f'{k}' for k in WORK)}). Every name and number: audit.json. Audit time: "
+        f"run-time work ({', '.join(f'{k}' for k in WORK)}). "
+        + (
+            f"Serving target {record.serve}: only recipes it has kernels for were certified. "
+            if record.serve != "any"
+            else ""
+        )
+        + "Every name and number: audit.json. Audit time: "
         f"{seconds:.0f} s of a {duration(budget_s)} budget."
     )
     return "\n".join(lines) + "\n"

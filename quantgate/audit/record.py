@@ -77,3 +77,4 @@ class AuditRecord(JsonRecord):
     ranked_sites: list[str] = field(default_factory=list)
     curve: list[CurvePoint] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)
+    serve: str = "any"  # the serving target: recipes it has no kernels for are not certified

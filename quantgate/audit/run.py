@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from . import page
 from .documents import DocSet
 from .plan import CERTIFY, RANKING_TOKENS, RATIO, SAFETY, Speed, measure, parse_budget, parse_within, size
 from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint
-from .search import LADDER, REFERENCE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy
+from .search import LADDER, REFERENCE, SERVE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy, serves
 from .sites import can_fall_back
 from .target import AuditError, Target, check_memory, dtype_of, target
 
@@ -189,13 +190,17 @@ def audit(
     schemes: list[str] | None = None,
     docs: int | None = None,
     export: bool = True,
+    serve: str = "any",
     progress: bool = True,
 ) -> Audit:
     """Audit ``model`` (a folder saved by transformers or quantgate, a packaged name, a cached hub id) for INT8/FP8
     within ``budget`` (seconds or ``10m``) and tolerance ``within`` (a fraction, or ``1%``); writes ``out``
     (default ``audits/<name>``): audit.md, audit.json and the export (package docstring). ``schemes``: try these
     whole-model schemes instead of :data:`LADDER`; ``docs``: passages (or batches) in each document set (default:
-    as many as the budget allows)."""
+    as many as the budget allows); ``serve``: ``vllm-cpu`` certifies only recipes vLLM-CPU has kernels for
+    (:func:`~.search.serves`)."""
+    if serve not in SERVE:
+        raise AuditError(f"--serve {serve!r}: one of {', '.join(SERVE)}")
     clock = Clock(parse_budget(budget))
     tolerance = parse_within(within)
     focus, targets = _targets(model, variant, docs)
@@ -216,8 +221,8 @@ def audit(
     with _progress(clock.left(), progress) as bar:
         found = _search(models, main, ladder, sets, tolerance, clock, bar, placement, dtype, speed)
         bar.set_description("audit: certifying")
-        tests = _certify(main, found, sets[1], tolerance, clock)
-    return _finish(main, models, found, tests, sets, tolerance, clock, out, dtype, export, speed)
+        tests = _certify(main, found, sets[1], tolerance, serve)
+    return _finish(main, found, tests, sets, tolerance, clock, out, dtype, export, serve)
 
 
 def _sets(m: Model, speed: Speed, ladder: list[Rung], clock: Clock, docs: int | None) -> tuple[DocSet, DocSet]:
@@ -322,12 +327,13 @@ def _certify_reserve(m: Model, held: DocSet, speed: Speed) -> float:
     return held.tokens(m.tok) * speed.per_token_fp32_s * (1 + RATIO * CERTIFY)
 
 
-def _certify(m: Model, found: Found, held: DocSet, tolerance: float, clock: Clock) -> list[Test]:
+def _certify(m: Model, found: Found, held: DocSet, tolerance: float, serve: str) -> list[Test]:
     """Fixed-sequence certification (:func:`~quantgate.certify.fixed_sequence`) of the recipes whose change on the
     search set is below the tolerance (the estimate: the held-out test alone carries the guarantee, and a stricter
     entry only costs power, benchmarks/certify_rate.py), most confident there first (the lowest upper end: the
     order is fixed by the search's documents alone), on the held-out set in float32."""
     order = [c for c in found.candidates if c.search is not None and c.search.value < tolerance]
+    order = [c for c in order if serves(c.scheme, serve)]
     order.sort(key=lambda c: c.search.high if c.search is not None and c.search.high is not None else 1.0)
     if not order:
         return []
@@ -351,8 +357,8 @@ def _certify(m: Model, found: Found, held: DocSet, tolerance: float, clock: Cloc
     return fixed_sequence(names, measure_held, tolerance)
 
 
-def _finish(main: Model, models: list[Model], found: Found, tests: list[Test], sets: tuple[DocSet, DocSet],
-            tolerance: float, clock: Clock, out: Path, dtype: str, export: bool, speed: Speed) -> Audit:  # fmt: skip
+def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, DocSet], tolerance: float,
+            clock: Clock, out: Path, dtype: str, export: bool, serve: str) -> Audit:  # fmt: skip
     """Write the export, audit.json and audit.md; the answer."""
     certified = [c for c in found.candidates if any(t.certified and t.name == c.scheme for t in tests)]
     chosen = min(certified, key=lambda c: c.cost.key(), default=None)  # the cheapest certified
@@ -362,7 +368,7 @@ def _finish(main: Model, models: list[Model], found: Found, tests: list[Test], s
         note = "not asked for (--no-export)"
     elif chosen is None:
         note = "no recipe was certified"
-    record = _record(main, found, tests, sets, tolerance, clock, dtype, recipe)
+    record = dataclasses.replace(_record(main, found, tests, sets, tolerance, clock, dtype, recipe), serve=serve)
     write_text_atomic(out / "audit.json", _json(record))
     text = page.text(main.target, record, found, tests, tolerance, export_dir, note, clock.spent(), clock.budget_s)
     write_text_atomic(out / "audit.md", text)

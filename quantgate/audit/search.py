@@ -31,7 +31,19 @@ from .documents import DocSet
 from .record import CurvePoint
 from .sites import Sites, can_fall_back, keep_scheme
 
-__all__ = ["Rung", "LADDER", "REFERENCE", "Cost", "Candidate", "Search", "Found", "scheme_bits", "WORK"]
+__all__ = [
+    "Rung",
+    "LADDER",
+    "REFERENCE",
+    "Cost",
+    "Candidate",
+    "Search",
+    "Found",
+    "scheme_bits",
+    "serves",
+    "SERVE",
+    "WORK",
+]
 
 if TYPE_CHECKING:
     from ..observe import ObserveReport
@@ -64,6 +76,27 @@ LADDER: tuple[Rung, ...] = (
 REFERENCE = LADDER[0].scheme  # the question: per-tensor static INT8
 WORK = {"static": 0, "token": 1, "rotation": 2}  # run-time work of the activation ranges, least first
 RANKING_SEQUENCES = 2  # sequences (of the calibration length, 128 tokens) each site is ranked on
+
+
+SERVE = ("any", "vllm-cpu")  # where the recipe will run: any engine, or vLLM on a CPU (its kernels, below)
+
+
+def serves(scheme: str, target: str) -> bool:
+    """Whether ``target`` (:data:`SERVE`) has kernels for ``scheme``'s export. vLLM-CPU 0.32 runs compressed-tensors
+    W8A8 INT8 (static or dynamic, kept Linears unquantized) and refuses weight-only INT8 ("Failed to find a kernel
+    that can implement the WNA16 linear layer"), FP8 and NVFP4 (results/bench/audit-export-vllm-cpu.md,
+    shared ECOSYSTEM.md); a rotation is written in quantgate's own format, which no engine reads."""
+    if target == "any":
+        return True
+    s = get_scheme(scheme)
+    return (
+        isinstance(s, SimulatedScheme)
+        and s.rotate == "none"
+        and s.weight is not None
+        and s.weight.format == "int8"
+        and s.act is not None
+        and s.act.format == "int8"
+    )
 
 
 def _format_bits(fmt: str) -> int:
