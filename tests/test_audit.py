@@ -14,6 +14,7 @@ from quantgate.audit import LADDER, REFERENCE, AuditError, parse_budget, parse_w
 from quantgate.audit.plan import Speed, size
 from quantgate.audit.record import AuditRecord
 from quantgate.audit.run import _ladder, _runnable
+from quantgate.audit.search import serves
 from quantgate.audit.target import target
 from quantgate.cli import main
 from quantgate.models.record import set_record
@@ -168,7 +169,7 @@ def test_the_twins_are_audited_as_a_pair_with_the_gate_effect(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["not a model", "family", "too large", "budget", "quantized", "scheme", "docs", "hub"],
+    ["not a model", "family", "too large", "budget", "quantized", "scheme", "docs", "serve", "hub"],
 )
 def test_bad_input_gets_one_line(case, tmp_path, capsys):
     args = ["--out", str(tmp_path / "out")]
@@ -200,6 +201,9 @@ def test_bad_input_gets_one_line(case, tmp_path, capsys):
     elif case == "docs":
         model, want = "twin-vanilla", "--docs 0: give a whole number of passages (or batches) of at least 1"
         args += ["--docs", "0"]
+    elif case == "serve":
+        model, want = "twin-vanilla", "--serve 'tpu': one of any, vllm-cpu"
+        args += ["--serve", "tpu"]
     else:
         model, want = "someone/not-cached", "is not in the local Hugging Face cache"
     assert main(["audit", model, *args]) == 2
@@ -242,6 +246,20 @@ def test_the_documents_fit_the_budget_by_the_measured_speed():
     with pytest.raises(AuditError, match="give --budget") as e:
         size("text", speed, 340, 211, 8, 300, 0)
     assert parse_budget(str(e.value).split("give --budget ")[1].split()[0]) > 300
+
+
+def test_the_serving_target_leaves_out_what_it_has_no_kernel_for():
+    """vLLM-CPU 0.32 serves compressed-tensors W8A8 INT8 with kept Linears and refuses weight-only INT8 (WNA16),
+    FP8 and NVFP4 (results/bench/audit-export-vllm-cpu.md); a rotation is quantgate's own format."""
+    served = {r.scheme for r in LADDER if serves(r.scheme, "vllm-cpu")}
+    assert served == {
+        "w8a8-int8-static",
+        "w8a8-int8-static:smooth=0.5",
+        "w8a8-int8-dynamic",
+        "w8a8-int8-dynamic:smooth=0.5",
+    }
+    assert serves("w8a8-int8-static:keep=model.layers.1.mlp.down_proj", "vllm-cpu")
+    assert all(serves(r.scheme, "any") for r in LADDER)
 
 
 def test_given_schemes_are_tried_after_the_question():
