@@ -12,10 +12,9 @@ masked LM, masked-token batches of the test and validation splits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 import torch
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
@@ -69,7 +68,6 @@ class DocSet:
     role: str
     n: int
     max_length: int = 512
-    cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def texts(self) -> list[Document]:
@@ -107,8 +105,3 @@ class DocSet:
             return backcopy_documents(model, tok, limit=self.n, seed=SPLITS[self.role][1])
         split = SPLITS[self.role][0]
         return mlm_documents(model, tok, split=split, limit=self.n, seed=0 if self.role == "search" else 1)
-
-
-def mean_nll(docs: dict) -> float:
-    """Nats per predicted token over the documents."""
-    return -float(np.sum(docs["loglikelihood"])) / float(np.sum(docs["tokens"]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .documents import MOST, DocSet
+from .documents import MOST
 from .target import AuditError
 
 __all__ = ["parse_budget", "parse_within", "Speed", "measure", "size", "duration", "MIN_UNITS", "SAFETY"]
@@ -89,8 +90,6 @@ def measure(model: nn.Module, length: int) -> Speed:
         t = _per_token(model, length)
         if next(model.parameters()).dtype == torch.float32:
             return Speed(t, t)
-        import copy
-
         return Speed(t, _per_token(copy.deepcopy(model).float(), length))
     finally:
         model.train(was)
@@ -120,8 +119,3 @@ def size(kind: str, speed: Speed, tokens_per_unit: float, sites: int, rungs: int
     if units is not None:
         return least
     return max((n for n in range(least, MOST[kind] + 1) if total(n) <= budget_s * SAFETY), default=least)
-
-
-def units_of(docs: DocSet) -> str:
-    """What a set's units are called."""
-    return "passages" if docs.kind == "text" else "batches of 16 sequences"

@@ -273,10 +273,9 @@ def _gap(models: list[Model], runs: dict[int, Candidate], scheme: str) -> Delta:
     """The gated twin's change minus the ungated one's under ``scheme``, paired over the same documents."""
     ungated, gated = models
     assert ungated.search is not None and gated.search is not None
-    q = [runs[id(m)].model or m.search.quantize(scheme) for m in models if m.search is not None]
-    scores = [m.search.docs.score(model, m.tok) for m, model in zip(models, q, strict=True) if m.search is not None]
-    return paired_difference((ungated.search.float_docs, scores[0]), (gated.search.float_docs, scores[1]),
-                             "perplexity", cluster=ungated.search.docs.cluster)  # fmt: skip
+    u, g = runs[id(ungated)].scores, runs[id(gated)].scores  # what each scored on the search set
+    return paired_difference((ungated.search.float_docs, u), (gated.search.float_docs, g), "perplexity",
+                             cluster=ungated.search.docs.cluster)  # fmt: skip
 
 
 def _chosen(f: Fallback, tolerance: float) -> set[int]:

@@ -145,6 +145,7 @@ class Candidate:
     held_out: Delta | None = None
     seconds: float = 0.0
     model: nn.Module | None = field(default=None, repr=False)
+    scores: dict = field(default_factory=dict, repr=False)  # per-document scores on the search set (whole-model)
 
 
 class Search:
@@ -159,8 +160,10 @@ class Search:
 
     def change(self, model: nn.Module) -> Delta:
         """``model``'s change of perplexity on the search documents, paired with the float model's."""
-        return paired_delta(self.float_docs, self.docs.score(model, self.tok), self.docs.metric,
-                            cluster=self.docs.cluster)  # fmt: skip
+        return self._change(self.docs.score(model, self.tok))
+
+    def _change(self, scores: dict) -> Delta:
+        return paired_delta(self.float_docs, scores, self.docs.metric, cluster=self.docs.cluster)
 
     def quantize(self, scheme: str) -> nn.Module:
         """A fresh copy of the float model quantized with ``scheme`` as a study cell does (seed 0)."""
@@ -171,9 +174,11 @@ class Search:
         the tolerance (a candidate for the certificate)."""
         start = time.perf_counter()
         model = self.quantize(scheme)
-        d = self.change(model)
+        scores = self.docs.score(model, self.tok)
+        d = self._change(scores)
         w, a, work = scheme_bits(scheme)
         c = Candidate(scheme, scheme, (), Cost(max(w, a), w, work), d, seconds=time.perf_counter() - start)
+        c.scores = scores
         c.model = model if d.value < self.tolerance else None  # a candidate for the certificate: kept
         return c
 
