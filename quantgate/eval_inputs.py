@@ -37,7 +37,14 @@ __all__ = [
 ]
 
 TASK_DIR = Path(__file__).with_name("tasks")
-BUNDLED_TASKS = ("quantgate_ppl", "quantgate_cloze", "quantgate_nextsent", "quantgate_mlm_ppl", "quantgate_backcopy")
+BUNDLED_TASKS = (
+    "quantgate_passages",
+    "quantgate_ppl",
+    "quantgate_cloze",
+    "quantgate_nextsent",
+    "quantgate_mlm_ppl",
+    "quantgate_backcopy",
+)
 COMPUTED_TASKS = ("quantgate_mlm_ppl", "quantgate_backcopy")  # scored here, not through lm-eval
 CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE = "train", 128, 8  # what --scheme calibrates on (eval, lm-eval)
 

@@ -4,8 +4,10 @@
 ``quantgate-mlm`` (masked LMs, scored by pseudo-log-likelihood, Salazar et al. 2020) and runs
 ``lm_eval.simple_evaluate`` with quantgate's task folder on the include path:
 
-* ``quantgate_ppl``: loglikelihood_rolling over the held-out test documents (word_perplexity,
-  byte_perplexity, bits_per_byte);
+* ``quantgate_passages``: loglikelihood_rolling over the held-out test split cut into passages of at most 256
+  words, in turn from each work, so that works contribute comparable words (word_perplexity, byte_perplexity,
+  bits_per_byte);
+* ``quantgate_ppl``: the same over whole test documents (three plays hold 74% of the words of the first 24);
 * ``quantgate_cloze``: LAMBADA-style last word (perplexity, acc);
 * ``quantgate_nextsent``: 4-way next sentence (acc, acc_norm);
 * ``quantgate_mlm_ppl`` (masked LMs): exp of the mean cross-entropy on 15% masked tokens of the test

@@ -22,6 +22,8 @@ from .records import StudyRecord, read_metrics
 __all__ = ["compare", "collect_evals"]
 
 HEADLINE = (
+    "quantgate_passages/word_perplexity",
+    "quantgate_passages/bits_per_byte",
     "quantgate_ppl/word_perplexity",
     "quantgate_ppl/bits_per_byte",
     "quantgate_cloze/acc",

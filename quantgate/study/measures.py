@@ -33,6 +33,7 @@ TaskMetric = tuple[str, str]  # (task, metric)
 
 # the headline perplexity of a cell: the first of these its tasks report
 PPL_KEYS: tuple[TaskMetric, ...] = (
+    ("quantgate_passages", "word_perplexity"),
     ("quantgate_ppl", "word_perplexity"),
     ("quantgate_mlm_ppl", "perplexity"),
     ("quantgate_backcopy", "perplexity"),

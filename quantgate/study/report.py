@@ -301,7 +301,8 @@ def outliers(report: Report) -> str:
     lines = [
         "## Outliers, sinks and quantized perplexity (Bondarenko et al.'s table)",
         "",
-        "Perplexity is `quantgate_ppl` word perplexity on held-out text for causal LMs, `quantgate_mlm_ppl` "
+        "Perplexity is word perplexity on held-out text for causal LMs (`quantgate_passages`, passages of at most "
+        "256 words, or `quantgate_ppl`, whole documents: the task the model's eval names), `quantgate_mlm_ppl` "
         "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; sink mass is the mean "
         "attention on the first token. All rows ran on the machine above.",
         "",

@@ -488,7 +488,7 @@ def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
     return {"observe": CellObserve.of(report.summary, report.layers).to_json()}
 
 
-ROLLING_TASKS = ("quantgate_ppl",)  # perplexity over whole documents, read in windows of max_length tokens
+ROLLING_TASKS = ("quantgate_passages", "quantgate_ppl")  # perplexity over passages or whole documents, read in windows of max_length tokens
 
 
 def _eval_settings(m: ModelSpec) -> EvalSettings:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import datasets
 
-from quantgate.data.corpus import corpus, in_turn
+from quantgate.data.corpus import corpus, in_turn, passages
 
 DATA = Path(__file__).with_name("data")
 
@@ -18,6 +18,14 @@ def ppl_documents(**kwargs: object) -> datasets.DatasetDict:
     """The test split's documents, taken in turn from each work (the first document of every work, then
     the second of each, ...): a ``limit`` of n documents spans min(n, 9) works, never n chapters of one."""
     rows = [{"id": d.id, "work": d.work, "text": d.text} for d in in_turn(corpus("test"))]
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def passage_documents(**kwargs: object) -> datasets.DatasetDict:
+    """The test split cut into passages of at most 256 words, taken in turn from each work
+    (:func:`quantgate.data.corpus.passages`): a ``limit`` of n passages gives each of the 9 works about n / 9 of
+    them (all it has, where it has fewer)."""
+    rows = [{"id": d.id, "work": d.work, "text": d.text} for d in passages("test")]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
 
