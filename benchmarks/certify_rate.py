@@ -10,10 +10,11 @@ every whole-model rung of :data:`quantgate.audit.search.LADDER` is measured on a
 :func:`quantgate.stats.paired_delta` (works resampled) and costed with ``scheme_bits``; static INT8 (which never
 passes) gets a per-site fallback, bisected by :meth:`quantgate.audit.search.Fallback.fewest` at the tolerance and
 then at ``quantgate.audit.run.CURVE`` as the audit does, its offered recipe picked by ``quantgate.audit.run._chosen``
-and costed by ``Search.cost_of``; the recipes whose search interval certifies are ordered costliest first
-(``Cost.key``) and tested on a HELD-OUT set with :func:`quantgate.certify.fixed_sequence`; the answer is the last
-certified (what ``quantgate.audit.run._certify`` and ``_finish`` do: those two need a model, so their five lines
-of selection are repeated here). Only the model and the scoring are simulated.
+and costed by ``Search.cost_of``; the recipes whose search estimate lies below the tolerance enter, ordered most
+confident first (the lowest upper end of the search interval), and are tested on a HELD-OUT set with
+:func:`quantgate.certify.fixed_sequence`; the answer is the cheapest certified (``Cost.key``: what
+``quantgate.audit.run._certify`` and ``_finish`` do: those two need a model, so their lines of selection are
+repeated here). Only the model and the scoring are simulated.
 
 Data: each set holds n passages taken in turn from 9 works; passage tokens uniform on 300-400; float per-token NLL
 3 nats + a work effect (sd 0.3) + a passage effect (sd 0.2). A recipe with true relative change D damages passage j
@@ -27,13 +28,13 @@ one work both sets share (The Devil's Dictionary, as in the bundled corpus: its 
 Scenarios (tolerance 1%): ``null``: the eight rungs other than static INT8 all exactly at the tolerance, static
 INT8 at +175%, and the fallback's change at k sites kept tol * exp(-(k - k*) / 30) (capped at +175%, 0 with all
 210 sites kept), k* uniform on 20-190 per replicate: recipes with k < k* are above the tolerance, k = k* at it,
-k > k* below. ``power-first``: weight-only INT8 (the costliest rung, tested first) at half the tolerance, every
+k > k* below. ``power-first``: weight-only INT8 (the costliest rung) at half the tolerance, every
 other rung at twice the tolerance or more (SmolLM2-like), the fallback as in ``null``. ``power-after``: the
-half-tolerance recipe is ``w8a8-int8-dynamic:rotate=online`` (a W8A8 rung, tested after the fallback's recipe),
+half-tolerance recipe is ``w8a8-int8-dynamic:rotate=online`` (a W8A8 rung cheaper than the fallback's recipe),
 weight-only INT8 at 2%. A false certification: the answer's true change >= the tolerance (and, stricter, any
 certified recipe's). The naive procedure certifies the cheapest recipe whose SEARCH interval lies below the
-tolerance, with no held-out set. An alternative order (most confident on the search set first) is reported beside
-the audit's for power; it keeps the same guarantee.
+tolerance, with no held-out set. The order the audit used before (costliest first, the answer the last certified)
+is reported beside the audit's for power; it keeps the same guarantee.
 """
 
 from __future__ import annotations
@@ -191,8 +192,9 @@ def replicate(rng: np.random.Generator, n: int, noise: str, scenario: str) -> di
             truth[c.scheme] = fallback_change(k, kstar)
             candidates.append(c)
     family = {c.scheme: (SCHEMES.index(c.scheme) if c.scheme in SCHEMES else FALLBACK) for c in candidates}
-    order = [c for c in candidates if certifies(c.search, TOL)]  # run._certify
-    order.sort(key=lambda c: c.cost.key(), reverse=True)
+    order = [c for c in candidates if c.search.value < TOL]  # run._certify
+    order.sort(key=lambda c: c.search.high if c.search.high is not None else 1.0)
+    naive = min((c for c in candidates if certifies(c.search, TOL)), key=lambda c: c.cost.key(), default=None)
     held_deltas: dict[str, Delta] = {}
 
     def measure(name: str) -> Delta:
@@ -202,9 +204,10 @@ def replicate(rng: np.random.Generator, n: int, noise: str, scenario: str) -> di
 
     tests = fixed_sequence([c.scheme for c in order], measure, TOL)
     certified = [t.name for t in tests if t.certified]
-    answer = certified[-1] if certified else None  # run._finish
-    by_confidence = sorted(order, key=lambda c: c.search.high if c.search and c.search.high is not None else 1.0)
-    alt = [t.name for t in fixed_sequence([c.scheme for c in by_confidence], measure, TOL) if t.certified]
+    cost = {c.scheme: c.cost.key() for c in candidates}
+    answer = min(certified, key=cost.__getitem__, default=None)  # run._finish: the cheapest certified
+    costliest = sorted(order, key=lambda c: c.cost.key(), reverse=True)
+    alt = [t.name for t in fixed_sequence([c.scheme for c in costliest], measure, TOL) if t.certified]
     target = TARGET.get(scenario)
     fallback = [c.scheme for c in order if c.base == REFERENCE]
     return {
@@ -212,8 +215,8 @@ def replicate(rng: np.random.Generator, n: int, noise: str, scenario: str) -> di
         "offered_false": sum(truth[c.scheme] >= TOL for c in order),
         "answer_false": answer is not None and truth[answer] >= TOL,
         "any_false": any(truth[s] >= TOL for s in certified),
-        "naive_false": bool(order) and truth[order[-1].scheme] >= TOL,
-        "naive_any_false": any(truth[c.scheme] >= TOL for c in order),
+        "naive_false": naive is not None and truth[naive.scheme] >= TOL,
+        "naive_any_false": any(truth[c.scheme] >= TOL for c in candidates if certifies(c.search, TOL)),
         "certified_any": answer is not None,
         "target_offered": target in {c.scheme for c in order},
         "target_tested": target in {t.name for t in tests},
@@ -345,7 +348,7 @@ def page(result: dict, command: str) -> str:
         "",
         "## (i) Null: eight rungs exactly at the tolerance, a fallback crossing it at k*",
         "",
-        "offered: recipes whose search interval lies below the tolerance (the fixed sequence's order), of which "
+        "offered: recipes whose search estimate lies below the tolerance (the fixed sequence's order), of which "
         "truly at or above it; *answer false*: the audit's answer has a true change >= 1%; *any false*: some "
         "certified recipe has; *naive*: the cheapest offered recipe certified on the search set's own interval.",
         "",
@@ -361,8 +364,8 @@ def page(result: dict, command: str) -> str:
             f"{_p(r['naive_false'], r['reps'])} | {_p(r['naive_any_false'], r['reps'])} | {r['certified_any']:.3f} |"
         )
     for scenario, where in (
-        ("power-first", "weight-only INT8, the costliest rung: first in the fixed sequence"),
-        ("power-after", "`w8a8-int8-dynamic:rotate=online`, a W8A8 rung: after the fallback's recipe in the sequence"),
+        ("power-first", "weight-only INT8, the costliest rung"),
+        ("power-after", "`w8a8-int8-dynamic:rotate=online`, a W8A8 rung cheaper than the fallback's recipe"),
     ):
         lines += [
             "",
@@ -370,7 +373,7 @@ def page(result: dict, command: str) -> str:
             "",
             "offered / tested / certified / answer: the half-tolerance recipe passed the search, was reached by "
             "the fixed sequence, was certified, is the audit's answer; *alt. order*: certified when the sequence "
-            "runs most-confident-on-search first (lowest upper end) instead of costliest first.",
+            "runs costliest first (the audit's earlier order) instead of most confident on the search set first.",
             "",
             "| noise | passages | reps | offered | tested | certified (power) | answer | alt. order: certified | "
             "answer false | alt. order: any false |",
@@ -409,30 +412,31 @@ def reading(result: dict) -> list[str]:
     out = [
         f"- **False certification across a whole search**: at most {_p(worst['answer_false'], worst['reps'])} "
         f"for the answer ({worst['noise']}, {worst['n']} passages) and {_p(worst_any['any_false'], worst_any['reps'])}"
-        f" for any certified recipe ({worst_any['noise']}, {worst_any['n']}), against the 5% criterion. A recipe at "
-        "the tolerance must pass two independent one-sided tests (its search interval, to be offered; its "
-        "held-out interval, to be certified), so the whole search's rate is far below the 2.5% one test allows; "
-        "the held-out test alone is what the guarantee rests on, and its size at the tolerance is at most "
-        f"{_p(size['rate'], size['reps'])} ({size['noise']}, {size['n']} passages; nominal 2.5%).",
+        f" for any certified recipe ({worst_any['noise']}, {worst_any['n']}), against the 5% criterion. A recipe "
+        "enters the fixed sequence when its search estimate lies below the tolerance, and is certified only by its "
+        "held-out interval; the sequence stops at the first failure, so the whole search's rate is at most the size "
+        f"of one held-out test, at most {_p(size['rate'], size['reps'])} at the tolerance ({size['noise']}, "
+        f"{size['n']} passages; nominal 2.5%).",
         f"- **Naive** (the cheapest recipe certified on the search set's own interval): up to "
         f"{_p(naive['naive_false'], naive['reps'])} false ({naive['noise']}, {naive['n']}): each of the eight rungs "
         "at the tolerance passes the search documents' one-sided test with that test's size, and the fallback's "
         f"bisection offers a recipe at or above the tolerance in {naive['fallback_false']:.3f} of replicates (it "
         "offers the fewest sites whose interval passes, k* or fewer when the noise favours them). The held-out "
         "fixed sequence removes nearly all of it.",
-        "- **Power at half the tolerance, tested first** (`power-first`): certified "
+        "- **Power at half the tolerance, weight-only INT8** (`power-first`): certified "
         + "; ".join(f"{noise}: {_rates(rs, 'target_certified')}" for noise, rs in first.items())
-        + " passages. It must pass both sets (offered, then certified), so the power is about the square of one "
-        "test's; heavier-tailed damage (spikes) widens the interval and costs most.",
+        + " passages. Its search estimate is below the tolerance nearly always, so the power is about that of one "
+        "held-out test; heavier-tailed damage (spikes) widens the interval and costs most.",
         "- **Power when the half-tolerance recipe is cheaper than the fallback's** (`power-after`, normal): "
         + ", ".join(f"{r['target_certified']:.2f} at {r['n']}" for r in after)
         + " passages, against "
         + ", ".join(f"{r['alt_target_certified']:.2f}" for r in after)
-        + " with the sequence ordered most-confident-on-search first. The fallback's recipe is offered in "
+        + " with the earlier order (costliest first). The fallback's recipe is offered in "
         f"{fb['fallback_offered']:.2f} of replicates, with a true change of {100 * fb['fallback_true']:.2f}% on "
         f"average (the fewest sites whose search interval just passes: close to the tolerance), and is certified "
-        f"in only {fb['fallback_certified']:.2f}; ordered costliest first it is tested before every W8A8 rung, and "
-        "its failure ends the sequence before the better, cheaper recipe is read.",
+        f"in {fb['fallback_certified']:.2f}; costliest first, it was tested before every W8A8 rung and its failure "
+        "ended the sequence; most confident first, its upper end (near the tolerance) puts it after the recipe at "
+        "half the tolerance.",
     ]
     return out
 
