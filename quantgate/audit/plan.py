@@ -20,7 +20,8 @@ MIN_UNITS = {"text": 9, "backcopy": 1, "mlm": 1}  # the fewest that give a verdi
 RATIO = 2.0  # a simulated scheme's scoring over the float model's, until one is measured (1.4-2.5 here)
 FALLBACK_TRIES = 10  # scorings of the search set a fallback's bisection takes (log2 of 210 sites, and its ends)
 CERTIFY = 3  # recipes the certificate may test in turn
-RANKING_TOKENS = 256  # tokens each site is ranked on (search.RANKING_SEQUENCES of 128)
+RANKING_TOKENS = 2048  # tokens the sites are ranked on (search.RANKING_SEQUENCES of 128)
+RANKING_PASSES = 4  # the gradient ranking's cost in forward passes: one with every site quantized beside, a backward
 
 
 def parse_budget(text: str | float | int) -> float:
@@ -95,7 +96,7 @@ def measure(model: nn.Module, length: int) -> Speed:
         model.train(was)
 
 
-def size(kind: str, speed: Speed, tokens_per_unit: float, sites: int, rungs: int, budget_s: float, spent: float,
+def size(kind: str, speed: Speed, tokens_per_unit: float, rungs: int, budget_s: float, spent: float,
          units: int | None = None) -> int:  # fmt: skip
     """The most units (passages, or batches) each document set may hold for the search, one fallback and the
     certificate to fit the budget (``units`` where given); refuses a budget in which the fewest that give a
@@ -104,7 +105,7 @@ def size(kind: str, speed: Speed, tokens_per_unit: float, sites: int, rungs: int
     def total(n: int) -> float:
         tokens = n * tokens_per_unit
         search = tokens * speed.per_token_s * (1 + RATIO * (rungs + FALLBACK_TRIES))
-        ranking = sites * RANKING_TOKENS * speed.per_token_s * RATIO
+        ranking = RANKING_TOKENS * speed.per_token_s * RANKING_PASSES
         certify = tokens * speed.per_token_fp32_s * (1 + RATIO * CERTIFY)
         return spent + search + ranking + certify
 

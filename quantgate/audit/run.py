@@ -33,7 +33,18 @@ from ..stats import Delta, paired_delta, paired_difference
 from ..study.grid import DataSettings
 from . import page
 from .documents import DocSet
-from .plan import CERTIFY, RANKING_TOKENS, RATIO, SAFETY, Speed, measure, parse_budget, parse_within, size
+from .plan import (
+    CERTIFY,
+    RANKING_PASSES,
+    RANKING_TOKENS,
+    RATIO,
+    SAFETY,
+    Speed,
+    measure,
+    parse_budget,
+    parse_within,
+    size,
+)
 from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint
 from .search import LADDER, REFERENCE, SERVE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy, serves
 from .sites import can_fall_back
@@ -43,7 +54,7 @@ __all__ = ["audit", "Audit"]
 
 log = logging.getLogger("quantgate")
 
-RANKING = "revert-one"  # how the fallback ranks sites: the exhaustive ranking (the others are for comparison)
+RANKING = "gradient"  # how the fallback ranks sites (benchmarks/site_ranking.py: 0.99 of the exhaustive top-10 cost)
 CURVE = (0.01, 0.02, 0.05)  # the tolerances of the static-INT8 curve (fewest sites kept)
 
 
@@ -229,8 +240,7 @@ def _sets(m: Model, speed: Speed, ladder: list[Rung], clock: Clock, docs: int | 
     """The search and held-out sets, sized to the budget (:func:`~.plan.size`)."""
     probe = DocSet(m.kind, "search", 18 if m.kind == "text" else 1)
     per_unit = probe.tokens(m.tok) / probe.n
-    sites = sum(isinstance(x, nn.Linear) for x in m.float_model.modules())
-    n = size(m.kind, speed, per_unit, sites, len(ladder), clock.budget_s, clock.spent(), docs)
+    n = size(m.kind, speed, per_unit, len(ladder), clock.budget_s, clock.spent(), docs)
     return DocSet(m.kind, "search", n), DocSet(m.kind, "held-out", n)
 
 
@@ -286,11 +296,10 @@ def _chosen(f: Fallback, tolerance: float) -> set[int]:
 
 
 def _fallback_s(m: Model, speed: Speed) -> float:
-    """Seconds a fallback needs at the least: ranking every Linear, and three scorings of the search set."""
+    """Seconds a fallback needs at the least: ranking the sites, and three scorings of the search set."""
     assert m.search is not None
-    linears = sum(isinstance(x, nn.Linear) for x in m.float_model.modules())
     score = m.search.docs.tokens(m.tok) * speed.per_token_s * RATIO
-    return linears * RANKING_TOKENS * speed.per_token_s * RATIO + 3 * score
+    return RANKING_TOKENS * speed.per_token_s * RANKING_PASSES + 3 * score
 
 
 def _fallbacks(main: Model, candidates: list[Candidate], tolerance: float, clock: Clock, reserve: float, bar,

@@ -75,7 +75,7 @@ LADDER: tuple[Rung, ...] = (
 )
 REFERENCE = LADDER[0].scheme  # the question: per-tensor static INT8
 WORK = {"static": 0, "token": 1, "rotation": 2}  # run-time work of the activation ranges, least first
-RANKING_SEQUENCES = 2  # sequences (of the calibration length, 128 tokens) each site is ranked on
+RANKING_SEQUENCES = 16  # sequences (of the calibration length, 128 tokens) each site is ranked on
 
 
 SERVE = ("any", "vllm-cpu")  # where the recipe will run: any engine, or vLLM on a CPU (its kernels, below)
