@@ -192,8 +192,8 @@ def replicate(rng: np.random.Generator, n: int, noise: str, scenario: str) -> di
             truth[c.scheme] = fallback_change(k, kstar)
             candidates.append(c)
     family = {c.scheme: (SCHEMES.index(c.scheme) if c.scheme in SCHEMES else FALLBACK) for c in candidates}
-    order = [c for c in candidates if c.search.value < TOL]  # run._certify
-    order.sort(key=lambda c: c.search.high if c.search.high is not None else 1.0)
+    order = [c for c in candidates if c.search is not None and c.search.value < TOL]  # run._certify
+    order.sort(key=lambda c: c.search.high if c.search is not None and c.search.high is not None else 1.0)
     naive = min((c for c in candidates if certifies(c.search, TOL)), key=lambda c: c.cost.key(), default=None)
     held_deltas: dict[str, Delta] = {}
 

@@ -31,6 +31,7 @@ import math
 import torch
 
 from ..errors import InputError
+from . import fused
 from .minifloat import fake_minifloat, fake_mx, nvfp4
 
 try:
@@ -99,6 +100,15 @@ def int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) 
 
 
 def fake_int(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """:func:`fake_int_reference`'s values, in one pass where the fused kernels serve (:mod:`.fused`)."""
+    qmin, qmax = int_grid(bits, symmetric)
+    y = fused.fake_int(x, scale.float(), torch.round(zero.float()), qmin, qmax)
+    return fake_int_reference(x, scale, zero, bits, symmetric) if y is None else y
+
+
+def fake_int_reference(
+    x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool
+) -> torch.Tensor:
     """Round trip of ``x`` through the b-bit grid, ``(clamp(round(x * (1 / s)) + z, qmin, qmax) - z) * s`` in
     float32 (rounding half to even), back in ``x``'s dtype. ``scale`` and ``zero`` hold one value, one per channel
     of the last dim (shape (C,) or (..., C)), or one per row of it (shape x.shape[:-1] + (1,)).

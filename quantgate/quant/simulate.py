@@ -106,6 +106,7 @@ from ..errors import InputError
 from ..models.families import config_of, family_of, find_submodule, is_norm
 from ..models.record import record_of, set_record
 from ..models.swap import attention_modules
+from . import fused
 from .heap import trim
 from .mitigate import Calibrate, mitigate, needed
 from .quantizers import RangeObserver, fake_quant, qparams, quantize_weight, quantize_weight_qparams
@@ -192,7 +193,8 @@ class ActQuant(nn.Module):
         grid = None
         if self.spec.dynamic and self.spec.granularity == "token":
             xd = x.detach()  # amin and amax: aminmax(dim=) took 3-9x their time on this CPU
-            lo, hi = xd.amin(dim=-1, keepdim=True), xd.amax(dim=-1, keepdim=True)
+            rows = fused.minmax_rows(xd)
+            lo, hi = rows if rows is not None else (xd.amin(dim=-1, keepdim=True), xd.amax(dim=-1, keepdim=True))
         elif self.spec.dynamic:
             lo, hi = (t.reshape((1,) * x.dim()) for t in torch.aminmax(x.detach()))
         else:

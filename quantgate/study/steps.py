@@ -488,7 +488,8 @@ def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
     return {"observe": CellObserve.of(report.summary, report.layers).to_json()}
 
 
-ROLLING_TASKS = ("quantgate_passages", "quantgate_ppl")  # perplexity over passages or whole documents, read in windows of max_length tokens
+# perplexity over passages or whole documents, read in windows of max_length tokens
+ROLLING_TASKS = ("quantgate_passages", "quantgate_ppl")
 
 
 def _eval_settings(m: ModelSpec) -> EvalSettings:
