@@ -10,8 +10,8 @@ every whole-model rung of :data:`quantgate.audit.search.LADDER` is measured on a
 :func:`quantgate.stats.paired_delta` (works resampled) and costed with ``scheme_bits``; static INT8 (which never
 passes) gets a per-site fallback, bisected by :meth:`quantgate.audit.search.Fallback.fewest` at the tolerance and
 then at ``quantgate.audit.run.CURVE`` as the audit does, its offered recipe picked by ``quantgate.audit.run._chosen``
-and costed by ``Search.cost_of``; the recipes whose search estimate lies below the tolerance enter, ordered most
-confident first (the lowest upper end of the search interval), and are tested on a HELD-OUT set with
+and costed by ``Search.cost_of``; the recipes whose search estimate lies below the tolerance enter, whole-model ones
+first, most confident first (the lowest upper end of the search interval), then the fallback's, and are tested on a HELD-OUT set with
 :func:`quantgate.certify.fixed_sequence`; the answer is the cheapest certified (``Cost.key``: what
 ``quantgate.audit.run._certify`` and ``_finish`` do: those two need a model, so their lines of selection are
 repeated here). Only the model and the scoring are simulated.
@@ -193,7 +193,7 @@ def replicate(rng: np.random.Generator, n: int, noise: str, scenario: str) -> di
             candidates.append(c)
     family = {c.scheme: (SCHEMES.index(c.scheme) if c.scheme in SCHEMES else FALLBACK) for c in candidates}
     order = [c for c in candidates if c.search is not None and c.search.value < TOL]  # run._certify
-    order.sort(key=lambda c: c.search.high if c.search is not None and c.search.high is not None else 1.0)
+    order.sort(key=lambda c: (bool(c.kept), c.search.high if c.search and c.search.high is not None else 1.0))
     naive = min((c for c in candidates if certifies(c.search, TOL)), key=lambda c: c.cost.key(), default=None)
     held_deltas: dict[str, Delta] = {}
 

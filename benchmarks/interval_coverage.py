@@ -79,8 +79,9 @@ def synthetic(lengths: str, effect: str, clustered: bool):
 def resampled(scheme: str, by_work: bool):
     """A sampler of n documents from the main job's SmolLM2 cell under ``scheme``, and the population's truth."""
     cell = next(c for c in json.loads(MAIN_JOB.read_text())["cells"] if c["model"] == "smollm2-135m")
-    f = cell["float_documents"]["quantgate_ppl"]
-    q = cell["schemes"][scheme]["documents"]["quantgate_ppl"]
+    task = next(t for t in ("quantgate_passages", "quantgate_ppl") if t in cell["float_documents"])
+    f = cell["float_documents"][task]
+    q = cell["schemes"][scheme]["documents"][task]
     words = np.asarray(f["words"], dtype=np.float64)
     d = (np.asarray(f["loglikelihood"]) - np.asarray(q["loglikelihood"])) / words
     works = np.asarray(f["works"])

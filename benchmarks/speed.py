@@ -8,9 +8,12 @@
   and 512 tokens, float32 and bfloat16. Target <= 1.2x. Beside it, two floors: the same observe with each
   tensor's statistics left out (its hooks, deduplication and report alone), and with them replaced by one read of
   each tensor (``x.abs().amax()``, one eager pass: the least any statistic costs).
-* ``quant``: a simulated scheme's forward against the float model's on the same batch (8 x 128 random token ids;
-  static schemes calibrated on 2 such batches), small-llama and SmolLM2-135M shapes, float32 and bfloat16.
-  Targets: INT8/FP8 schemes <= 1.25x, FP4/MX <= 2x.
+* ``quant``: a simulated scheme's forward against the float model's on the same sequence (1 x 128 and 1 x 512
+  random token ids; static schemes calibrated on 2 such sequences), random-init models of SmolLM2-135M and
+  Qwen3-0.6B shape, float32 and bfloat16, with the fused quantizer kernels (quantgate/quant/fused.py) and, beside
+  them, on the eager path (``fused.eager()``). Targets: INT8/FP8 schemes <= 1.25x, FP4/MX <= 2x.
+* ``cold``: what the fused kernels cost before the first call: the build in a fresh process with an empty cache,
+  and the load of the built library in another fresh process.
 
 Each side takes one turn per round, round after round (benchmarks/roundrobin.py), after one untimed round; a
 table cell is the median per-round ratio with its interquartile range, so a machine that slows down for a while
@@ -21,10 +24,13 @@ benchmarks/inplace_memory.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +40,7 @@ from roundrobin import ratio, round_robin
 import quantgate as qg
 from quantgate.models import build
 from quantgate.models.families import config_of
+from quantgate.quant import fused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INT8_FP8 = ["w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-int8-dynamic", "w8a8-fp8-e4m3"]
@@ -99,40 +106,64 @@ def observe_table(models: list[str], tokens: list[int], dtypes: list[str], round
     return lines
 
 
-def quant_table(models: list[str], schemes: list[str], dtypes: list[str], rounds: int) -> list[str]:
-    lines = ["## simulated scheme / float forward", "", "| model, dtype, scheme | x float | target |", "|---|---|---|"]
+def quant_table(models: list[str], schemes: list[str], dtypes: list[str], tokens: list[int], rounds: int) -> list[str]:
+    head = "| model, dtype, tokens, scheme | x float (fused) | target | x float (eager) |"
+    lines = [f"## simulated scheme / float forward (fused kernels: {fused.status()})", "", head, "|---|---|---|---|"]
     for name in models:
         for dtype in dtypes:
             torch.manual_seed(0)
             model = build(name, dtype=DTYPES[dtype]).eval()
             vocab = config_of(model).vocab_size
-            batch = {"input_ids": torch.randint(5, vocab, (8, 128))}
-            calib = [{"input_ids": torch.randint(5, vocab, (8, 128))} for _ in range(2)]
-            sides = {"float": model}
-            for scheme in schemes:
-                needs = qg.quant.get_scheme(scheme).needs_calibration
-                options: dict[str, Any] = {"calib": 2} if needs else {}
-                sides[scheme] = qg.quantize(model, scheme, calibration=calib, **options)
+            for n in tokens:
+                batch = {"input_ids": torch.randint(5, vocab, (1, n))}
+                calib = [{"input_ids": torch.randint(5, vocab, (1, n))} for _ in range(2)]
+                models_of: dict[str, torch.nn.Module] = {"float": model}
+                for scheme in schemes:
+                    needs = qg.quant.get_scheme(scheme).needs_calibration
+                    options: dict[str, Any] = {"calib": 2} if needs else {}
+                    models_of[scheme] = qg.quantize(model, scheme, calibration=calib, **options)
 
-            def run(m, batch=batch):
-                def call(i: int) -> None:
-                    with torch.no_grad():
-                        m(**batch)
+                def run(m, eager: bool = False, batch=batch) -> Callable[[int], None]:
+                    def call(i: int) -> None:
+                        with torch.no_grad(), fused.eager() if eager else contextlib.nullcontext():
+                            m(**batch)
 
-                return call
+                    return call
 
-            times = round_robin({k: run(m) for k, m in sides.items()}, rounds)
-            for scheme in schemes:
-                lines.append(_row(f"{name}, {dtype}, {scheme}", ratio(times, scheme, "float"), TARGET[scheme]))
-                print(lines[-1], file=sys.stderr, flush=True)
-            del model, sides
+                sides = {k: run(m) for k, m in models_of.items()}
+                sides.update({f"{k} eager": run(m, eager=True) for k, m in models_of.items() if k != "float"})
+                times = round_robin(sides, rounds)
+                for scheme in schemes:
+                    row = _row(f"{name}, {dtype}, {n}, {scheme}", ratio(times, scheme, "float"), TARGET[scheme])
+                    lines.append(f"{row} {ratio(times, f'{scheme} eager', 'float')} |")
+                    print(lines[-1], file=sys.stderr, flush=True)
+                del models_of, sides
+            del model
+    return lines
+
+
+COLD = "import time; t = time.perf_counter(); from quantgate.quant import fused; s = fused.status(); "
+COLD += "print(f'{time.perf_counter() - t:.1f}', s)"
+
+
+def cold_table() -> list[str]:
+    """The fused kernels' build in a fresh process with an empty cache, then their load in another."""
+    lines = ["## the fused kernels before their first call", "", "| process | seconds | status |", "|---|---|---|"]
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "QUANTGATE_CACHE": cache}
+        env.pop("QUANTGATE_COMPILE", None)
+        for label in ("first (empty cache: build)", "second (built: load)"):
+            out = subprocess.run([sys.executable, "-c", COLD], env=env, capture_output=True, text=True, check=True)
+            seconds, status = out.stdout.strip().split(" ", 1)
+            lines.append(f"| {label} | {seconds} | {status} |")
+            print(lines[-1], file=sys.stderr, flush=True)
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["observe", "quant"], choices=["observe", "quant"])
-    ap.add_argument("--models", nargs="+", help="observe: smollm2-135m qwen3-0.6b; quant: small-llama smollm2-135m")
+    ap.add_argument("--parts", nargs="+", default=["observe", "quant", "cold"], choices=["observe", "quant", "cold"])
+    ap.add_argument("--models", nargs="+", help="default: smollm2-135m qwen3-0.6b")
     ap.add_argument("--tokens", nargs="+", type=int, default=[128, 512])
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--schemes", nargs="+", default=INT8_FP8 + FP4_MX, choices=INT8_FP8 + FP4_MX)
@@ -151,7 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         out += observe_table(args.models or ["smollm2-135m", "qwen3-0.6b"], args.tokens, args.dtypes, args.rounds)
         out.append("")
     if "quant" in args.parts:
-        out += quant_table(args.models or ["small-llama", "smollm2-135m"], args.schemes, args.dtypes, args.rounds)
+        out += quant_table(
+            args.models or ["smollm2-135m", "qwen3-0.6b"], args.schemes, args.dtypes, args.tokens, args.rounds
+        )
+        out.append("")
+    if "cold" in args.parts:
+        out += cold_table()
     print("\n".join(out))
 
 

@@ -58,7 +58,8 @@ def test_ratio_is_the_median_of_per_round_ratios_with_its_quartiles():
         (
             "speed.py",
             [
-                *("--models", "tiny-llama", "--tokens", "16", "--dtypes", "float32", "--rounds", "2"),
+                *("--parts", "observe", "quant", "--models", "tiny-llama", "--tokens", "16"),
+                *("--dtypes", "float32", "--rounds", "2"),
                 *("--schemes", "w8a8-int8-static", "w4a4-nvfp4"),
             ],
         ),

@@ -173,32 +173,32 @@ def _report_error(run: Path, capsys) -> str:
 
 def _set_ppl(value):
     def edit(data):
-        data["cells"][0]["float"]["quantgate_ppl"]["word_perplexity"] = value
+        data["cells"][0]["float"]["quantgate_passages"]["word_perplexity"] = value
 
     return edit
 
 
 def test_report_refuses_negative_perplexity(tmp_path, capsys):
     err = _report_error(_run_copy(tmp_path, _set_ppl(-5)), capsys)
-    assert "cells[0].float.quantgate_ppl.word_perplexity" in err and "-5" in err, err
+    assert "cells[0].float.quantgate_passages.word_perplexity" in err and "-5" in err, err
 
 
 def test_report_refuses_text_perplexity(tmp_path, capsys):
     err = _report_error(_run_copy(tmp_path, _set_ppl("abc")), capsys)
-    assert "cells[0].float.quantgate_ppl.word_perplexity" in err and "'abc'" in err, err
+    assert "cells[0].float.quantgate_passages.word_perplexity" in err and "'abc'" in err, err
 
 
 def test_report_refuses_nan_perplexity(tmp_path, capsys):
     err = _report_error(_run_copy(tmp_path, _set_ppl(math.nan)), capsys)
-    assert "cells[0].float.quantgate_ppl.word_perplexity" in err and "nan" in err, err
+    assert "cells[0].float.quantgate_passages.word_perplexity" in err and "nan" in err, err
 
 
 def test_report_refuses_negative_bits_per_byte(tmp_path, capsys):
     def edit(data):
-        data["cells"][0]["schemes"]["w8a8-int8-static"]["results"]["quantgate_ppl"]["bits_per_byte"] = -0.5
+        data["cells"][0]["schemes"]["w8a8-int8-static"]["results"]["quantgate_passages"]["bits_per_byte"] = -0.5
 
     err = _report_error(_run_copy(tmp_path, edit), capsys)
-    assert "cells[0].schemes.w8a8-int8-static.results.quantgate_ppl.bits_per_byte" in err, err
+    assert "cells[0].schemes.w8a8-int8-static.results.quantgate_passages.bits_per_byte" in err, err
 
 
 def test_report_refuses_accuracy_out_of_range(tmp_path, capsys):
@@ -211,12 +211,12 @@ def test_report_refuses_accuracy_out_of_range(tmp_path, capsys):
 
 def test_report_refuses_inconsistent_per_document_values(tmp_path, capsys):
     def every_column(data):  # the edit: every per-document list replaced by [-1.0]
-        docs = data["cells"][0]["schemes"]["w8a8-int8-static"]["documents"]["quantgate_ppl"]
+        docs = data["cells"][0]["schemes"]["w8a8-int8-static"]["documents"]["quantgate_passages"]
         for column in docs:
             docs[column] = [-1.0]
 
     err = _report_error(_run_copy(tmp_path, every_column), capsys)
-    assert "cells[0].schemes.w8a8-int8-static.documents.quantgate_ppl." in err, err
+    assert "cells[0].schemes.w8a8-int8-static.documents.quantgate_passages." in err, err
 
     def scaled(data):  # well-formed values that are not those the headline was computed from
         docs = data["cells"][2]["float_documents"]["quantgate_backcopy"]

@@ -245,22 +245,22 @@ COMMITTED_RUNS = sorted(
 )
 
 
-def test_the_main_jobs_smollm2_numbers_rest_on_24_documents_from_9_works_resampled_by_work():
-    """The committed main job (results/quickstart): every SmolLM2 evaluation reads the same 24 whole test
-    documents from 9 works, which metrics.json names with each text's hash; its intervals resample the works."""
-    from quantgate.data.corpus import corpus, in_turn, text_hash
+def test_the_main_jobs_smollm2_numbers_rest_on_253_passages_from_9_works_resampled_by_work():
+    """The committed main job (results/quickstart): every SmolLM2 evaluation reads the same 253 test passages, taken
+    in turn from the 9 works, which metrics.json names with each text's hash; its intervals resample the works."""
+    from quantgate.data.corpus import passages, text_hash
 
     metrics = read_metrics(ROOT / "results" / "quickstart")
     smol = next(c for c in metrics.cells if c.model == "smollm2-135m")
-    docs = smol.float_documents["quantgate_ppl"]
-    texts = in_turn(corpus("test"))
-    assert len(docs["ids"]) == 24 and len(set(docs["works"])) == 9
+    docs = smol.float_documents["quantgate_passages"]
+    texts = passages("test")
+    assert len(docs["ids"]) == 253 and len(set(docs["works"])) == 9
     assert docs["hashes"] == [text_hash(texts[int(i)].text) for i in docs["ids"]]
     assert docs["works"] == [texts[int(i)].work for i in docs["ids"]]
     for scheme, record in smol.schemes.items():
-        assert record.documents["quantgate_ppl"]["hashes"] == docs["hashes"], scheme
+        assert record.documents["quantgate_passages"]["hashes"] == docs["hashes"], scheme
         change = ppl_change(smol, scheme)
-        assert change is not None and "over 24 documents in 9 works" in change.method and change.clusters == 9
+        assert change is not None and "over 253 documents in 9 works" in change.method and change.clusters == 9
 
 
 @pytest.mark.parametrize("run", COMMITTED_RUNS, ids=lambda p: str(p.relative_to(ROOT / "results")))

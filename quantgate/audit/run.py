@@ -338,11 +338,14 @@ def _certify_reserve(m: Model, held: DocSet, speed: Speed) -> float:
 def _certify(m: Model, found: Found, held: DocSet, tolerance: float, serve: str) -> list[Test]:
     """Fixed-sequence certification (:func:`~quantgate.certify.fixed_sequence`) of the recipes whose change on the
     search set is below the tolerance (the estimate: the held-out test alone carries the guarantee, and a stricter
-    entry only costs power, benchmarks/certify_rate.py), most confident there first (the lowest upper end: the
-    order is fixed by the search's documents alone), on the held-out set in float32."""
+    entry only costs power, benchmarks/certify_rate.py), on the held-out set in float32. The order is fixed by the
+    search's documents alone: whole-model recipes first, most confident there first (the lowest upper end), then
+    the per-site fallbacks. A fallback's bisection picks the fewest sites whose search interval just passes, so
+    that interval is the most favourable of those it read and says less of the held-out change than a whole-model
+    recipe's: tested first, its failure would end the sequence before a sounder recipe is read."""
     order = [c for c in found.candidates if c.search is not None and c.search.value < tolerance]
     order = [c for c in order if serves(c.scheme, serve)]
-    order.sort(key=lambda c: c.search.high if c.search is not None and c.search.high is not None else 1.0)
+    order.sort(key=lambda c: (bool(c.kept), c.search.high if c.search and c.search.high is not None else 1.0))
     if not order:
         return []
     float32 = copy.deepcopy(m.float_model).float()

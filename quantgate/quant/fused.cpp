@@ -15,19 +15,50 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 
 namespace {
 
 constexpr int64_t kGrain = 16;  // rows per parallel task at the least
 
+// The float value of an element (exact for every dtype served).
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) {
+  uint32_t u = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+
+// float to the element dtype, rounding to nearest even (c10's conversions; bfloat16 written out so that the loop
+// vectorises: NaN becomes the canonical quiet NaN, as c10 makes it).
+inline float narrow(float f, float*) { return f; }
+inline c10::BFloat16 narrow(float f, c10::BFloat16*) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t bits = f != f ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16(bits, c10::BFloat16::from_bits());
+}
+inline c10::Half narrow(float f, c10::Half*) { return static_cast<c10::Half>(f); }
+
+// Round half to even, as torch.round (nearbyint in the default rounding mode): below 2^23 in magnitude, adding and
+// taking off 2^23 rounds the fraction away in float32 arithmetic; at or above it a float is already whole.
+inline float round_even(float v) {
+  const float a = std::fabs(v);
+  return a < 8388608.0f ? std::copysign((a + 8388608.0f) - 8388608.0f, v) : v;
+}
+
 // One row's min and max; NaN wherever the row holds one (as torch.amin / amax give).
 template <typename T>
 void row_minmax(const T* x, int64_t n, float* lo, float* hi) {
   float mn = std::numeric_limits<float>::infinity(), mx = -std::numeric_limits<float>::infinity();
-  bool nan = false;
+  int nan = 0;
+#pragma omp simd reduction(min : mn) reduction(max : mx) reduction(| : nan)
   for (int64_t j = 0; j < n; ++j) {
-    const float v = static_cast<float>(x[j]);
+    const float v = widen(x[j]);
     nan |= v != v;
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
@@ -77,16 +108,18 @@ at::Tensor fake_int_impl(const at::Tensor& x, const at::Tensor& scale, const at:
       const T* xr = px + i * n;
       T* yr = py + i * n;
       if (mode == 2) {
+#pragma omp simd
         for (int64_t j = 0; j < n; ++j) {
-          const float q = clamp_keep_nan(std::nearbyint(static_cast<float>(xr[j]) * pr[j]), fmin - pz[j], fmax - pz[j]);
-          yr[j] = static_cast<T>(q * ps[j]);
+          const float q = clamp_keep_nan(round_even(widen(xr[j]) * pr[j]), fmin - pz[j], fmax - pz[j]);
+          yr[j] = narrow(q * ps[j], static_cast<T*>(nullptr));
         }
       } else {
         const int64_t k = mode == 1 ? i : 0;
         const float s = ps[k], r = pr[k], lo = fmin - pz[k], hi = fmax - pz[k];
+#pragma omp simd
         for (int64_t j = 0; j < n; ++j) {
-          const float q = clamp_keep_nan(std::nearbyint(static_cast<float>(xr[j]) * r), lo, hi);
-          yr[j] = static_cast<T>(q * s);
+          const float q = clamp_keep_nan(round_even(widen(xr[j]) * r), lo, hi);
+          yr[j] = narrow(q * s, static_cast<T*>(nullptr));
         }
       }
     }
