@@ -9,9 +9,10 @@ Each replicate runs the audit's whole procedure on simulated per-passage scores,
 every whole-model rung of :data:`quantgate.audit.search.LADDER` is measured on a SEARCH set with
 :func:`quantgate.stats.paired_delta` (works resampled) and costed with ``scheme_bits``; static INT8 (which never
 passes) gets a per-site fallback, bisected by :meth:`quantgate.audit.search.Fallback.fewest` at the tolerance and
-then at ``quantgate.audit.run.CURVE`` as the audit does, its offered recipe picked by ``quantgate.audit.run._chosen``
-and costed by ``Search.cost_of``; the recipes whose search estimate lies below the tolerance enter, whole-model ones
-first, most confident first (the lowest upper end of the search interval), then the fallback's, and are tested on a HELD-OUT set with
+at half of it (``quantgate.audit.run.OFFERED``), then at ``quantgate.audit.run.CURVE`` as the audit does, its
+offered recipes picked by ``quantgate.audit.run._chosen`` and costed by ``Search.cost_of``; the recipes whose search
+estimate lies below the tolerance enter, whole-model ones first, most confident first (the lowest upper end of the
+search interval), then the fallback's, and are tested on a HELD-OUT set with
 :func:`quantgate.certify.fixed_sequence`; the answer is the cheapest certified (``Cost.key``: what
 ``quantgate.audit.run._certify`` and ``_finish`` do: those two need a model, so their lines of selection are
 repeated here). Only the model and the scoring are simulated.
@@ -50,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch.nn as nn
 
-from quantgate.audit.run import CURVE, _chosen
+from quantgate.audit.run import CURVE, OFFERED, _chosen
 from quantgate.audit.search import LADDER, REFERENCE, Candidate, Cost, Fallback, Search, scheme_bits
 from quantgate.audit.sites import Sites
 from quantgate.certify import certifies, fixed_sequence
@@ -184,7 +185,8 @@ def replicate(rng: np.random.Generator, n: int, noise: str, scenario: str) -> di
     reference = next(c for c in candidates if c.scheme == REFERENCE)
     if not certifies(reference.search, TOL):  # run._fallbacks: static INT8's fallback, then its curve
         f = Fallback(REFERENCE, sites, list(sites.names), {}, "simulated")
-        f.fewest(sim, TOL, math.inf)
+        for share in OFFERED:
+            f.fewest(sim, TOL * share, math.inf)
         for tol in CURVE:
             f.fewest(sim, tol, math.inf)
         for k in sorted(_chosen(f, TOL)):

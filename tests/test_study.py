@@ -133,7 +133,10 @@ def test_bad_study_files_are_rejected_before_any_work(tmp_path):
     bad("name: x\nmodels:\n  - preset: tiny-lama\n", "bad.yaml:3: unknown preset 'tiny-lama'; valid: tiny-bert")
     bad(base + "variants: [vanilla, g1-magic]\n", "bad.yaml:4: unknown attention variant 'g1-magic'; valid: vanilla")
     bad(base + "schemes:\n  - w8a8-int8-static\n  - w9\n", "bad.yaml:6: unknown quantization scheme 'w9'")
-    bad(base + "eval:\n  tasks: [quantgate_pppl]\n", "unknown task 'quantgate_pppl'; bundled: quantgate_passages, quantgate_ppl")
+    bad(
+        base + "eval:\n  tasks: [quantgate_pppl]\n",
+        "unknown task 'quantgate_pppl'; bundled: quantgate_passages, quantgate_ppl",
+    )
     bad(base + "    train: {stepz: 3}\n", "bad.yaml:4: unknown key 'stepz'; valid:")
     bad("name: x\nmodels:\n  - preset: tiny-llama\n    load: smollm2-135m\n", "exactly one of 'preset'")
     bad("name: x\nmodels: []\n", "non-empty 'models' list")
