@@ -10,7 +10,7 @@ from ..certify import Test, certifies
 from ..stats import Delta, format_delta
 from .plan import duration
 from .record import AuditRecord
-from .search import LADDER, REFERENCE, WORK, Candidate, Found
+from .search import LADDER, REFERENCE, WORK, Candidate, Found, serves
 from .target import Target
 
 if TYPE_CHECKING:
@@ -61,8 +61,13 @@ def _recipe_lines(found: Found, tests: list[Test], tolerance: float, record: Aud
                      f"+{tolerance:.2%} on the search documents{tail}."]  # fmt: skip
         else:
             failed = tests[-1] if tests else None
-            why = (f"`{_short(by[failed.name])}` reads {format_delta(failed.delta)} on the held-out documents"
-                   if failed else "the budget left no time for the held-out documents")  # fmt: skip
+            served = [c for c in within if serves(c.scheme, record.serve)]
+            if failed:
+                why = f"`{_short(by[failed.name])}` reads {format_delta(failed.delta)} on the held-out documents"
+            elif not served:
+                why = f"none of those within on the search documents is served by {record.serve} (--serve)"
+            else:
+                why = "the budget left no time for the held-out documents"
             lines = [f"- **Recipe**: none certified: {why}; {len(within)} had a change below +{tolerance:.2%} on the "
                      "search documents; a larger --budget reads more documents."]  # fmt: skip
     runners = [t for t in tests if t.certified and t.name != record.recipe]

@@ -226,7 +226,8 @@ def audit(
     out = claim_output(out, "study", "--out", mark=True, by="quantgate audit", inputs=[focus.folder])
     models = [_load(t, dtype, placement) for t in targets]
     main = models[targets.index(focus)]
-    ladder = ladder if schemes else _runnable(ladder, main.float_model)
+    if not schemes:  # what the model can run and the target serve (static INT8, the question, always)
+        ladder = [r for r in _runnable(ladder, main.float_model) if serves(r.scheme, serve) or r.scheme == REFERENCE]
     speed = measure(main.float_model, 128 if main.kind != "text" else 512)
     sets = _sets(main, speed, ladder, clock, docs)
     ms = (1000 * speed.per_token_s, 1000 * speed.per_token_fp32_s)

@@ -217,6 +217,8 @@ class Fallback:
         """The fewest sites (top of the ranking) to keep for the change on the search documents to lie wholly below
         ``tolerance``, by bisection (assuming more sites kept never hurts); None where not even all of them
         do, or the time ran out first."""
+        if self.found.get(tolerance) is not None:  # bisected before (the curve asks again at the tolerance)
+            return self.found[tolerance]
         lo, hi = 0, len(self.order)  # lo: known not within (the whole-model scheme); hi: within (float)
         self.found[tolerance] = None
         if not self._within(hi, search, tolerance):
