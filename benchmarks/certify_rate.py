@@ -150,6 +150,8 @@ class SimSites(Sites):
 
     def __init__(self) -> None:
         self.names = [f"site{i}" for i in range(SITES)]
+        self.members = {n: [n] for n in self.names}  # one Linear a site
+        self.linears = dict.fromkeys(self.names)
         self.model = nn.Module()
         self.kept = 0
 
@@ -433,12 +435,12 @@ def reading(result: dict) -> list[str]:
         + ", ".join(f"{r['target_certified']:.2f} at {r['n']}" for r in after)
         + " passages, against "
         + ", ".join(f"{r['alt_target_certified']:.2f}" for r in after)
-        + " with the earlier order (costliest first). The fallback's recipe is offered in "
-        f"{fb['fallback_offered']:.2f} of replicates, with a true change of {100 * fb['fallback_true']:.2f}% on "
-        f"average (the fewest sites whose search interval just passes: close to the tolerance), and is certified "
-        f"in {fb['fallback_certified']:.2f}; costliest first, it was tested before every W8A8 rung and its failure "
-        "ended the sequence; most confident first, its upper end (near the tolerance) puts it after the recipe at "
-        "half the tolerance.",
+        + " with the earlier order (costliest first). The fallback's first recipe in the sequence (the fewest sites "
+        f"within half the tolerance, where found) is offered in {fb['fallback_offered']:.2f} of replicates, with a "
+        f"true change of {100 * fb['fallback_true']:.2f}% on average, and is certified in "
+        f"{fb['fallback_certified']:.2f}; costliest first, the fallbacks were tested before every W8A8 rung and a "
+        "failure ended the sequence before the recipe at half the tolerance was read; now whole-model recipes come "
+        "first.",
     ]
     return out
 
