@@ -190,7 +190,8 @@ def test_mlm_tasks_run_on_bert():
 
 def test_bad_input(tiny, monkeypatch):
     tok = qg.tokenizer(tiny)
-    with pytest.raises(ValueError, match="unknown task\\(s\\) quantgate_magic; bundled \\(offline\\): quantgate_ppl"):
+    bundled = "bundled \\(offline\\): quantgate_passages, quantgate_ppl"
+    with pytest.raises(ValueError, match=f"unknown task\\(s\\) quantgate_magic; {bundled}"):
         evaluate(tiny, tok, ["quantgate_magic"])
     with pytest.raises(ValueError, match="the tokenizer has 8192 tokens but the model embeds only 4096"):
         evaluate(qg.build("tiny-llama", vocab_size=4096), tok, ["quantgate_ppl"])
@@ -199,3 +200,17 @@ def test_bad_input(tiny, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(OfflineError, match="wikitext -> quantgate_ppl"):
         evaluate(tiny, tok, ["wikitext"])
+
+
+def test_the_passages_task_reads_passages_in_turn_from_every_work(tiny):
+    """quantgate_passages: the first n passages of the test split, one from each work in turn, each of at most 256
+    words, scored as rolling log-likelihoods whose word perplexity is lm-eval's aggregate of them."""
+    from quantgate.data.corpus import passages, text_hash
+
+    r = evaluate(tiny, qg.tokenizer(tiny), ["quantgate_passages"], limit=9, max_length=64)
+    d = r.documents["quantgate_passages"]
+    first = passages("test")[:9]
+    assert d["hashes"] == [text_hash(p.text) for p in first] and len(set(d["works"])) == 9
+    assert d["words"] == [len(p.text.split()) for p in first] and max(d["words"]) <= 256
+    ppl = math.exp(-sum(d["loglikelihood"]) / sum(d["words"]))
+    assert r.results["quantgate_passages"]["word_perplexity"] == pytest.approx(ppl, rel=1e-9)

@@ -164,6 +164,7 @@ def test_info_no_added_parameters_message(tmp_path, capsys, caplog):
     assert "added 8320 new parameters" in caplog.text
 
 
+@pytest.mark.slow  # 16 s
 def test_no_git_noise_outside_checkout(tmp_path):
     cmd = [sys.executable, "-m", "quantgate.cli", "eval", "tiny-llama", "--limit", "2"]
     run = subprocess.run(

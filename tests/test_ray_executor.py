@@ -88,6 +88,7 @@ def test_the_study_file_names_its_executor_and_resources(study, tmp_path):
         run_study(study, tmp_path / "x", executor="serial", address="ray://nowhere:10001")
 
 
+@pytest.mark.slow  # 38 s: a local Ray started and a study run twice
 def test_a_ray_run_equals_the_serial_run(study, serial, local_ray, tmp_path):
     run = run_study(study, tmp_path / "run")  # executor: ray, from the study file
     assert _numbers(run) == serial
