@@ -151,7 +151,7 @@ class SimSites(Sites):
     def __init__(self) -> None:
         self.names = [f"site{i}" for i in range(SITES)]
         self.members = {n: [n] for n in self.names}  # one Linear a site
-        self.linears = dict.fromkeys(self.names)
+        self.linears = {n: nn.Linear(1, 1) for n in self.names}  # only their names are read
         self.model = nn.Module()
         self.kept = 0
 

@@ -130,7 +130,7 @@ def quant_table(models: list[str], schemes: list[str], dtypes: list[str], tokens
 
                     return call
 
-                sides = {k: run(m) for k, m in models_of.items()}
+                sides: dict[str, Callable[[int], object]] = {k: run(m) for k, m in models_of.items()}
                 sides.update({f"{k} eager": run(m, eager=True) for k, m in models_of.items() if k != "float"})
                 times = round_robin(sides, rounds)
                 for scheme in schemes:
