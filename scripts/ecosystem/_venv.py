@@ -19,7 +19,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -36,6 +36,19 @@ class EcosystemError(RuntimeError):
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def script_exit(main: Callable[[], int]) -> None:
+    """Run a script's ``main`` and exit with its status: 1 with the message on an :class:`EcosystemError`, 130 on an
+    interrupt."""
+    try:
+        sys.exit(main())
+    except EcosystemError as e:
+        log(f"ERROR: {e}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        log("interrupted")
+        sys.exit(130)
 
 
 @dataclass

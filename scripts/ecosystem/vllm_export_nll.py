@@ -58,6 +58,7 @@ from _venv import (
     log,
     main_versions,
     run_in_venv,
+    script_exit,
     write_json,
 )
 
@@ -442,11 +443,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except EcosystemError as ex:
-        log(f"ERROR: {ex}")
-        sys.exit(1)
-    except KeyboardInterrupt:
-        log("interrupted")
-        sys.exit(130)
+    script_exit(main)

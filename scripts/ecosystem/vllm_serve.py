@@ -61,6 +61,7 @@ from _venv import (
     run_in_venv,
     run_main,
     save_float_smollm2,
+    script_exit,
     write_json,
 )
 
@@ -765,11 +766,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except EcosystemError as ex:
-        log(f"ERROR: {ex}")
-        sys.exit(1)
-    except KeyboardInterrupt:
-        log("interrupted")
-        sys.exit(130)
+    script_exit(main)
