@@ -152,12 +152,13 @@ def minmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 def fake_int(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor | None:
-    """The integer round trip of :func:`.quantizers.fake_int_reference` in one pass (``scale`` float32, ``zero``
-    float32 and rounded; one value, one per row of the last dim, or one per channel of it); None where the eager
-    path must run."""
+    """The integer round trip of :func:`.quantizers.fake_int_reference` in one pass (``scale`` and ``zero`` as it
+    takes them: one value, one per row of the last dim, or one per channel of it; taken to float32, the zero point
+    rounded, as it does); None where the eager path must run."""
     k = kernels() if _servable(x) and x.numel() else None
     if k is None:
         return None
+    scale, zero = scale.float(), torch.round(zero.float())
     n = x.shape[-1]
     if scale.numel() == 1:
         mode = 0

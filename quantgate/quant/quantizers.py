@@ -102,7 +102,7 @@ def int_qparams(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool) 
 def fake_int(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
     """:func:`fake_int_reference`'s values, in one pass where the fused kernels serve (:mod:`.fused`)."""
     qmin, qmax = int_grid(bits, symmetric)
-    y = fused.fake_int(x, scale.float(), torch.round(zero.float()), qmin, qmax)
+    y = fused.fake_int(x, scale, zero, qmin, qmax)
     return fake_int_reference(x, scale, zero, bits, symmetric) if y is None else y
 
 
