@@ -1,6 +1,7 @@
 """One command for a GPU machine: versions, the attention tests, the Triton kernel against the eager
 reference, a few training steps on both backends, the gated-SDPA benchmark table, a device_map-sharded
-evaluation, a 2-cell study on Ray with one GPU per cell, and FSDP training resumed bit for bit.
+evaluation, a 2-cell study on Ray with one GPU per cell, FSDP training resumed bit for bit, and what observing and
+simulated quantization cost against a forward on the device (issue 55's ratios).
 
     PYTHONPATH=. python benchmarks/gpu_check.py                 # CUDA: fp32, bf16, fp16; under 9 minutes
     PYTHONPATH=. python benchmarks/gpu_check.py --dry-run       # CPU, Triton interpreter, fp32, tiny shapes (CI)
@@ -25,7 +26,7 @@ import time
 import traceback
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 DRY = "--dry-run" in sys.argv
 if DRY:
@@ -44,6 +45,7 @@ LIMITS_S = {
     "sharded": 60,
     "ray_study": 120,
     "fsdp": 90,
+    "quant_speed": 90,
 }
 TESTS = ["tests/test_sdpa.py", "tests/test_triton.py"]  # gated_sdpa's backends (the fused kernel on the interpreter)
 # name: (B, Hq, Hkv, causal, gate, learned sinks, padded keys)
@@ -300,6 +302,48 @@ def fsdp(args, rec):
     return all(d == 0 for d in diffs.values())
 
 
+def quant_speed(args, rec):
+    """observe / forward and simulated schemes / float forward on the device (issue 55's ratios)."""
+    from roundrobin import ratio, round_robin  # benchmarks/ is this script's folder, hence on sys.path
+
+    import quantgate as qg
+    from quantgate.models import build
+    from quantgate.models.families import config_of
+
+    name, tokens, dtype = ("tiny-llama", 32, torch.float32) if args.dry_run else ("smollm2-135m", 512, torch.bfloat16)
+    torch.manual_seed(0)
+    model = build(name, dtype=dtype).to(args.device).eval()
+    vocab = config_of(model).vocab_size
+    ids = torch.randint(5, vocab, (1, tokens), device=args.device)
+    calib = [{"input_ids": torch.randint(5, vocab, (1, tokens), device=args.device)} for _ in range(2)]
+    schemes = ["w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w4a4-mxfp4", "w4a4-nvfp4"]
+    models: dict[str, torch.nn.Module] = {"float": model}
+    for scheme in schemes:  # (NVFP4 reads the calibration batches for its export scale, and says it read 2)
+        options: dict[str, Any] = {"calib": 2} if qg.quant.get_scheme(scheme).needs_calibration else {}
+        models[scheme] = qg.quantize(model, scheme, calibration=calib, **options)
+
+    def timed(fn):
+        def call(i):
+            with torch.no_grad():
+                fn()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+
+        return call
+
+    sides = {k: timed(lambda m=m: m(input_ids=ids)) for k, m in models.items()}
+    base = cast(torch.nn.Module, model.base_model)
+    sides["forward"] = timed(lambda: base(input_ids=ids))
+    sides["observe"] = timed(lambda: qg.observe(model, [{"input_ids": ids}], progress=False))
+    times = round_robin(sides, 3 if args.dry_run else 10)
+    rows = {"observe / forward": ratio(times, "observe", "forward")}
+    rows |= {f"{scheme} / float": ratio(times, scheme, "float") for scheme in schemes}
+    print(f"  {name}, {dtype}, 1 x {tokens} tokens on {args.device}:")
+    print("\n".join(f"  {k}: {v}" for k, v in rows.items()))
+    rec["quant_speed"] = {"model": name, "dtype": str(dtype), "tokens": tokens, "ratios": rows}
+    return True
+
+
 def _abs_max(t: torch.Tensor) -> float:
     return t.abs().max().item()
 
@@ -329,7 +373,7 @@ def main() -> int:
     rec: dict[str, Any] = {}
     status: dict[str, str] = {}
     deadline = time.monotonic() + BUDGET_S
-    for section in (versions, tests, kernel, training, benchmark, sharded, ray_study, fsdp):
+    for section in (versions, tests, kernel, training, benchmark, sharded, ray_study, fsdp, quant_speed):
         name, t0 = section.__name__, time.monotonic()
         assert section.__doc__ is not None  # each section says what it checks
         print(f"\n== {name}: {section.__doc__.splitlines()[0]}", flush=True)

@@ -1,17 +1,20 @@
-"""What observing and simulated quantization cost, as ratios measured side by side in one run (issue 44).
+"""What observing and simulated quantization cost, as ratios measured side by side in one run (issues 44, 55).
 
-    python benchmarks/speed.py                        # observe and quantization tables (about 9 min on 2 cores)
+    python benchmarks/speed.py --rounds 4             # observe, quantization and cold-build tables (~30 min, 2 cores)
     python benchmarks/speed.py --parts observe --models smollm2-135m --tokens 128 --rounds 3   # a quick look
 
 * ``observe``: ``qg.observe`` on one sequence against the forward it runs (the base model, no LM head:
   observe without labels computes no logits), random-init models of SmolLM2-135M and Qwen3-0.6B shape, at 128
-  and 512 tokens, float32 and bfloat16. Target <= 1.2x. Beside it, two floors: the same observe with each
-  tensor's statistics left out (its hooks, deduplication and report alone), and with them replaced by one read of
-  each tensor (``x.abs().amax()``, one eager pass: the least any statistic costs).
+  and 512 tokens, float32 and bfloat16. Target <= 1.2x. Beside it, the same observe on the eager path
+  (``fused.eager()``: the statistics by torch ops, as before the fused kernels), and two floors: each tensor's
+  statistics left out (its hooks, deduplication and report alone), and replaced by one read of each tensor
+  (``x.abs().amax()``, one eager pass).
 * ``quant``: a simulated scheme's forward against the float model's on the same sequence (1 x 128 and 1 x 512
   random token ids; static schemes calibrated on 2 such sequences), random-init models of SmolLM2-135M and
   Qwen3-0.6B shape, float32 and bfloat16, with the fused quantizer kernels (quantgate/quant/fused.py) and, beside
-  them, on the eager path (``fused.eager()``). Targets: INT8/FP8 schemes <= 1.25x, FP4/MX <= 2x.
+  them, on the eager path (``fused.eager()``: no kernels, and each quantizer computing its own values where
+  q/k/v or gate/up share theirs on the fused side). One quantized copy at a time, timed in rounds with the float
+  model. Targets: INT8/FP8 schemes <= 1.25x, FP4/MX/NVFP4 <= 2x.
 * ``cold``: what the fused kernels cost before the first call: the build in a fresh process with an empty cache,
   and the load of the built library in another fresh process.
 
@@ -68,8 +71,11 @@ def _no_read(stats: Any, x: torch.Tensor, input_ids: torch.Tensor | None = None,
 
 
 def observe_table(models: list[str], tokens: list[int], dtypes: list[str], rounds: int) -> list[str]:
-    header = "| model, dtype, tokens | observe / forward | target | floor: hooks alone | floor: one read per tensor |"
-    lines = ["## observe / forward", "", header, "|---|---|---|---|---|"]
+    header = (
+        "| model, dtype, tokens | observe / forward (fused) | target | observe / forward (eager) "
+        "| floor: hooks alone | floor: one read per tensor |"
+    )
+    lines = [f"## observe / forward (fused kernels: {fused.status()})", "", header, "|---|---|---|---|---|---|"]
     stats_class = importlib.import_module("quantgate.observe").TensorStats  # qg.observe is the function
     full_update = stats_class.update
     for name in models:
@@ -86,6 +92,10 @@ def observe_table(models: list[str], tokens: list[int], dtypes: list[str], round
                 def observe(i: int, model=model, ids=ids) -> None:
                     qg.observe(model, [{"input_ids": ids}], progress=False)
 
+                def observe_eager(i: int, model=model, ids=ids) -> None:
+                    with fused.eager():
+                        qg.observe(model, [{"input_ids": ids}], progress=False)
+
                 def floor(update: Any, model=model, ids=ids) -> Callable[[int], None]:
                     def call(i: int) -> None:
                         stats_class.update = update
@@ -97,10 +107,11 @@ def observe_table(models: list[str], tokens: list[int], dtypes: list[str], round
                     return call
 
                 sides: dict[str, Callable[[int], object]] = {"forward": forward, "observe": observe}
-                sides.update(hooks=floor(_no_read), read=floor(_one_read))
+                sides.update(eager=observe_eager, hooks=floor(_no_read), read=floor(_one_read))
                 times = round_robin(sides, rounds)
                 row = _row(f"{name}, {dtype}, {n}", ratio(times, "observe", "forward"), TARGET["observe"])
-                lines.append(f"{row} {ratio(times, 'hooks', 'forward')} | {ratio(times, 'read', 'forward')} |")
+                floors = " | ".join(ratio(times, side, "forward") for side in ("eager", "hooks", "read"))
+                lines.append(f"{row} {floors} |")
                 print(lines[-1], file=sys.stderr, flush=True)
             del model
     return lines
@@ -117,11 +128,6 @@ def quant_table(models: list[str], schemes: list[str], dtypes: list[str], tokens
             for n in tokens:
                 batch = {"input_ids": torch.randint(5, vocab, (1, n))}
                 calib = [{"input_ids": torch.randint(5, vocab, (1, n))} for _ in range(2)]
-                models_of: dict[str, torch.nn.Module] = {"float": model}
-                for scheme in schemes:
-                    needs = qg.quant.get_scheme(scheme).needs_calibration
-                    options: dict[str, Any] = {"calib": 2} if needs else {}
-                    models_of[scheme] = qg.quantize(model, scheme, calibration=calib, **options)
 
                 def run(m, eager: bool = False, batch=batch) -> Callable[[int], None]:
                     def call(i: int) -> None:
@@ -130,14 +136,17 @@ def quant_table(models: list[str], schemes: list[str], dtypes: list[str], tokens
 
                     return call
 
-                sides: dict[str, Callable[[int], object]] = {k: run(m) for k, m in models_of.items()}
-                sides.update({f"{k} eager": run(m, eager=True) for k, m in models_of.items() if k != "float"})
-                times = round_robin(sides, rounds)
-                for scheme in schemes:
-                    row = _row(f"{name}, {dtype}, {n}, {scheme}", ratio(times, scheme, "float"), TARGET[scheme])
-                    lines.append(f"{row} {ratio(times, f'{scheme} eager', 'float')} |")
+                for scheme in schemes:  # one quantized copy at a time: Qwen3-0.6B's float32 copies are 2.4 GB each
+                    needs = qg.quant.get_scheme(scheme).needs_calibration
+                    options: dict[str, Any] = {"calib": 2} if needs else {}
+                    quantized = qg.quantize(model, scheme, calibration=calib, **options)
+                    sides: dict[str, Callable[[int], object]] = {"float": run(model), "fused": run(quantized)}
+                    sides["eager"] = run(quantized, eager=True)
+                    times = round_robin(sides, rounds)
+                    row = _row(f"{name}, {dtype}, {n}, {scheme}", ratio(times, "fused", "float"), TARGET[scheme])
+                    lines.append(f"{row} {ratio(times, 'eager', 'float')} |")
                     print(lines[-1], file=sys.stderr, flush=True)
-                del models_of, sides
+                    del quantized, sides
             del model
     return lines
 

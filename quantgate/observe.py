@@ -67,7 +67,7 @@ from .models.families import Family, config_of, family_of, is_norm
 from .models.modes import eval_mode
 from .models.swap import VariantAttention, apply_variant, attention_modules, variant_of
 from .options import AT_LEAST_1, check_range
-from .quant import quantization_of
+from .quant import fused, quantization_of
 from .stats import fmt
 
 __all__ = ["observe", "ObserveReport", "TensorStats", "UnitStats", "MassiveActivations"]
@@ -101,8 +101,13 @@ def _histogram(sample: torch.Tensor) -> torch.Tensor:
     """Counts (LOG_BINS,) float64 of the |x| values in ``sample`` (float32, >= 0, consumed: changed in place)
     on the 0.01-decade log10 scale: torch.histc's bins by its own arithmetic, truncating (log10 |x| - LOG_LO)
     x LOG_BINS / (LOG_HI - LOG_LO), the top edge in the last bin (tests/test_observe_speed.py holds the counts
-    to histc's), at about a tenth of histc's cost on a CPU."""
-    logs = sample.clamp_min_(10**LOG_LO).log10_().clamp_max_(LOG_HI - 1e-6)
+    to histc's), at about a tenth of histc's cost on a CPU; the steps after the log in one pass where the fused
+    kernels serve (:func:`.quant.fused.log_bins`)."""
+    logs = sample.clamp_min_(10**LOG_LO).log10_()
+    counts = fused.log_bins(logs, LOG_LO, LOG_HI - LOG_LO, LOG_HI - 1e-6, LOG_BINS)
+    if counts is not None:
+        return counts
+    logs = logs.clamp_max_(LOG_HI - 1e-6)
     bins = logs.sub_(LOG_LO).mul_(LOG_BINS).div_(LOG_HI - LOG_LO).int().clamp_max_(LOG_BINS - 1)
     return torch.bincount(bins.reshape(-1), minlength=LOG_BINS).double()
 
@@ -143,7 +148,7 @@ class TensorStats:
         if n == 0:
             return None
         if keep is None and b * t * c <= CHUNK and t > 0:
-            largest = self._update_whole(x.reshape(b, t, c).float(), input_ids)
+            largest = self._update_whole(x.reshape(b, t, c), input_ids)
             if largest is not None:
                 return largest
         rows, step = (max(1, CHUNK // (t * c)), t) if t * c <= CHUNK else (1, max(1, CHUNK // c))
@@ -205,26 +210,22 @@ class TensorStats:
         return (float(seq_max.max()) if finite else math.inf) if keep is None else None
 
     def _update_whole(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> float | None:
-        """:meth:`update` of an unpadded tensor of one chunk, ``x`` (b, T, C) float32 (a view: never written),
-        in as few operations as its statistics need (the same numbers); None, with nothing folded in, where x
+        """:meth:`update` of an unpadded tensor of one chunk, ``x`` (b, T, C) in its own dtype (a view: never
+        written), in as few passes as its statistics need: the fused kernel's two where it serves
+        (:func:`.quant.fused.tensor_stats`), else :meth:`_whole_eager`'s; None, with nothing folded in, where x
         holds NaN or inf, which the general path counts and leaves out."""
         b, t, c = x.shape
-        a = x.abs()
-        tok_max, tok_arg = a.max(dim=2)  # each token's largest |x| and its channel
-        seq_max, pos = tok_max.max(dim=1)
+        moments = fused.tensor_stats(x)
+        if moments is None:
+            moments = self._whole_eager(x.float())
+            if moments is None:
+                return None
+        seq_max, pos, top, cmax, m2, m4 = moments
         largest = float(seq_max.max())
-        if not math.isfinite(largest):
-            return None
-        top = torch.bincount(tok_arg.reshape(-1), minlength=c)
-        cmax = a.reshape(-1, c).amax(dim=0)
         count = float(t * c)
-        mean = (x.sum(dim=2).double().sum(dim=1) / count).float().view(b, 1, 1)
         stride = _stride(b * t * c, c)
-        sample = a.reshape(-1)[::stride]  # every stride-th element, read in place
+        sample = x.reshape(-1)[::stride].float().abs()  # every stride-th |x|, a copy (_histogram consumes it)
         self.hist += _histogram(sample).cpu() * (b * t * c / sample.numel())  # the sample stands for all values
-        d = torch.sub(x, mean, out=a) if stride == 1 else x - mean  # a's buffer, once the histogram has read it
-        m2 = d.square_().sum(dim=2).double().sum(dim=1)
-        m4 = d.square_().sum(dim=2).double().sum(dim=1)
         ok = m2 > 0
         self.kurtosis_sum += float(torch.where(ok, m4 * count / m2.square(), 0.0).sum())  # (m4 / n) / (m2 / n)^2
         self.kurtosis_n += int(ok.sum())
@@ -236,6 +237,25 @@ class TensorStats:
             self.tokens.append(input_ids.cpu().gather(1, pos.cpu()[:, None])[:, 0])
         self.sequences += b
         return largest
+
+    @staticmethod
+    def _whole_eager(x: torch.Tensor) -> list[torch.Tensor] | None:
+        """:meth:`_update_whole`'s statistics of float32 ``x`` (b, T, C) by torch ops (the reference of the fused
+        kernel): each sequence's largest |x| and its first position, each channel's count of token maxima and its
+        largest |x|, each sequence's centred second and fourth moments (float64); None where x holds NaN or inf."""
+        b, t, c = x.shape
+        a = x.abs()
+        tok_max, tok_arg = a.max(dim=2)  # each token's largest |x| and its channel
+        seq_max, pos = tok_max.max(dim=1)
+        if not math.isfinite(float(seq_max.max())):
+            return None
+        top = torch.bincount(tok_arg.reshape(-1), minlength=c)
+        cmax = a.reshape(-1, c).amax(dim=0)
+        mean = (x.sum(dim=2).double().sum(dim=1) / float(t * c)).float().view(b, 1, 1)
+        d = torch.sub(x, mean, out=a)  # a's buffer: |x| is read
+        m2 = d.square_().sum(dim=2).double().sum(dim=1)
+        m4 = d.square_().sum(dim=2).double().sum(dim=1)
+        return [seq_max, pos, top, cmax, m2, m4]
 
     @property
     def max_abs(self) -> float:
@@ -657,7 +677,8 @@ def _summary(
 def _layer_summary(
     layer: _Layer, decode: Decode | None, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]
 ) -> LayerSummary:
-    tensors = {name: t.summary(decode) for name, t in layer.tensors.items()}
+    once: dict[int, TensorSummary] = {}  # a tensor feeding several modules has one TensorStats under their names
+    tensors = {name: once.get(id(t)) or once.setdefault(id(t), t.summary(decode)) for name, t in layer.tensors.items()}
     paper = [tensors[n] for n in kurt_set if n in tensors]
     sink, gate = layer.sink.summary(), layer.gate.summary()
     return LayerSummary(

@@ -32,11 +32,19 @@ def test_gpu_check_dry_run(tmp_path):
         "sharded": "PASS",
         "ray_study": "SKIP",
         "fsdp": "SKIP",
+        "quant_speed": "PASS",
     }
     assert rec["sharded"]["max_logit_diff"] == 0.0  # a block on disk, read back: the same numbers
     assert len(rec["kernel"]) == 4 and all(e["fwd"] < 1e-5 and e["bwd"] < 1e-5 for e in rec["kernel"].values())
     assert rec["training"]["max_diff"] < 1e-4 and len(rec["training"]["triton"]) == 2
     assert "(d) fused triton" in (tmp_path / "gated_sdpa-cpu-dry-run.md").read_text()
+    assert set(rec["quant_speed"]["ratios"]) == {
+        "observe / forward",
+        *(
+            f"{s} / float"
+            for s in ("w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w4a4-mxfp4", "w4a4-nvfp4")
+        ),
+    }
     assert "== summary" in run.stdout and "kernel     PASS" in run.stdout
 
 
@@ -63,6 +71,7 @@ def test_a_failing_section_does_not_stop_the_others(tmp_path, monkeypatch, capsy
     stub("sharded", True)
     stub("ray_study", True)
     stub("fsdp", True)
+    stub("quant_speed", True)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--dry-run", "--out", str(tmp_path)])
     assert gpu_check.main() == 1
     rec = json.loads((tmp_path / "gpu_check-cpu-dry-run.json").read_text())
@@ -75,6 +84,7 @@ def test_a_failing_section_does_not_stop_the_others(tmp_path, monkeypatch, capsy
         "sharded": "PASS",
         "ray_study": "PASS",
         "fsdp": "PASS",
+        "quant_speed": "PASS",
     }
     out = capsys.readouterr()
     assert "skipped: needs triton>=9" in out.out and "RuntimeError: boom" in out.err
