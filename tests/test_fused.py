@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -220,9 +221,11 @@ def test_observe_statistics_are_the_eager_ones(kernels, dtype, family):
 
 
 def test_the_fused_statistics_are_the_definition(kernels):
-    """A hand computation: the kurtosis mu4 / sigma^2 of one sequence and its largest |x|, position and channel."""
+    """A hand computation: the centred moments of one sequence and its largest |x|, position and channels."""
     x = torch.tensor([[[1.0, -4.0], [2.0, 0.5], [-4.0, 3.0]]])
-    seq_max, pos, top, cmax, m2, m4 = fused.tensor_stats(x)
+    stats = fused.tensor_stats(x)
+    assert stats is not None
+    seq_max, pos, top, cmax, m2, m4 = stats
     mean = sum([1.0, -4.0, 2.0, 0.5, -4.0, 3.0]) / 6
     d = [v - mean for v in [1.0, -4.0, 2.0, 0.5, -4.0, 3.0]]
     assert float(seq_max) == 4.0 and int(pos) == 0  # the first of two tokens holding 4.0
@@ -274,8 +277,8 @@ def test_a_quantized_model_gives_the_eager_logits_and_observe_the_eager_report(k
     batches = [{"input_ids": torch.randint(5, 200, (2, 32), generator=g)} for _ in range(2)]
     model = qg.build("tiny-llama", seed=0).to(dtype).eval()
     for scheme in ("w8a8-int8-static", "w8a8-int8-dynamic", "w8a8-fp8-e4m3", "w8a8-mxfp8", "w4a4-fp4-e2m1"):
-        needs = qg.quant.get_scheme(scheme).needs_calibration
-        q = qg.quantize(model, scheme, calibration=batches, **({"calib": 2} if needs else {}))
+        options: dict[str, Any] = {"calib": 2} if qg.quant.get_scheme(scheme).needs_calibration else {}
+        q = qg.quantize(model, scheme, calibration=batches, **options)
         with torch.no_grad():
             got = q(**batches[0]).logits
             with fused.eager():
