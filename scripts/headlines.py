@@ -122,6 +122,37 @@ def _changes(deltas: Sequence[Delta | None]) -> str:
     return _span([100 * _known(d).value for d in deltas], _pct, " to ")
 
 
+def _share(ungated: float, gated: float) -> str:
+    """The share of the ungated model's perplexity change that the gated one does not have (1 - gated / ungated;
+    negative: it adds to the damage), from the two changes themselves, whichever form their difference takes."""
+    if ungated <= 0:
+        return ""
+    share = 1 - gated / ungated
+    return f", {share:.0%} of the ungated damage removed" if share >= 0 else f", {-share:.0%} added to it"
+
+
+def _across(gaps: list[Delta]) -> str:
+    """What several seeds' paired differences say together: the direction where every seed's decisive interval
+    agrees on it (the seeds taken as independent replicates, nothing assumed about their sizes), else that no
+    direction holds; beside it their mean with a t-interval across the seeds, which with a few unlike seeds
+    measures how much their sizes differ and is no test of the sign (so it carries no "within noise")."""
+    k = len(gaps)
+    below = sum(g.decisive and _known(g.high) < 0 for g in gaps)
+    above = sum(g.decisive and _known(g.low) > 0 for g in gaps)
+    if below == k:
+        sign = f"below 0 in all {k} seeds: the gated twin loses less in every seed"
+    elif above == k:
+        sign = f"above 0 in all {k} seeds: the gated twin loses more in every seed"
+    else:
+        sign = (
+            f"below 0 in {below}, above 0 in {above}, neither in {k - below - above} of {k} seeds: no direction holds"
+        )
+    if any(g.kind != "points" for g in gaps):  # a difference of ratios beside one of points: no common scale
+        return f"{sign} (no mean across the seeds: some differences are ratios of perplexity ratios)"
+    mean = seed_delta([g.value for g in gaps], "points")
+    return f"{sign} (mean {format_delta(mean, noise='')} across the seeds: their sizes differ, not a test of the sign)"
+
+
 def _noise(deltas: Sequence[Delta | None]) -> str:
     """What the intervals of ``deltas`` say: how many exclude 0, or that there are none."""
     known = [d for d in map(_known, deltas) if d.low is not None]
@@ -381,7 +412,8 @@ def cpu_recipe() -> str:
     def w8a8(group) -> tuple[list[Delta], str]:
         deltas = [_known(_change(c, BONDARENKO)) for c in group]
         mean = seed_delta([d.value for d in deltas], "perplexity")
-        return deltas, f"{_changes(deltas)} per seed ({_noise(deltas)}; geometric mean {_delta(mean)})"
+        pooled = format_delta(mean, noise="")  # a t-interval across a few unlike seeds: their spread, no verdict
+        return deltas, f"{_changes(deltas)} per seed ({_noise(deltas)}; geometric mean {pooled} across the seeds)"
 
     def budgets(group) -> str:
         found = [budget([(b, _change(c, s)) for b, s in widths]) for c in group]
@@ -391,16 +423,18 @@ def cpu_recipe() -> str:
     twin_of = {c.seed: c for c in gated}
 
     def paired(scheme: str) -> str:
-        """Per seed the gated twin's change minus the ungated one's, paired over the documents both read,
-        and their mean with a t-interval across the seeds."""
-        gaps = [change_gap(u, twin_of[u.seed], scheme) for u in plain if u.seed in twin_of]
-        known = [g for g in gaps if g is not None]
-        if not known:
+        """Per seed the gated twin's change minus the ungated one's, paired over the documents both read, with
+        the share of the ungated twin's damage it removes; then what the seeds say together (:func:`_across`)."""
+        rows = []
+        for u in plain:
+            gap = change_gap(u, twin_of[u.seed], scheme) if u.seed in twin_of else None
+            if gap is not None:
+                damage = (_known(_change(u, scheme)).value, _known(_change(twin_of[u.seed], scheme)).value)
+                rows.append((u.seed, gap, damage))
+        if not rows:
             return "no paired difference (no per-document values)"
-        below = sum(g.high is not None and g.high < 0 for g in known)
-        mean = seed_delta([g.value for g in known], "points")
-        points = _span([100 * g.value for g in known], lambda v: f"{v:+.3g}", " to ")
-        return f"paired gated minus ungated {points} pp per seed ({below} of {len(known)} below 0), mean {_delta(mean)}"
+        seeds = "; ".join(f"seed {seed} {_delta(gap)}{_share(*damage)}" for seed, gap, damage in rows)
+        return f"paired gated minus ungated per seed: {seeds}; {_across([gap for _, gap, _ in rows])}"
 
     def narrower(bits: int, scheme: str) -> str:
         u, g = [_change(c, scheme) for c in plain], [_change(c, scheme) for c in gated]
