@@ -7,7 +7,10 @@ every number README.md and docs/ quote from them.
 
 A paragraph (or table, or list) of README.md or a docs page (docs/reference/ is generated from the code) that
 cites a committed results page (``results/<study>/report.md``, a ``results/bench`` page, ...) may quote only
-what those pages hold: each interval (``[+9.8, +14.9]``) verbatim, and each other decimal number.
+what those pages hold: each interval (``[+9.8, +14.9]``) verbatim, and each other decimal number; an interval its
+source marks approximate keeps the mark, and no verdict ("within noise", "fixed", "no difference larger than", ...)
+is read off it in the same sentence. A paragraph that cites no results page may quote only intervals that some
+committed results file (or the headline table below, written from them) holds.
 
 Each headline sits between ``<!-- headlines:NAME -->`` and ``<!-- /headlines -->`` and is written by
 the function NAME below from results/ (metrics.json; for cpu_recipe_search the search's summary.json
@@ -573,27 +576,64 @@ def quoting_pages() -> list[Path]:
     return [ROOT / "README.md", *docs]
 
 
-def misquoted(page: Path) -> list[str]:
+APPROXIMATE = re.compile(r"(?: ~)? approximate")  # what follows an interval the stats rule marks approximate
+# words that read a verdict off an interval: none may be drawn from one marked approximate (quantgate.stats)
+VERDICT = re.compile(
+    r"within noise|no (?:protection|difference|gate effect)\b|needs no\b|rules? out|\bfixed\b|\bresolved\b|certif",
+    re.I,
+)
+SENTENCE = re.compile(r"(?<=[.;])\s+(?=[A-Z(`*-])")
+
+
+def _results_text() -> str:
+    """Every committed results page and record (what an interval a page quotes without a citation must be in)."""
+    files = sorted((ROOT / "results").rglob("*.md")) + sorted((ROOT / "results").rglob("*.json"))
+    return "\n".join(f.read_text(errors="replace") for f in files) + "\n".join(
+        m.group(3) for m in BLOCK.finditer(PAGE.read_text())
+    )
+
+
+def _marked_approximate(interval: str, source: str) -> bool:
+    """Whether ``source`` marks every occurrence of ``interval`` approximate."""
+    ends = [m.end() for m in re.finditer(re.escape(interval), source)]
+    return bool(ends) and all(APPROXIMATE.match(source, end) for end in ends)
+
+
+def misquoted(page: Path, results: str | None = None) -> list[str]:
     """What ``page`` quotes that the results pages its paragraphs cite do not hold: each interval verbatim, each
-    other decimal number (the generated headline blocks are checked against the results by :func:`render`)."""
+    other decimal number (the generated headline blocks are checked against the results by :func:`render`); an
+    interval quoted without the "approximate" its source gives it, or with it beside a verdict; and, in a
+    paragraph that cites no results page, an interval that no committed results file holds. ``results``: the
+    text of every results file (:func:`_results_text`), read once for many pages."""
     problems = []
     name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
     text = re.sub(r"^```.*?^```", "", BLOCK.sub("", page.read_text()), flags=re.S | re.M)  # code: not quotes
     for paragraph in text.split("\n\n"):
         cited = sorted(set(CITED.findall(paragraph)))
+        flat = " ".join(paragraph.split())  # an interval broken across lines is still one interval
         if not cited:
+            results = _results_text() if results is None else results
+            lost = [q for q in INTERVAL.findall(flat) if q.count(", ") == 1 and q not in results]
+            if lost:
+                problems.append(f"{name}: {', '.join(lost)} in no committed results file: {flat[:120]!r}")
             continue
         missing = [c for c in cited if not (ROOT / c).is_file()]
         if missing:
             problems.append(f"{name} cites {', '.join(missing)}, which is not there")
             continue
         source = "\n".join((ROOT / c).read_text() for c in cited)
-        paragraph = " ".join(paragraph.split())  # an interval broken across lines is still one interval
-        quoted = INTERVAL.findall(paragraph)
-        rest = INTERVAL.sub(" ", paragraph)
+        quoted = INTERVAL.findall(flat)
+        rest = INTERVAL.sub(" ", flat)
         wrong = [q for q in quoted if q not in source] + [n for n in NUMBER.findall(rest) if n not in source]
         if wrong:
-            problems.append(f"{name}: {', '.join(wrong)} not in {', '.join(cited)}: {paragraph[:120]!r}")
+            problems.append(f"{name}: {', '.join(wrong)} not in {', '.join(cited)}: {flat[:120]!r}")
+        for sentence in SENTENCE.split(flat):
+            for m in INTERVAL.finditer(sentence):
+                marked = APPROXIMATE.match(sentence, m.end())
+                if not marked and _marked_approximate(m.group(), source):
+                    problems.append(f"{name}: {m.group()} quoted without the 'approximate' its source gives it")
+                elif marked and VERDICT.search(sentence):
+                    problems.append(f"{name}: a verdict drawn from the approximate {m.group()}: {sentence[:120]!r}")
     return problems
 
 
@@ -604,7 +644,8 @@ def main() -> None:
     old = PAGE.read_text()
     new = render(old)
     if args.check:
-        problems = [p for page in quoting_pages() for p in misquoted(page)]
+        results = _results_text()
+        problems = [p for page in quoting_pages() for p in misquoted(page, results)]
         if new != old:
             problems.insert(0, f"{PAGE}: headlines differ from the results; run python scripts/headlines.py")
         if problems:

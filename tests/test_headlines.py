@@ -63,6 +63,47 @@ def test_check_covers_readme_and_docs_and_fails_on_a_readme_number_changed_by_ha
     assert edited in str(stop.value) and "not in results/quickstart/report.md" in str(stop.value)
 
 
+def _check_fails_on(headlines, monkeypatch, tmp_path, source: str, old: str, new: str) -> str:
+    """``headlines.py --check`` on a copy of ``source`` with ``old`` replaced by ``new``: its message."""
+    text = (ROOT / source).read_text()
+    assert old in text, old
+    page = tmp_path / Path(source).name
+    page.write_text(text.replace(old, new, 1))
+    monkeypatch.setattr(headlines, "quoting_pages", lambda: [page])
+    monkeypatch.setattr("sys.argv", ["headlines.py", "--check"])
+    with pytest.raises(SystemExit) as stop:
+        headlines.main()
+    return str(stop.value)
+
+
+def test_check_fails_on_a_verdict_drawn_from_an_approximate_interval(headlines, tmp_path, monkeypatch):
+    """Issue 56: the KV-cache paragraph once dropped the "approximate" its source gives SmolLM2's 4-work interval and
+    drew a verdict from it; either edit fails --check, naming the interval."""
+    kept = "Keeping its first token in full precision changes that by -0.7% [-3.8, +2.4] ~ approximate: an interval"
+    dropped = _check_fails_on(
+        headlines, monkeypatch, tmp_path, "docs/findings.md", kept, kept.replace(" ~ approximate", ", within noise")
+    )
+    assert "[-3.8, +2.4] quoted without the 'approximate' its source gives it" in dropped
+    verdict = _check_fails_on(
+        headlines, monkeypatch, tmp_path, "docs/findings.md", kept, kept.replace(": an interval", "; within noise")
+    )
+    assert "a verdict drawn from the approximate [-3.8, +2.4]" in verdict
+
+
+def test_check_fails_on_an_interval_no_committed_file_holds(headlines, tmp_path, monkeypatch):
+    """An interval quoted where no results page is cited must still be in some committed results file (or the
+    headline table written from them): the per-seed A6 numbers of findings' summary are; one digit off is not."""
+    message = _check_fails_on(
+        headlines,
+        monkeypatch,
+        tmp_path,
+        "docs/findings.md",
+        "-4.5 pp [-5.5, -3.5], -46.3",
+        "-4.5 pp [-5.5, -3.4], -46.3",
+    )
+    assert "[-5.5, -3.4] in no committed results file" in message
+
+
 def test_hyga_changes_and_gate_shares_by_hand():
     """The span of the HyGA ablation's W8A8 changes at Bondarenko's sites, from the committed backcopy
     perplexities (the README once said all were under 0.2% while one was +0.24%), and the low-rank rows'
