@@ -431,6 +431,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         docs=args.docs,
         export=not args.no_export,
         serve=args.serve,
+        against=args.against,
     )
     print(found.answer, end="")
     return 0
@@ -695,6 +696,12 @@ def _audit_parser(sub: Any) -> None:
         "--within", default="1%", help="the perplexity change a recipe may cause, e.g. 1%% or 0.01 (default 1%%)"
     )
     au.add_argument("--variant", help="the attention variant of a gated checkpoint (default: the one saved)")
+    au.add_argument(
+        "--against",
+        metavar="GATED",
+        help="a gated model of the same family and tokenizer: read on the same documents, calibration and schemes; "
+        "each scheme reports its change minus MODEL's (the gate's effect) and the share of MODEL's damage removed",
+    )
     au.add_argument("--schemes", help="try these whole-model schemes, comma-separated, instead of the default ones")
     au.add_argument(
         "--docs", type=int, help="passages (or batches) in each of the search and held-out sets (default: by budget)"

@@ -1,6 +1,7 @@
 """quantgate audit: whole-model schemes and per-site fallbacks searched, the cheapest certified on held-out
 documents, the answer first, the certified state exported."""
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +21,7 @@ from quantgate.cli import main
 from quantgate.models.record import set_record
 from quantgate.study import load_study
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST: dict[str, Any] = {"budget": "1h", "docs": 9, "progress": False}  # one passage of each of 9 works
 
 
@@ -290,3 +292,123 @@ def test_the_default_ladder_leaves_out_a_rung_the_model_cannot_run():
         == "its weight groups of 128 do not divide input width 576"
     )
     assert qg.quant.get_scheme("w8a8-int8-static").unfit(frozenset({576})) is None
+
+
+def _qiu_pair(tmp_path: Path) -> tuple[Path, Path]:
+    """A baseline tiny-qwen3 saved as transformers saves it, and a headwise-gated one written in the layout of Qiu et
+    al.'s released gated Qwen3 models (gate rows inside q_proj, a config switch), both with the same tokenizer."""
+    from safetensors.torch import save_file
+    from test_io import _fuse_qiu
+
+    from quantgate.models.families import config_of
+    from quantgate.models.swap import attention_modules
+
+    baseline = _saved("tiny-qwen3", tmp_path / "baseline")
+    gated = qg.build("tiny-qwen3", "g1-headwise", seed=1).eval()
+    with torch.no_grad():
+        for attn in attention_modules(gated):
+            attn.get_parameter("gate.proj.bias").zero_()  # their q_proj has no bias
+    out = tmp_path / "gate_headwise"
+    out.mkdir()
+    save_file(_fuse_qiu(gated, headwise=True), str(out / "model.safetensors"))
+    config = config_of(gated).to_dict()
+    config.pop("quantgate")
+    config.update(headwise_attn_output_gate=True, elementwise_attn_output_gate=False, qkv_bias=False,
+                  use_qk_norm=True, architectures=["Qwen3ForCausalLM"])  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    qg.tokenizer(gated).save_pretrained(out)
+    return baseline, out
+
+
+def test_a_baseline_is_audited_against_a_gated_model_in_qius_layout(tmp_path):
+    """`quantgate audit BASELINE --against GATED`: both read on the same documents; per scheme each one's change,
+    the gated one's minus the baseline's paired over those documents, and the share of the baseline's damage
+    removed (1 - gated / baseline, by hand from the two changes); the recipe and export stay the baseline's."""
+    baseline, gated = _qiu_pair(tmp_path)
+    found = qg.audit(str(baseline), tmp_path / "audit", against=str(gated), schemes=[REFERENCE], within="50%", **FAST)
+    record = AuditRecord.from_json(json.loads((tmp_path / "audit" / "audit.json").read_text()))
+    assert record.model == "baseline" and record.against == "gate_headwise"
+    (row,) = record.pair
+    assert row.scheme == REFERENCE and row.baseline is not None and row.gated is not None and row.difference is not None
+    assert row.baseline == record.candidates[0].search  # the baseline's change is the audited model's own
+    if row.baseline.value > 0:
+        assert row.share_removed == pytest.approx(1 - row.gated.value / row.baseline.value)
+    line = next(x for x in found.answer.splitlines() if x.startswith("- **The gate's effect**"))
+    assert f"`{REFERENCE}`: `gate_headwise`'s change minus `baseline`'s, paired over the same sequences: " in line
+    assert "(`baseline` " in line and ", `gate_headwise` " in line
+    low, high = row.difference.low, row.difference.high
+    assert low is not None and high is not None and low <= row.difference.value <= high
+
+
+def test_against_gives_the_packaged_twins_numbers():
+    """The twins named by --against read as the packaged pair does: the same gate effect, to the last digit."""
+    args: dict[str, Any] = {"schemes": [REFERENCE], "docs": 1, "budget": "1h", "progress": False}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pair = qg.audit("twin-vanilla", Path(tmp) / "pair", **args).record.pair
+        named = qg.audit("twin-vanilla", Path(tmp) / "named", against="twin-g1", **args).record.pair
+    assert [r.difference for r in named] == [r.difference for r in pair] and named[0].difference is not None
+
+
+@pytest.mark.parametrize("case", ["itself", "family", "tokenizer"])
+def test_a_pair_that_cannot_be_compared_is_refused_in_one_line(case, tmp_path, capsys):
+    model = str(_saved("tiny-llama", tmp_path / "llama"))
+    if case == "itself":
+        other, want = model, "that is the model audited"
+    elif case == "family":
+        other, want = str(_saved("tiny-opt", tmp_path / "opt")), "a opt model against a llama one"
+    else:
+        from transformers import AutoTokenizer
+
+        other = str(_saved("tiny-llama", tmp_path / "other", variant="g1-headwise"))
+        tok = qg.tokenizer(qg.build("tiny-bert", seed=0))  # another vocabulary
+        tok.save_pretrained(other)
+        assert AutoTokenizer.from_pretrained(other).get_vocab() != AutoTokenizer.from_pretrained(model).get_vocab()
+        want = "tokenize differently"
+    assert main(["audit", model, "--against", other, "--out", str(tmp_path / "out"), "--docs", "1"]) == 2
+    line = one_line_error(capsys, "audit")
+    assert want in line, line
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def _qiu_script():
+    spec = importlib.util.spec_from_file_location("qiu_gate_pair", ROOT / "experiments" / "qiu_gate_pair.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "baseline, gated, difference, want",
+    [
+        ((0.40, 0.30, 0.50), (0.01, 0.00, 0.02), (-0.39, -0.49, -0.29), "confirmed"),
+        ((0.40, 0.30, 0.50), (0.35, 0.25, 0.45), (-0.05, -0.10, 0.00), "refuted"),
+        ((0.40, 0.30, 0.50), (0.05, 0.03, 0.07), (-0.35, -0.45, -0.25), "no verdict: the gated model's change"),
+        ((0.05, 0.03, 0.07), (0.00, -0.01, 0.01), (-0.05, -0.07, -0.03), "no verdict: the baseline does not break"),
+        ((0.08, 0.06, 0.10), (0.015, 0.010, 0.019), (-0.07, -0.09, -0.05), "no verdict: the baseline does not break"),
+        ((0.40, 0.30, 0.50), (0.01, 0.00, 0.02), (-0.39, -0.49, 0.01), "no verdict: the paired difference"),
+        ((0.90, 0.80, 1.00), (0.30, 0.20, 0.40), (-0.6, -0.7, -0.5), "no verdict: both break, but not within"),
+    ],
+)
+def test_the_declared_qiu_criterion_gives_each_answer(baseline, gated, difference, want):
+    """The declared rule (experiments/qiu_gate_pair.py) can give every answer: by hand on made-up intervals."""
+    from quantgate.audit.record import ChangeRecord, PairRecord
+
+    def change(v):
+        return ChangeRecord(v[0], v[1], v[2], 9, 9, False, "by hand")
+
+    row = PairRecord(REFERENCE, change(baseline), change(gated), change(difference), "points", None)
+    assert _qiu_script().verdict(row).startswith(want)
+    approximate = PairRecord(REFERENCE, change(baseline), change(gated), None, "points", None)
+    assert _qiu_script().verdict(approximate).startswith("no verdict")
+
+
+def test_the_qiu_pair_script_runs_in_one_command(tmp_path, capsys):
+    """Its smoke: the packaged twins as the pair, one passage of each work; the verdict file and the audit's."""
+    _qiu_script().main(["--smoke", "--out", str(tmp_path / "pair")])
+    text = (tmp_path / "pair" / "verdict.md").read_text()
+    assert text.startswith("# twin-g1 against twin-vanilla under `w8a8-int8-static`")
+    assert "**no verdict: the baseline does not break" in text  # the twins lose under 1%: nothing to fix
+    assert (tmp_path / "pair" / "audit.json").is_file()

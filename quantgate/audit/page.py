@@ -185,6 +185,28 @@ def _load_lines(t: Target, export: Path, others: bool) -> list[str]:
     return lines
 
 
+def _pair_lines(record: AuditRecord, found: Found) -> list[str]:
+    """On a pair, per whole-model scheme: each one's change and the gate's effect, the second's change minus the
+    first's paired over the same sequences, with the share of the first's damage the second does not have."""
+    if record.against is None:
+        first, second, who = "the ungated twin", "the gated twin", "the gated twin's change minus the ungated twin's"
+    else:
+        first, second = f"`{record.model}`", f"`{record.against}`"
+        who = f"{second}'s change minus {first}'s"
+    lines = []
+    for row in record.pair:
+        baseline, gated = found.pair[row.scheme]
+        share = "" if row.share_removed is None else f"; {row.share_removed:.0%} of {first}'s change removed"
+        if row.share_removed is not None and row.share_removed < 0:
+            share = f"; {-row.share_removed:.0%} added to {first}'s change"
+        lines.append(
+            f"- **The gate's effect** under `{row.scheme}`: {who}, paired over the same sequences: "
+            f"{format_delta(found.gaps[row.scheme])} ({first} {format_delta(baseline)}, {second} "
+            f"{format_delta(gated)}{share})."
+        )
+    return lines
+
+
 def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolerance: float, export: Path | None,
          note: str, seconds: float, budget_s: float) -> str:  # fmt: skip
     """audit.md's whole text."""
@@ -193,9 +215,7 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
     lines += _recipe_lines(found, tests, tolerance, record)
     lines += _fallback_lines(found, record, found.report)
     lines += _why(found.report)
-    for scheme, gap in found.gaps.items():
-        lines.append(f"- **The gate's effect** under `{scheme}`: the gated twin's change minus the ungated twin's, "
-                     f"paired over the same sequences: {format_delta(gap)}.")  # fmt: skip
+    lines += _pair_lines(record, found)
     if found.cut:
         lines.append(f"- **Cut by the budget**: {', '.join(f'`{s}`' for s in found.cut)}.")
     lines += ["", f"Export: `{export}`, in {note}. Load it with:" if export else f"No export: {note}.", ""]

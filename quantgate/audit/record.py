@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..json_record import JsonRecord
 from ..stats import Delta
 
-__all__ = ["ChangeRecord", "CandidateRecord", "CurvePoint", "AuditRecord"]
+__all__ = ["ChangeRecord", "CandidateRecord", "CurvePoint", "PairRecord", "AuditRecord"]
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,25 @@ class CurvePoint(JsonRecord):
 
 
 @dataclass(frozen=True)
+class PairRecord(JsonRecord):
+    """One whole-model scheme on a pair (a baseline first, the gated model second): each one's change, the gated
+    one's change minus the baseline's paired over the same documents (``kind`` "points": a difference of
+    fractions; "ratio": the ratio of the two perplexity ratios, minus 1), and the share of the baseline's change
+    the gated model does not have (1 - gated / baseline; None where the baseline's change is not above 0)."""
+
+    scheme: str
+    baseline: ChangeRecord | None
+    gated: ChangeRecord | None
+    difference: ChangeRecord | None
+    kind: str
+    share_removed: float | None
+
+
+@dataclass(frozen=True)
 class AuditRecord(JsonRecord):
     """An audit: the question (model, dtype, tolerance, budget), the two document sets in words, every candidate
-    tried, the certification order, the recipe (None: none certified), the fallback's site ranking and curve."""
+    tried, the certification order, the recipe (None: none certified), the fallback's site ranking and curve; on
+    a pair, the model compared and each scheme's changes (:class:`PairRecord`)."""
 
     model: str
     dtype: str
@@ -78,3 +94,5 @@ class AuditRecord(JsonRecord):
     curve: list[CurvePoint] = field(default_factory=list)
     cut: list[str] = field(default_factory=list)
     serve: str = "any"  # the serving target: recipes it has no kernels for are not certified
+    against: str | None = None  # the gated model compared with the audited one (--against), None: none or a twin
+    pair: list[PairRecord] = field(default_factory=list)  # on a pair, per whole-model scheme

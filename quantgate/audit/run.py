@@ -45,7 +45,7 @@ from .plan import (
     parse_within,
     size,
 )
-from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint
+from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint, PairRecord
 from .search import LADDER, REFERENCE, SERVE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy, serves
 from .sites import can_fall_back
 from .target import AuditError, Target, check_memory, dtype_of, target
@@ -110,11 +110,22 @@ def _load(t: Target, dtype: str, placement: Placement | None) -> Model:
     return Model(t, model, get_tokenizer(model), _kind(t), _calibration(t, model))
 
 
-def _targets(model: str, variant: str | None, docs: int | None) -> tuple[Target, list[Target]]:
-    """The model audited and the models read (with a packaged twin, the pair, ungated first)."""
+def _targets(model: str, variant: str | None, docs: int | None, against: str | None) -> tuple[Target, list[Target]]:
+    """The model audited and the models read: with ``against``, the pair (the audited baseline first, the model
+    compared second); with a packaged twin, the pair, ungated first."""
     if docs is not None and (isinstance(docs, bool) or not isinstance(docs, int) or docs < 1):
         raise AuditError(f"--docs {docs!r}: give a whole number of passages (or batches) of at least 1")
     focus = target(model, variant)
+    if against is not None:
+        other = target(against, None)
+        if (other.folder, other.variant) == (focus.folder, focus.variant):
+            raise AuditError(f"--against {against}: that is the model audited; give the gated model to compare with")
+        if other.family.name != focus.family.name:
+            raise AuditError(
+                f"--against {against}: a {other.family.name} model against a {focus.family.name} one; give two "
+                f"checkpoints of one family (the same documents must mean the same to both)"
+            )
+        return focus, [focus, other]
     twin = PACKAGED[focus.load].twin if focus.load in PACKAGED else None
     if twin is None:
         return focus, [focus]
@@ -205,6 +216,7 @@ def audit(
     docs: int | None = None,
     export: bool = True,
     serve: str = "any",
+    against: str | None = None,
     progress: bool = True,
 ) -> Audit:
     """Audit ``model`` (a folder saved by transformers or quantgate, a packaged name, a cached hub id) for INT8/FP8
@@ -212,19 +224,23 @@ def audit(
     (default ``audits/<name>``): audit.md, audit.json and the export (package docstring). ``schemes``: try these
     whole-model schemes instead of :data:`LADDER`; ``docs``: passages (or batches) in each document set (default:
     as many as the budget allows); ``serve``: ``vllm-cpu`` certifies only recipes vLLM-CPU has kernels for
-    (:func:`~.search.serves`)."""
+    (:func:`~.search.serves`); ``against``: a gated model of the same family and tokenizer, read on the same
+    documents with the same calibration and schemes, whose change minus ``model``'s each scheme reports (the
+    recipe search and the export stay ``model``'s)."""
     if serve not in SERVE:
         raise AuditError(f"--serve {serve!r}: one of {', '.join(SERVE)}")
     clock = Clock(parse_budget(budget))
     tolerance = parse_within(within)
-    focus, targets = _targets(model, variant, docs)
+    focus, targets = _targets(model, variant, docs, against)
     dtype = dtype_of(focus, dtype)
     for t in targets:
         check_memory(t, dtype, placement)
     ladder = _ladder(schemes)
-    out = Path(out) if out is not None else Path("audits") / focus.name
-    out = claim_output(out, "study", "--out", mark=True, by="quantgate audit", inputs=[focus.folder])
     models = [_load(t, dtype, placement) for t in targets]
+    if against is not None:
+        _same_tokens(models)
+    out = Path(out) if out is not None else Path("audits") / focus.name
+    out = claim_output(out, "study", "--out", mark=True, by="quantgate audit", inputs=[t.folder for t in targets])
     main = models[targets.index(focus)]
     if not schemes:  # what the model can run and the target serve (static INT8, the question, always)
         ladder = [r for r in _runnable(ladder, main.float_model) if serves(r.scheme, serve) or r.scheme == REFERENCE]
@@ -237,7 +253,21 @@ def audit(
         found = _search(models, main, ladder, sets, tolerance, clock, bar, placement, dtype, speed)
         bar.set_description("audit: certifying")
         tests = _certify(main, found, sets[1], tolerance, serve)
-    return _finish(main, found, tests, sets, tolerance, clock, out, dtype, export, serve)
+    compared = targets[1].name if against is not None else None
+    return _finish(main, found, tests, sets, tolerance, clock, out, dtype, export, serve, compared)
+
+
+def _same_tokens(models: list[Model]) -> None:
+    """Refuse a pair whose tokenizers differ: the same documents would be other tokens, and no difference paired
+    over them would compare like with like."""
+    a, b = (m.tok.get_vocab() for m in models)
+    if a != b:
+        names = [m.target.name for m in models]
+        raise AuditError(
+            f"{names[0]} and {names[1]} tokenize differently ({len(a):,} and {len(b):,} tokens, "
+            f"{len(a.keys() ^ b.keys()):,} not in both, or the same ones numbered otherwise); compare two models "
+            f"that share one tokenizer"
+        )
 
 
 def _sets(m: Model, speed: Speed, ladder: list[Rung], clock: Clock, docs: int | None) -> tuple[DocSet, DocSet]:
@@ -266,6 +296,7 @@ def _search(models: list[Model], main: Model, ladder: list[Rung], sets: tuple[Do
     candidates: list[Candidate] = []
     cut: list[str] = []
     gaps: dict[str, Delta] = {}
+    pair: dict[str, tuple[Delta | None, Delta | None]] = {}
     for rung in sorted(ladder, key=lambda r: r.probe):
         per = max((c.seconds for c in candidates), default=0.0) * len(models)
         if candidates and clock.left() - reserve < per:
@@ -276,15 +307,17 @@ def _search(models: list[Model], main: Model, ladder: list[Rung], sets: tuple[Do
         candidates.append(runs[id(main)])
         if len(models) == 2:
             gaps[rung.scheme] = _gap(models, runs, rung.scheme)
+            pair[rung.scheme] = (runs[id(models[0])].search, runs[id(models[1])].search)
     fallbacks, curve = _fallbacks(main, candidates, tolerance, clock, reserve, bar, cut, _fallback_s(main, speed))
     assert main.search is not None
     for f in fallbacks:
         candidates += [f.candidate(main.search, k) for k in sorted(_chosen(f, tolerance))]
-    return Found(candidates, fallbacks, cut, gaps, report, curve)
+    return Found(candidates, fallbacks, cut, gaps, report, curve, pair)
 
 
 def _gap(models: list[Model], runs: dict[int, Candidate], scheme: str) -> Delta:
-    """The gated twin's change minus the ungated one's under ``scheme``, paired over the same documents."""
+    """The second model's change minus the first's under ``scheme`` (the gated twin's minus the ungated one's, or
+    the model given --against minus the audited one's), paired over the same documents."""
     ungated, gated = models
     assert ungated.search is not None and gated.search is not None
     u, g = runs[id(ungated)].scores, runs[id(gated)].scores  # what each scored on the search set
@@ -374,7 +407,7 @@ def _certify(m: Model, found: Found, held: DocSet, tolerance: float, serve: str)
 
 
 def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, DocSet], tolerance: float,
-            clock: Clock, out: Path, dtype: str, export: bool, serve: str) -> Audit:  # fmt: skip
+            clock: Clock, out: Path, dtype: str, export: bool, serve: str, against: str | None) -> Audit:  # fmt: skip
     """Write the export, audit.json and audit.md; the answer."""
     certified = [c for c in found.candidates if any(t.certified and t.name == c.scheme for t in tests)]
     chosen = min(certified, key=lambda c: c.cost.key(), default=None)  # the cheapest certified
@@ -384,7 +417,10 @@ def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, Do
         note = "not asked for (--no-export)"
     elif chosen is None:
         note = "no recipe was certified"
-    record = dataclasses.replace(_record(main, found, tests, sets, tolerance, clock, dtype, recipe), serve=serve)
+    record = dataclasses.replace(
+        _record(main, found, tests, sets, tolerance, clock, dtype, recipe), serve=serve, against=against,
+        pair=[_pair_record(scheme, *found.pair[scheme], gap) for scheme, gap in found.gaps.items()],
+    )  # fmt: skip
     write_text_atomic(out / "audit.json", _json(record))
     text = page.text(main.target, record, found, tests, tolerance, export_dir, note, clock.spent(), clock.budget_s)
     write_text_atomic(out / "audit.md", text)
@@ -394,6 +430,13 @@ def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, Do
         survives = None  # straddles the tolerance: not resolved
     changes = {main.target.name: {c.scheme: c.search for c in found.candidates if c.search is not None}}
     return Audit(out, text, survives, recipe, export_dir, note, record, changes)
+
+
+def _pair_record(scheme: str, baseline: Delta | None, gated: Delta | None, gap: Delta) -> PairRecord:
+    share = None
+    if baseline is not None and gated is not None and baseline.value > 0:
+        share = 1 - gated.value / baseline.value
+    return PairRecord(scheme, ChangeRecord.of(baseline), ChangeRecord.of(gated), ChangeRecord.of(gap), gap.kind, share)
 
 
 def _json(record: AuditRecord) -> str:

@@ -261,8 +261,9 @@ def fresh_copy(model: nn.Module) -> Callable[[], nn.Module]:
 
 @dataclass
 class Found:
-    """What the search found: every candidate (whole-model and fallback), the fallbacks run, what was cut, the
-    gate's effect per scheme on a pair of twins, the outlier profile."""
+    """What the search found: every candidate (whole-model and fallback), the fallbacks run, what was cut, on a
+    pair (the ungated and gated twins, or a baseline and the model given ``--against``) each one's change per
+    whole-model scheme and the gate's effect, the second's change minus the first's; the outlier profile."""
 
     candidates: list[Candidate]
     fallbacks: list[Fallback]
@@ -270,3 +271,4 @@ class Found:
     gaps: dict[str, Delta]
     report: ObserveReport | None
     curve: list[CurvePoint]
+    pair: dict[str, tuple[Delta | None, Delta | None]] = field(default_factory=dict)
