@@ -1,13 +1,20 @@
 """A twin pair trained on a GPU: does the G1 gate keep a 6-layer d=512 Llama quantizable at INT8?
 
-    PYTHONPATH=. python experiments/gpu_twins.py                       # CUDA (an H200): --budget-s 270 s in all
+    PYTHONPATH=. python experiments/gpu_twins.py                       # CUDA (an H200): --budget-s 540 s in all
     PYTHONPATH=. python experiments/gpu_twins.py --dry-run --out DIR   # CPU, tiny config, ~40 s (CI; --smoke too)
 
 Two Llama-style models from one preset and config (``small-llama`` widened to d = 512, 6 layers, 8 heads
 of 64, FFN 1536, 8,192-token BPE vocabulary, tied embeddings: 25 M parameters), the same data (the bundled
-``train`` split, 3.1 M tokens, 32 x 512-token rows a step, reshuffled each epoch), steps, learning rate
-(1e-3, cosine after 5% warm-up, AdamW 0.9 / 0.95, weight decay 0.1) and seed: one ungated (``vanilla``), one
-with Qiu et al.'s G1 elementwise gate (``g1-elementwise``). bf16 mixed precision (fp32 weights); the
+``train`` split, 3.1 M tokens, 16 x 1,024-token rows a step, each opening with BOS, reshuffled each epoch), steps,
+learning rate (1e-3, cosine after 5% warm-up, AdamW 0.9 / 0.95, weight decay 0.1, none on norm gains or biases)
+and seed: one ungated (``vanilla``), one with Qiu et al.'s G1 elementwise gate (``g1-elementwise``). Those
+settings are where the literature sees outliers emerge (a first token every row attends to, long rows, norm gains
+free to grow); outliers and first-token attention are logged every 250 steps (``LOG_EVERY``).
+
+Manipulation check, declared before any run (issue 56): the ungated twin must reach max / median >= 500 and a
+static W8A8 change whose interval lies at or above +10%. Where it does not, the report says "no test" for every
+scheme: a pair whose ungated member does not break cannot show what the gate fixes, and is no evidence of "no gate
+effect". bf16 mixed precision (fp32 weights); the
 gated SDPA runs on quantgate's Triton kernel where CUDA has it (backend ``auto``). Then, for each model:
 observe (max |x| of the residual stream, max / median, first-token attention, per layer; validation text),
 quantize (``w8a8-int8-static``, ``w8a8-int8-bondarenko``: 16 calibration batches of 8 x 512 train tokens,
@@ -28,13 +35,11 @@ one path; the dry run differs in sizes only (``tiny-llama``, 32-token rows, a fe
 Steps (``--steps``, default ``auto``): the CUDA run times 20 steps of a throwaway copy of the gated model (the
 slower twin) and gives each twin ``(budget - time so far - 75 s kept for observe, quantize and evaluate) / 2``
 of training, at least 200 steps. The estimate behind the default budget: at about 400 k tokens/s (bf16, one
-step of 16,384 tokens in ~41 ms; 25 M parameters at ~25% of an H200's dense bf16 peak plus launch overhead),
-270 s in all leaves ~80 s a model, ~1,900 steps, 31 M tokens (10 epochs of the train split); the whole
-script then takes ~4.5 min (at most the budget, where the 75 s suffice; a budget too small still trains 200
-steps). ``--steps N`` fixes the count (no timing); ``--budget-s 570`` alone in a device window gives each twin
-~4 min (~5,600 steps, 92 M tokens). Issue 32 asked for about 5 minutes a model: two of those (10 min) do not
-fit one 10-minute device command, nor a 15-minute window beside gpu_check's 7.5, hence the budget. The train
-split is small: a long run repeats it many times, and the validation loss in metrics.json shows what that does.
+step of 16,384 tokens in ~41 ms at 512-token rows; 25 M parameters at ~25% of an H200's dense bf16 peak plus launch
+overhead; 1,024-token rows cost somewhat more attention, not measured here), 540 s in all leaves ~3.8 min a model,
+~5,000 steps, 80 M tokens (25 epochs of the train split), in one 10-minute device command (the machine's start
+counted). ``--steps N`` fixes the count (no timing). The train split is small: a long run repeats it many times,
+and the validation loss in metrics.json shows what that does.
 
 On the device, beside ``benchmarks/gpu_check.py`` in one 15-minute window (10 minutes a command at most,
 the machine's start counted), as one command (``;``: the twins run even if a check section fails; they get
@@ -44,7 +49,8 @@ what is left of 570 s after the check)::
       python3 experiments/gpu_twins.py --out $OUT/gpu_twins --budget-s $((570 - $(date +%s) + T0))
 
 or as two commands, ``PYTHONPATH=. python benchmarks/gpu_check.py --out $OUT/bench`` (under 7.5 min) then
-``PYTHONPATH=. python experiments/gpu_twins.py --out $OUT/gpu_twins`` (270 s). Writes three files, so that
+``PYTHONPATH=. python experiments/gpu_twins.py --out $OUT/gpu_twins`` (540 s, a command of its own). Writes three
+files, so that
 with gpu_check's two they stay within the 8 files a device run returns: ``<out>/report.md``, ``metrics.json``
 (rewritten after each phase, so a run cut short keeps what it finished; it holds the training logs' losses,
 evaluation losses and light observe passes, and every document's scores) and ``layers.png`` (per-layer max |x|
@@ -79,6 +85,10 @@ SCHEMES = ("w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-int8-dynamic")
 RESERVE_S = 75  # kept after training for observe, calibration and 8 evaluations (CUDA)
 MIN_STEPS = 200  # the least a CUDA run trains, whatever the budget
 PROBE_STEPS = 20
+LOG_EVERY = 250  # steps between the logged observe passes (outliers, first-token attention) and evaluations
+# the manipulation check, declared before any run (issue 56): the ungated twin must grow outliers and break under
+# static INT8, or there is nothing for the gate to fix and the run reports "no test", not "no gate effect"
+CHECK_RATIO, CHECK_BREAK = 500.0, 0.10
 # d = 512, 6 layers, 8 heads of 64 (MHA), FFN 3 x d: small-llama's shape, widened
 FULL = {
     "preset": "small-llama",
@@ -89,8 +99,8 @@ FULL = {
         "num_key_value_heads": 8,
         "intermediate_size": 1536,
     },
-    "seq_len": 512,
-    "batch_size": 32,
+    "seq_len": 1024,  # long rows, each opening with BOS (quantgate's batches): where first-token outliers grow
+    "batch_size": 16,
     "lr": 1e-3,
     "mixed_precision": "bf16",
     "limit": 24,
@@ -142,10 +152,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help="wall-clock seconds for the whole script, which --steps auto sizes the training to "
-        "(default 270; dry run 60)",
+        "(default 540: one 10-minute device command; dry run 60)",
     )
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3; dry run 1e-2)")
-    ap.add_argument("--seq-len", type=int, default=None, help="training and evaluation length (default 512)")
+    ap.add_argument("--seq-len", type=int, default=None, help="training and evaluation length (default 1024)")
     ap.add_argument("--limit", type=int, default=None, help="quantgate_ppl test documents (default 24; dry run 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default=None, help="keep the training runs (weights, logs) in this folder")
@@ -170,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg: dict[str, Any] = dict(DRY if args.dry_run else FULL)
     cfg.update({k: v for k, v in (("lr", args.lr), ("seq_len", args.seq_len), ("limit", args.limit)) if v is not None})
-    cfg["budget_s"] = args.budget_s if args.budget_s is not None else (60.0 if args.dry_run else 270.0)
+    cfg["budget_s"] = args.budget_s if args.budget_s is not None else (60.0 if args.dry_run else 540.0)
     cfg["seed"] = args.seed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -248,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         t = time.perf_counter()
         rec["changes"], rec["differences"] = changes(rec)
+        rec["manipulation_check"] = manipulation_check(rec)
         timings["intervals_s"] = time.perf_counter() - t
         timings["total_s"] = time.perf_counter() - t_start
         save()
@@ -271,7 +282,7 @@ def build(qg, cfg: dict, variant: str):
 def train_config(cfg: dict, steps: int, out: Path | None, eval_data: str | None = "validation"):
     from quantgate.train import TrainConfig
 
-    every = steps // 10  # 0 (a short run): only at the end
+    every = LOG_EVERY if steps >= LOG_EVERY else steps // 10  # outliers and first-token attention logged
     return TrainConfig(
         steps=steps,
         batch_size=cfg["batch_size"],
@@ -287,6 +298,7 @@ def train_config(cfg: dict, steps: int, out: Path | None, eval_data: str | None 
         log_every=max(1, steps // 200),
         seed=cfg["seed"],
         mixed_precision=cfg["mixed_precision"],
+        norm_weight_decay=0.0,  # no decay on norm gains: it would pull down the gains that outliers grow through
         out=str(out) if out else None,
         overwrite=True,
     )
@@ -754,6 +766,25 @@ def report(rec: dict, args: argparse.Namespace, ex) -> list[str]:
     return lines
 
 
+def manipulation_check(rec: dict) -> dict:
+    """The declared check: the ungated twin's max / median reaches CHECK_RATIO and its static W8A8 change's interval
+    lies at or above CHECK_BREAK. Where it fails, the gate could not show an effect on this pair ("no test")."""
+    ratio = rec["models"]["vanilla"]["observe"]["summary"]["max_median_ratio"]
+    change = rec["changes"]["vanilla"]["w8a8-int8-static"]
+    low = change.get("low")
+    failed = []
+    if ratio is None or ratio < CHECK_RATIO:
+        failed.append(f"the ungated twin's max / median is {ratio:.4g}, below {CHECK_RATIO:g}" if ratio is not None
+                      else "the ungated twin's max / median is unknown")  # fmt: skip
+    if low is None or low < CHECK_BREAK:
+        failed.append(f"its static W8A8 change ({change.get('text', 'none')}) is not wholly at or above "
+                      f"+{CHECK_BREAK:.0%}")  # fmt: skip
+    passed = not failed
+    text = ("passed: the ungated twin grows outliers and breaks under static W8A8" if passed
+            else "failed, so no test of the gate: " + "; ".join(failed))  # fmt: skip
+    return {"passed": passed, "text": text, "max_median_ratio": ratio, "static_low": low}
+
+
 def reading(rec: dict) -> list[str]:
     """What the numbers say, in sentences generated from them."""
     obs = {v: rec["models"][v]["observe"]["summary"] for v in VARIANTS}
@@ -764,19 +795,25 @@ def reading(rec: dict) -> list[str]:
         f"{obs['g1-elementwise']['max_activation']:.4g} ({obs['g1-elementwise']['max_median_ratio']:.4g}, "
         f"{obs['g1-elementwise']['max_layer_first_token_attention']:.2f})."
     ]
+    check = rec.get("manipulation_check") or manipulation_check(rec)
+    out.append(f"Manipulation check (declared before the run): {check['text']}.")
     for scheme in SCHEMES:
         d = rec["differences"][scheme]
         if d.get("value") is None:
             continue
         ch = [rec["changes"][v][scheme]["text"] for v in VARIANTS]
         verdict = (
-            "the gate loses less"
-            if d["high"] is not None and d["high"] < 0
-            else "the gate loses more"
-            if d["low"] is not None and d["low"] > 0
-            else "no difference beyond noise"
-            if d["low"] is not None
-            else "no interval"
+            "no test (the manipulation check failed)"
+            if not check["passed"]
+            else (
+                "the gate loses less"
+                if d["high"] is not None and d["high"] < 0
+                else "the gate loses more"
+                if d["low"] is not None and d["low"] > 0
+                else "no difference beyond noise"
+                if d["low"] is not None
+                else "no interval"
+            )
         )
         out.append(f"`{scheme}`: ungated {ch[0]}, gated {ch[1]}; gated - ungated {d['text']}: {verdict}.")
     return [" ".join(out)]

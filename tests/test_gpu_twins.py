@@ -207,3 +207,31 @@ def test_refuses_the_full_run_without_cuda(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpu_twins: no CUDA device") and "--dry-run" in lines[0]
     assert not (tmp_path / "out").exists() and time.perf_counter() - t0 < 60  # refused before any work
+
+
+@pytest.mark.parametrize(
+    "ratio, low, passed",
+    [(800.0, 0.15, True), (499.0, 0.15, False), (800.0, 0.09, False), (None, None, False)],
+)
+def test_the_manipulation_check_gives_no_test_unless_the_ungated_twin_breaks(ratio, low, passed):
+    """Declared before any run: max / median >= 500 and a static W8A8 interval at or above +10%, else every
+    scheme reads "no test" (not "no gate effect"); by hand on made-up records."""
+    change = {"value": 0.2 if low is not None else None, "low": low, "high": 0.3, "text": "+20% [..]"}
+    rec = {
+        "models": {"vanilla": {"observe": {"summary": {"max_median_ratio": ratio}}}},
+        "changes": {"vanilla": {"w8a8-int8-static": change}},
+    }
+    check = gt.manipulation_check(rec)
+    assert check["passed"] is passed
+    assert check["text"].startswith("passed" if passed else "failed, so no test of the gate")
+
+
+def test_the_dry_run_reads_no_test_where_the_check_fails(dry_run):
+    """The tiny dry-run twins never grow outliers: the report says so and draws no gate verdict."""
+    _, out, rec = dry_run
+    assert rec["manipulation_check"]["passed"] is False
+    text = (out / "report.md").read_text()
+    reading = next(line for line in text.splitlines() if "Manipulation check (declared before the run)" in line)
+    assert "Manipulation check (declared before the run): failed, so no test of the gate" in reading
+    assert "no test (the manipulation check failed)" in reading
+    assert "no difference beyond noise" not in reading and "the gate loses" not in reading
