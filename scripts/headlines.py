@@ -585,12 +585,18 @@ VERDICT = re.compile(
 SENTENCE = re.compile(r"(?<=[.;])\s+(?=[A-Z(`*-])")
 
 
-def _results_text() -> str:
-    """Every committed results page and record (what an interval a page quotes without a citation must be in)."""
-    files = sorted((ROOT / "results").rglob("*.md")) + sorted((ROOT / "results").rglob("*.json"))
-    return "\n".join(f.read_text(errors="replace") for f in files) + "\n".join(
-        m.group(3) for m in BLOCK.finditer(PAGE.read_text())
-    )
+PRECISE = re.compile(r"(?<![\d.])\d+\.\d{3,}(?!\d)")  # a decimal of three places or more: read off a result
+CODE = re.compile(r"`[^`]*`")  # a value in code (a setting, a name) is not a quoted result
+
+
+def _results_text() -> tuple[str, str]:
+    """What a paragraph that cites no results page may quote: (every committed results page and record, for its
+    intervals; the results pages alone, for its precise decimals, which a record's raw floats would hold by
+    accident), each with the headline table written from them."""
+    pages = "\n".join(f.read_text(errors="replace") for f in sorted((ROOT / "results").rglob("*.md")))
+    records = "\n".join(f.read_text(errors="replace") for f in sorted((ROOT / "results").rglob("*.json")))
+    table = "\n".join(m.group(3) for m in BLOCK.finditer(PAGE.read_text()))
+    return f"{pages}\n{records}\n{table}", f"{pages}\n{table}"
 
 
 def _marked_approximate(interval: str, source: str) -> bool:
@@ -599,12 +605,13 @@ def _marked_approximate(interval: str, source: str) -> bool:
     return bool(ends) and all(APPROXIMATE.match(source, end) for end in ends)
 
 
-def misquoted(page: Path, results: str | None = None) -> list[str]:
+def misquoted(page: Path, results: tuple[str, str] | None = None) -> list[str]:
     """What ``page`` quotes that the results pages its paragraphs cite do not hold: each interval verbatim, each
     other decimal number (the generated headline blocks are checked against the results by :func:`render`); an
     interval quoted without the "approximate" its source gives it, or with it beside a verdict; and, in a
-    paragraph that cites no results page, an interval that no committed results file holds. ``results``: the
-    text of every results file (:func:`_results_text`), read once for many pages."""
+    paragraph that cites no results page, an interval that no committed results file holds or a decimal of three
+    places or more (outside code) that no results page holds. ``results``: :func:`_results_text`, read once for
+    many pages."""
     problems = []
     name = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page
     text = re.sub(r"^```.*?^```", "", BLOCK.sub("", page.read_text()), flags=re.S | re.M)  # code: not quotes
@@ -612,8 +619,10 @@ def misquoted(page: Path, results: str | None = None) -> list[str]:
         cited = sorted(set(CITED.findall(paragraph)))
         flat = " ".join(paragraph.split())  # an interval broken across lines is still one interval
         if not cited:
-            results = _results_text() if results is None else results
-            lost = [q for q in INTERVAL.findall(flat) if q.count(", ") == 1 and q not in results]
+            everything, pages = _results_text() if results is None else results
+            lost = [q for q in INTERVAL.findall(flat) if q.count(", ") == 1 and q not in everything]
+            prose = CODE.sub(" ", INTERVAL.sub(" ", flat))
+            lost += [n for n in PRECISE.findall(prose) if n not in pages]
             if lost:
                 problems.append(f"{name}: {', '.join(lost)} in no committed results file: {flat[:120]!r}")
             continue

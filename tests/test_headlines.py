@@ -92,7 +92,8 @@ def test_check_fails_on_a_verdict_drawn_from_an_approximate_interval(headlines, 
 
 def test_check_fails_on_an_interval_no_committed_file_holds(headlines, tmp_path, monkeypatch):
     """An interval quoted where no results page is cited must still be in some committed results file (or the
-    headline table written from them): the per-seed A6 numbers of findings' summary are; one digit off is not."""
+    headline table written from them), and a decimal of three places or more in a results page: the per-seed A6
+    numbers of findings' summary are; one digit off is not, nor a loss no page holds."""
     message = _check_fails_on(
         headlines,
         monkeypatch,
@@ -102,6 +103,15 @@ def test_check_fails_on_an_interval_no_committed_file_holds(headlines, tmp_path,
         "-4.5 pp [-5.5, -3.4], -46.3",
     )
     assert "[-5.5, -3.4] in no committed results file" in message
+    precise = _check_fails_on(
+        headlines,
+        monkeypatch,
+        tmp_path,
+        "docs/findings.md",
+        "Three seeds this unlike",
+        "Three seeds (loss 3.9974) this",
+    )
+    assert "3.9974 in no committed results file" in precise  # once quoted here with no source
 
 
 def test_hyga_changes_and_gate_shares_by_hand():
