@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 
 import quantgate as qg
-from quantgate.audit.record import ChangeRecord, PairRecord
+from quantgate.audit.record import PairRecord
 from quantgate.files import write_text_atomic
-from quantgate.stats import Delta, format_delta
+from quantgate.stats import format_delta
 
 SCHEME = "w8a8-int8-static"
 BREAKS, HOLDS, TIE = 0.10, 0.02, 2.0  # the criterion above
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     (row,) = [r for r in found.record.pair if r.scheme == SCHEME]
     reading = verdict(row)
     lines = [f"# {gated} against {baseline} under `{SCHEME}`", "", f"**{reading}**", ""]
-    lines += [f"- {name}: {format_delta(_delta(change, kind))}" for name, change, kind in (
+    lines += [f"- {name}: {format_delta(change.delta(kind) if change else None)}" for name, change, kind in (
         (f"{baseline} (baseline)", row.baseline, "perplexity"), (f"{gated} (gated)", row.gated, "perplexity"),
         ("gated minus baseline, paired", row.difference, row.kind))]  # fmt: skip
     lines += [
@@ -88,13 +88,6 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n".join(lines) + "\n"
     write_text_atomic(Path(args.out) / "verdict.md", text)
     print(text, end="")
-
-
-def _delta(change: ChangeRecord | None, kind: str) -> Delta | None:
-    if change is None:
-        return None
-    return Delta(change.value, change.low, change.high, kind, change.n, change.method, change.clusters,
-                 change.approximate)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -677,8 +677,9 @@ def _summary(
 def _layer_summary(
     layer: _Layer, decode: Decode | None, kurt_set: tuple[str, ...], inf_extra: tuple[str, ...]
 ) -> LayerSummary:
-    once: dict[int, TensorSummary] = {}  # a tensor feeding several modules has one TensorStats under their names
-    tensors = {name: once.get(id(t)) or once.setdefault(id(t), t.summary(decode)) for name, t in layer.tensors.items()}
+    # a tensor feeding several modules has one TensorStats under their names: summarised once
+    once = {id(t): t.summary(decode) for t in {id(t): t for t in layer.tensors.values()}.values()}
+    tensors = {name: once[id(t)] for name, t in layer.tensors.items()}
     paper = [tensors[n] for n in kurt_set if n in tensors]
     sink, gate = layer.sink.summary(), layer.gate.summary()
     return LayerSummary(

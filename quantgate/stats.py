@@ -35,6 +35,7 @@ from quantgate.errors import InputError
 __all__ = [
     "METRICS",
     "Delta",
+    "share_removed",
     "aggregate",
     "paired_delta",
     "paired_difference",
@@ -430,6 +431,12 @@ def format_delta(d: Delta | None, noise: str = " ~") -> str:
 
 def _approximate(d: Delta) -> str:
     return " approximate" if d.approximate else ""
+
+
+def share_removed(base: float, other: float) -> float | None:
+    """The share of ``base``'s change (a fraction, e.g. an ungated model's perplexity change) that ``other``'s does
+    not have: 1 - other / base (negative: ``other`` adds to it); None where ``base``'s change is not above 0."""
+    return 1 - other / base if base > 0 else None
 
 
 def bound(d: Delta | None) -> float | None:

@@ -10,7 +10,8 @@ cites a committed results page (``results/<study>/report.md``, a ``results/bench
 what those pages hold: each interval (``[+9.8, +14.9]``) verbatim, and each other decimal number; an interval its
 source marks approximate keeps the mark, and no verdict ("within noise", "fixed", "no difference larger than", ...)
 is read off it in the same sentence. A paragraph that cites no results page may quote only intervals that some
-committed results file (or the headline table below, written from them) holds.
+committed results file (or the headline table below, written from them) holds, and decimals of three places or
+more (outside code) that a results page holds.
 
 Each headline sits between ``<!-- headlines:NAME -->`` and ``<!-- /headlines -->`` and is written by
 the function NAME below from results/ (metrics.json; for cpu_recipe_search the search's summary.json
@@ -33,7 +34,7 @@ from typing import TypeVar
 
 from quantgate import experiment as ex
 from quantgate.models.presets import preset_config
-from quantgate.stats import Delta, format_delta, seed_delta, spearman
+from quantgate.stats import Delta, format_delta, seed_delta, share_removed, spearman
 from quantgate.study import CellRecord, StudyRecord, load_study, read_metrics
 from quantgate.study.fixes import fix_rows
 from quantgate.study.measures import (
@@ -128,9 +129,9 @@ def _changes(deltas: Sequence[Delta | None]) -> str:
 def _share(ungated: float, gated: float) -> str:
     """The share of the ungated model's perplexity change that the gated one does not have (1 - gated / ungated;
     negative: it adds to the damage), from the two changes themselves, whichever form their difference takes."""
-    if ungated <= 0:
+    share = share_removed(ungated, gated)
+    if share is None:
         return ""
-    share = 1 - gated / ungated
     return f", {share:.0%} of the ungated damage removed" if share >= 0 else f", {-share:.0%} added to it"
 
 

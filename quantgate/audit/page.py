@@ -126,7 +126,7 @@ def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | N
 
 
 def _change(c) -> str:
-    return format_delta(Delta(c.value, c.low, c.high, "perplexity", c.n, c.method, c.clusters, c.approximate))
+    return format_delta(c.delta())
 
 
 def _massive_note(kept: tuple[str, ...], report: ObserveReport | None) -> str:
@@ -195,14 +195,14 @@ def _pair_lines(record: AuditRecord, found: Found) -> list[str]:
         who = f"{second}'s change minus {first}'s"
     lines = []
     for row in record.pair:
-        baseline, gated = found.pair[row.scheme]
-        share = "" if row.share_removed is None else f"; {row.share_removed:.0%} of {first}'s change removed"
-        if row.share_removed is not None and row.share_removed < 0:
-            share = f"; {-row.share_removed:.0%} added to {first}'s change"
+        one, two, gap = found.pairs[row.scheme]
+        share = row.share_removed
+        removed = "" if share is None else f"; {share:.0%} of {first}'s change removed"
+        if share is not None and share < 0:
+            removed = f"; {-share:.0%} added to {first}'s change"
         lines.append(
             f"- **The gate's effect** under `{row.scheme}`: {who}, paired over the same sequences: "
-            f"{format_delta(found.gaps[row.scheme])} ({first} {format_delta(baseline)}, {second} "
-            f"{format_delta(gated)}{share})."
+            f"{format_delta(gap)} ({first} {format_delta(one)}, {second} {format_delta(two)}{removed})."
         )
     return lines
 

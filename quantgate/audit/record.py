@@ -28,6 +28,11 @@ class ChangeRecord(JsonRecord):
             return None
         return cls(d.value, d.low, d.high, d.n, d.clusters, d.approximate, d.method)
 
+    def delta(self, kind: str = "perplexity") -> Delta:
+        """The change back as a :class:`~quantgate.stats.Delta` of ``kind`` (a record keeps no kind: its reader
+        knows it)."""
+        return Delta(self.value, self.low, self.high, kind, self.n, self.method, self.clusters, self.approximate)
+
 
 @dataclass(frozen=True)
 class CandidateRecord(JsonRecord):

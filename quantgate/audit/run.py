@@ -29,7 +29,7 @@ from ..models.sources import tokenizer as get_tokenizer
 from ..observe import ObserveReport, observe
 from ..quant.export import export_format
 from ..quant.schemes import get_scheme
-from ..stats import Delta, paired_delta, paired_difference
+from ..stats import Delta, paired_delta, paired_difference, share_removed
 from ..study.grid import DataSettings
 from . import page
 from .documents import DocSet
@@ -46,7 +46,20 @@ from .plan import (
     size,
 )
 from .record import AuditRecord, CandidateRecord, ChangeRecord, CurvePoint, PairRecord
-from .search import LADDER, REFERENCE, SERVE, Candidate, Fallback, Found, Rung, Search, fallback, fresh_copy, serves
+from .search import (
+    LADDER,
+    REFERENCE,
+    SERVE,
+    Candidate,
+    Fallback,
+    Found,
+    Pair,
+    Rung,
+    Search,
+    fallback,
+    fresh_copy,
+    serves,
+)
 from .sites import can_fall_back
 from .target import AuditError, Target, check_memory, dtype_of, target
 
@@ -295,8 +308,7 @@ def _search(models: list[Model], main: Model, ladder: list[Rung], sets: tuple[Do
     reserve = _certify_reserve(main, sets[1], speed)
     candidates: list[Candidate] = []
     cut: list[str] = []
-    gaps: dict[str, Delta] = {}
-    pair: dict[str, tuple[Delta | None, Delta | None]] = {}
+    pairs: dict[str, Pair] = {}
     for rung in sorted(ladder, key=lambda r: r.probe):
         per = max((c.seconds for c in candidates), default=0.0) * len(models)
         if candidates and clock.left() - reserve < per:
@@ -306,13 +318,13 @@ def _search(models: list[Model], main: Model, ladder: list[Rung], sets: tuple[Do
         runs = {id(m): m.search.whole(rung.scheme) for m in models if m.search is not None}
         candidates.append(runs[id(main)])
         if len(models) == 2:
-            gaps[rung.scheme] = _gap(models, runs, rung.scheme)
-            pair[rung.scheme] = (runs[id(models[0])].search, runs[id(models[1])].search)
+            first, second = (runs[id(m)].search for m in models)
+            pairs[rung.scheme] = Pair(first, second, _gap(models, runs, rung.scheme))
     fallbacks, curve = _fallbacks(main, candidates, tolerance, clock, reserve, bar, cut, _fallback_s(main, speed))
     assert main.search is not None
     for f in fallbacks:
         candidates += [f.candidate(main.search, k) for k in sorted(_chosen(f, tolerance))]
-    return Found(candidates, fallbacks, cut, gaps, report, curve, pair)
+    return Found(candidates, fallbacks, cut, pairs, report, curve)
 
 
 def _gap(models: list[Model], runs: dict[int, Candidate], scheme: str) -> Delta:
@@ -419,7 +431,7 @@ def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, Do
         note = "no recipe was certified"
     record = dataclasses.replace(
         _record(main, found, tests, sets, tolerance, clock, dtype, recipe), serve=serve, against=against,
-        pair=[_pair_record(scheme, *found.pair[scheme], gap) for scheme, gap in found.gaps.items()],
+        pair=[_pair_record(scheme, pair) for scheme, pair in found.pairs.items()],
     )  # fmt: skip
     write_text_atomic(out / "audit.json", _json(record))
     text = page.text(main.target, record, found, tests, tolerance, export_dir, note, clock.spent(), clock.budget_s)
@@ -432,11 +444,10 @@ def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, Do
     return Audit(out, text, survives, recipe, export_dir, note, record, changes)
 
 
-def _pair_record(scheme: str, baseline: Delta | None, gated: Delta | None, gap: Delta) -> PairRecord:
-    share = None
-    if baseline is not None and gated is not None and baseline.value > 0:
-        share = 1 - gated.value / baseline.value
-    return PairRecord(scheme, ChangeRecord.of(baseline), ChangeRecord.of(gated), ChangeRecord.of(gap), gap.kind, share)
+def _pair_record(scheme: str, pair: Pair) -> PairRecord:
+    first, second, gap = pair
+    share = share_removed(first.value, second.value) if first is not None and second is not None else None
+    return PairRecord(scheme, ChangeRecord.of(first), ChangeRecord.of(second), ChangeRecord.of(gap), gap.kind, share)
 
 
 def _json(record: AuditRecord) -> str:

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch.nn as nn
 
@@ -259,16 +259,24 @@ def fresh_copy(model: nn.Module) -> Callable[[], nn.Module]:
     return lambda: copy.deepcopy(model)
 
 
+class Pair(NamedTuple):
+    """One whole-model scheme on a pair (the ungated and gated twins, or a baseline and the model given
+    ``--against``): each one's change, and the gate's effect, the second's change minus the first's paired over the
+    same documents."""
+
+    first: Delta | None
+    second: Delta | None
+    gap: Delta
+
+
 @dataclass
 class Found:
     """What the search found: every candidate (whole-model and fallback), the fallbacks run, what was cut, on a
-    pair (the ungated and gated twins, or a baseline and the model given ``--against``) each one's change per
-    whole-model scheme and the gate's effect, the second's change minus the first's; the outlier profile."""
+    pair each whole-model scheme's :class:`Pair`, the outlier profile."""
 
     candidates: list[Candidate]
     fallbacks: list[Fallback]
     cut: list[str]
-    gaps: dict[str, Delta]
+    pairs: dict[str, Pair]
     report: ObserveReport | None
     curve: list[CurvePoint]
-    pair: dict[str, tuple[Delta | None, Delta | None]] = field(default_factory=dict)

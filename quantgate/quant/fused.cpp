@@ -101,6 +101,16 @@ inline float clamp_keep_nan(float v, float lo, float hi) {
   return m < hi ? m : hi;
 }
 
+// One row's integer round trip with one scale s, its reciprocal r and bounds [lo, hi] (qmin - z, qmax - z).
+template <typename T>
+inline void round_trip_row(const T* xr, T* yr, int64_t n, float s, float r, float lo, float hi) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float q = clamp_keep_nan(round_even(widen(xr[j]) * r), lo, hi);
+    yr[j] = narrow(q * s, static_cast<T*>(nullptr));
+  }
+}
+
 // mode 0: one scale for the whole tensor; 1: one per row (of the last dim); 2: one per channel (of the last dim)
 template <typename T>
 at::Tensor fake_int_impl(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& recip,
@@ -123,12 +133,7 @@ at::Tensor fake_int_impl(const at::Tensor& x, const at::Tensor& scale, const at:
         }
       } else {
         const int64_t k = mode == 1 ? i : 0;
-        const float s = ps[k], r = pr[k], lo = fmin - pz[k], hi = fmax - pz[k];
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) {
-          const float q = clamp_keep_nan(round_even(widen(xr[j]) * r), lo, hi);
-          yr[j] = narrow(q * s, static_cast<T*>(nullptr));
-        }
+        round_trip_row(xr, yr, n, ps[k], pr[k], fmin - pz[k], fmax - pz[k]);
       }
     }
   });
@@ -165,12 +170,7 @@ at::Tensor fake_int_rows_impl(const at::Tensor& x, int64_t qmin, int64_t qmax, b
       if (!symmetric) {
         zero = clamp_keep_nan(fmin - round_even(neg / scale), fmin, fmax);
       }
-      const float r = 1.0f / scale, low = fmin - zero, high = fmax - zero;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        const float q = clamp_keep_nan(round_even(widen(xr[j]) * r), low, high);
-        yr[j] = narrow(q * scale, static_cast<T*>(nullptr));
-      }
+      round_trip_row(xr, yr, n, scale, 1.0f / scale, fmin - zero, fmax - zero);
     }
   });
   return y;
