@@ -620,7 +620,8 @@ def misquoted(page: Path, results: tuple[str, str] | None = None) -> list[str]:
         cited = sorted(set(CITED.findall(paragraph)))
         flat = " ".join(paragraph.split())  # an interval broken across lines is still one interval
         if not cited:
-            everything, pages = _results_text() if results is None else results
+            results = _results_text() if results is None else results  # read once per page, at most
+            everything, pages = results
             lost = [q for q in INTERVAL.findall(flat) if q.count(", ") == 1 and q not in everything]
             prose = CODE.sub(" ", INTERVAL.sub(" ", flat))
             lost += [n for n in PRECISE.findall(prose) if n not in pages]
