@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,7 @@ from .parallel import is_first, joined, relaunch
 from .quant import SCHEMES, get_scheme, quant_error, quantization_of, quantize
 from .runlock import run_lock
 from .stats import CLUSTERS
-from .study import DEFAULT_STUDY, plan, run_study
+from .study import DEFAULT_STUDY, plan, read_metrics, run_study
 from .study.compare import compare
 from .study.executors import EXECUTORS
 from .study.report import write_study_report
@@ -440,13 +441,17 @@ def cmd_audit(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     if not Path(args.run).is_dir():
         raise MissingFile(f"no study run directory {args.run}")
+    read_metrics(args.run)  # a missing or corrupt metrics.json: the reader's line, naming the file and field
+    # a study run of quantgate's, without a link out of it, before the lock or a plot is written there
+    claim_output(args.run, "study", "RUN", fix="give the folder `quantgate study` wrote")
     with run_lock(args.run):  # not while a study is writing there
         print(f"wrote {write_study_report(args.run, args.cluster)}")
     return 0
 
 
 def cmd_build_tokenizers(args: argparse.Namespace) -> int:
-    for path in build_bundled(Path(args.out) if args.out else TOKENIZER_DIR):
+    out = claim_output(args.out or TOKENIZER_DIR, "tokenizers", "--out", mark=True, by="quantgate build-tokenizers")
+    for path in build_bundled(out):
         print(f"wrote {path}")
     return 0
 
@@ -750,11 +755,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quantgate {args.command}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only or forbidden path: one line naming the file
-        line = os_error_line(e)
+        line = os_error_line(e, getattr(args, "out", None) or getattr(args, "run", None))
         if line is None or args.debug:
             raise
         print(f"quantgate {args.command}: error: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was saved stays; one line says how to go on
+        if args.debug:
+            raise
+        print(f"quantgate {args.command}: interrupted; {_rerun(args)}", file=sys.stderr)
+        return 130
+
+
+def _rerun(args: argparse.Namespace) -> str:
+    """How to go on after an interrupted command: its command line again (a study reuses the steps it saved, a
+    training run continues from its last checkpoint with --resume)."""
+    argv = [a for a in args.argv if a != "--debug"]
+    if args.command == "train" and getattr(args, "out", None) and "--resume" not in argv:
+        argv = [*[a for a in argv if a != "--overwrite"], "--resume"]
+        return f"continue from the last checkpoint with: quantgate {shlex.join(argv)}"
+    kept = " (the steps already saved are reused)" if args.command == "study" else ""
+    return f"run it again{kept}: quantgate {shlex.join(argv)}"
 
 
 if __name__ == "__main__":

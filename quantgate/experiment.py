@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
-import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
@@ -27,6 +26,7 @@ from .data.corpus import corpus, in_turn
 from .errors import InputError, MissingFile
 from .models.families import config_of
 from .models.swap import VariantAttention, attention_modules, variant_of
+from .plots import save_png
 from .provenance import machine, versions
 from .stats import Delta, format_ratio, paired_delta  # format_ratio: for the scripts
 from .study import read_metrics
@@ -209,8 +209,7 @@ def script_args(doc: str, out: str, **extra: tuple[object, str]) -> argparse.Nam
 
 def save_figure(fig: Figure, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def header(title: str, command: str, seconds: float, what: str) -> list[str]:

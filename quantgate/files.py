@@ -30,6 +30,7 @@ from quantgate.errors import InputError
 
 __all__ = [
     "write_text_atomic",
+    "write_bytes_atomic",
     "read_json",
     "json_kind",
     "file_sha256",
@@ -52,17 +53,27 @@ JSON_LIMIT = 1 << 30  # bytes: the most read_json reads by default (a study's me
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file beside it and one rename; parents are created.
-    A failed write (a full disk) removes its temporary file and leaves ``path`` as it was."""
+    """Write ``text`` to ``path`` (UTF-8) as :func:`write_bytes_atomic` does."""
+    return write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a new temporary file beside it and one rename; parents are created.
+    Nothing is written through a link: the temporary file is created afresh (never opened through a link
+    planted at its name) and the rename replaces a link at ``path`` itself, not the file it points to. A failed
+    write (a full disk) removes its temporary file and leaves ``path`` as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        tmp.unlink(missing_ok=True)  # an earlier run's leftover of this process id, or a link planted there
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and e.filename == str(tmp):
+        if isinstance(e, OSError) and e.filename in (str(tmp), None):
             e.filename = str(path)  # the file the user asked for, not its temporary name
         raise
     return path
@@ -209,6 +220,8 @@ def writable_dir(directory: str | Path, what: str = "--out", create: bool = True
     created where missing (``create=False``: left missing, its nearest existing parent checked instead, so a
     command refused later leaves nothing behind); a one-line ValueError naming it (``what``: the option that
     gave it) otherwise."""
+    if "\0" in str(directory):
+        raise InputError(f"{what} {str(directory)!r} holds a null byte, which no path can; choose another directory")
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{what} {directory} is a file, not a directory; choose a directory")
@@ -242,15 +255,30 @@ MARKER = ".quantgate"  # {"written_by": "quantgate <command>", "kind": <a key of
 OUTPUT_KINDS = {
     "model": "model",
     "study": "study run",
+    "audit": "audit",
     "train": "training run",
     "eval": "evaluation",
     "observe": "observe run",
     "compare": "comparison",
+    "tokenizers": "tokenizer set",
 }
 _REPLACED_WHOLE = {"model"}  # a new one replaces the old one's files: only with overwrite
 _OWN_FILES = (MARKER, ".quantgate.lock", ".quantgate-write-test.*")  # quantgate's bookkeeping: not content
-# the names each kind writes at the top of its folder: an input there of such a name would be written over
-_WRITES = {"study": ("config.yaml", "metrics.json", "report.md", "*.png", "cells")}
+_MODEL_FILES = ("config.json", "generation_config.json", "quantization.json", "*.safetensors",
+                "*.safetensors.index*.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+                "merges.txt", "chat_template.jinja", "README.md", "*.png")  # fmt: skip
+# the names each kind writes at the top of its folder: an input there of such a name would be written over, and a
+# folder an older quantgate wrote (without the marker) holds nothing else
+_WRITES = {
+    "model": _MODEL_FILES,
+    "study": ("config.yaml", "metrics.json", "report.md", "*.png", "cells"),
+    "audit": ("audit.json", "audit.md", "export"),
+    "train": ("log.jsonl", "checkpoints", "model", "last-good-model", "tensorboard", ".*.tmp"),
+    "eval": ("eval.json", "eval.partial.json", "lm_eval"),
+    "observe": ("observe.json", "observe.md", "*.png"),
+    "compare": ("compare.md", "compare.csv", "compare.png"),
+    "tokenizers": ("*.json",),
+}
 
 
 def _json_object(path: Path) -> dict[str, Any]:
@@ -263,51 +291,98 @@ def _json_object(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _json_has(path: Path, *keys: str) -> bool:
-    """Whether ``path`` is a file holding a JSON object with all of ``keys``."""
-    return set(keys) <= _json_object(path).keys()
-
-
 def _first_line(path: Path) -> str:
     if not path.is_file() or path.is_symlink():
         return ""
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.readline(4096)
+            return fh.readline(1 << 20)
     except OSError:
         return ""
 
 
-def _first_json_line_has(path: Path, key: str) -> bool:
+def _real_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _older_model(d: Path) -> bool:
+    config = _json_object(d / "config.json")
+    weights = any(fnmatch.fnmatch(e, "*.safetensors") for e in os.listdir(d))
+    return isinstance(config.get("quantgate"), dict) and "model_type" in config and weights
+
+
+def _older_study(d: Path) -> bool:
+    """metrics.json with the study and its cells; or (stopped before it) cells/ of quantgate's cell folders,
+    each holding its model step (``{"format": ..., "key": ...}``)."""
+    if {"study", "cells", "versions"} <= _json_object(d / "metrics.json").keys():
+        return True
+    cells = d / "cells"
+    if not _real_dir(cells) or not (d / "config.yaml").is_file() or not (found := os.listdir(cells)):
+        return False
+    return all("--" in c and {"format", "key"} <= _json_object(cells / c / "model.json").keys() for c in found)
+
+
+def _older_train(d: Path) -> bool:
+    """log.jsonl opening with quantgate's config event, or checkpoints/ of step-N checkpoints only."""
     try:
-        data = json.loads(_first_line(path) or "null")
+        first = json.loads(_first_line(d / "log.jsonl") or "null")
     except json.JSONDecodeError:
+        first = None
+    if isinstance(first, dict) and first.get("event") == "config" and {"config", "world_size"} <= first.keys():
+        return True
+    if not _real_dir(d / "checkpoints") or not (entries := os.listdir(d / "checkpoints")):
         return False
-    return isinstance(data, dict) and key in data
+    return all(fnmatch.fnmatch(e, "step-*") or fnmatch.fnmatch(e, ".step-*.tmp") for e in entries)
 
 
-def _only_checkpoints(path: Path) -> bool:
-    """Whether ``path`` is a folder of training checkpoints only (step-N, or .step-N.tmp where one was cut off)."""
-    if not path.is_dir() or path.is_symlink():
-        return False
-    return all(fnmatch.fnmatch(e, "step-*") or fnmatch.fnmatch(e, ".step-*.tmp") for e in os.listdir(path))
+def _older_eval(d: Path) -> bool:
+    """eval.json (or eval.partial.json) holding an evaluation's record: its fields and no others."""
+    fields = {"results", "documents", "lm_eval_output", "settings", "versions"}
+    data = _json_object(d / "eval.json") or _json_object(d / "eval.partial.json")
+    return {"results", "settings", "versions"} <= data.keys() <= fields and "tasks" in (data.get("settings") or {})
 
 
-# how each kind is recognised in a folder an older quantgate wrote, before the marker existed: by a file only
-# quantgate writes, in quantgate's own shape
+# how each kind is recognised in a folder an older quantgate wrote, before the marker existed: every entry is a name
+# that kind writes (_WRITES), and a file only quantgate writes is there in quantgate's own shape (a tokenizer set has
+# none: a tokenizer file of the user's has the same shape)
 _LEGACY = {
-    "model": lambda d: isinstance(_json_object(d / "config.json").get("quantgate"), dict),
-    "study": lambda d: (
-        _json_has(d / "metrics.json", "study", "cells")
-        or ((d / "config.yaml").is_file() and (d / "cells").is_dir() and not (d / "cells").is_symlink())
-    ),
-    "train": lambda d: _first_json_line_has(d / "log.jsonl", "event") or _only_checkpoints(d / "checkpoints"),
-    "eval": lambda d: (
-        _json_has(d / "eval.json", "settings", "results") or _json_has(d / "eval.partial.json", "results")
-    ),
-    "observe": lambda d: _json_has(d / "observe.json", "summary", "layers", "meta"),
+    "model": _older_model,
+    "study": _older_study,
+    "audit": lambda d: {"model", "tolerance", "candidates", "recipe"} <= _json_object(d / "audit.json").keys(),
+    "train": _older_train,
+    "eval": _older_eval,
+    "observe": lambda d: {"summary", "layers", "meta"} <= _json_object(d / "observe.json").keys(),
     "compare": lambda d: _first_line(d / "compare.csv").startswith("model,variant,seed,scheme,reference"),
 }
+
+
+def _older_kind(directory: Path, content: list[str]) -> str | None:
+    """The kind of output an older quantgate wrote in ``directory`` (its entries ``content``), None for a folder
+    that is not one: a single file of the user's in quantgate's shape does not make a folder quantgate's."""
+    for kind, shaped in _LEGACY.items():
+        if all(any(fnmatch.fnmatch(e, p) for p in _WRITES[kind]) for e in content) and shaped(directory):
+            return kind
+    return None
+
+
+def _marker_kind(marker: dict[str, Any]) -> str:
+    """The kind a marker names (an audit's marked ``study`` before audits had their own kind)."""
+    return "audit" if marker["kind"] == "study" and marker.get("written_by") == "quantgate audit" else marker["kind"]
+
+
+def owner(directory: str | Path) -> tuple[str, str | None] | None:
+    """``(kind, written_by)`` of the quantgate output in folder ``directory`` (its :data:`MARKER`; an older
+    quantgate's by :func:`_older_kind`, ``written_by`` None), None where quantgate did not write it."""
+    directory = Path(directory)
+    if not _real_dir(directory):
+        return None
+    marker = _marker(directory)
+    if marker is not None:
+        by = marker.get("written_by")
+        return _marker_kind(marker), by if isinstance(by, str) else None
+    content = sorted(e for e in os.listdir(directory) if not any(fnmatch.fnmatch(e, p) for p in _OWN_FILES))
+    kind = _older_kind(directory, content) if content else None
+    return (kind, None) if kind else None
 
 
 def _marker(directory: Path) -> dict[str, Any] | None:
@@ -343,6 +418,7 @@ def claim_output(
     mark: bool = False,
     by: str | None = None,
     inputs: Iterable[str | Path] = (),
+    fix: str = "choose an empty folder (or a new one)",
 ) -> Path:
     """The one rule for where quantgate writes: ``directory`` (``what``: the option that gave it), checked
     before the work that fills it (:func:`writable_dir`), for output of ``kind`` (a key of
@@ -354,24 +430,22 @@ def claim_output(
       again; a model folder is replaced only with ``overwrite`` (``--overwrite``), its other files kept.
 
     Who wrote a folder is read from its :data:`MARKER` (``{"written_by": ..., "kind": ...}``). A folder an
-    older quantgate wrote has none; it counts as quantgate's where it holds a file in quantgate's own shape
-    (:data:`_LEGACY`): a model's config.json with the ``quantgate`` record; a study's metrics.json with
-    ``study`` and ``cells`` (or, interrupted, config.yaml beside cells/); a training run's log.jsonl of
-    quantgate's events or a checkpoints/ folder of step-N checkpoints only; eval.json with ``settings`` and ``results``;
-    observe.json with ``summary``, ``layers`` and ``meta``; compare.csv with quantgate's columns. Anything
-    else (another tool's model, the user's files, a project folder) is refused, ``overwrite`` or not.
+    older quantgate wrote has none; it counts as quantgate's only where every entry in it is a name that kind
+    writes (:data:`_WRITES`) and a file only quantgate writes is there in quantgate's own shape (:data:`_LEGACY`):
+    a user's eval.json, log.jsonl or config.json beside their own notes, or in a shape of their own, is theirs.
+    Anything else (another tool's model, the user's files, a project folder) is refused, ``overwrite`` or not.
+    Nothing is created or changed before the whole check has passed.
 
     ``inputs``: files the command reads that may lie in the folder (a study file inside its run), not counted
     as content unless the output writes a file of that name. A link in the folder or below that leads out
     of it is refused: quantgate never writes through one.
-    Each refusal is a one-line ValueError naming the folder, why, and what to do. ``mark``: the folder is
+    Each refusal is a one-line ValueError naming the folder, why, and what to do (``fix``). ``mark``: the folder is
     then created where missing and marked as written by ``by`` (default ``quantgate <kind>``); the writer
     calls it once it is about to write, after the check before the work. Returns ``directory``."""
     if kind not in OUTPUT_KINDS:
         raise InputError(f"unknown output kind {kind!r}; one of {', '.join(OUTPUT_KINDS)}")
-    directory = writable_dir(directory, what, create=mark)
+    directory = writable_dir(directory, what, create=False)
     name = OUTPUT_KINDS[kind]
-    fix = "choose an empty folder (or a new one)"
     if directory.is_dir():
         _refuse_links(directory, what, fix, deep=False)  # first: nothing is read through them
         root = directory.resolve()
@@ -386,14 +460,15 @@ def claim_output(
         )
         if content:
             marker = _marker(directory)
-            owner = marker["kind"] if marker else next((k for k in (kind, *_LEGACY) if _LEGACY[k](directory)), None)
-            if owner is None:
+            found_kind = _marker_kind(marker) if marker else _older_kind(directory, content)
+            if found_kind is None:
                 shown = ", ".join(content[:4]) + (f", ... ({len(content)} in all)" if len(content) > 4 else "")
                 raise InputError(f"{what} {directory} holds files quantgate did not write ({shown}); {fix}")
             written_by = f" (written by {marker['written_by']})" if marker and marker.get("written_by") else ""
-            if owner != kind:
+            if found_kind != kind:
                 raise InputError(
-                    f"{what} {directory} holds a quantgate {OUTPUT_KINDS[owner]}{written_by}, not a {name}; {fix}"
+                    f"{what} {directory} holds a quantgate {OUTPUT_KINDS[found_kind]}{written_by}, not "
+                    f"{'an' if name[0] in 'aeiou' else 'a'} {name}; {fix}"
                 )
             if kind in _REPLACED_WHOLE and not overwrite:
                 flag = "--overwrite" if what.startswith("--") else "overwrite=True"
@@ -403,6 +478,7 @@ def claim_output(
                 )
             _refuse_links(directory, what, fix, deep=True)
     if mark:
+        directory.mkdir(parents=True, exist_ok=True)
         mark_output(directory, kind, by)
     return directory
 
@@ -488,13 +564,15 @@ def write_failure(e: Exception) -> str:
     return e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
 
 
-def os_error_line(e: OSError) -> str | None:
+def os_error_line(e: OSError, folder: str | Path | None = None) -> str | None:
     """One line for an OSError the machine's state causes (a full disk or quota, a read-only or forbidden
-    path), naming the file; None for any other (a bug, shown with its traceback)."""
+    path), naming the file (where the error does not, a file written in ``folder``, the command's output);
+    None for any other (a bug, shown with its traceback)."""
     if e.errno in _NO_SPACE:
         fix = "free some space (the files written before this one are kept) or choose another --out"
     elif e.errno in _NOT_ALLOWED:
         fix = "check its permissions or choose another --out"
     else:
         return None
-    return f"{e.filename or 'a file'}: {e.strerror or e}; {fix}"
+    file = e.filename or (f"writing in {folder}" if folder is not None else "writing a file")
+    return f"{file}: {e.strerror or e}; {fix}"

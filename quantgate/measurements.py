@@ -1,6 +1,8 @@
 """What observe measures, as typed records (:mod:`quantgate.json_record`): one tensor's statistics, a layer's,
 the model's summary and the run's settings (observe.json), and the compact form a study cell keeps
-(metrics.json's ``observe``). Magnitudes are |x| in the activation's units; shares are fractions in [0, 1].
+(metrics.json's ``observe``). Magnitudes are |x| in the activation's units; shares are fractions in [0, 1]. Each
+field's range is in its annotation (:data:`~quantgate.json_record.NonNegative`, ``Share``, ``Count``): a record read
+back from JSON (observe.json, a study's cached step, metrics.json) refuses a value outside it, naming the field.
 
 Adding a metric: a field here and the line in :mod:`quantgate.observe` that computes it.
 """
@@ -11,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .json_record import JsonRecord, json_field
+from .json_record import Count, JsonRecord, NonNegative, Share, json_field
 
 __all__ = [
     "TopChannel",
@@ -37,9 +39,9 @@ Counts = list[list]  # [[position or token, count], ...], most common first
 class TopChannel(JsonRecord):
     """A channel that often holds a token's largest |x|: how often (share of tokens) and its max |x|."""
 
-    channel: int
-    share_of_token_max: float
-    max_abs: float
+    channel: Count
+    share_of_token_max: Share
+    max_abs: NonNegative
 
 
 @dataclass(frozen=True)
@@ -47,36 +49,37 @@ class TensorSummary(JsonRecord):
     """One hooked tensor over the data: inf-norm (max |x| per sequence, averaged), kurtosis (per sequence,
     averaged; None where undefined), max and median |x|, and where the sequences' maxima land."""
 
-    inf_norm: float
-    max_abs: float
-    kurtosis: float | None
-    median_abs: float
-    max_median_ratio: float | None
-    sequences: int
-    max_at_token0: float  # share of sequences whose max |x| is at token 0
+    inf_norm: NonNegative
+    max_abs: NonNegative
+    kurtosis: NonNegative | None
+    median_abs: NonNegative
+    max_median_ratio: NonNegative | None
+    sequences: Count
+    max_at_token0: Share  # share of sequences whose max |x| is at token 0
     max_positions: Counts
     top_channels: list[TopChannel] | None = json_field(omit_none=True)
     max_tokens: Counts | None = json_field(omit_none=True)
-    nonfinite: int | None = json_field(omit_none=True)  # non-finite elements left out
+    nonfinite: Count | None = json_field(omit_none=True)  # non-finite elements left out
 
 
 @dataclass(frozen=True)
 class UnitSummary(JsonRecord):
-    """Values in [0, 1] (gates, attention on the sink): mean, share below 0.1, per-head means, histogram."""
+    """Values in [0, 1] (gates, attention on the sink): mean, share below 0.1, per-head means, histogram. A
+    ``finetune=true`` gate ranges over [0, 1 / its initial value] (:mod:`quantgate.attention.gates`): means >= 0."""
 
-    mean: float
-    below_0_1: float = json_field(key="below_0.1", default=0.0)
-    per_head: list[float] = field(default_factory=list)
-    hist: list[float] = field(default_factory=list)  # shares of 20 equal bins over [0, 1]
+    mean: NonNegative
+    below_0_1: Share = json_field(key="below_0.1", default=0.0)
+    per_head: list[NonNegative] = field(default_factory=list)
+    hist: list[Share] = field(default_factory=list)  # shares of 20 equal bins over [0, 1]
 
 
 @dataclass(frozen=True)
 class MassiveEntry(JsonRecord):
     """A channel with massive activations (Sun et al.): how many, the largest, where and on which tokens."""
 
-    channel: int
-    count: int
-    max_abs: float
+    channel: Count
+    count: Count
+    max_abs: NonNegative
     positions: Counts
     tokens: Counts
 
@@ -85,9 +88,9 @@ class MassiveEntry(JsonRecord):
 class NonFinite(JsonRecord):
     """Non-finite elements of one tensor (left out of its statistics)."""
 
-    layer: int
+    layer: Count
     tensor: str
-    count: int
+    count: Count
 
 
 @dataclass(frozen=True)
@@ -95,12 +98,12 @@ class LayerHeadline(JsonRecord):
     """A block's headline numbers: max inf-norm and mean kurtosis over the reference code's tensors, the
     residual stream's max |x|, mean sink mass and gate value, and its count of massive activations."""
 
-    max_inf_norm: float
-    kurtosis: float | None
-    max_activation: float
-    sink_mass: float | None
-    gate_mean: float | None
-    massive_activations: int
+    max_inf_norm: NonNegative
+    kurtosis: NonNegative | None
+    max_activation: NonNegative
+    sink_mass: Share | None
+    gate_mean: NonNegative | None
+    massive_activations: Count
 
 
 @dataclass(frozen=True)
@@ -118,17 +121,17 @@ class Headline(JsonRecord):
     """The model's headline numbers: max inf-norm and mean kurtosis over the reference code's tensors, the
     residual stream's max |x| and max/median, mean sink mass and gate, massive activations, mean loss."""
 
-    max_inf_norm: float
-    kurtosis: float | None
-    max_activation: float
-    max_median_ratio: float
-    sink_mass: float | None
-    gate_mean: float | None
-    gate_below_0_1: float | None = json_field(key="gate_below_0.1")
-    massive_activations: int = 0
+    max_inf_norm: NonNegative
+    kurtosis: NonNegative | None
+    max_activation: NonNegative
+    max_median_ratio: NonNegative
+    sink_mass: Share | None
+    gate_mean: NonNegative | None
+    gate_below_0_1: Share | None = json_field(key="gate_below_0.1")
+    massive_activations: Count = 0
     loss: float | None = None
-    tokens: int = 0
-    max_at_token0: float | None = None  # share of sequences whose max |x| sits at token 0, in the block holding it
+    tokens: Count = 0
+    max_at_token0: Share | None = None  # share of sequences whose max |x| sits at token 0, in the block holding it
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,10 @@ class ObserveMeta(JsonRecord):
 
     variant: str
     family: str
-    sink_tokens: int
-    sequences: int
-    seq_len: int
-    batches: int
+    sink_tokens: Count
+    sequences: Count
+    seq_len: Count
+    batches: Count
     data: str | None = None
     model: str | None = None
     quantization: str | None = None
@@ -159,7 +162,7 @@ class ObserveMeta(JsonRecord):
 class LayerRow(LayerHeadline):
     """A block's headline numbers as a study cell keeps them, with its residual stream's max/median."""
 
-    max_median_ratio: float | None
+    max_median_ratio: NonNegative | None
 
     @classmethod
     def of(cls, layer: LayerSummary) -> LayerRow:
@@ -170,9 +173,9 @@ class LayerRow(LayerHeadline):
 class TopMassive(JsonRecord):
     """One of a cell's largest massive activations."""
 
-    layer: int
-    channel: int
-    max_abs: float
+    layer: Count
+    channel: Count
+    max_abs: NonNegative
     positions: Counts
 
 
@@ -181,7 +184,7 @@ class CellSummary(Headline):
     """The headline numbers as a study cell keeps them: the non-finite count and the 3 largest massive
     activations instead of the per-tensor lists."""
 
-    nonfinite: int = 0
+    nonfinite: Count = 0
     top_massive: list[TopMassive] = field(default_factory=list)
 
 

@@ -43,11 +43,11 @@ class Range:
     ) -> Range:
         """The numbers from ``lo`` to ``hi``, each end closed unless ``*_open`` (``>= 1``, ``in (50, 100]``)."""
         if hi == math.inf:
-            wants = f"{'>' if lo_open else '>='} {lo:g}"
+            wants = f"{'>' if lo_open else '>='} {_bound(lo)}"
         elif lo == -math.inf:
-            wants = f"{'<' if hi_open else '<='} {hi:g}"
+            wants = f"{'<' if hi_open else '<='} {_bound(hi)}"
         else:
-            wants = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            wants = f"in {'(' if lo_open else '['}{_bound(lo)}, {_bound(hi)}{')' if hi_open else ']'}"
         return cls(_Interval(lo, hi, lo_open, hi_open), wants)
 
     def __contains__(self, value: object) -> bool:
@@ -100,9 +100,17 @@ class Option:
             raise InputError(f"{owner}: {key} must be {self.wants}, got {value!r}")
 
 
+def _bound(x: float) -> str:
+    """An end of a range as its words give it: ``1``, ``0.5``; a whole number in full (4294967295, not 4.29e+09)."""
+    return str(int(x)) if isinstance(x, int) or (math.isfinite(x) and x.is_integer() and abs(x) >= 1e6) else f"{x:g}"
+
+
 AT_LEAST_1 = Range.between(1)
 AT_LEAST_0 = Range.between(0)
 ABOVE_0 = Range.between(0, lo_open=True)
+# Every seed a run takes (a study's seed:, a model's seeds:, train's seed, train --seed): the range of the narrowest
+# generator a run seeds, numpy's legacy one (accelerate's set_seed), 2**32 - 1 at most; torch takes up to 2**64 - 1
+SEED = Range.between(0, 2**32 - 1)
 
 
 def _finite(value: object) -> bool:

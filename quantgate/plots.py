@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+
+from .files import write_bytes_atomic
 
 if TYPE_CHECKING:
     from .measurements import LayerSummary, ObserveMeta
@@ -70,10 +73,11 @@ def plot_observe(layers: list[LayerSummary], meta: ObserveMeta, out: Path) -> li
 
 
 def save_png(fig: Figure, path: Path) -> Path:
-    """Write ``fig`` to ``path`` (PNG, 110 dpi) and close it."""
-    fig.savefig(path, dpi=110)
+    """Write ``fig`` to ``path`` (PNG, 110 dpi; whole or not at all, never through a link) and close it."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return path
+    return write_bytes_atomic(path, png.getvalue())
 
 
 def bar_panels(panels: dict[str, list[tuple[str, float | None]]], path: Path, title: str = "") -> Path:

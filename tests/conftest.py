@@ -101,6 +101,41 @@ eval: {{tasks: [quantgate_ppl], limit: 1}}
 """
 
 
+def snapshot_files(folder: Path) -> dict[str, bytes | str]:
+    """Every file and link under ``folder`` (links not followed), with its bytes or its target: what a refused
+    command must leave as it was."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        if p.is_symlink():
+            out[rel] = str(p.readlink())
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory) -> Path:
+    """An untrained tiny-llama saved by qg.save (a float checkpoint), one per test module."""
+    import quantgate as qg
+
+    path = tmp_path_factory.mktemp("fl") / "fl"
+    qg.save(qg.build("tiny-llama", seed=0), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def study_run(tmp_path_factory) -> tuple[Path, Path]:
+    """TINY_STUDY's study file and a finished run of it, one per test module (copy it to change it)."""
+    from quantgate.cli import main
+
+    root = tmp_path_factory.mktemp("study")
+    study = root / "base.yaml"
+    study.write_text(TINY_STUDY.format(name="base"))
+    assert main(["study", str(study), "--out", str(root / "run")]) == 0
+    return study, root / "run"
+
+
 def load_script(path, name: str):
     """A repository script (scripts/, benchmarks/) imported as module ``name``, for tests of its functions."""
     import importlib.util

@@ -101,9 +101,9 @@ BAD_OPTIONS: dict[str, tuple[list[str], str, str | None, str | None, tuple[str, 
     ),
     "seed-negative": (
         [*TRAIN, "--seed", "-1"],
-        "--seed must be >= 0; got -1",
+        "--seed must be in [0, 4294967295]; got -1",
         "    train: {seed: -1}\n",
-        "seed must be int, >= 0; got -1",
+        "seed must be int, in [0, 4294967295]; got -1",
         ("seed", -1),
     ),
     "resume-and-overwrite": (

@@ -91,13 +91,24 @@ def test_full_disk_during_quantize_keeps_the_checkpoint_there(error, tmp_path, m
 def test_full_disk_writing_eval_json_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
     out = files.claim_output(tmp_path / "ev", "eval", mark=True)  # an earlier eval's folder (issue 41)
     (out / "eval.json").write_text('{"previous": true}')
-    real = Path.write_text
+    real = os.fdopen
 
-    def half_then_full(self, text, *args, **kwargs):
-        real(self, text[: len(text) // 2], *args, **kwargs)
-        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+    class HalfThenFull:  # a file that takes half of what is written, then reports a full disk (naming no file)
+        def __init__(self, fh):
+            self.fh = fh
 
-    monkeypatch.setattr(Path, "write_text", half_then_full)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.fh.close()
+
+        def write(self, data):
+            self.fh.write(data[: len(data) // 2])
+            self.fh.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, *a, **k: HalfThenFull(real(fd, *a, **k)))
     assert main(["eval", "tiny-llama", "--limit", "1", "--out", str(out)]) == 2
     err = one_line_error(capsys, "eval")
     assert f"{out / 'eval.json'}: No space left on device" in err

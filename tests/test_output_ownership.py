@@ -5,27 +5,14 @@ Every refusal is one line naming the folder, why, and the fix, and comes before 
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
-from conftest import TINY_STUDY, one_line_error
+from conftest import TINY_STUDY, one_line_error, snapshot_files
 
 import quantgate as qg
 from quantgate.cli import main
 
 TRAIN = ["train", "--preset", "tiny-llama", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
-
-
-def _snapshot(folder: Path) -> dict[str, bytes | str]:
-    """Every file and link under ``folder`` (links not followed), with its bytes or its target."""
-    out: dict[str, bytes | str] = {}
-    for p in sorted(folder.rglob("*")):
-        rel = str(p.relative_to(folder))
-        if p.is_symlink():
-            out[rel] = str(p.readlink())
-        elif p.is_file():
-            out[rel] = p.read_bytes()
-    return out
 
 
 def _must_not_run(monkeypatch, target: str) -> None:
@@ -35,23 +22,6 @@ def _must_not_run(monkeypatch, target: str) -> None:
     monkeypatch.setattr(target, refuse)
 
 
-@pytest.fixture(scope="module")
-def float_model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("fl") / "fl"
-    qg.save(qg.build("tiny-llama", seed=0), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def study_run(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny study file and a finished run of it, copied by the tests that change it."""
-    root = tmp_path_factory.mktemp("study")
-    study = root / "base.yaml"
-    study.write_text(TINY_STUDY.format(name="base"))
-    assert main(["study", str(study), "--out", str(root / "run")]) == 0
-    return study, root / "run"
-
-
 # --- the hostile cases ----------------------------------------------------------------------------------
 
 
@@ -59,13 +29,13 @@ def test_quantize_out_into_another_models_folder_refused(float_model, tmp_path, 
     victim = tmp_path / "victim"
     qg.save(qg.build("tiny-llama", "g1-headwise", seed=3), victim)
     (victim / "README.md").write_text("the model card")
-    before = _snapshot(victim)
+    before = snapshot_files(victim)
     _must_not_run(monkeypatch, "quantgate.cli._load_or_build")
     argv = ["quantize", str(float_model), "--scheme", "w8a8-int8-dynamic", "--out", str(victim)]
     assert main(argv) == 2
     err = one_line_error(capsys, "quantize")
     assert str(victim) in err and "--overwrite" in err and "empty folder" in err
-    assert _snapshot(victim) == before
+    assert snapshot_files(victim) == before
 
 
 def test_quantize_out_into_another_tools_model_folder_refused_even_with_overwrite(
@@ -76,27 +46,27 @@ def test_quantize_out_into_another_tools_model_folder_refused_even_with_overwrit
     victim.mkdir()
     (victim / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     (victim / "model.safetensors").write_bytes(b"another tool's weights")
-    before = _snapshot(victim)
+    before = snapshot_files(victim)
     _must_not_run(monkeypatch, "quantgate.cli._load_or_build")
     for extra in ([], ["--overwrite"]):
         argv = ["quantize", str(float_model), "--scheme", "w8a8-int8-dynamic", "--out", str(victim), *extra]
         assert main(argv) == 2
         err = one_line_error(capsys, "quantize")
         assert str(victim) in err and "quantgate did not write" in err and "empty folder" in err
-    assert _snapshot(victim) == before
+    assert snapshot_files(victim) == before
 
 
 def test_quantize_out_into_an_earlier_export_refused_then_replaced_with_overwrite(float_model, tmp_path, capsys):
     out = tmp_path / "q"
     argv = ["quantize", str(float_model), "--scheme", "w8-int8", "--out", str(out)]
     assert main(argv) == 0
-    before = _snapshot(out)
+    before = snapshot_files(out)
     capsys.readouterr()
     again = ["quantize", str(float_model), "--scheme", "w8a8-int8-dynamic", "--out", str(out)]
     assert main(again) == 2
     err = one_line_error(capsys, "quantize")
     assert str(out) in err and "--overwrite" in err
-    assert _snapshot(out) == before
+    assert snapshot_files(out) == before
     assert main([*again, "--overwrite"]) == 0
     record = qg.quantization_of(qg.load(out))
     assert record is not None and record["scheme"] == "w8a8-int8-dynamic"
@@ -114,7 +84,7 @@ def test_study_out_with_foreign_files_refused(tmp_path, monkeypatch, capsys):
     assert main(["study", str(study), "--out", str(d)]) == 2
     err = one_line_error(capsys, "study")
     assert str(d) in err and "quantgate did not write" in err and "empty folder" in err
-    assert _snapshot(d) == dict.fromkeys(("config.yaml", "metrics.json", "report.md"), b"mine\n")
+    assert snapshot_files(d) == dict.fromkeys(("config.yaml", "metrics.json", "report.md"), b"mine\n")
 
 
 def test_study_out_dot_refused(tmp_path, monkeypatch, capsys):
@@ -123,13 +93,13 @@ def test_study_out_dot_refused(tmp_path, monkeypatch, capsys):
     (project / "pyproject.toml").write_text("[project]\nname = 'mine'\n")
     (project / "README.md").write_text("mine\n")
     (project / "base.yaml").write_text(TINY_STUDY.format(name="base"))
-    before = _snapshot(project)
+    before = snapshot_files(project)
     monkeypatch.chdir(project)
     _must_not_run(monkeypatch, "quantgate.study.steps._run_cell")
     assert main(["study", "base.yaml", "--out", "."]) == 2
     err = one_line_error(capsys, "study")
     assert "--out ." in err and "empty folder" in err
-    assert _snapshot(project) == before
+    assert snapshot_files(project) == before
     assert sorted(p.name for p in project.iterdir()) == ["README.md", "base.yaml", "pyproject.toml", "src"]
 
 
@@ -162,7 +132,7 @@ def test_a_symlink_planted_in_a_study_run_is_refused(study_run, tmp_path, monkey
     _must_not_run(monkeypatch, "quantgate.study.steps._run_cell")
     assert main(["study", str(study), "--out", str(run)]) == 2
     assert f"{cell / 'observe'} is a symlink leading to {elsewhere}" in one_line_error(capsys, "study")
-    assert _snapshot(elsewhere) == {"precious.txt": b"mine"}
+    assert snapshot_files(elsewhere) == {"precious.txt": b"mine"}
 
 
 # --- the other commands, by the same rule ----------------------------------------------------------------
@@ -190,29 +160,29 @@ def test_every_command_refuses_a_folder_of_foreign_files(argv, work, tmp_path, m
     assert main([subs.get(a, a) for a in argv]) == 2
     err = one_line_error(capsys, argv[0])
     assert str(out) in err and "empty folder" in err
-    assert _snapshot(out) == {"eval.json": b'{"mine": true}\n', "notes.md": b"mine\n"}
+    assert snapshot_files(out) == {"eval.json": b'{"mine": true}\n', "notes.md": b"mine\n"}
 
 
 def test_a_study_run_is_not_written_over_by_another_command(study_run, tmp_path, monkeypatch, capsys):
     _, finished = study_run
-    before = _snapshot(finished)
+    before = snapshot_files(finished)
     _must_not_run(monkeypatch, "quantgate.cli.load_for_eval")
     _must_not_run(monkeypatch, "quantgate.cli.build")
     assert main(["eval", "tiny-llama", "--limit", "1", "--out", str(finished)]) == 2
     assert str(finished) in one_line_error(capsys, "eval")
     assert main([*TRAIN, "--out", str(finished), "--overwrite"]) == 2
     assert str(finished) in one_line_error(capsys, "train")
-    assert _snapshot(finished) == before
+    assert snapshot_files(finished) == before
 
 
 def test_train_into_a_model_folder_refused(float_model, tmp_path, monkeypatch, capsys):
     model = tmp_path / "m"
     shutil.copytree(float_model, model)
-    before = _snapshot(model)
+    before = snapshot_files(model)
     _must_not_run(monkeypatch, "quantgate.cli.build")
     assert main([*TRAIN, "--out", str(model), "--overwrite"]) == 2
     assert str(model) in one_line_error(capsys, "train")
-    assert _snapshot(model) == before
+    assert snapshot_files(model) == before
 
 
 # --- what still works -------------------------------------------------------------------------------------
@@ -286,6 +256,9 @@ def test_claim_output_in_python(tmp_path):
     legacy = tmp_path / "legacy-model"  # saved by an older quantgate: config.json carries its record
     legacy.mkdir()
     (legacy / "config.json").write_text(json.dumps({"model_type": "llama", "quantgate": {"variant": "vanilla"}}))
+    with pytest.raises(ValueError, match="quantgate did not write"):  # a config.json alone is no model (issue 57)
+        claim_output(legacy, "model", overwrite=True)
+    (legacy / "model.safetensors").write_bytes(b"weights")
     with pytest.raises(ValueError, match="overwrite"):
         claim_output(legacy, "model")
     claim_output(legacy, "model", overwrite=True)

@@ -91,7 +91,7 @@ BAD = {
     ),
     "eval-batch-size": (TINY + "    eval: {batch_size: big}\n", 5, "batch_size must be int | str, 'auto' or >= 1"),
     "eval-max-length": (TINY + "    eval: {max_length: 0}\n", 5, "max_length must be int, >= 1; got 0"),
-    "seed": (TINY + "seed: abc\n", 5, "seed must be int, >= 0; got 'abc'"),
+    "seed": (TINY + "seed: abc\n", 5, "seed must be int, in [0, 4294967295]; got 'abc'"),
     "g2-value-on-mla": (
         "name: x\nmodels:\n  - preset: tiny-mla\n    variants: [vanilla, g2-value]\n",
         4,
@@ -131,7 +131,7 @@ BAD = {
     "name-separator": (
         "name: x\nmodels:\n  - name: a/b\n    preset: tiny-llama\n",
         3,
-        "name must be str, without / or \\, not '.' or '..' (it names a folder); got 'a/b'",
+        "name must be str, without / or \\, not '.' or '..', at most 255 bytes (it names a folder); got 'a/b'",
     ),
 }
 

@@ -89,7 +89,7 @@ class DocSet:
             works = len({d.work for d in self.texts})
             return f"{len(self.texts)} passages of {works} works (the bundled {SPLITS[self.role][0]} split)"
         what = "backcopy sequences" if self.kind == "backcopy" else "masked-token sequences"
-        return f"{16 * self.n} {what} ({self.n} batches of 16)"
+        return f"{16 * self.n} {what} ({self.n} batch{'es' if self.n != 1 else ''} of 16)"
 
     def tokens(self, tok: PreTrainedTokenizerBase) -> int:
         """Tokens one scoring reads (for the budget)."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..certify import Test, certifies
+from ..data.synthetic import is_backcopy
 from ..stats import Delta, format_delta
 from .plan import duration
 from .record import AuditRecord
@@ -29,12 +30,26 @@ def _cost(c: Candidate) -> str:
     return f"{bits}{kept}; {WORDS[c.cost.work]}"
 
 
-def _static_line(name: str, static: Delta | None, tolerance: float) -> str:
+def percent(fraction: float) -> str:
+    """A tolerance as a percentage with the digits it needs: ``1.00%``, ``0.50%``, and ``1e-07%`` for --within 1e-9
+    (never ``0.00%`` for a tolerance above 0: the page restates the question as the user asked it)."""
+    p = fraction * 100
+    return f"{p:.2f}%" if p >= 0.01 and abs(round(p, 2) - p) <= 1e-9 * p else f"{p:.3g}%"
+
+
+def unit(t: Target) -> str:
+    """What the audit's sets hold for ``t``: documents (passages of the bundled text), or sequences (in batches of 16)
+    for a model of the backcopy task or a masked LM."""
+    synthetic = (t.task is not None and is_backcopy(t.task)) or t.family.objective == "mlm"
+    return "sequences" if synthetic else "documents"
+
+
+def _static_line(name: str, static: Delta | None, tolerance: float, docs: str = "documents") -> str:
     head = f"- **Per-tensor static INT8**: {name}"
     if static is None:
         return f"{head}: not evaluated (cut by the budget)."
     said = (
-        f"perplexity {format_delta(static)} on the search documents (95% interval; the tolerance is +{tolerance:.2%})"
+        f"perplexity {format_delta(static)} on the search {docs} (95% interval; the tolerance is +{percent(tolerance)})"
     )
     if certifies(static, tolerance):
         return f"{head} survives it: {said}."
@@ -43,14 +58,15 @@ def _static_line(name: str, static: Delta | None, tolerance: float) -> str:
     return f"{head}: not resolved: {said}."
 
 
-def _recipe_lines(found: Found, tests: list[Test], tolerance: float, record: AuditRecord) -> list[str]:
+def _recipe_lines(found: Found, tests: list[Test], tolerance: float, record: AuditRecord,
+                  docs: str = "documents") -> list[str]:  # fmt: skip
     by = {c.scheme: c for c in found.candidates}
     if record.recipe is not None:
         c = by[record.recipe]
         lines = [
-            f"- **Recipe**: `{_short(c)}`, certified: on held-out documents the search never read, computed in "
+            f"- **Recipe**: `{_short(c)}`, certified: on held-out {docs} the search never read, computed in "
             f"float32 from the same quantized state, perplexity {format_delta(c.held_out)}, wholly below "
-            f"+{tolerance:.2%} ({_cost(c)}; on the search documents {format_delta(c.search)})."
+            f"+{percent(tolerance)} ({_cost(c)}; on the search {docs} {format_delta(c.search)})."
         ]
     else:
         within = [c for c in found.candidates if c.search is not None and c.search.value < tolerance]
@@ -58,18 +74,19 @@ def _recipe_lines(found: Found, tests: list[Test], tolerance: float, record: Aud
         if not within:
             tail = f"; the least change: `{_short(best)}` {format_delta(best.search)}" if best else ""
             lines = [f"- **Recipe**: none of the {len(found.candidates)} tried changes the perplexity by less than "
-                     f"+{tolerance:.2%} on the search documents{tail}."]  # fmt: skip
+                     f"+{percent(tolerance)} on the search {docs}{tail}."]  # fmt: skip
         else:
             failed = tests[-1] if tests else None
             served = [c for c in within if serves(c.scheme, record.serve)]
             if failed:
-                why = f"`{_short(by[failed.name])}` reads {format_delta(failed.delta)} on the held-out documents"
+                why = f"`{_short(by[failed.name])}` reads {format_delta(failed.delta)} on the held-out {docs}"
             elif not served:
-                why = f"none of those within on the search documents is served by {record.serve} (--serve)"
+                why = f"none of those within on the search {docs} is served by {record.serve} (--serve)"
             else:
-                why = "the budget left no time for the held-out documents"
-            lines = [f"- **Recipe**: none certified: {why}; {len(within)} had a change below +{tolerance:.2%} on the "
-                     "search documents; a larger --budget reads more documents."]  # fmt: skip
+                why = f"the budget left no time for the held-out {docs}"
+            more = "documents" if docs == "documents" else "batches"
+            lines = [f"- **Recipe**: none certified: {why}; {len(within)} had a change below +{percent(tolerance)} on "
+                     f"the search {docs}; a larger --budget reads more {more}."]  # fmt: skip
     runners = [t for t in tests if t.certified and t.name != record.recipe]
     if runners:
         lines.append(
@@ -94,7 +111,8 @@ def _block(name: str) -> tuple[int | None, str]:
     return (int(found.group(1)), found.group(2)) if found else (None, name)
 
 
-def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | None) -> list[str]:
+def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | None,
+                    docs: str = "documents") -> list[str]:  # fmt: skip
     lines = []
     for f in found.fallbacks:
         ks = [k for k, d in f.tried.items() if d is not None]
@@ -112,7 +130,7 @@ def _fallback_lines(found: Found, record: AuditRecord, report: ObserveReport | N
             f"- **Per-site fallback of `{f.base}`**: {len(chosen.kept)} of its {len(f.sites.linears)} Linears kept "
             "in 16-bit "
             f"(ranked by {f.method}: {', '.join(f'{v} {k}' for k, v in sorted(kinds.items(), key=lambda x: -x[1]))})"
-            f" give {format_delta(chosen.search)} on the search documents; the costliest: {top}."
+            f" give {format_delta(chosen.search)} on the search {docs}; the costliest: {top}."
             + _massive_note(chosen.kept, report)
         )
     if record.curve:
@@ -211,9 +229,10 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
          note: str, seconds: float, budget_s: float) -> str:  # fmt: skip
     """audit.md's whole text."""
     static = next((c.search for c in found.candidates if c.scheme == REFERENCE), None)
-    lines = [f"# Audit of {t.name}", "", _static_line(t.name, static, tolerance)]
-    lines += _recipe_lines(found, tests, tolerance, record)
-    lines += _fallback_lines(found, record, found.report)
+    docs = unit(t)
+    lines = [f"# Audit of {t.name}", "", _static_line(t.name, static, tolerance, docs)]
+    lines += _recipe_lines(found, tests, tolerance, record, docs)
+    lines += _fallback_lines(found, record, found.report, docs)
     lines += _why(found.report)
     lines += _pair_lines(record, found)
     if found.cut:
@@ -223,13 +242,14 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
         lines += [*_load_lines(t, export, not note.startswith("quantgate")), ""]
     lines += ["## Every recipe tried", "", *_table(found, tolerance), ""]
     ladder = ", ".join(f"`{r.scheme}`" for r in LADDER if not r.probe)
+    cluster = "clustered by work" if docs == "documents" else "each sequence its own unit"
     lines.append(
-        f"Search documents: {record.search_documents}; held-out documents: {record.held_out_documents}. Each change "
-        f"is the perplexity under the recipe over the float model's on the same documents, with a 95% interval "
-        f"paired over them (clustered by work). The search tries the whole-model schemes ({ladder}, then fewer bits) "
+        f"Search {docs}: {record.search_documents}; held-out {docs}: {record.held_out_documents}. Each change "
+        f"is the perplexity under the recipe over the float model's on the same {docs}, with a 95% interval "
+        f"paired over them ({cluster}). The search tries the whole-model schemes ({ladder}, then fewer bits) "
         f"and the per-site fallbacks in the audit's dtype ({record.dtype}); the recipes whose change there is "
-        f"below +{tolerance:.2%} are tested in turn (whole-model ones first, the most confident there first, then "
-        f"the fallbacks) on the held-out documents in "
+        f"below +{percent(tolerance)} are tested in turn (whole-model ones first, the most confident there first, "
+        f"then the fallbacks) on the held-out {docs} in "
         f"float32, until one fails; the recipe is the cheapest certified (fixed-sequence testing: certifying a "
         f"recipe whose true change is at or above the tolerance has a chance of at most 2.5%, however many were "
         f"tried). Cost: bits of the weights, then of the matmuls, then "

@@ -16,6 +16,9 @@ from .target import AuditError
 __all__ = ["parse_budget", "parse_within", "Speed", "measure", "size", "duration", "MIN_UNITS", "SAFETY"]
 
 SAFETY = 0.85  # the share of the budget the plan fills: estimates err
+MOST_BUDGET_S = (
+    30 * 24 * 3600
+)  # 720h: a longer budget buys nothing (the sets stop at their largest), a typo more likely
 MIN_UNITS = {"text": 9, "backcopy": 1, "mlm": 1}  # the fewest that give a verdict: one passage of each of 9 works
 RATIO = 2.0  # a simulated scheme's scoring over the float model's, until one is measured (1.4-2.5 here)
 FALLBACK_TRIES = 16  # scorings of the search set a fallback's two bisections take (run.OFFERED; log2 of 120 sites)
@@ -35,9 +38,20 @@ def parse_budget(text: str | float | int) -> float:
             raise AuditError(f"--budget {text!r}: give a duration such as 90s, 10m or 1h")
         h, m, sec = (float(x) if x else 0.0 for x in parts.groups())
         seconds = 3600 * h + 60 * m + sec
+    if not seconds <= MOST_BUDGET_S:  # infinity too (400 digits read as a float), and NaN
+        raise AuditError(
+            f"--budget {_short(text)}: give a finite duration of at most {MOST_BUDGET_S // 3600}h, such as 90s, 10m "
+            f"or 1h (a longer budget reads no more documents: each set stops at its largest)"
+        )
     if not seconds > 0:
         raise AuditError(f"--budget {text!r} must be more than 0 seconds")
     return seconds
+
+
+def _short(text: str | float | int) -> str:
+    """``text`` as an error shows it: a long one cut to its first and last digits."""
+    s = repr(text) if isinstance(text, str) else str(text)
+    return s if len(s) <= 24 else f"{s[:10]}...{s[-10:]} ({len(s) - 2} characters)"
 
 
 def parse_within(text: str | float) -> float:

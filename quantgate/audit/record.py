@@ -1,24 +1,35 @@
-"""audit.json: what an audit tried and found, as one typed record (its writer and reader)."""
+"""audit.json: what an audit tried and found, as one typed record (its writer and reader). Reading it back
+(:meth:`AuditRecord.read`) checks every field, its type and range (a tolerance in (0, 1), counts, durations), and
+refuses a key the record does not have (the audit keeps no plan in it: ``docs`` or ``estimate_s`` there are
+refused, never used); an audit run plans from its options alone."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
 
-from ..json_record import JsonRecord
+from ..errors import InputError
+from ..files import read_json
+from ..json_record import Count, Finite, JsonRecord, NonNegative, Share
+from ..options import Range
 from ..stats import Delta
 
 __all__ = ["ChangeRecord", "CandidateRecord", "CurvePoint", "PairRecord", "AuditRecord"]
+
+Tolerance = Annotated[float, Range.between(0, 1, lo_open=True, hi_open=True)]  # a perplexity change, as --within
+Positive = Annotated[float, Range.between(0, lo_open=True)]
 
 
 @dataclass(frozen=True)
 class ChangeRecord(JsonRecord):
     """A perplexity change (a fraction) with its 95% interval, over ``n`` documents in ``clusters`` units."""
 
-    value: float
-    low: float | None
-    high: float | None
-    n: int
-    clusters: int | None
+    value: Finite
+    low: Finite | None
+    high: Finite | None
+    n: Count
+    clusters: Count | None
     approximate: bool
     method: str
 
@@ -43,14 +54,14 @@ class CandidateRecord(JsonRecord):
     scheme: str
     base: str
     kept: list[str]
-    compute_bits: float
-    weight_bits: float
-    work: int
-    kept_share: float
+    compute_bits: Positive
+    weight_bits: Positive
+    work: Count
+    kept_share: Share
     search: ChangeRecord | None
     held_out: ChangeRecord | None = None
     certified: bool = False
-    seconds: float = 0.0
+    seconds: NonNegative = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,8 +69,8 @@ class CurvePoint(JsonRecord):
     """The fewest sites of a scheme kept in 16-bit for its change on the search documents to lie below a
     tolerance (None: not found in the time), and that change."""
 
-    tolerance: float
-    kept: int | None
+    tolerance: Tolerance
+    kept: Count | None
     change: ChangeRecord | None
 
 
@@ -75,7 +86,7 @@ class PairRecord(JsonRecord):
     gated: ChangeRecord | None
     difference: ChangeRecord | None
     kind: str
-    share_removed: float | None
+    share_removed: Finite | None
 
 
 @dataclass(frozen=True)
@@ -86,9 +97,9 @@ class AuditRecord(JsonRecord):
 
     model: str
     dtype: str
-    tolerance: float
-    budget_s: float
-    seconds: float
+    tolerance: Tolerance
+    budget_s: Positive
+    seconds: NonNegative
     search_documents: str
     held_out_documents: str
     candidates: list[CandidateRecord]
@@ -101,3 +112,14 @@ class AuditRecord(JsonRecord):
     serve: str = "any"  # the serving target: recipes it has no kernels for are not certified
     against: str | None = None  # the gated model compared with the audited one (--against), None: none or a twin
     pair: list[PairRecord] = field(default_factory=list)  # on a pair, per whole-model scheme
+
+    @classmethod
+    def read(cls, path: str | Path) -> AuditRecord:
+        """The record in audit.json ``path``; a one-line InputError naming the file and the field where it cannot
+        be read, a field is of another type or out of range, or a key is not the record's."""
+        fix = "run the audit again (quantgate audit MODEL --out DIR) or restore the file"
+        data = read_json(path, fix=fix)
+        try:
+            return cls.from_json(data)
+        except (InputError, TypeError) as e:  # TypeError: a field missing
+            raise InputError(f"cannot read {path}: {e}; {fix}") from None

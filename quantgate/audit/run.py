@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from ..certify import Test, certifies, fixed_sequence
 from ..checkpoint import load, save
 from ..data import batches as make_batches
 from ..data.synthetic import is_backcopy
-from ..files import claim_output, write_text_atomic
+from ..files import claim_output, owner, write_text_atomic
 from ..models.families import family_of
 from ..models.io import DTYPES, Placement
 from ..models.sources import PACKAGED
@@ -253,7 +254,7 @@ def audit(
     if against is not None:
         _same_tokens(models)
     out = Path(out) if out is not None else Path("audits") / focus.name
-    out = claim_output(out, "study", "--out", mark=True, by="quantgate audit", inputs=[t.folder for t in targets])
+    out = claim_output(out, "audit", "--out", inputs=[t.folder for t in targets])  # marked once it writes
     main = models[targets.index(focus)]
     if not schemes:  # what the model can run and the target serve (static INT8, the question, always)
         ladder = [r for r in _runnable(ladder, main.float_model) if serves(r.scheme, serve) or r.scheme == REFERENCE]
@@ -424,7 +425,10 @@ def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, Do
     certified = [c for c in found.candidates if any(t.certified and t.name == c.scheme for t in tests)]
     chosen = min(certified, key=lambda c: c.cost.key(), default=None)  # the cheapest certified
     recipe = chosen.scheme if chosen is not None else None
+    claim_output(out, "audit", "--out", mark=True, by="quantgate audit")
     export_dir, note = _export(main, chosen, out / "export") if export and chosen else (None, "")
+    if export_dir is None and (out / "export").is_dir() and owner(out / "export") is not None:
+        shutil.rmtree(out / "export")  # an earlier audit's, which this audit.md would not describe
     if not export:
         note = "not asked for (--no-export)"
     elif chosen is None:

@@ -3,21 +3,20 @@ model folder, a family quantgate swaps, a float checkpoint or one whose float so
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import InputError
 from ..files import folder_name, read_json
+from ..models import cost
 from ..models.families import Family, family_of
-from ..models.io import DTYPES, Placement, meta_model, read_config
+from ..models.io import DTYPES, Placement, qiu_variant, read_config
 from ..models.record import record_of
 from ..models.sources import PACKAGED, is_hub_id, resolve
+from ..quant import source_files_sha256
 from ..quant.imported import quantization_config
+from ..variants import AttentionVariant
 
 __all__ = ["AuditError", "Target", "target", "dtype_of", "check_memory"]
 
@@ -62,6 +61,13 @@ def target(model: str, variant: str | None) -> Target:
         return target(source, variant)
     record = record_of(config)
     saved = record.variant if record.variant and record.variant != "vanilla" else None
+    untrained = variant is not None and not AttentionVariant.parse(variant).is_vanilla  # a gate the audit would add
+    if untrained and saved is None and qiu_variant(config) is None:
+        raise AuditError(
+            f"--variant {variant}: {folder} is ungated, and the audit would add a gate of random weights, a model no "
+            f"one trained; audit it without --variant, or train the gate first (quantgate train --model {text} "
+            f"--variant {variant}) and audit that"
+        )
     packaged = PACKAGED.get(text)
     name = text if packaged else folder_name(path.resolve().name if path.is_dir() else text.split("/")[-1], "model")
     load_from = text if packaged else str(folder.resolve())  # a hub id: its snapshot in the local cache
@@ -83,29 +89,41 @@ def _cached_hub_snapshot(repo_id: str) -> Path:
 
 
 def _float_source(folder: Path, config: Any) -> str | None:
-    """The float checkpoint a quantized one was made from, where it names one that is here; None for a float
-    checkpoint. A quantized checkpoint whose source is not here is refused, saying what to give instead."""
+    """The float checkpoint a quantized one was made from, where it names one that is here and is what was
+    quantized; None for a float checkpoint. A folder is taken only by its absolute path and only where its files
+    hash as recorded (``source_files_sha256``): a relative path means another folder in another working directory,
+    and a folder changed since is not the source. Anything else is refused, saying what to give instead."""
     record = record_of(config)
     imported = quantization_config(config)
     if not record.quantization and imported is None:
         return None
     sidecar = folder / "quantization.json"
-    named = None
-    if sidecar.is_file():
-        try:
-            named = read_json(sidecar).get("source_model")
-        except ValueError:
-            named = None
+    saved = read_json(sidecar, fix="restore the quantization.json saved with the model") if sidecar.is_file() else {}
+    named, files = saved.get("source_model"), saved.get("source_files_sha256")
+    if record.quantization is not None:
+        named, files = named or record.quantization.source_model, files or record.quantization.source_files_sha256
     own = record.quantization.scheme if record.quantization else None
     what = own or (imported or {}).get("quant_method", "quantized")
-    if isinstance(named, str) and named and (named in PACKAGED or Path(named).is_dir()):
-        return named
-    hint = f" its quantization.json names {named!r}, which is not here;" if named else ""
-    raise AuditError(
-        f"{folder} is already quantized ({what}), and an audit compares a float model with its quantized "
-        f"forms:{hint} give the float checkpoint it was made from (quantgate compare sets a quantized "
-        f"checkpoint against its float one)"
+    fix = (
+        "give the float checkpoint it was made from (quantgate compare sets a quantized checkpoint against its "
+        "float one)"
     )
+    start = f"{folder} is already quantized ({what}), and an audit compares a float model with its quantized forms:"
+    if not isinstance(named, str) or not named:
+        raise AuditError(f"{start} it names no float source; {fix}")
+    if named in PACKAGED:
+        return named
+    if not Path(named).is_absolute():
+        raise AuditError(
+            f"{start} it names its float source {named!r}, a path relative to wherever it was quantized, which may "
+            f"be another folder here; {fix}"
+        )
+    if not Path(named).is_dir():
+        raise AuditError(f"{start} its float source {named} is not here; {fix}")
+    if not isinstance(files, str) or source_files_sha256(named) != files:
+        why = "its files differ from the ones" if isinstance(files, str) else "no hash of its files was"
+        raise AuditError(f"{start} {named} is not checked as its float source ({why} recorded then); {fix}")
+    return named
 
 
 def dtype_of(target: Target, dtype: str | None) -> str:
@@ -119,25 +137,10 @@ def dtype_of(target: Target, dtype: str | None) -> str:
     return stored if stored in DTYPES else "float32"
 
 
-def _free_memory() -> int:
-    """Bytes of memory a new allocation can take here: Linux's MemAvailable, else the free pages."""
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), flags=re.M)
-        if found:
-            return int(found.group(1)) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_memory(target: Target, dtype: str, placement: Placement | None) -> None:
-    """Refuse a model whose float copy and quantized copy do not fit in the memory free where the study runs it
-    (the GPU where there is one, else the CPU) unless ``placement`` shards it."""
-    params = sum(p.numel() for p in meta_model(target.family, target.config).parameters())
-    need = int(params * DTYPES[dtype].itemsize * 2.5)  # the float model, a quantized copy, a quarter for the rest
-    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else _free_memory()  # where the cells run it
-    if placement is None and need > free:
-        raise AuditError(
-            f"{target.name} has {params / 1e9:.2f} B parameters: a float and a quantized copy in {dtype} need about "
-            f"{need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free here; load it sharded with "
-            f"--device-map auto (and --max-memory, --offload-folder where needed)"
-        )
+    """Refuse a model whose float copy and quantized copy do not fit in the memory free where the audit runs it
+    (the GPU where there is one, else the CPU) unless ``placement`` shards it: the check a study's dry run makes
+    (:func:`quantgate.models.cost.check_memory`)."""
+    if placement is None:
+        fix = "load it sharded with --device-map auto (and --max-memory, --offload-folder where needed)"
+        cost.check_memory(target.name, target.family, target.config, dtype, fix, error=AuditError)

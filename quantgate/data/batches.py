@@ -44,7 +44,11 @@ __all__ = [
     "source_sha256",
     "cache_dir",
     "prepends_bos",
+    "batch_count",
+    "BACKCOPY_BATCHES",
 ]
+
+BACKCOPY_BATCHES = 1000  # the backcopy task's batches in one pass where max_batches does not say
 
 log = logging.getLogger("quantgate")
 
@@ -116,6 +120,45 @@ def prepends_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bos is not None and tokenizer("a").input_ids[:1] == [bos]
 
 
+def _layout(tokenizer: PreTrainedTokenizerBase, objective: str) -> tuple[list[int], list[int], int]:
+    """A row's tokens before and after its text, and the separator between documents, for ``objective``."""
+    if objective == "clm":
+        if tokenizer.eos_token_id is None:
+            raise InputError("CLM batches need a tokenizer with an EOS token to separate documents")
+        return ([tokenizer.bos_token_id] if prepends_bos(tokenizer) else []), [], tokenizer.eos_token_id
+    if None in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id):
+        raise InputError(
+            "MLM batches need a tokenizer with [CLS], [SEP] and [MASK] tokens (a BERT "
+            "tokenizer, e.g. the bundled wordpiece-8192)"
+        )
+    return [tokenizer.cls_token_id], [tokenizer.sep_token_id], tokenizer.sep_token_id
+
+
+def batch_count(
+    tokenizer: PreTrainedTokenizerBase,
+    split: str,
+    seq_len: int,
+    batch_size: int,
+    objective: str = "clm",
+    max_batches: int | None = None,
+) -> int:
+    """The batches one pass of :func:`batches` with these settings yields (``epochs=1``): a text source's rows of
+    ``seq_len`` tokens over ``batch_size`` (the last batch may be smaller), at most ``max_batches``; the backcopy
+    task's ``max_batches``, else :data:`BACKCOPY_BATCHES`. What a study's dry run sets a request against."""
+    if is_backcopy(split):
+        return max_batches or BACKCOPY_BATCHES
+    head, tail, sep = _layout(tokenizer, objective)
+    body = seq_len - len(head) - len(tail)
+    n = -(-(len(token_stream(tokenizer, split, sep)) // body) // batch_size) if body > 0 else 0
+    return min(n, max_batches) if max_batches is not None else n
+
+
+def _generator_seed(seed: int) -> int:
+    """``seed`` (a run's seed folded with a batch's place) as torch's generators take it, below 2**64: unchanged
+    where it fits, else reduced modulo 2**64 (a seed near the top of :data:`~quantgate.options.SEED`)."""
+    return seed if seed < 2**64 else seed % 2**64
+
+
 class Batches(Resumable):
     """Iterable of ``{"input_ids", "attention_mask", "labels"}`` (batch, seq_len) int64 tensors from a
     text source; resumable (see :class:`Resumable`); reshuffled each epoch when ``shuffle``.
@@ -142,18 +185,7 @@ class Batches(Resumable):
         self.tokenizer, self.split, self.objective = tokenizer, split, objective
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.epochs, self.mlm_probability, self.max_batches = epochs, mlm_probability, max_batches
-        if objective == "clm":
-            if tokenizer.eos_token_id is None:
-                raise InputError("CLM batches need a tokenizer with an EOS token to separate documents")
-            head = [tokenizer.bos_token_id] if prepends_bos(tokenizer) else []
-            tail, sep = [], tokenizer.eos_token_id
-        else:
-            if None in (tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.mask_token_id):
-                raise InputError(
-                    "MLM batches need a tokenizer with [CLS], [SEP] and [MASK] tokens (a BERT "
-                    "tokenizer, e.g. the bundled wordpiece-8192)"
-                )
-            head, tail, sep = [tokenizer.cls_token_id], [tokenizer.sep_token_id], tokenizer.sep_token_id
+        head, tail, sep = _layout(tokenizer, objective)
         stream = token_stream(tokenizer, split, sep)
         body = seq_len - len(head) - len(tail)
         n_rows = len(stream) // body
@@ -183,7 +215,9 @@ class Batches(Resumable):
     def _order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(len(self.rows))
-        return torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+        return torch.randperm(
+            len(self.rows), generator=torch.Generator().manual_seed(_generator_seed(self.seed * 1_000_003 + epoch))
+        )
 
     def _make(self, index: torch.Tensor, epoch: int, b: int) -> dict[str, torch.Tensor]:
         ids = self.rows[index].clone()
@@ -191,7 +225,7 @@ class Batches(Resumable):
         if self.objective == "clm":
             out["labels"] = ids.clone()
             return out
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + b)
+        g = torch.Generator().manual_seed(_generator_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + b))
         selected = (torch.rand(ids.shape, generator=g) < self.mlm_probability) & self._maskable[ids]
         labels = torch.where(selected, ids, torch.full_like(ids, -100))
         action = torch.rand(ids.shape, generator=g)
@@ -234,7 +268,7 @@ def batches(
             batch_size,
             seed=kwargs.get("seed", 0),
             epochs=kwargs.get("epochs", 1),
-            batches_per_epoch=max_batches or 1000,
+            batches_per_epoch=max_batches or BACKCOPY_BATCHES,
             bos=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 1,
             **task_options(split),
         )

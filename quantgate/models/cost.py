@@ -1,24 +1,34 @@
-"""What a variant costs: gate parameters and gate FLOPs per token, measured against its vanilla twin; and how many
-parameters a model holds, counted by storage (:func:`parameter_count`)."""
+"""What a variant costs: gate parameters and gate FLOPs per token, measured against its vanilla twin; how many
+parameters a model holds, counted by storage (:func:`parameter_count`); and whether a model fits in the memory free
+where it would run (:func:`check_memory`, the one check the audit and a study's dry run make)."""
 
 from __future__ import annotations
 
 import copy
+import os
+import re
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import cast
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..errors import InputError
 from ..json_record import JsonRecord
-from .families import config_of, family_of
+from .families import Family, config_of, family_of
+from .io import DTYPES, meta_model
 from .modes import eval_mode
 from .record import set_record
 from .swap import apply_variant, gate_parameters
 
-__all__ = ["GateCost", "gate_cost", "parameter_count"]
+__all__ = ["GateCost", "gate_cost", "parameter_count", "parameter_estimate", "free_memory", "check_memory"]
+
+RUN_COPIES = 2.5  # a run holds the float model and a quantized copy, and a quarter more for the rest
+TRAIN_COPIES = 4.5  # training here holds float32 weights, gradients, AdamW's two moments, and a half for activations
+EXACT_LAYERS = 256  # up to this many layers the count is the meta model's; beyond, two layers' count extrapolated
 
 
 @dataclass(frozen=True)
@@ -86,3 +96,58 @@ def _storage_key(t: torch.Tensor) -> Hashable:
     except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
         return ("object", id(t))
     return (data.device, storage, data.storage_offset(), tuple(data.shape), data.stride(), data.dtype)
+
+
+def parameter_estimate(family: Family, config: Any) -> int:
+    """The parameters ``family``'s model for ``config`` holds, counted on the meta device (no memory); a config of
+    more than :data:`EXACT_LAYERS` layers is counted with one and two layers and the difference extrapolated (a
+    hundred million layers would take minutes to build even on the meta device)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers <= EXACT_LAYERS:
+        return sum(p.numel() for p in meta_model(family, config).parameters())
+    one, two = (sum(p.numel() for p in meta_model(family, _layers(config, layers, n)).parameters()) for n in (1, 2))
+    return one + (layers - 1) * (two - one)
+
+
+def _layers(config: Any, layers: int, n: int) -> Any:
+    """``config`` with ``n`` of its ``layers`` layers, its per-layer lists (``layer_types``) cut to match."""
+    small = copy.copy(config)
+    small.__dict__ = {
+        k: (v[:n] if isinstance(v, (list, tuple)) and len(v) == layers else v) for k, v in config.__dict__.items()
+    }
+    small.num_hidden_layers = n
+    return small
+
+
+def free_memory() -> int:
+    """Bytes a new model can take where quantgate runs it: the GPU's free memory where there is one, else the
+    machine's (Linux's MemAvailable, else the free pages)."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        found = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), flags=re.M)
+        if found:
+            return int(found.group(1)) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(
+    name: str, family: Family, config: Any, dtype: str, fix: str, *, train: bool = False, error: type = InputError
+) -> None:
+    """Refuse (``error``, one line naming ``name``, the estimate and ``fix``) a model whose run does not fit in the
+    memory free where it runs (:func:`free_memory`): a float and a quantized copy in ``dtype`` (:data:`RUN_COPIES`),
+    or, where it trains here (``train``), float32 weights with their gradients and AdamW's moments
+    (:data:`TRAIN_COPIES`), whichever is more."""
+    params = parameter_estimate(family, config)
+    need = int(params * DTYPES[dtype].itemsize * RUN_COPIES)
+    what = f"a float and a quantized copy in {dtype} need"
+    if train and params * 4 * TRAIN_COPIES > need:
+        need = int(params * 4 * TRAIN_COPIES)
+        what = "training it in float32 (weights, gradients, AdamW's moments) needs"
+    free = free_memory()
+    if need > free:
+        raise error(
+            f"{name} has {params / 1e9:,.2f} B parameters: {what} about {need / 2**30:,.1f} GiB and "
+            f"{free / 2**30:,.1f} GiB are free here; {fix}"
+        )

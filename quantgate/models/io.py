@@ -189,6 +189,7 @@ VARIANT_KEY = "quantgate_variant"  # its header's record of the variant they bel
 # for model.safetensors and refuses the folder ("no file named model.safetensors") under any model_type, also where
 # config.json's model_type quantgate was edited back to the base model's, which would otherwise load it ungated.
 WEIGHTS_VARIANT = "quantgate"
+QUANTGATE_ONLY = "quantgate-only"  # config.json's attn_implementation in a checkpoint only quantgate loads
 GATED_WEIGHTS = f"model.{WEIGHTS_VARIANT}.safetensors"
 _INDEXES = ("model.safetensors.index.json", f"model.safetensors.index.{WEIGHTS_VARIANT}.json")
 
@@ -257,7 +258,7 @@ def load(
     check_installed(config, path)  # another tool's quantization_config without its package: one line, its pip command
     family = family_of(config)
     _weight_files(path)  # fail early, and never fall back to pickled weights
-    qiu = _qiu_variant(config) if variant_of(config) is None else None  # Qiu et al.'s layout: its gate
+    qiu = qiu_variant(config) if variant_of(config) is None else None  # Qiu et al.'s layout: its gate
     saved = qiu if qiu is not None else variant_of(config)
     target = AttentionVariant.parse(variant) if variant is not None else saved
     if saved is not None and target is not None and saved != target and not saved.is_vanilla:
@@ -324,7 +325,10 @@ def mark_quantgate_only(path: Path, why: str) -> None:
     """Make the checkpoint in ``path`` one that transformers, lm-eval and vLLM refuse instead of building a
     different model: config.json's ``model_type`` becomes ``quantgate`` (which transformers does not know:
     "model type `quantgate` ... does not recognize this architecture"); the real one moves into the
-    quantgate record, with ``why``, and :func:`read_config` reads it back."""
+    quantgate record, with ``why``, and :func:`read_config` reads it back. Its ``attn_implementation`` becomes
+    :data:`QUANTGATE_ONLY`, an attention transformers does not have (nor quantgate registers), so a config.json
+    whose model_type was edited back to the base model's is still refused by a plain load, whatever ``variant=``
+    names the weights."""
     file = path / "config.json"
     data = json.loads(file.read_text())
     if data.get("model_type") == QUANTGATE_MODEL_TYPE:
@@ -336,6 +340,7 @@ def mark_quantgate_only(path: Path, why: str) -> None:
         load_with=f"quantgate (pip install quantgate; quantgate.load(DIR)): {why}",
     ).to_json()
     data["model_type"] = QUANTGATE_MODEL_TYPE
+    data["attn_implementation"] = QUANTGATE_ONLY  # an edited model_type still fails: no such attention
     file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -379,7 +384,13 @@ def read_config(path: Path) -> PreTrainedConfig:
                     f"{base!r}, which transformers does not know; {RESTORE_CONFIG}"
                 )
             meta = dataclasses.replace(record, model_type=None, load_with=None).to_json()
+            data = {k: v for k, v in data.items() if k != "attn_implementation"}  # quantgate sets its attention
             return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
+        if data.get("attn_implementation") == QUANTGATE_ONLY:
+            raise InputError(
+                f"its model_type was changed from {QUANTGATE_MODEL_TYPE!r} to {data.get('model_type')!r}, which "
+                f"would load it without what transformers lacks ({record.load_with or 'its gate'}); {RESTORE_CONFIG}"
+            )
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"cannot read {file}: {' '.join(str(e).split())}") from None
@@ -644,7 +655,7 @@ def _from_pretrained(
 # --- Qiu et al.'s gated Qwen3 layout: q_proj emits [queries | gates] per key/value group ----------
 
 
-def _qiu_variant(config: PreTrainedConfig) -> AttentionVariant | None:
+def qiu_variant(config: PreTrainedConfig) -> AttentionVariant | None:
     if getattr(config, "model_type", None) != "qwen3":
         return None
     if getattr(config, "headwise_attn_output_gate", False):

@@ -99,14 +99,17 @@ class MitigationRecord(JsonRecord):
 class QuantizationRecord(JsonRecord):
     """How quantgate quantized a model (:func:`quantgate.quant.quantize` writes it; saved in config.json's
     ``quantgate`` object and the checkpoint's quantization.json): the ``scheme`` (its full text, options included),
-    the ``calibration`` that ran (None for a scheme without), the float ``source_model`` (its name or path, where it
-    had one) and ``source_sha256`` (:func:`quantgate.quant.fingerprint` of its weights), ``dequantized_from`` (the
+    the ``calibration`` that ran (None for a scheme without), the float ``source_model`` (its packaged name or hub
+    id, or its folder as an absolute path, where it had one), ``source_sha256`` (its weights' fingerprint as
+    quantized) and, for a folder, ``source_files_sha256`` (of its config and weights files, which a reader checks
+    before it uses the folder), ``dequantized_from`` (the
     other tool's quantization it was decompressed from) and the ``mitigation`` applied, each absent where none."""
 
     scheme: str
     calibration: CalibrationRecord | None = None
     source_model: str | None = None
     source_sha256: str | None = None
+    source_files_sha256: str | None = json_field(omit_none=True)
     dequantized_from: str | None = json_field(omit_none=True)
     mitigation: MitigationRecord | None = json_field(omit_none=True)
 

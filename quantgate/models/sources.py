@@ -273,7 +273,7 @@ def tokenizer(source: nn.Module | str | os.PathLike[str]) -> PreTrainedTokenizer
         named = _config_meta(path).tokenizer  # a quantgate checkpoint names its bundled tokenizer
         if named:
             return tokenizer(named)
-        raise MissingFile(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); pass one")
+        raise MissingFile(f"{path} holds no tokenizer (tokenizer.json / tokenizer_config.json); {_ADD_TOKENIZER}")
     config = path / "config.json"
     quantgate_only = config.is_file() and read_json_object(config).get("model_type") == QUANTGATE_MODEL_TYPE
     if (path / "tokenizer.json").is_file():
@@ -302,7 +302,15 @@ def _model_tokenizer(model: nn.Module) -> PreTrainedTokenizerBase:
     origin = getattr(config, "_name_or_path", "")
     if origin and (_has_tokenizer(Path(origin)) or _config_meta(Path(origin)).tokenizer):
         return tokenizer(Path(origin))
-    raise InputError("no tokenizer is known for this model (built from config?); pass one explicitly")
+    where = f"its folder {origin} holds" if origin else "it was built from a config and has"
+    raise InputError(f"no tokenizer is known for this model: {where} no tokenizer; {_ADD_TOKENIZER}")
+
+
+_ADD_TOKENIZER = (
+    "copy the tokenizer files of the model it came from (tokenizer.json, tokenizer_config.json) into its folder, "
+    f"or name a bundled one ({', '.join(BUNDLED_TOKENIZERS)}) in config.json's quantgate.tokenizer; in Python, "
+    "pass the tokenizer"
+)
 
 
 def check_vocabulary(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import logging
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -20,7 +21,9 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..data.batches import cache_dir
 from ..errors import InputError, Unavailable
+from ..files import content_sha256
 from ..models.io import offloaded
 from ..models.modes import eval_mode
 from ..models.record import CalibrationRecord, QuantizationRecord, record_of, set_record
@@ -117,13 +120,27 @@ def quantize(
         )
         if seen
         else None,
-        source_model=getattr(model.config, "_name_or_path", None) or None,
+        **_source(getattr(model.config, "_name_or_path", None) or None),
         source_sha256=source_sha256,
         dequantized_from=dequantized_from,
         mitigation=record_of(target).mitigation,
     )
     set_record(target, quantization=quantization, mitigation=None)
     return target
+
+
+def source_files_sha256(folder: str | Path) -> str:
+    """sha256 of a model folder's config.json and weights (:func:`~quantgate.files.content_sha256`)."""
+    return content_sha256(folder, patterns=("config.json", "*.safetensors"), memo=cache_dir() / "content-sha256.json")
+
+
+def _source(name: str | None) -> dict[str, str | None]:
+    """The record of the float model a quantized one comes from: its name as given (a packaged name, a hub id), or
+    for a folder its absolute path and the hash of its files, so that no reader takes another folder of the same
+    name (a relative path means another folder in another working directory) for it."""
+    if name is None or not Path(name).is_dir():
+        return {"source_model": name}
+    return {"source_model": str(Path(name).resolve()), "source_files_sha256": source_files_sha256(name)}
 
 
 def quantization_of(model: nn.Module) -> dict | None:

@@ -1,7 +1,9 @@
 """``quantgate compare``: evaluation results side by side, float against quantized, with the change each scheme
 causes and its 95% interval (:mod:`quantgate.stats`). Reads quantgate's eval.json, lm-eval's results JSON and
 study runs (:func:`collect_evals`); pairs each quantized run with its float reference by weights' hash or study
-cell, never by name (:func:`_references`)."""
+cell, never by name (:func:`_references`). Every number read is checked as a study's metrics.json's are
+(:func:`~.records.wrong_evaluation`: finite, in range, each headline agreeing with its per-document values); a
+file that fails is refused in one line naming it and the field."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ..files import claim_output, json_kind, read_json, write_text_atomic
 from ..models.record import checked_record
 from ..plots import bar_panels
 from ..stats import DELTA_LEGEND, change, fmt, format_delta, table_head
-from .records import StudyRecord, read_metrics
+from .records import StudyRecord, read_metrics, wrong_evaluation
 
 __all__ = ["compare", "collect_evals"]
 
@@ -108,6 +110,7 @@ def _file_record(f: Path) -> dict:
     data = _read_json(f)
     if "settings" in data and "results" in data:
         _check_fields(data, f, ("settings", "results", "documents"), "quantgate's eval.json")
+        _check_numbers(f, "results", data["results"], "documents", data.get("documents") or {})
         return _eval_record(data, f)
     if _lm_eval_shaped(data):
         _check_fields(data, f, ("config", "results"), "lm-eval's results JSON")
@@ -133,6 +136,14 @@ def _check_fields(data: dict, f: Path, fields: tuple[str, ...], kind: str) -> No
             f"cannot read {f}: its field {wrong[0]!r} is a JSON {json_kind(value)}, not an object, as {kind} "
             f"holds; {REWRITE}"
         )
+
+
+def _check_numbers(f: Path, results_at: str, results: dict, documents_at: str, documents: dict) -> None:
+    """A one-line InputError naming ``f`` and the field where a number of its evaluation is wrong (not finite, out
+    of range, or a headline its per-document values do not give: :func:`~.records.wrong_evaluation`)."""
+    wrong = wrong_evaluation(results_at, results, documents_at, documents)
+    if wrong is not None:
+        raise InputError(f"cannot read {f}: {wrong}; {REWRITE}")
 
 
 def _eval_record(data: dict, f: Path) -> dict:
@@ -167,6 +178,8 @@ def _lm_eval_record(data: dict, f: Path) -> dict:
     label = str(name or data.get("model_name") or config.get("model") or f.parent.name)
     scheme, source = _lm_eval_quantization(args, name)
     results = {task: _lm_eval_metrics(ms) for task, ms in (data.get("results") or {}).items()}
+    documents = _lm_eval_documents(f, results)
+    _check_numbers(f, "results", results, "samples", documents)  # metric names without lm-eval's filter (",none")
     return {
         "model": label,
         "variant": None,
@@ -180,7 +193,7 @@ def _lm_eval_record(data: dict, f: Path) -> dict:
         "path": str(f),
         "settings": {"tasks": sorted(results), "limit": config.get("limit")},
         "protocol": _lm_eval_protocol(data),
-        "documents": _lm_eval_documents(f, results),
+        "documents": documents,
         "stderr": _stderr(results),
         **_flat(results),
     }

@@ -21,19 +21,19 @@ from ..data.corpus import document_keys
 from ..errors import InputError, MissingFile
 from ..evaluate import Documents, Results
 from ..files import json_kind, read_json, write_text_atomic
-from ..json_record import JsonRecord, json_field
+from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share, json_field
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
 from ..models.record import CalibrationRecord, MitigationRecord
 from ..stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate, check_cluster
 from .grid import cell_dir
 
-__all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics"]
+__all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics", "wrong_metrics", "wrong_evaluation"]
 
 
 @dataclass(frozen=True)
 class LossPoint(JsonRecord):
-    step: int
+    step: Count
     loss: float
 
 
@@ -41,22 +41,22 @@ class LossPoint(JsonRecord):
 class LayerPoint(JsonRecord):
     """One block in a light observe pass during training: residual max |x|, kurtosis, sink mass, gate mean."""
 
-    max_abs: float
-    kurtosis: float | None
-    sink_mass: float | None
-    gate_mean: float | None
+    max_abs: NonNegative
+    kurtosis: NonNegative | None
+    sink_mass: Share | None
+    gate_mean: NonNegative | None
 
 
 @dataclass(frozen=True)
 class ObservePoint(JsonRecord):
     """A light observe pass at a training step: per block, and the model's headline numbers."""
 
-    step: int
+    step: Count
     layers: list[LayerPoint]
-    max_activation: float
-    sink_mass: float | None
-    gate_mean: float | None
-    kurtosis: float | None
+    max_activation: NonNegative
+    sink_mass: Share | None
+    gate_mean: NonNegative | None
+    kurtosis: NonNegative | None
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class Training(JsonRecord):
     untrained or loaded): steps, tokens, final losses and the curves of its training log."""
 
     trained: bool = False
-    steps: int = 0
-    tokens: int = 0
+    steps: Count = 0
+    tokens: Count = 0
     final_train_loss: float | None = None
     final_eval_loss: float | None = None
     curve: list[LossPoint] = field(default_factory=list)
@@ -144,7 +144,7 @@ class WorstLayer(JsonRecord):
     """A block among a quantized model's three least faithful (:func:`quantgate.quant.quant_error`): its index
     (``layer``) and the SQNR of its output against the float model's (``sqnr_db``, dB)."""
 
-    layer: int
+    layer: Count
     sqnr_db: float
 
 
@@ -160,11 +160,11 @@ class SchemeRecord(JsonRecord):
     documents: Documents = field(default_factory=dict)
     logits_sqnr_db: float | None = None
     worst_layers: list[WorstLayer] = field(default_factory=list)
-    overflow: int = 0
+    overflow: Count = 0
     calibration: CalibrationRecord | None = None
     mitigation: MitigationRecord | None = None
-    quantize_s: float | None = None
-    seconds: float = 0.0
+    quantize_s: NonNegative | None = None
+    seconds: NonNegative = 0.0
     error: str | None = json_field(omit_none=True)
 
     @classmethod
@@ -200,7 +200,7 @@ class CellRecord(JsonRecord):
     float_results: Results = json_field(key="float", default_factory=dict)
     float_documents: Documents = field(default_factory=dict)
     schemes: dict[str, SchemeRecord] = field(default_factory=dict)
-    seconds: float = 0.0
+    seconds: NonNegative = 0.0
     run_dir: Path | None = json_field(stored=False)  # the run directory it was read from
     cluster: str = json_field(stored=False, default="work")  # the unit its intervals resample: the report's cluster
 
@@ -249,7 +249,7 @@ class StudyRecord(JsonRecord):
     schemes: list[str]
     versions: dict[str, str | None] = field(default_factory=dict)
     machine: dict[str, Any] = field(default_factory=dict)
-    wall_seconds: dict[str, float] = field(default_factory=dict)
+    wall_seconds: dict[str, NonNegative] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], run_dir: Path | None = None) -> StudyRecord:
@@ -275,22 +275,42 @@ def read_metrics(run_dir: str | Path) -> StudyRecord:
     the file where it is truncated, not a study's record or lacks a field the report reads, and naming the field
     (``cells[3].float.quantgate_ppl.word_perplexity``) where a number is not one an evaluation gives: not finite,
     out of range (a perplexity <= 0, an accuracy outside [0, 1], a negative count, a positive log-likelihood),
-    or a headline its per-document values do not reproduce. Every reader (report, compare, the experiments)
-    reads through here; :meth:`StudyRecord.from_json` alone builds records from data in memory unchecked."""
+    or a headline its per-document values do not reproduce; or where a measurement or a timing is not of its
+    record's type or outside its range (:mod:`quantgate.json_record`: a kurtosis that is text, a sink mass above 1,
+    a negative duration). Every reader (report, compare, the experiments) reads through here, and a study checks
+    the same (:func:`wrong_metrics`) before it writes the file; :meth:`StudyRecord.from_json` alone builds records
+    from data in memory without the checks of the evaluations' numbers."""
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         raise MissingFile(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
     data = read_json(path, fix=_regenerate(run_dir, None))
+    record, wrong = _checked(data, Path(run_dir))
+    if record is None:
+        raise InputError(f"cannot read {path}: {wrong}; {_regenerate(run_dir, data)}")
+    return record
+
+
+def wrong_metrics(data: dict[str, Any]) -> str | None:
+    """What keeps ``data`` (a metrics.json's object) from being read by :func:`read_metrics`, in words (``not a
+    study's metrics.json (...)``, ``cells[0].observe.summary.sink_mass is 5, not a finite number in [0, 1]``);
+    None where nothing does."""
+    return _checked(data, None)[1]
+
+
+def _checked(data: dict[str, Any], run_dir: Path | None) -> tuple[StudyRecord | None, str | None]:
+    """(the record of ``data``, None), or (None, what is wrong with it)."""
     problem = _not_metrics(data)
     if problem is None:
         wrong = _wrong_numbers(data)  # a value out of range, or a headline its per-document values disagree with
         if wrong is not None:
-            raise InputError(f"cannot read {path}: {wrong}; {_regenerate(run_dir, data)}")
+            return None, wrong
         try:
-            return StudyRecord.from_json(data, Path(run_dir))
+            return StudyRecord.from_json(data, run_dir), None
+        except RecordError as e:  # a measurement or timing of another type, or outside its range
+            return None, str(e)
         except (TypeError, ValueError, AttributeError) as e:  # a field the records lack, or of another kind
             problem = str(e)
-    raise InputError(f"cannot read {path}: not a study's metrics.json ({problem}); {_regenerate(run_dir, data)}")
+    return None, f"not a study's metrics.json ({problem})"
 
 
 def _regenerate(run_dir: str | Path, data: Any) -> str:
@@ -346,15 +366,17 @@ def _wrong_numbers(data: dict[str, Any]) -> str | None:
             where = f"{at}.schemes.{scheme}"
             evaluations.append((f"{where}.results", step.get("results"), f"{where}.documents", step.get("documents")))
         for results_at, results, documents_at, documents in evaluations:
-            wrong = _wrong_evaluation(results_at, results or {}, documents_at, documents or {})
+            wrong = wrong_evaluation(results_at, results or {}, documents_at, documents or {})
             if wrong is not None:
                 return wrong
     return None
 
 
-def _wrong_evaluation(results_at: str, results: Any, documents_at: str, documents: Any) -> str | None:
+def wrong_evaluation(results_at: str, results: Any, documents_at: str, documents: Any) -> str | None:
     """The first wrong number of one evaluation: its ``{task: {metric: value}}`` and its
-    ``{task: {column: [one value per document]}}``."""
+    ``{task: {column: [one value per document]}}`` (``*_at``: their paths, as the answer names them), as
+    ``<path> is <value>, not <what it must be>``; None where every number is right. The one check of an evaluation
+    read back: metrics.json's, a study's cached evaluation steps, eval.json and lm-eval's results in compare."""
     for at, table in ((results_at, results), (documents_at, documents)):
         if not isinstance(table, dict):
             return f"{at} is a JSON {json_kind(table)}, not an object"

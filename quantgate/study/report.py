@@ -122,11 +122,17 @@ def header(report: Report) -> str:
             f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads); "
             + ", ".join(f"{k} {v}" for k, v in metrics.versions.items() if v)
             + ".",
-            f"Compute: {metrics.wall_seconds['steps_total']:.0f} s over all steps of all cells "
-            f"({len(report.cells)} cells).",
+            _compute(metrics.wall_seconds.get("steps_total"), len(report.cells)),
             "",
         ]
     )
+
+
+def _compute(seconds: float | None, cells: int) -> str:
+    """The header's compute line (None: a run that recorded no total)."""
+    if seconds is None:
+        return f"Compute: not recorded ({cells} cells)."
+    return f"Compute: {seconds:.0f} s over all steps of all cells ({cells} cells)."
 
 
 def criterion(report: Report) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -15,17 +16,19 @@ from typing import Any, NoReturn
 
 from accelerate.utils import PrecisionType
 
+from ..data.batches import batch_count
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
 from ..data.synthetic import is_backcopy, task_options
-from ..errors import InputError
+from ..errors import InputError, QuantgateError
 from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
 from ..files import is_folder_name
+from ..models.cost import check_memory
 from ..models.families import family_of, get_family
 from ..models.io import DTYPES, Placement, read_config
 from ..models.presets import PRESETS, preset_config
-from ..models.sources import PACKAGED, resolve
+from ..models.sources import PACKAGED, resolve, tokenizer
 from ..models.swap import check_expressible
-from ..options import AT_LEAST_0, AT_LEAST_1, Option, Range
+from ..options import AT_LEAST_1, SEED, Option, Range
 from ..quant.schemes import OPTIONS, get_scheme
 from ..stats import CLUSTERS
 from ..train import TRAIN_RANGES, TrainConfig
@@ -45,6 +48,7 @@ from .grid import (
     Study,
     Written,
     expand_scheme,
+    slug,
 )
 
 __all__ = ["load_study", "StudyError", "DEFAULT_STUDY"]
@@ -93,15 +97,33 @@ def _inside(folder: str) -> bool:
     return bool(folder.strip()) and not Path(folder).is_absolute() and ".." not in Path(folder).parts
 
 
+def _limit(name: str, default: int) -> int:
+    """The file system's limit ``name`` (PC_NAME_MAX, PC_PATH_MAX) in bytes, ``default`` where it cannot say."""
+    try:
+        return os.pathconf("/", name)
+    except (OSError, ValueError, AttributeError):  # not POSIX, or no such limit
+        return default
+
+
+NAME_MAX = _limit("PC_NAME_MAX", 255)  # the bytes of one file or folder name (ENAMETOOLONG beyond)
+PATH_MAX = _limit("PC_PATH_MAX", 4096)  # the bytes of a whole path, with its closing NUL
+CELL_FILES = 96  # room for the longest path a cell writes under its folder (train/checkpoints/step-N/...)
+SCHEME_FILE = "scheme-{}.json"  # a cell's per-scheme step file (quantgate.study.steps: Step "scheme"), its longest name
+
+
+def _is_name(name: str) -> bool:
+    return is_folder_name(name) and len(os.fsencode(name)) <= NAME_MAX
+
+
 Rules = dict[str, Option]  # key: its type hint and range (or None)
-FOLDER_NAME = Range(is_folder_name, "without / or \\, not '.' or '..' (it names a folder)")
+FOLDER_NAME = Range(_is_name, f"without / or \\, not '.' or '..', at most {NAME_MAX} bytes (it names a folder)")
 TRAIN_RULES: Rules = {
     k: Option(t, TRAIN_RANGES.get(k)) for k, t in typing.get_type_hints(TrainConfig).items() if k in TRAIN_KEYS
 }
 TOP_RULES: Rules = {
     "name": Option(str, FOLDER_NAME),
     "description": Option(str),
-    "seed": Option(int, AT_LEAST_0),
+    "seed": Option(int, SEED),
     "variants": Option(list[str]),
     "schemes": Option(list),
     "models": Option(list),
@@ -118,7 +140,7 @@ MODEL_RULES: Rules = {
     "train": Option(dict | None),
     "variants": Option(list[str]),
     "schemes": Option(list),
-    "seeds": Option(list[int], Range(lambda s: all(x >= 0 for x in s), "each >= 0")),
+    "seeds": Option(list[int], Range(lambda s: all(x in SEED for x in s), f"each {SEED.wants}")),
     "eval": Option(dict | None),
     "observe": Option(dict | None),
     "dtype": Option(str, Range(lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
@@ -188,6 +210,7 @@ def load_study(path: str | Path) -> Study:
         raise StudyError(f"no study file {path}; the default study is {DEFAULT_STUDY}")
     r = _Reader(path)
     data = r.data
+    _check_nul(data, (), r.fail)
     r.check_keys(data, TOP_KEYS, ())
     _check_values(data, TOP_RULES, (), r.fail)
     if not data.get("models"):
@@ -211,6 +234,10 @@ def load_study(path: str | Path) -> Study:
         out=path.parent / data["out"] if "out" in data else None,
     )
     _check_folders(study, r.lines, r.fail)
+    _check_paths(study, r.lines, r.fail)
+    if study.out is not None and not study.out.resolve().is_relative_to(path.parent.resolve()):
+        r.fail(("out",), f"out: {data['out']!r} leads through a link to {study.out.resolve()}, outside the study "
+               f"file's folder; name a folder inside it (or give --out)")  # fmt: skip
     r.check_report(sections["report"], models)
     default = path.resolve() == DEFAULT_STUDY.resolve()  # recorded as "": `quantgate study` reruns it anywhere
     study.raw = {
@@ -256,12 +283,15 @@ class _Reader:
         if "preset" in m and m["preset"] not in PRESETS:
             self.fail((*where, "preset"), f"unknown preset {m['preset']!r}; valid: {', '.join(PRESETS)}")
         config, family = _model_config(m, where, self.fail)
+        name = str(m.get("name") or m.get("preset") or m.get("load"))
         train = m.get("train")
         if train is not None:
             self.train(train, (*where, "train"), config, family)
         if m.get("placement") is not None:
             self.check_keys(m["placement"], {f.name for f in dataclasses.fields(Placement)}, (*where, "placement"))
             _check_placement(m, (*where, "placement"), self.fail)
+        elif family is not None and self.data.get("executor", "serial") == "serial":  # a Ray worker's is not here
+            self.memory(name, m, where, config, family)
         variants = m.get("variants", self.data.get("variants") or ["vanilla"])
         self.variants(variants, m, where, config, family)
         for sec in ("eval", "observe", "calibration"):
@@ -284,7 +314,8 @@ class _Reader:
             _check_source(cfg["data"], self.first((*where, sec, "data"), (sec, "data"), where), self.fail, objective)
             at = self.first((*where, sec, "seq_len"), (sec, "seq_len"), where)
             _check_seq_len(family, config, sec, cfg["seq_len"], at, self.fail)
-        name = str(m.get("name") or m.get("preset") or m.get("load"))
+            if family is not None:
+                self.data_size(m, sec, cfg, self.first((*where, sec, "batches"), (sec, "batches"), where), family)
         source: ModelSource = (
             PresetSource(m["preset"], m.get("config") or {}) if "preset" in m else LoadSource(str(m["load"]))
         )
@@ -303,6 +334,39 @@ class _Reader:
             m.get("resources"),
             None if placement is None else Written(Placement(**placement), placement),
         )
+
+    def memory(self, name: str, m: dict, where: tuple, config: Any, family: Any) -> None:
+        """The model fits in the memory free where its cells run (the audit's check: :func:`check_memory`)."""
+        fix = (
+            "give it a smaller config: (hidden_size, num_hidden_layers, ...)"
+            if "preset" in m
+            else "give it placement: {device_map: auto} to shard it as it loads"
+        )
+        try:
+            check_memory(name, family, config, m.get("dtype") or "float32", fix, train=m.get("train") is not None)
+        except InputError as e:
+            self.fail(self.first((*where, "config"), (*where, "load"), where), str(e))
+
+    def data_size(self, m: dict, sec: str, cfg: dict, at: tuple, family: Any) -> None:
+        """``sec``'s batches (calibration, observe) no more than one pass over its data holds for this model's
+        tokenizer: the bundled splits and the backcopy task (other sources are read when the run loads them)."""
+        data, wanted = cfg["data"], cfg["batches"]
+        if data not in BUNDLED_SPLITS and not is_backcopy(data):
+            return
+        try:
+            tok = tokenizer(m.get("preset") or m["load"])
+            held = batch_count(
+                tok, data, cfg["seq_len"], cfg["batch_size"], family.objective, wanted if sec == "observe" else None
+            )
+        except (QuantgateError, OSError, ValueError):  # no tokenizer to count with: the run says why
+            return
+        if held < wanted:
+            what = f"the {data} split holds" if data in BUNDLED_SPLITS else f"the {data} task's {sec} set holds"
+            self.fail(
+                at,
+                f"{sec} batches {wanted}: {what} {held:,} batches of {cfg['batch_size']} x {cfg['seq_len']} tokens "
+                f"for this model's tokenizer; give batches: {held} or fewer",
+            )
 
     def train(self, train: Any, at: tuple, config: Any, family: Any) -> None:
         """A model's ``train`` section: its keys and values, the trainer's own checks, its data sources."""
@@ -352,6 +416,9 @@ class _Reader:
                     f"a scheme evaluates a subset of the model's tasks ({', '.join(model_tasks)}), "
                     f"so that its numbers compare with the float model's; got {tasks}",
                 )
+            for name in names:
+                if len(os.fsencode(SCHEME_FILE.format(slug(name)))) > NAME_MAX:
+                    self.fail(at, f"scheme {name!r} names a file of more than {NAME_MAX} bytes; give fewer keep= sites")
             schemes += [SchemeEntry(name, tasks) for name in names]
         return schemes
 
@@ -538,6 +605,43 @@ def _check_folders(study: Study, lines: dict, fail) -> None:
                 f"cells {other.id!r} (line {_line(lines, at[0])}) and {cell.id!r} (line "
                 f"{_line(lines, at[1])}) would share the folder cells/{cell.slug}: give the models "
                 f"names that differ in letters, digits or . _ -",
+            )
+
+
+def _check_nul(value: Any, where: tuple, fail) -> None:
+    """No text of the study file holds a NUL character: no name or path can (the OS refuses it mid-run)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_nul(k, where, fail)
+            _check_nul(v, (*where, k), fail)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_nul(v, (*where, i), fail)
+    elif isinstance(value, str) and "\0" in value:
+        key = next((k for k in reversed(where) if isinstance(k, str)), "a value")
+        fail(where, f"{key} {value!r} holds a NUL character (\\0), which no name or path may hold; remove it")
+
+
+def _check_paths(study: Study, lines: dict, fail) -> None:
+    """The run's folder (``out:``, else results/<name> here) and each cell's a path the OS takes: every name in it
+    at most :data:`NAME_MAX` bytes, the longest path a cell writes at most :data:`PATH_MAX` bytes."""
+    at = ("out",) if study.out is not None else ("name",)
+    run = Path(os.path.abspath(study.out if study.out is not None else Path("results") / study.name))
+    for part in run.parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            fail(at, f"{at[0]}: the run folder's name {part[:40]!r}... is more than {NAME_MAX} bytes; shorten it")
+    for cell in study.cells():
+        files = max([CELL_FILES, *(len(os.fsencode(SCHEME_FILE.format(slug(e.scheme)))) for e in cell.model.schemes)])
+        longest = len(os.fsencode(run / "cells" / cell.slug)) + 1 + files
+        if len(os.fsencode(cell.slug)) > NAME_MAX:
+            i = next(n for n, m in enumerate(study.models) if m is cell.model)
+            where = ("models", i, "name") if ("models", i, "name") in lines else ("models", i)
+            fail(where, f"cell {cell.id!r}'s folder name is more than {NAME_MAX} bytes; give the model a shorter name")
+        if longest >= PATH_MAX:
+            fail(
+                at,
+                f"{at[0]}: the run's files would have paths of {longest:,} bytes under {str(run)[:40]}..., more than "
+                f"the {PATH_MAX} bytes a path may have here; give a shorter out:",
             )
 
 

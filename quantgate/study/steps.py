@@ -8,7 +8,10 @@ stopped and changing one setting re-runs only what depends on it. Files are keye
 a ``load:`` checkpoint's key holds the sha256 of its files and a local ``hf:`` data source's the sha256 of
 its data files (:func:`quantgate.files.content_sha256`, remembered by size, times and inode, so a resume
 does not read the weights again), so replacing either re-runs what depends on it. A step file that cannot
-be read back (truncated, edited) is computed again, with a warning. Training checkpoints as it goes and
+be read back (truncated, edited) is computed again, with a warning: one whose key is current too, where its result
+fails the checks its record makes (:attr:`Step.record`: types and ranges, an evaluation's numbers as metrics.json's,
+:func:`~.records.wrong_evaluation`). metrics.json and report.md are replaced only by a run whose every result
+passes those checks (:func:`~.records.wrong_metrics`). Training checkpoints as it goes and
 resumes too. One run writes a run directory at a time (it holds the directory's lock,
 :mod:`quantgate.runlock`).
 
@@ -51,6 +54,7 @@ from ..models.io import DTYPES
 from ..models.sources import PACKAGED, package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
+from ..options import AT_LEAST_0
 from ..parallel import from_first, is_first, joined
 from ..provenance import machine, versions
 from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
@@ -73,7 +77,7 @@ from .grid import (
     shrink,
     slug,
 )
-from .records import CellRecord, SchemeRecord, StudyRecord, Training
+from .records import CellRecord, SchemeRecord, StudyRecord, Training, wrong_evaluation, wrong_metrics
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
 
@@ -90,10 +94,17 @@ def _write_json(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
-def _done(path: Path, key: str, needs: tuple[str, ...] = (), version: int = 1) -> dict | None:
-    """The step's cached result where ``path`` holds one with ``key`` (and the fields ``needs``); None where
-    there is none to use: no file, another key, or a file that cannot be read back (then with a warning, which
-    names the step's format ``version`` where the file's differs)."""
+def _done(
+    path: Path,
+    key: str,
+    needs: tuple[str, ...] = (),
+    version: int = 1,
+    record: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict | None:
+    """The step's cached result where ``path`` holds one with ``key`` (and the fields ``needs``) that its
+    ``record`` (the step's :attr:`Step.record`) accepts, with its ``seconds`` a duration; None where there is none
+    to use: no file, another key, or a file that cannot be read back (then with a warning, which names the step's
+    format ``version`` where the file's differs, or what its record refused)."""
     if not path.is_file():
         return None
     try:
@@ -112,7 +123,27 @@ def _done(path: Path, key: str, needs: tuple[str, ...] = (), version: int = 1) -
     if missing:
         log.warning("  cannot read %s: it lacks %s; computing that step again", path, ", ".join(missing))
         return None
-    return {k: v for k, v in data.items() if k != "format"}
+    data = {k: v for k, v in data.items() if k != "format"}
+    wrong = _wrong_step(data, record)
+    if wrong is not None:
+        log.warning("  cannot read %s: %s; computing that step again", path, wrong)
+        return None
+    return data
+
+
+def _wrong_step(result: dict[str, Any], record: Callable[[dict[str, Any]], Any] | None) -> str | None:
+    """What keeps a step's ``result`` from being used: its ``seconds`` not a duration, or its ``record`` refusing
+    it (a value of another type or out of range, a wrong evaluation); None where nothing does."""
+    seconds = result.get("seconds", 0.0)
+    if isinstance(seconds, bool) or seconds not in AT_LEAST_0:
+        return f"its seconds are {seconds!r}, not a finite number >= 0"
+    if record is None:
+        return None
+    try:
+        record(result)
+    except (InputError, TypeError, KeyError, AttributeError) as e:  # TypeError: a field missing or of another kind
+        return str(e) if not isinstance(e, KeyError) else f"it lacks {e}"
+    return None
 
 
 CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.model", "*.txt", "*.tiktoken", "*.jinja")
@@ -212,7 +243,14 @@ def run_study(
                 "steps_total": round(sum(r.seconds for r in records), 1),
             },
         )
-        _write_json(out / "metrics.json", metrics.to_json())
+        data = metrics.to_json()
+        wrong = wrong_metrics(data)  # what read_metrics would refuse: the previous metrics.json is kept
+        if wrong is not None:
+            raise InputError(
+                f"{out}: the run's results cannot be read back ({wrong}); metrics.json and report.md are left as "
+                f"they were; run the study again (its valid cached steps are reused)"
+            )
+        _write_json(out / "metrics.json", data)
         write_study_report(out)
     return out
 
@@ -287,18 +325,26 @@ class _CellRun:
         return [(step, name, entry) for step in STEPS.values() for name, entry in step.files(self.spec)]
 
     def run(self, step: Step, name: str, entry: SchemeEntry | None) -> dict:
-        """``step``'s result for ``entry``: read from its file where the file holds its key, else computed
-        (and written, by rank 0)."""
+        """``step``'s result for ``entry``: read from its file where the file holds its key and passes its
+        record's checks, else computed (and written, by rank 0, once it passes them: a result that does not is
+        refused, naming the step, and nothing is written)."""
         path = self.cdir / f"{name}.json"
         key = step.key_of(self, entry)
-        done = from_first(_done(path, key, step.needs, step.format) if is_first() else None)  # rank 0 reads
-        if done is not None:
+        done = from_first(_done(path, key, step.needs, step.format, step.record) if is_first() else None)
+        if done is not None:  # rank 0 read it
             self.seconds += done.get("seconds", 0.0)
             return done
         log.info("  %s: %s", self.cell.id, name)
         t0 = time.perf_counter()
         result = {"key": key, **step.compute(self, entry)}
         result["seconds"] = round(time.perf_counter() - t0, 2)
+        wrong = _wrong_step(result, step.record)
+        if wrong is not None:
+            raise InputError(
+                f"{self.cell.id}: its {name} step computed a result quantgate cannot use ({wrong}); nothing was "
+                f"written to {path}, metrics.json and report.md are left as they were: look at the cell's model "
+                f"(quantgate observe), or leave the scheme or task out of the study"
+            )
         self.seconds += result["seconds"]
         if is_first():
             _write_json(path, {**result, "format": step.format})
@@ -313,7 +359,8 @@ class Step:
     depends on, as a key (given the cell's run, the scheme entry and ``legacy``), of which ``format`` is part
     from 2 on. ``compute``: its result's fields. ``needs``: the fields a cached file must have to be used.
     ``record``: the :class:`CellRecord` fields its result fills, typed (a ``per_scheme`` step's: its scheme's
-    record, in ``CellRecord.schemes``). ``legacy``: a text its key holds
+    record, in ``CellRecord.schemes``), and the check of a result read back or computed: an InputError (or
+    TypeError) where it is not one to use. ``legacy``: a text its key holds
     for the versions it had before formats were numbered (:data:`EVAL_LEGACY`)."""
 
     name: str
@@ -351,6 +398,20 @@ def _scheme(run: _CellRun, entry: SchemeEntry) -> dict[str, Any]:
     return _quantized(run.to_quantize(), run.tokenizer(), entry.scheme, run.eval_for(entry), run.spec, run.cell.seed)
 
 
+def _checked_evaluation(out: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation step's result (``results``, ``documents``), refused where a number is wrong
+    (:func:`~.records.wrong_evaluation`, the check metrics.json gets)."""
+    wrong = wrong_evaluation("results", out.get("results") or {}, "documents", out.get("documents") or {})
+    if wrong is not None:
+        raise InputError(wrong)
+    return out
+
+
+def _scheme_record(out: dict[str, Any]) -> SchemeRecord:
+    """A scheme step's record, its evaluation checked (an error step has none)."""
+    return SchemeRecord.from_json(out if "error" in out else _checked_evaluation(out))
+
+
 # What the evaluation steps' keys hold for the versions they had before formats were numbered (per-document values;
 # then quantgate_ppl 2.0; then backcopy's first prediction apart). Frozen: their cached files are found by it, and a
 # change of their code raises their format.
@@ -385,7 +446,7 @@ STEPS: Registry[str, Step] = Registry.named(
             2,
             lambda run, _, legacy: _key(run.model_key, run.eval.as_dict(), legacy),
             lambda run, _: _evaluate(run.model(), run.tokenizer(), run.eval),
-            lambda out: {"float_results": out["results"], "float_documents": out["documents"]},
+            lambda out: {"float_results": _checked_evaluation(out)["results"], "float_documents": out["documents"]},
             needs=("results", "documents"),
             legacy=EVAL_LEGACY,
         ),
@@ -394,10 +455,10 @@ STEPS: Registry[str, Step] = Registry.named(
             1,
             lambda run, _, __: run.model_key,
             lambda run, _: gate_cost(run.model()).to_json(),
-            lambda out: {"cost": GateCost(out["gate_params"], out["gate_flops_per_token"])},
+            lambda out: {"cost": GateCost.from_json({k: out[k] for k in ("gate_params", "gate_flops_per_token")})},
             needs=("gate_params", "gate_flops_per_token"),
         ),
-        Step("scheme", 2, _scheme_key, _scheme, SchemeRecord.from_json, legacy=EVAL_LEGACY, per_scheme=True),
+        Step("scheme", 2, _scheme_key, _scheme, _scheme_record, legacy=EVAL_LEGACY, per_scheme=True),
     ),
 )
 

@@ -19,7 +19,7 @@ from ..data.batches import Resumable
 from ..errors import InputError
 from ..models.families import FAMILIES, OPT_RECIPE, is_norm
 from ..models.swap import gate_parameters
-from ..options import ABOVE_0, AT_LEAST_0, AT_LEAST_1, Range, check_range
+from ..options import ABOVE_0, AT_LEAST_0, AT_LEAST_1, SEED, Range, check_range
 
 
 @dataclass
@@ -102,7 +102,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "eval_every": AT_LEAST_0,
     "observe_every": AT_LEAST_0,
     "checkpoint_every": AT_LEAST_0,
-    "seed": AT_LEAST_0,
+    "seed": SEED,
     "lr": ABOVE_0,
     "gate_lr": ABOVE_0,
     "max_grad_norm": ABOVE_0,
