@@ -110,15 +110,15 @@ def test_reads_lm_eval_results_with_stderr_and_samples(tmp_path):
     assert "settings" not in data and data["config"]["model_args"].startswith(f"pretrained={model_dir}")
 
     (record,) = collect_evals([tmp_path / "lm"])
-    assert record["kind"] == "lm-eval" and record["model"] == str(model_dir) and record["scheme"] == "float"
-    assert record[f"{TASK}/{METRIC}"] == data["results"][TASK][f"{METRIC},none"]
+    assert record.kind == "lm-eval" and record.model == str(model_dir) and record.scheme == "float"
+    assert record.values[f"{TASK}/{METRIC}"] == data["results"][TASK][f"{METRIC},none"]
     acc, acc_stderr = (data["results"]["quantgate_nextsent"][f"acc{s},none"] for s in ("", "_stderr"))
-    assert record["stderr"]["quantgate_nextsent/acc"] == acc_stderr
-    assert TASK in record["documents"] and len(record["documents"][TASK]["ids"]) == 3
+    assert record.stderr["quantgate_nextsent/acc"] == acc_stderr
+    assert TASK in record.documents and len(record.documents[TASK]["ids"]) == 3
 
     table = compare([tmp_path / "lm"], baseline=tmp_path / "qg")
     row = _row(table, "(--baseline)")
-    expected = paired_delta(ours["documents"][TASK], record["documents"][TASK], METRIC)
+    expected = paired_delta(ours["documents"][TASK], record.documents[TASK], METRIC)
     assert expected.low is not None and f"| {format_delta(expected)} |" in row
     assert f"| {acc:.4g} ± {acc_stderr:.4g} |" in row
 
@@ -142,10 +142,8 @@ def test_lm_eval_results_alone_pair_nothing(tmp_path):
     }
     (tmp_path / "results_2026-01-01T00-00-00.json").write_text(json.dumps(results))
     (record,) = collect_evals([tmp_path])
-    assert (
-        record["model"] == "HuggingFaceTB/SmolLM2-135M" and record["scheme"] == "bitsandbytes:llm-int8(threshold=6.0)"
-    )
-    assert record["stderr"] == {} and record[f"{TASK}/{METRIC}"] == 10.0
+    assert record.model == "HuggingFaceTB/SmolLM2-135M" and record.scheme == "bitsandbytes:llm-int8(threshold=6.0)"
+    assert record.stderr == {} and record.values[f"{TASK}/{METRIC}"] == 10.0
     assert "none: no source hash recorded; pass --baseline" in compare([tmp_path])
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(ValueError, match=r"neither quantgate's eval\.json"):

@@ -173,6 +173,6 @@ def test_compare_shows_cloze_perplexity(runs, tmp_path):
     }
     (tmp_path / "results_2026-01-01T00-00-00.json").write_text(json.dumps(results))
     (record,) = collect_evals([tmp_path])
-    assert record[f"{CLOZE}/perplexity"] == 123.5
+    assert record.values[f"{CLOZE}/perplexity"] == 123.5
     third = compare([tmp_path])
     assert f"{CLOZE}/perplexity" in third.splitlines()[0] and "123.5 ± 7" in third

@@ -12,16 +12,18 @@ import io
 import json
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import InputError, MissingFile
 from ..files import claim_output, json_kind, read_json, write_text_atomic
 from ..models.record import checked_record
 from ..plots import bar_panels
-from ..stats import DELTA_LEGEND, change, fmt, format_delta, table_head
+from ..stats import DELTA_LEGEND, Delta, change, fmt, format_delta, table_head
 from .records import StudyRecord, read_metrics, wrong_evaluation
 
-__all__ = ["compare", "collect_evals"]
+__all__ = ["compare", "collect_evals", "Run"]
 
 HEADLINE = (
     "quantgate_passages/word_perplexity",
@@ -41,17 +43,43 @@ PAIRING_LEGEND = (
 )
 
 
-def collect_evals(paths: Iterable[str | Path]) -> list[dict]:
-    """Every run under the given files or directories, flattened to one record each: quantgate's eval.json,
-    lm-eval's own results JSON (``lm_eval --output_path``: ``results_<date>.json``, with its samples files
-    where ``--log_samples`` wrote them) and study runs (metrics.json: every cell, float and quantized).
+@dataclass(frozen=True, eq=False)
+class Run:
+    """One evaluation run as compare reads it, from any of the files it takes (:func:`collect_evals`): the
+    ``model``, ``variant`` and ``seed`` it names, its ``scheme`` (``float`` for a float run); ``identity`` (the
+    sha256 of the evaluated weights) and ``source`` (for a quantized run, the sha256 of its float source) where
+    the run recorded them; ``cell`` (a study cell: its float and quantized runs pair); the ``path`` read and its
+    ``kind`` (``eval``, ``lm-eval``, ``study``); the ``tasks`` and ``limit`` it ran with, its ``protocol`` (the
+    settings that change the numbers, :data:`PROTOCOL`: lm-eval's values, as recorded); each metric's ``values``
+    and, where the run reported one, ``stderr`` (both under ``task/metric``), and per task its ``documents``
+    (per-document columns, :mod:`quantgate.stats`)."""
 
-    A record holds ``model``, ``variant``, ``seed``, ``scheme`` (``float`` for a float run), ``quantized``,
-    ``identity`` (the sha256 of the evaluated weights) and ``source`` (for a quantized run, the sha256 of
-    its float source) where the run recorded them, ``cell`` (a study cell: its float and quantized runs
-    pair), ``documents`` (per-document values), ``stderr`` (per metric, where the run has one), ``path``,
-    ``kind`` (``eval``, ``lm-eval``, ``study``) and each ``task/metric``."""
-    records: list[dict] = []
+    model: str
+    variant: str | None
+    seed: int | None
+    scheme: str
+    identity: str | None
+    source: str | None
+    cell: str | None
+    kind: str
+    path: str
+    values: dict[str, float]
+    documents: dict[str, Any]
+    stderr: dict[str, float] = field(default_factory=dict)
+    tasks: tuple[str, ...] | None = None
+    limit: float | None = None
+    protocol: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scheme != "float"
+
+
+def collect_evals(paths: Iterable[str | Path]) -> list[Run]:
+    """Every run under the given files or directories, one :class:`Run` each: quantgate's eval.json, lm-eval's
+    own results JSON (``lm_eval --output_path``: ``results_<date>.json``, with its samples files where
+    ``--log_samples`` wrote them) and study runs (metrics.json: every cell, float and quantized)."""
+    records: list[Run] = []
     seen: set[str] = set()
     for p in map(Path, paths):
         if (p / "metrics.json").is_file():  # a study run: every cell, float and quantized
@@ -106,7 +134,7 @@ def _lm_eval_shaped(data: dict) -> bool:
     return "settings" not in data and isinstance(data.get("results"), dict) and lm_eval_keys
 
 
-def _file_record(f: Path) -> dict:
+def _file_record(f: Path) -> Run:
     data = _read_json(f)
     if "settings" in data and "results" in data:
         _check_fields(data, f, ("settings", "results", "documents"), "quantgate's eval.json")
@@ -146,29 +174,29 @@ def _check_numbers(f: Path, results_at: str, results: dict, documents_at: str, d
         raise InputError(f"cannot read {f}: {wrong}; {REWRITE}")
 
 
-def _eval_record(data: dict, f: Path) -> dict:
+def _eval_record(data: dict, f: Path) -> Run:
     s = data["settings"]
-    quantized = bool(s.get("quantization"))
-    return {
-        "model": s.get("model") or f.parent.name,
-        "variant": s.get("variant"),
-        "seed": None,
-        "scheme": s.get("quantization") or "float",
-        "quantized": quantized,
-        "identity": s.get("model_sha256"),
-        "source": s.get("source_sha256") if quantized else None,
-        "cell": None,
-        "kind": "eval",
-        "path": str(f),
-        "settings": {"tasks": s.get("tasks"), "limit": s.get("limit")},
-        "protocol": _eval_protocol(s),
-        "documents": data.get("documents") or {},
-        "stderr": _stderr(data["results"]),
-        **_flat(data["results"]),
-    }
+    scheme = s.get("quantization") or "float"
+    return Run(
+        model=s.get("model") or f.parent.name,
+        variant=s.get("variant"),
+        seed=None,
+        scheme=scheme,
+        identity=s.get("model_sha256"),
+        source=s.get("source_sha256") if scheme != "float" else None,
+        cell=None,
+        kind="eval",
+        path=str(f),
+        tasks=tuple(s.get("tasks") or ()),
+        limit=s.get("limit"),
+        protocol=_eval_protocol(s),
+        documents=data.get("documents") or {},
+        stderr=_stderr(data["results"]),
+        values=_flat(data["results"]),
+    )
 
 
-def _lm_eval_record(data: dict, f: Path) -> dict:
+def _lm_eval_record(data: dict, f: Path) -> Run:
     """A record of lm-eval's results JSON: its model from ``config.model_args`` (``pretrained``), the
     quantization from those arguments or the checkpoint's config.json, per-document values from its
     samples files where they are beside it."""
@@ -180,23 +208,23 @@ def _lm_eval_record(data: dict, f: Path) -> dict:
     results = {task: _lm_eval_metrics(ms) for task, ms in (data.get("results") or {}).items()}
     documents = _lm_eval_documents(f, results)
     _check_numbers(f, "results", results, "samples", documents)  # metric names without lm-eval's filter (",none")
-    return {
-        "model": label,
-        "variant": None,
-        "seed": None,
-        "scheme": scheme,
-        "quantized": scheme != "float",
-        "identity": None,  # lm-eval records no hash of the weights
-        "source": source,
-        "cell": None,
-        "kind": "lm-eval",
-        "path": str(f),
-        "settings": {"tasks": sorted(results), "limit": config.get("limit")},
-        "protocol": _lm_eval_protocol(data),
-        "documents": documents,
-        "stderr": _stderr(results),
-        **_flat(results),
-    }
+    return Run(
+        model=label,
+        variant=None,
+        seed=None,
+        scheme=scheme,
+        identity=None,  # lm-eval records no hash of the weights
+        source=source,
+        cell=None,
+        kind="lm-eval",
+        path=str(f),
+        tasks=tuple(sorted(results)),
+        limit=config.get("limit"),
+        protocol=_lm_eval_protocol(data),
+        documents=documents,
+        stderr=_stderr(results),
+        values=_flat(results),
+    )
 
 
 # Pairing: lm-eval's settings that change a task's numbers, so that two runs differing in one are not
@@ -266,12 +294,12 @@ def _lm_eval_protocol(data: dict) -> dict:
     return out
 
 
-def _protocol_differences(a: dict, b: dict) -> list[str]:
+def _protocol_differences(a: Run, b: Run) -> list[str]:
     """Where runs ``a`` and ``b`` were evaluated differently (:data:`PROTOCOL`): ``"num_fewshot 0 vs 2
     (quantgate_cloze)"``; per-task settings over the tasks both ran; the fewshot seed only where a shared task
     has examples; few-shot as multi-turn only where a chat template applies."""
-    pa, pb = a.get("protocol") or {}, b.get("protocol") or {}
-    shared = set(a.get("settings", {}).get("tasks") or []) & set(b.get("settings", {}).get("tasks") or [])
+    pa, pb = a.protocol, b.protocol
+    shared = set(a.tasks or ()) & set(b.tasks or ())
     out = []
     for key in PROTOCOL:
         if key not in pa or key not in pb:
@@ -410,41 +438,29 @@ def _stderr(results: dict | None) -> dict:
     }
 
 
-def _study_records(metrics: StudyRecord, path: Path) -> list[dict]:
+def _study_records(metrics: StudyRecord, path: Path) -> list[Run]:
     out = []
     for c in metrics.cells:
-        run = {
-            "model": f"{metrics.study['name']}:{c.model}",
-            "variant": c.variant,
-            "seed": c.seed,
-            "path": str(path),
-            "identity": None,
-            "source": None,
-            "cell": f"{path}#{c.id}",  # its float and quantized runs are one model's, by construction
-            "kind": "study",
-            "settings": {},
-            "protocol": {},  # a study's cells are evaluated alike, by construction
-            "stderr": {},
+        model, cell = f"{metrics.study['name']}:{c.model}", f"{path}#{c.id}"  # a cell's runs are one model's
+        runs = {"float": (c.float_documents, c.float_results)} | {
+            s: (r.documents, r.results) for s, r in c.schemes.items()
         }
-        out.append(
-            {**run, "scheme": "float", "quantized": False, "documents": c.float_documents, **_flat(c.float_results)}
-        )
         out += [
-            {**run, "scheme": s, "quantized": True, "documents": r.documents, **_flat(r.results)}
-            for s, r in c.schemes.items()
-        ]
+            Run(model, c.variant, c.seed, scheme, None, None, cell, "study", str(path), _flat(results), documents)
+            for scheme, (documents, results) in runs.items()
+        ]  # a study's cells are evaluated alike, by construction: no protocol to compare
     return out
 
 
-def _references(records: list[dict], baseline: dict | None, force: bool = False) -> list[tuple[dict | None, str]]:
+def _references(records: list[Run], baseline: Run | None, force: bool = False) -> list[tuple[Run | None, str]]:
     """Per record, the run its change is measured against and how they were paired: ``baseline`` where
     one is given (refused, unless ``force``, where the record's recorded source sha256 is not the baseline's
     or the two were evaluated differently: :func:`_baseline_conflicts`); else a study cell's float run; else,
     for a quantized run, the float run whose identity (sha256 of its weights) is the quantized run's source
     hash and that was evaluated alike (:func:`_protocol_differences`). Never by name or label alone."""
-    floats = [r for r in records if not r["quantized"]]
-    out: list[tuple[dict | None, str]] = []
-    refused: list[tuple[dict, list[str]]] = []  # records the baseline is no fit reference for
+    floats = [r for r in records if not r.quantized]
+    out: list[tuple[Run | None, str]] = []
+    refused: list[tuple[Run, list[str]]] = []  # records the baseline is no fit reference for
     for r in records:
         if baseline is not None:
             if r is baseline:
@@ -454,17 +470,17 @@ def _references(records: list[dict], baseline: dict | None, force: bool = False)
             if conflicts:
                 refused.append((r, conflicts))
             out.append((baseline, "--baseline" + (f", --force-baseline: {'; '.join(conflicts)}" if conflicts else "")))
-        elif r["cell"] is not None:
-            ref = next((f for f in floats if f["cell"] == r["cell"]), None)
-            out.append((ref, "study cell") if r["quantized"] and ref is not None else (None, ""))
-        elif not r["quantized"]:
+        elif r.cell is not None:
+            ref = next((f for f in floats if f.cell == r.cell), None)
+            out.append((ref, "study cell") if r.quantized and ref is not None else (None, ""))
+        elif not r.quantized:
             out.append((None, ""))
-        elif r["source"]:
-            found = [f for f in floats if f["identity"] == r["source"]]
+        elif r.source:
+            found = [f for f in floats if f.identity == r.source]
             alike = [f for f in found if not _protocol_differences(f, r)]
-            same = [f for f in alike if f["settings"] == r["settings"]]
+            same = [f for f in alike if (f.tasks, f.limit) == (r.tasks, r.limit)]
             ref = next(iter(same or alike), None)
-            short = r["source"][:12]
+            short = r.source[:12]
             if ref is not None:
                 out.append((ref, f"source sha256 {short}"))
             elif found:
@@ -479,21 +495,19 @@ def _references(records: list[dict], baseline: dict | None, force: bool = False)
         r, conflicts = refused[0]
         more = f" (and {len(refused) - 1} more run(s))" if len(refused) > 1 else ""
         raise InputError(
-            f"--baseline {baseline['path']} is no fit reference for {r['path']}{more}: {'; '.join(conflicts)}; "
+            f"--baseline {baseline.path} is no fit reference for {r.path}{more}: {'; '.join(conflicts)}; "
             f"give its own float run as --baseline, or pass --force-baseline to pair them anyway (stated in "
             f"the table)"
         )
     return out
 
 
-def _baseline_conflicts(r: dict, baseline: dict) -> list[str]:
+def _baseline_conflicts(r: Run, baseline: Run) -> list[str]:
     """Why ``baseline`` is no reference for run ``r``: ``r`` records the sha256 of its float source and the
     baseline's weights have another; or the two were evaluated differently (:func:`_protocol_differences`)."""
     out = []
-    if r["quantized"] and r["source"] and baseline["identity"] and r["source"] != baseline["identity"]:
-        out.append(
-            f"its recorded source sha256 {r['source'][:12]} is not the baseline's sha256 {baseline['identity'][:12]}"
-        )
+    if r.quantized and r.source and baseline.identity and r.source != baseline.identity:
+        out.append(f"its recorded source sha256 {r.source[:12]} is not the baseline's sha256 {baseline.identity[:12]}")
     differences = _protocol_differences(baseline, r)
     if differences:
         out.append("evaluated differently: " + ", ".join(differences))
@@ -529,43 +543,32 @@ def compare(
                 f"file, or a directory holding just one)"
             )
         base = found[0]
-        key = (base["path"], base["cell"], base["scheme"])
-        records = [base] + [r for r in records if (r["path"], r["cell"], r["scheme"]) != key]
-    metrics = sorted({k for r in records for k in r if "/" in k}, key=_metric_order)
-    records.sort(
-        key=lambda r: (
-            r is not base,
-            r["model"],
-            str(r["variant"]),
-            r["seed"] or 0,
-            r["quantized"],
-            r["scheme"],
-        )
-    )
+        key = (base.path, base.cell, base.scheme)
+        records = [base] + [r for r in records if (r.path, r.cell, r.scheme) != key]
+    metrics = sorted({m for r in records for m in r.values}, key=_metric_order)
+    records.sort(key=lambda r: (r is not base, r.model, str(r.variant), r.seed or 0, r.quantized, r.scheme))
     rows, notes = [], []
     for r, (ref, how) in zip(records, _references(records, base, force_baseline), strict=True):
-        row = {"model": r["model"], "variant": r["variant"], "seed": r["seed"], "scheme": r["scheme"]}
         if "--force-baseline" in how:
-            notes.append(f"{r['model']} {r['scheme']} ({r['path']}) paired with --baseline by {how.split(', ', 1)[1]}")
-        row["reference"] = f"{ref['model']} {ref['scheme']} ({how})" if ref is not None else how or None
+            notes.append(f"{r.model} {r.scheme} ({r.path}) paired with --baseline by {how.split(', ', 1)[1]}")
+        shown = {}
         for m in metrics:
-            row[m], row[f"{m} stderr"] = r.get(m), r["stderr"].get(m)
-            if ref is None:
-                continue
+            d = None
             task, metric = m.split("/", 1)
-            try:
-                d = change(metric, ref.get(m), r.get(m), ref["documents"].get(task), r["documents"].get(task))
-            except ValueError as e:  # the two runs read different documents: no change between them
-                notes.append(f"{r['model']} {r['scheme']} vs {ref['model']} {ref['scheme']}, {m}: {e}")
-                d = None
-            row[f"{m} delta"] = d
-            if d is not None and d.low is None and d.n == 0:
-                notes.append(
-                    f"{r['model']} {r['scheme']}, {m}: point change [n/a], no interval: "
-                    + ("neither run" if not (ref["documents"].get(task) or r["documents"].get(task)) else "one run")
-                    + " kept per-document values"
-                )
-        rows.append(row)
+            if ref is not None:
+                ours, theirs = r.documents.get(task), ref.documents.get(task)
+                try:
+                    d = change(metric, ref.values.get(m), r.values.get(m), theirs, ours)
+                except ValueError as e:  # the two runs read different documents: no change between them
+                    notes.append(f"{r.model} {r.scheme} vs {ref.model} {ref.scheme}, {m}: {e}")
+                if d is not None and d.low is None and d.n == 0:
+                    kept = "neither run" if not (theirs or ours) else "one run"
+                    notes.append(
+                        f"{r.model} {r.scheme}, {m}: point change [n/a], no interval: {kept} kept per-document values"
+                    )
+            shown[m] = Shown(r.values.get(m), r.stderr.get(m), d)
+        reference = f"{ref.model} {ref.scheme} ({how})" if ref is not None else how or None
+        rows.append(Row(r.model, r.variant, r.seed, r.scheme, reference, shown))
     table = _markdown(rows, metrics, notes)
     if out is not None:
         out = Path(out)
@@ -575,19 +578,44 @@ def compare(
     return table
 
 
-def _markdown(rows: list[dict], metrics: list[str], notes: list[str]) -> str:
+@dataclass(frozen=True)
+class Shown:
+    """A metric in a row of the comparison: the run's ``value``, its ``stderr`` (None where the run reported
+    none) and its change from the reference (None: no reference, or none computable)."""
+
+    value: float | None
+    stderr: float | None
+    delta: Delta | None
+
+
+@dataclass(frozen=True)
+class Row:
+    """A row of the comparison: the run (``model``, ``variant``, ``seed``, ``scheme``), the ``reference`` its
+    changes are from (with how they were paired), and each metric as :class:`Shown`."""
+
+    model: str
+    variant: str | None
+    seed: int | None
+    scheme: str
+    reference: str | None
+    metrics: dict[str, Shown]
+
+    def run(self) -> list[object]:
+        return [self.model, self.variant, self.seed, self.scheme, self.reference]
+
+
+RUN_COLUMNS = ["model", "variant", "seed", "scheme", "reference"]
+
+
+def _markdown(rows: list[Row], metrics: list[str], notes: list[str]) -> str:
     """compare.md: a row per run, each metric with its standard error and change, the legends and the notes."""
-    columns = ["model", "variant", "seed", "scheme", "reference"] + [c for m in metrics for c in (m, f"{m} delta")]
-    lines = table_head(columns)
+    lines = table_head(RUN_COLUMNS + [c for m in metrics for c in (m, f"{m} delta")])
     for row in rows:
-        cells = []
-        for c in columns:
-            if c.endswith("delta"):
-                cells.append(format_delta(row.get(c)))
-            elif row.get(f"{c} stderr") is not None:
-                cells.append(f"{fmt(row.get(c))} ± {fmt(row[f'{c} stderr'])}")
-            else:
-                cells.append(fmt(row.get(c)))
+        cells = [fmt(v) for v in row.run()]
+        for m in metrics:
+            x = row.metrics[m]
+            cells.append(f"{fmt(x.value)} ± {fmt(x.stderr)}" if x.stderr is not None else fmt(x.value))
+            cells.append(format_delta(x.delta))
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + " " + PAIRING_LEGEND + "\n"
     if notes:
@@ -603,28 +631,27 @@ def _metric_order(metric: str) -> tuple:
     return (rank, task, HEADLINE.index(metric) if metric in HEADLINE else len(HEADLINE), metric)
 
 
-def _write_csv(rows: list[dict], metrics: list[str], path: Path) -> None:
+def _write_csv(rows: list[Row], metrics: list[str], path: Path) -> None:
     """One row per run; each delta as three numbers: the change, and its interval's low and high ends
     (empty for a point change); a metric's stderr where the run reported one."""
-    run = ["model", "variant", "seed", "scheme", "reference"]
-    columns = run + [c for m in metrics for c in (m, f"{m} stderr", f"{m} delta", f"{m} delta low", f"{m} delta high")]
+    per = ("", " stderr", " delta", " delta low", " delta high")
     fh = io.StringIO(newline="")
-    writer = csv.DictWriter(fh, fieldnames=columns)
-    writer.writeheader()
+    writer = csv.writer(fh)
+    writer.writerow(RUN_COLUMNS + [f"{m}{suffix}" for m in metrics for suffix in per])
     for row in rows:
-        flat = {c: row.get(c) for c in (*run, *metrics, *(f"{m} stderr" for m in metrics))}
+        cells = row.run()
         for m in metrics:
-            d = row.get(f"{m} delta")
-            if d is not None:
-                flat |= {f"{m} delta": d.value, f"{m} delta low": d.low, f"{m} delta high": d.high}
-        writer.writerow(flat)
+            x = row.metrics[m]
+            d = x.delta
+            cells += [x.value, x.stderr, *((d.value, d.low, d.high) if d is not None else (None, None, None))]
+        writer.writerow(["" if v is None else v for v in cells])
     write_text_atomic(path, fh.getvalue())
 
 
-def _plot(rows, metrics, path: Path) -> None:
-    def label(r):
+def _plot(rows: list[Row], metrics: list[str], path: Path) -> None:
+    def label(r: Row) -> str:
         # short: a path's last part, a scheme's name without its details in parentheses
-        parts = [Path(str(r["model"])).name or str(r["model"]), r["variant"], r["seed"], r["scheme"].split(" (")[0]]
+        parts = [Path(r.model).name or r.model, r.variant, r.seed, r.scheme.split(" (")[0]]
         return "\n".join(str(p) for p in parts if p is not None)
 
-    bar_panels({m: [(label(r), r.get(m)) for r in rows] for m in metrics}, path, title="float vs quantized")
+    bar_panels({m: [(label(r), r.metrics[m].value) for r in rows] for m in metrics}, path, title="float vs quantized")
