@@ -96,7 +96,8 @@ class JsonRecord:
 
     @classmethod
     def from_json(cls: type[R], data: Mapping[str, Any]) -> R:
-        """The record a JSON object holds; ValueError naming an unknown key, TypeError a missing one."""
+        """The record a JSON object holds; ValueError naming an unknown key, :class:`RecordError` a missing one or a
+        value its field refuses."""
         if not isinstance(data, Mapping):
             raise InputError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
         hints, fields = _hints(cls), _stored(cls)  # type: ignore[arg-type]  # a class is hashable
@@ -104,6 +105,10 @@ class JsonRecord:
         unknown = sorted(set(data) - set(keys))
         if unknown:
             raise InputError(f"{cls.__name__}: unknown field(s) {unknown} (known: {sorted(keys)})")
+        unset = dataclasses.MISSING
+        missing = [k for k, f in keys.items() if k not in data and f.default is unset and f.default_factory is unset]
+        if missing:
+            raise RecordError(missing[0], "is missing")
         return cls(**{f.name: _read(hints[f.name], f, data[key], key) for key, f in keys.items() if key in data})
 
 

@@ -18,7 +18,7 @@ The modules, each importing only those below it:
                     parameter groups, the schedule
 """
 
-from .checkpoint import TRAINER_FIELDS, can_resume
+from .checkpoint import TrainerRecord, can_resume
 from .config import (
     FREE_ON_RESUME,
     TRAIN_RANGES,
@@ -38,7 +38,7 @@ __all__ = [
     "make_data",
     "TRAIN_RANGES",
     "FREE_ON_RESUME",
-    "TRAINER_FIELDS",
+    "TrainerRecord",
     "Batch",
     "param_groups",
     "scalars",

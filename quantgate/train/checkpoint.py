@@ -1,6 +1,6 @@
 """The checkpoint format, ``checkpoints/step-N/`` of a run directory (layout: :mod:`quantgate.train.rundir`):
 writing one (:func:`write_checkpoint`), finding the newest complete one and reading its trainer.json, every
-field checked (:data:`TRAINER_FIELDS`); the training state it saves (:class:`Run`) and the weights gathered
+field typed and checked (:class:`TrainerRecord`); the training state it saves (:class:`Run`) and the weights gathered
 whole from FSDP shards (:func:`gathered`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Annotated, Any, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -24,10 +24,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from ..errors import InputError, MissingFile
-from ..files import json_kind, publish_folder, read_json, short_repr, temporary_folder, write_failure
+from ..files import publish_folder, read_json, temporary_folder, write_failure
+from ..json_record import Count, JsonRecord, RecordError, json_field
 from ..models.families import config_of, family_of
 from ..models.swap import variant_of
-from ..options import AT_LEAST_0, AT_LEAST_1, Option, Range
+from ..options import AT_LEAST_1
 from .config import Batch, TrainConfig
 from .rng import save_rng
 
@@ -45,15 +46,61 @@ class Checkpointable(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-def model_identity(model: nn.Module) -> dict:
+@dataclass(frozen=True)
+class ModelIdentity(JsonRecord):
+    """What a checkpoint must match to be resumed: the model's family, variant, number of parameter tensors and the
+    sha of their names and shapes (16 hex digits)."""
+
+    family: str
+    variant: str
+    parameters: Count
+    shapes_sha: str
+
+
+@dataclass(frozen=True)
+class Progress(JsonRecord):
+    """How far a run had come: optimizer steps taken and tokens trained on."""
+
+    step: Count
+    tokens: Count
+
+
+@dataclass(frozen=True)
+class OptimizerGroups(JsonRecord):
+    """AdamW's param groups as torch's ``state_dict()["param_groups"]`` gives them (its moments are in
+    optimizer.safetensors)."""
+
+    param_groups: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TrainerRecord(JsonRecord):
+    """trainer.json: a checkpoint's ``format`` (:data:`CHECKPOINT_FORMAT`), the model's ``identity`` and config
+    (``model_config``, :func:`model_settings`), the run's ``config`` (:class:`TrainConfig` as a dict), ``world_size``
+    (processes), ``progress``, and the state torch and the data stream hand back as they gave it: the optimizer's
+    param groups, the LR scheduler's, the data position's and the fp16 grad scaler's (None without one)."""
+
+    format: int
+    identity: ModelIdentity
+    config: dict[str, Any]
+    world_size: Annotated[int, AT_LEAST_1]
+    progress: Progress
+    optimizer: OptimizerGroups
+    scheduler: dict[str, Any]
+    data: dict[str, Any]
+    scaler: dict[str, Any] | None
+    model_config: dict[str, Any] | None = json_field(omit_none=True)
+
+
+def model_identity(model: nn.Module) -> ModelIdentity:
     """What a checkpoint must match to be resumed: family, variant, parameter names and shapes."""
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    return {
-        "family": family_of(model).name,
-        "variant": str(variant_of(model)),
-        "parameters": len(shapes),
-        "shapes_sha": _sha(json.dumps(shapes, sort_keys=True)),
-    }
+    return ModelIdentity(
+        family=family_of(model).name,
+        variant=str(variant_of(model)),
+        parameters=len(shapes),
+        shapes_sha=_sha(json.dumps(shapes, sort_keys=True)),
+    )
 
 
 def _sha(text: str) -> str:
@@ -128,7 +175,7 @@ def check_checkpointable(acc: Accelerator, data: Iterable[Batch]) -> None:
         )
 
 
-def write_checkpoint(run: Run, path: Path, identity: dict, c: TrainConfig) -> None:
+def write_checkpoint(run: Run, path: Path, identity: ModelIdentity, c: TrainConfig) -> None:
     """Write checkpoint ``path`` (layout: :mod:`quantgate.train.rundir`) into a temporary folder, then rename it.
     Under DDP the weights and optimizer state are the same on every process, under FSDP they are gathered
     whole from the shards: the main process writes them; each process writes its RNG states. A full or
@@ -146,7 +193,7 @@ def write_checkpoint(run: Run, path: Path, identity: dict, c: TrainConfig) -> No
         ) from None
 
 
-def _write_files(run: Run, path: Path, identity: dict, c: TrainConfig) -> None:
+def _write_files(run: Run, path: Path, identity: ModelIdentity, c: TrainConfig) -> None:
     acc = run.acc
     tmp = temporary_folder(path)
     if acc.is_main_process:
@@ -167,20 +214,19 @@ def _write_files(run: Run, path: Path, identity: dict, c: TrainConfig) -> None:
             },
             str(tmp / OPTIMIZER_FILE),
         )
-        opt = run.optimizer.state_dict()
-        trainer = {
-            "format": CHECKPOINT_FORMAT,
-            "identity": identity,
-            "config": asdict(c),
-            "world_size": acc.num_processes,
-            "model_config": model_settings(run.model),
-            "progress": {"step": run.step, "tokens": run.tokens},
-            "optimizer": {"param_groups": opt["param_groups"]},
-            "scheduler": run.scheduler.state_dict(),
-            "data": cast(Checkpointable, run.data).state_dict(),  # checked by check_checkpointable
-            "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
-        }
-        (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1))
+        trainer = TrainerRecord(
+            format=CHECKPOINT_FORMAT,
+            identity=identity,
+            config=asdict(c),
+            world_size=acc.num_processes,
+            progress=Progress(run.step, run.tokens),
+            optimizer=OptimizerGroups(run.optimizer.state_dict()["param_groups"]),
+            scheduler=run.scheduler.state_dict(),
+            data=cast(Checkpointable, run.data).state_dict(),  # checked by check_checkpointable
+            scaler=acc.scaler.state_dict() if acc.scaler is not None else None,
+            model_config=model_settings(run.model),
+        )
+        (tmp / TRAINER_FILE).write_text(json.dumps(trainer.to_json(), indent=1))
     acc.wait_for_everyone()
     if acc.is_main_process:
         publish_folder(tmp, path)
@@ -206,7 +252,7 @@ def can_resume(out: str | Path) -> bool:
         return False
 
 
-def newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
+def newest_checkpoint(out: Path | None) -> tuple[Path, TrainerRecord]:
     """The newest complete ``checkpoints/step-N`` and its trainer.json; incomplete ones are skipped with a warning."""
     found = (
         [(int(m[1]), p) for p in (out / "checkpoints").glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
@@ -227,55 +273,27 @@ def newest_checkpoint(out: Path | None) -> tuple[Path, dict]:
 
 
 TRAINER_LIMIT = 64 << 20  # bytes: the most of a trainer.json read (a run's is a few kB)
-_MISSING = object()
-
-# trainer.json's fields: an Option each (JSON type or types, range or None), checked before a resume uses it
-TRAINER_FIELDS: dict[str, Option] = {
-    "identity": Option(dict),
-    "identity.family": Option(str),
-    "identity.variant": Option(str),
-    "identity.parameters": Option(int, AT_LEAST_0),
-    "identity.shapes_sha": Option(str),
-    "config": Option(dict),
-    "world_size": Option(int, AT_LEAST_1),
-    "progress": Option(dict),
-    "progress.step": Option(int, AT_LEAST_0),
-    "progress.tokens": Option(int, AT_LEAST_0),
-    "optimizer": Option(dict),
-    "optimizer.param_groups": Option(list, Range(lambda gs: all(isinstance(g, dict) for g in gs), "a list of objects")),
-    "scheduler": Option(dict),
-    "data": Option(dict),
-    "scaler": Option((dict, type(None))),
-}
 
 
-def _read_trainer(path: Path) -> dict:
-    """trainer.json of checkpoint ``path``, every field a resume reads checked (:data:`TRAINER_FIELDS`);
-    ValueError saying why ``path`` is not a complete checkpoint, naming the file and field."""
+def _read_trainer(path: Path) -> TrainerRecord:
+    """trainer.json of checkpoint ``path``, every field typed and checked (:class:`TrainerRecord`); ValueError saying
+    why ``path`` is not a complete checkpoint, naming the file and field."""
     file = path / TRAINER_FILE
     if not file.is_file():
         raise InputError(f"it has no {TRAINER_FILE} (its write was interrupted)")
-    saved = read_json(file, limit=TRAINER_LIMIT)
-    if saved.get("format") != CHECKPOINT_FORMAT:
+    data = read_json(file, limit=TRAINER_LIMIT)
+    if data.get("format") != CHECKPOINT_FORMAT:
         raise InputError("it is in an older format (accelerate's pickled state), which quantgate does not load")
-    for name, field in TRAINER_FIELDS.items():
-        kind = field.type
-        value: object = saved
-        for part in name.split("."):
-            value = value.get(part, _MISSING) if isinstance(value, dict) else _MISSING
-        if value is _MISSING:
-            raise InputError(f"{file} lacks {name}")
-        exact = not isinstance(value, bool) or kind is bool
-        if not (exact and isinstance(value, kind) and field.accepts(value)):
-            wants = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
-            wants += f", {field.wants}" if field.valid else ""
-            raise InputError(f"{file}: {name} must be a JSON {wants}; got {short_repr(value)}")
-    if "model_config" in saved and not isinstance(saved["model_config"], dict):
-        raise InputError(f"{file}: model_config must be a JSON object; got {short_repr(saved['model_config'])}")
+    try:
+        saved = TrainerRecord.from_json(data)
+    except RecordError as e:
+        raise InputError(f"{file}: {e}") from None
+    except (TypeError, ValueError) as e:  # a field missing, or one the record does not know
+        raise InputError(f"{file}: {' '.join(str(e).split())}") from None
     missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (path / f).is_file()]
     if missing:
         raise InputError(f"it lacks {', '.join(missing)}")
-    world = saved["world_size"]
+    world = saved.world_size
     ranks = {p.name for p in path.glob("rng-*.safetensors")}
     if world > len(ranks) or not all(f"rng-{r}.safetensors" in ranks for r in range(world)):
         raise InputError(

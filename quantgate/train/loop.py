@@ -129,7 +129,7 @@ def _train(
     if c.log_with is not None:
         acc.init_trackers("tensorboard", config=hyperparameters(c))
     if not c.resume:
-        logger.write({"event": "config", "config": asdict(c), "identity": identity, "world_size": world})
+        logger.write({"event": "config", "config": asdict(c), "identity": identity.to_json(), "world_size": world})
     model.train()
     it = iter(data)
     # one process computes the MLM loss at the masked positions only; a DDP or FSDP wrapper must see the forward call

@@ -24,7 +24,9 @@ from .checkpoint import (
     OPTIMIZER_FILE,
     TRAINER_FILE,
     Checkpointable,
+    ModelIdentity,
     Run,
+    TrainerRecord,
     model_settings,
     newest_checkpoint,
 )
@@ -34,25 +36,24 @@ from .rng import load_rng
 log = logging.getLogger("quantgate")
 
 
-def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
+def resume(run: Run, out: Path | None, identity: ModelIdentity, c: TrainConfig) -> None:
     """Restore ``run`` from the newest complete checkpoint of the same model and settings."""
     path, saved = newest_checkpoint(out)
-    if saved["identity"] != identity:
-        s = saved["identity"]
+    if saved.identity != identity:
+        s = saved.identity
         raise InputError(
-            f"{path} belongs to another model ({s['family']}, variant {s['variant']}, "
-            f"{s['parameters']} tensors) than this one ({identity['family']}, variant "
-            f"{identity['variant']}, {identity['parameters']} tensors); resume with the same model and "
-            f"variant, or train into a new directory"
+            f"{path} belongs to another model ({s.family}, variant {s.variant}, {s.parameters} tensors) than this "
+            f"one ({identity.family}, variant {identity.variant}, {identity.parameters} tensors); resume with the "
+            f"same model and variant, or train into a new directory"
         )
     now = json.loads(json.dumps(asdict(c)))  # as trainer.json holds it (tuples as lists)
     changed = [
-        f"{k} {saved['config'].get(k)!r} -> {v!r}"
+        f"{k} {saved.config.get(k)!r} -> {v!r}"
         for k, v in now.items()
-        if k not in FREE_ON_RESUME and saved["config"].get(k) != v
+        if k not in FREE_ON_RESUME and saved.config.get(k) != v
     ]
-    if saved["world_size"] != run.acc.num_processes:
-        changed.append(f"processes {saved['world_size']} -> {run.acc.num_processes}")
+    if saved.world_size != run.acc.num_processes:
+        changed.append(f"processes {saved.world_size} -> {run.acc.num_processes}")
     if changed:
         raise InputError(
             f"cannot resume {path} with changed settings: {', '.join(changed)}. They change the data "
@@ -60,7 +61,7 @@ def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
             f"or train into a new --out"
         )
     _check_model_settings(run.model, path, saved)
-    step = saved["progress"]["step"]
+    step = saved.progress.step
     if c.stop_after is not None and c.stop_after <= step:
         raise InputError(
             f"stop_after {c.stop_after}: {path} is at step {step} already; give a later stop_after "
@@ -72,13 +73,13 @@ def resume(run: Run, out: Path | None, identity: dict, c: TrainConfig) -> None:
     log.info("resumed from %s", path)
 
 
-def _check_model_settings(model: nn.Module, path: Path, saved: dict) -> None:
+def _check_model_settings(model: nn.Module, path: Path, saved: TrainerRecord) -> None:
     """Refuse to resume a checkpoint with a model whose config differs from the one it was trained with, even
     where the tensor shapes agree (an activation, a norm's eps): one run would mix two architectures."""
-    if "model_config" not in saved:
+    if saved.model_config is None:
         log.warning("%s records no model config (an older quantgate wrote it): resuming without checking it", path)
         return
-    was, now = saved["model_config"], model_settings(model)
+    was, now = saved.model_config, model_settings(model)
     changed = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
     if changed:
         raise InputError(
@@ -87,13 +88,13 @@ def _check_model_settings(model: nn.Module, path: Path, saved: dict) -> None:
         )
 
 
-def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
+def _check_optimizer(run: Run, path: Path, saved: TrainerRecord, c: TrainConfig) -> None:
     """The optimizer's and the schedule's saved hyperparameters are the ones this config makes (the learning
     rate: the schedule's at the saved step), so that a resumed run continues the run its config describes."""
     file = path / TRAINER_FILE
-    step = saved["progress"]["step"]
+    step = saved.progress.step
     fresh = json.loads(json.dumps(run.optimizer.state_dict()["param_groups"]))
-    groups = saved["optimizer"]["param_groups"]
+    groups = saved.optimizer.param_groups
     if len(groups) != len(fresh):
         raise InputError(
             f"{file}: optimizer.param_groups holds {len(groups)} groups, but this model and config make "
@@ -116,8 +117,8 @@ def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
                 )
     lrs = [g["initial_lr"] * factor for g in fresh]
     expected_sched = {**run.scheduler.state_dict(), "last_epoch": step, "_step_count": step + 1}
-    for key in sorted(set(saved["scheduler"]) | set(expected_sched)):
-        value, want = saved["scheduler"].get(key), expected_sched.get(key)
+    for key in sorted(set(saved.scheduler) | set(expected_sched)):
+        value, want = saved.scheduler.get(key), expected_sched.get(key)
         if key == "_last_lr":
             same = isinstance(value, list) and len(value) == len(lrs) and all(map(_close, value, lrs))
             want = lrs
@@ -131,7 +132,7 @@ def _check_optimizer(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
             )
 
 
-def _check_data_position(run: Run, path: Path, saved: dict, c: TrainConfig) -> None:
+def _check_data_position(run: Run, path: Path, saved: TrainerRecord, c: TrainConfig) -> None:
     """The saved data position (``data.epoch``, ``data.batch``) is the one the saved step makes: each step takes
     ``grad_accum`` global micro-batches, so a run at step s has taken s x grad_accum of them. Another position
     would replay or skip data, and the resumed run would end where no straight run does."""
@@ -140,7 +141,7 @@ def _check_data_position(run: Run, path: Path, saved: dict, c: TrainConfig) -> N
     file = path / TRAINER_FILE
     position = []
     for key in ("epoch", "batch"):
-        value = saved["data"].get(key)
+        value = saved.data.get(key)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise InputError(f"{file}: data.{key} must be an integer >= 0; got {short_repr(value)}")
         position.append(value)
@@ -148,7 +149,7 @@ def _check_data_position(run: Run, path: Path, saved: dict, c: TrainConfig) -> N
         per_epoch = len(cast(Sized, run.data))
     except TypeError:  # data of unknown length: its position cannot be derived from the step
         return
-    step = saved["progress"]["step"]
+    step = saved.progress.step
     taken = step * c.grad_accum
     want = divmod(taken, per_epoch) if per_epoch else (0, 0)
     # after an epoch's last micro-batch the data stands at (epoch, per_epoch): the same place as (epoch + 1, 0)
@@ -175,7 +176,7 @@ def _close(a: object, b: float) -> bool:
 OPTIMIZER_STATES = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})  # AdamW's, per parameter
 
 
-def _load_checkpoint(run: Run, path: Path, saved: dict) -> None:
+def _load_checkpoint(run: Run, path: Path, saved: TrainerRecord) -> None:
     """Restore ``run`` from checkpoint ``path``, reading safetensors and JSON only, each value checked first.
     Every process reads the whole state; under FSDP each keeps its shard of it."""
     weights = read_safetensors(path / MODEL_FILE)
@@ -196,18 +197,18 @@ def _load_checkpoint(run: Run, path: Path, saved: dict) -> None:
             raise InputError(f"{file}: tensor {key!r} has shape {list(t.shape)}; its parameter needs {list(want)}")
         state.setdefault(i, {})[name] = t
     names = run.parameter_names()
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved["optimizer"]["param_groups"]]
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in saved.optimizer.param_groups]
     set_optimizer_state_dict(
         run.model,
         run.inner_optimizer,
         {"state": {names[i]: s for i, s in state.items()}, "param_groups": groups},
         options=StateDictOptions(full_state_dict=True),
     )
-    run.scheduler.load_state_dict(saved["scheduler"])
-    cast(Checkpointable, run.data).load_state_dict(saved["data"])  # checked by check_checkpointable
+    run.scheduler.load_state_dict(saved.scheduler)
+    cast(Checkpointable, run.data).load_state_dict(saved.data)  # checked by check_checkpointable
     if run.acc.scaler is not None:
-        if saved["scaler"] is None:
+        if saved.scaler is None:
             raise InputError(f"{path / TRAINER_FILE}: scaler is null, but this run scales its fp16 loss")
-        run.acc.scaler.load_state_dict(saved["scaler"])
-    run.step, run.tokens = saved["progress"]["step"], saved["progress"]["tokens"]
+        run.acc.scaler.load_state_dict(saved.scaler)
+    run.step, run.tokens = saved.progress.step, saved.progress.tokens
     load_rng(path / f"rng-{run.acc.process_index}.safetensors")

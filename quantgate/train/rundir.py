@@ -18,7 +18,7 @@ Its layout (one writer at a time: the run holds ``.quantgate.lock``, see :mod:`q
         trainer.json              format, model identity and config, run config, process count, progress,
                                   optimizer param groups, LR scheduler, data position, fp16 grad scaler;
                                   every field is checked before a resume uses it
-                                  (:data:`~quantgate.train.checkpoint.TRAINER_FIELDS`)
+                                  (:class:`~quantgate.train.checkpoint.TrainerRecord`)
     model/                    the final model (``qg.save``), and training.png
     last-good-model/          after a divergence: the last finite weights (see :func:`~quantgate.train.train`)
 
