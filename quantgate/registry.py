@@ -3,10 +3,12 @@ handlers, model families, presets, packaged models and report sections.
 
 A :class:`Registry` is a read-only mapping in registration order with one way in (:meth:`Registry.add`; the
 registering decorators ``@gate_kind`` and ``@handles`` call it), which refuses a name given twice, and one way to
-look a name up that refuses an unknown one by listing the names it knows (:meth:`Registry.lookup`). A table whose
-entries are registered by a module above it names that module (``filled_by``): the first read imports it (adding
-is not a read), so a reader of the table never depends on who imported what before. Tests add an entry inside
-:meth:`Registry.snapshot`, which puts the table back as it was.
+look a name up that refuses an unknown one by listing the names it knows (:meth:`Registry.lookup`). A table is
+filled by imports a reader can see: its entries live in its own module (``FAMILIES``, ``SCHEMES``, ``GATE_KINDS``
+beside the gate classes), or the modules that look entries up import the modules that register them
+(``HANDLERS``: quant/__init__.py and export.py import simulate.py and backends.py), never by whatever the package's
+``__init__`` happened to import. Tests add an entry inside :meth:`Registry.snapshot`, which puts the table back as
+it was.
 
 >>> colours = Registry("colour", {"red": 1})
 >>> colours.lookup("blue")
@@ -18,7 +20,6 @@ quantgate.errors.InputError: unknown colour 'blue'; valid: red
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -38,8 +39,7 @@ def _shown(key: object) -> str:
 
 class Registry(Mapping[K, T], Generic[K, T]):
     """The entries of one table, in registration order. ``noun`` names an entry in errors (``unknown {noun}
-    'x'; {listing}: a, b``); ``filled_by``: the modules whose import registers the entries (imported at the
-    first read of the table, not before)."""
+    'x'; {listing}: a, b``)."""
 
     def __init__(
         self,
@@ -47,11 +47,9 @@ class Registry(Mapping[K, T], Generic[K, T]):
         entries: Mapping[K, T] | None = None,
         *,
         listing: str = "valid",
-        filled_by: tuple[str, ...] = (),
     ) -> None:
         self.noun, self.listing = noun, listing
         self._entries: dict[K, T] = {}
-        self._filled_by, self._filled = filled_by, not filled_by
         for key, entry in (entries or {}).items():
             self.add(key, entry)
 
@@ -62,20 +60,6 @@ class Registry(Mapping[K, T], Generic[K, T]):
         for entry in entries:
             table.add(getattr(entry, "name"), entry)  # noqa: B009  (E is any type with a name)
         return table
-
-    def _fill(self) -> None:
-        """Import the modules that fill the table, once, at its first read (adding to it is not a read: a filling
-        module registers while it is being imported). A failed import leaves the table as it was, to be filled
-        at the next read."""
-        if self._filled:
-            return
-        self._filled, before = True, dict(self._entries)  # True first: the filling modules may read the table
-        try:
-            for module in self._filled_by:
-                importlib.import_module(module)
-        except BaseException:
-            self._filled, self._entries = False, before
-            raise
 
     def add(self, key: K, entry: T, *, before: K | None = None, after: K | None = None) -> T:
         """Register ``entry`` as ``key``: at the end, or just ``before`` or ``after`` another entry; an
@@ -97,7 +81,6 @@ class Registry(Mapping[K, T], Generic[K, T]):
 
     def lookup(self, key: K) -> T:
         """The entry ``key``; an InputError naming the known ones where there is none."""
-        self._fill()
         if key not in self._entries:
             known = ", ".join(_shown(k) for k in self._entries)
             raise InputError(f"unknown {self.noun} {_shown(key)!r}; {self.listing}: {known}")
@@ -106,7 +89,6 @@ class Registry(Mapping[K, T], Generic[K, T]):
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Registry[K, T]]:
         """Within the block, entries may be added; afterwards the table is as it was (for tests)."""
-        self._fill()
         saved = dict(self._entries)
         try:
             yield self
@@ -114,19 +96,15 @@ class Registry(Mapping[K, T], Generic[K, T]):
             self._entries = saved
 
     def __getitem__(self, key: K) -> T:
-        self._fill()
         return self._entries[key]
 
     def __iter__(self) -> Iterator[K]:
-        self._fill()
         return iter(self._entries)
 
     def __len__(self) -> int:
-        self._fill()
         return len(self._entries)
 
     def __contains__(self, key: object) -> bool:
-        self._fill()
         return key in self._entries
 
     def __repr__(self) -> str:

@@ -10,7 +10,9 @@ A variant is up to three components joined by ``+``, each ``name[:key=value,...]
   length-invariant ``alpha`` (gamma = -alpha / T, T the number of keys);
 * ``sink``: one learnable logit per head appended to every softmax row (gpt-oss).
 
-``vanilla`` names the plain softmax attention. ``AttentionVariant.parse(str(v)) == v`` for every
+The gate kinds are the table of :mod:`quantgate.attention.gates` (``GATE_KINDS``, ``gate_kind``), which this
+module imports (and re-exports), so the grammar always reads a filled table. ``vanilla`` names the plain softmax
+attention. ``AttentionVariant.parse(str(v)) == v`` for every
 variant; the printed form lists only parameters that differ from their defaults.
 
 >>> str(AttentionVariant.parse("g1-headwise:pi_init=0.25+sink"))
@@ -19,14 +21,12 @@ variant; the printed form lists only parameters that differ from their defaults.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypedDict, TypeVar
+from typing import Any, TypedDict
 
+from .attention.gates import GATE_KINDS, GateKind, gate_kind, logit
 from .errors import InputError
-from .options import Option, Range, key_values, printed
-from .registry import Registry
+from .options import Range, key_values, printed
 
 __all__ = [
     "AttentionVariant",
@@ -57,69 +57,6 @@ def _check_ranges(spec, owner: str) -> None:
         value = getattr(spec, f.name)
         if "valid" in f.metadata and value is not None:
             f.metadata["valid"].check(owner, f.name, value)
-
-
-class GateLike(Protocol):
-    """What this module reads of a registered gate class, a :class:`quantgate.attention.gates.Gate`
-    subclass (a protocol, so that this module imports nothing above it)."""
-
-    floor: ClassVar[float]
-    position: ClassVar[str]  # where it multiplies: "sdpa" (G1), "value" (G2), "output" (G5)
-
-    @classmethod
-    def bias_for(cls, pi_init: float) -> float: ...
-
-    def __init__(self, spec: GateSpec, dims: object, std: float) -> None: ...  # dims: an AttentionDims
-
-
-_G = TypeVar("_G", bound=GateLike)
-
-
-@dataclass(frozen=True)
-class GateKind:
-    """A registered gate kind: its Gate class (:mod:`quantgate.attention.gates`), description, default
-    initial value, whether its projection can be factorised, its own options (name ->
-    :class:`~quantgate.options.Option`: type, choices, default), which :class:`AttentionVariant` parses and
-    prints, and other names its paper gives the common parameters (``{"d_int": "low_rank"}``), which parse as
-    those."""
-
-    gate: type[GateLike]
-    description: str
-    pi_init: float
-    low_rank: bool
-    options: dict[str, Option] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self):  # every gate can start as the identity for fine-tuning a pretrained model
-        self.options.setdefault("finetune", Option(bool, (True, False), False))
-
-
-# the gate kinds, in the order variants list them: the @gate_kind classes of quantgate.attention.gates, which
-# the first read of the table imports
-GATE_KINDS: Registry[str, GateKind] = Registry("gate kind", filled_by=("quantgate.attention.gates",))
-
-
-def gate_kind(
-    name: str,
-    description: str,
-    *,
-    pi_init: float = 0.5,
-    low_rank: bool = True,
-    options: dict[str, Option] | None = None,
-    aliases: dict[str, str] | None = None,
-) -> Callable[[type[_G]], type[_G]]:
-    """Class decorator: register a Gate subclass as the gate kind ``name``: a new gate is one decorated
-    class (its position, activation, bias initialisation and x readers are class attributes and methods)."""
-
-    def register(cls: type[_G]) -> type[_G]:
-        GATE_KINDS.add(name, GateKind(cls, description, pi_init, low_rank, dict(options or {}), dict(aliases or {})))
-        return cls
-
-    return register
-
-
-def logit(p: float) -> float:
-    return math.log(p / (1.0 - p))
 
 
 _SLOTS = {"clipped": "clip"}  # the AttentionVariant field of a component, where it is not the component's name

@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[1]
 TOY_GATE = '''"""A gate in one module: G1 per head with a temperature option."""
 import torch
 
-from quantgate.attention.gates import Gate, _heads, _proj
+from quantgate.attention.gates import Gate, projection, split_heads
 from quantgate.options import Option
 from quantgate.variants import gate_kind
 
@@ -36,14 +36,14 @@ class ToyGate(Gate):
     def __init__(self, spec, dims, std):
         super().__init__(spec, dims)
         self.t = 4.0 if spec.option("heat") == "warm" else 1.0
-        self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init * self.t, std)
+        self.proj = projection(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init * self.t, std)
 
     @classmethod
     def bias_for(cls, pi_init):
         return float(torch.logit(torch.tensor(pi_init)))
 
     def compute(self, x):
-        return torch.sigmoid(_heads(self.proj(x), self.dims.n_heads) / self.t)
+        return torch.sigmoid(split_heads(self.proj(x), self.dims.n_heads) / self.t)
 '''
 
 TOY_SCHEME = '''"""A scheme in one module: a row of an existing class."""
@@ -61,14 +61,14 @@ SCHEMES.add(
 '''
 
 TOY_FAMILY = '''"""A model family in one module: Mistral's row, and a tiny preset of it."""
-from quantgate.models.families import _DECODER, _GATED_MLP, FAMILIES, Family
-from quantgate.models.presets import PRESETS, Preset, _decoder
+from quantgate.models.families import DECODER_LAYOUT, GATED_MLP, FAMILIES, Family
+from quantgate.models.presets import PRESETS, Preset, decoder_config
 
 FAMILIES.add(
     "mistral",
-    Family("mistral", ("mistral",), "MistralConfig", "MistralForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+    Family("mistral", ("mistral",), "MistralConfig", "MistralForCausalLM", **DECODER_LAYOUT, ffn_linears=GATED_MLP),
 )
-PRESETS.add("tiny-mistral", Preset("mistral", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2"))
+PRESETS.add("tiny-mistral", Preset("mistral", decoder_config(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2"))
 '''
 
 TOY_SECTION = '''"""A report section in one module, placed after "What the numbers show"."""

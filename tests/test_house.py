@@ -23,12 +23,32 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _import_module_string(name: str, path: Path, node: ast.Call) -> str | None:
+    """The module an ``importlib.import_module("...")`` call names by a literal string (relative ones resolved
+    against the calling module's package), else None."""
+    func = node.func
+    called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if called != "import_module" or not node.args or not isinstance(node.args[0], ast.Constant):
+        return None
+    target = node.args[0].value
+    if not isinstance(target, str):
+        return None
+    dots = len(target) - len(target.lstrip("."))
+    if not dots:
+        return target
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    rest = target[dots:]
+    return ".".join(package[: len(package) - dots + 1] + ([rest] if rest else []))
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` imports anywhere (top level, in functions, under TYPE_CHECKING): for
-    ``from P import x``, the submodule P.x where x is one, else P."""
+    """The package's modules that ``name`` imports anywhere (top level, in functions, under TYPE_CHECKING, by an
+    ``importlib.import_module`` string): for ``from P import x``, the submodule P.x where x is one, else P."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and (target := _import_module_string(name, path, node)) is not None:
+            found.add(target)
+        elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -87,6 +107,18 @@ def test_no_import_cycle_between_the_packages_modules():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_reader_follows_import_module_strings(tmp_path):
+    """An upward import by string (``importlib.import_module("quantgate.x")``) is an edge like any other."""
+    modules = dict.fromkeys(("quantgate.a", "quantgate.b", "quantgate.c", "quantgate.d"), tmp_path / "x.py")
+    source = tmp_path / "b.py"
+    source.write_text(
+        "import importlib\nfrom importlib import import_module\n"
+        "def f():\n    importlib.import_module('quantgate.a')\n    import_module('.c', __name__)\n"
+        "    importlib.import_module(f'quantgate.{f}')\n"
+    )
+    assert _imports("quantgate.b", source, modules) == {"quantgate.a", "quantgate.c"}
 
 
 def _long_functions() -> dict[str, int]:

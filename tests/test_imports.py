@@ -82,3 +82,51 @@ def test_every_pinned_dependency_and_test_extra_imports():
         except Exception as e:  # a broken install (not only a missing one) fails too
             missing[dist] = f"import {module}: {type(e).__name__}: {e}"
     assert not missing, "pinned in pyproject.toml but not importable:\n" + "\n".join(missing.values())
+
+
+def _imported_modules(statement: str) -> list[str]:
+    """The modules ``python -X importtime -c statement`` imports, by name, from a fresh interpreter."""
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", statement], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
+    return [name for name in rows[1:] if name]  # rows[0] is the header (self [us] | cumulative | imported package)
+
+
+def test_importing_one_module_loads_neither_the_audit_nor_transformers_nor_lm_eval():
+    """qg.* names resolve at first use, so ``import quantgate.options`` loads that module and what it imports:
+    no audit, no torch model code, no lm-eval (measured: about 120 modules against 3,600 when the package's
+    __init__ imported everything)."""
+    modules = _imported_modules("import quantgate.options")
+    assert "quantgate.options" in modules and "quantgate.errors" in modules  # the list was read
+    heavy = ("quantgate.audit", "quantgate.models", "quantgate.quant", "transformers", "lm_eval", "torch")
+    loaded = [m for m in modules if m in heavy or m.startswith(tuple(f"{h}." for h in heavy))]
+    assert loaded == []
+    assert len(modules) < 400
+
+
+def test_every_qg_name_resolves_and_dir_lists_the_api():
+    run = subprocess.run([sys.executable, "-c", QG_NAMES], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "ok"
+
+
+QG_NAMES = textwrap.dedent("""
+    import importlib
+    import types
+    import quantgate as qg
+    import quantgate.observe, quantgate.train, quantgate.evaluate, quantgate.audit  # the submodules first
+    assert set(qg.__all__) <= set(dir(qg))
+    for name in qg.__all__:
+        assert getattr(qg, name) is not None, name
+    for verb in ("observe", "train", "evaluate", "audit"):  # still the verbs, not their submodules
+        assert callable(getattr(qg, verb)) and not isinstance(getattr(qg, verb), types.ModuleType), verb
+        assert isinstance(importlib.import_module(f"quantgate.{verb}"), types.ModuleType)
+    assert qg.quant.SCHEMES is qg.SCHEMES and isinstance(qg.models, types.ModuleType)
+    from quantgate import build, data, load, save  # noqa: F401
+    try:
+        qg.no_such_name
+    except AttributeError:
+        print("ok")
+""")

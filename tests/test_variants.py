@@ -118,7 +118,7 @@ def test_a_new_gate_kind_is_one_decorated_class(registries):
     import torch
 
     import quantgate as qg
-    from quantgate.attention.gates import Gate, _heads, _proj
+    from quantgate.attention.gates import Gate, projection, split_heads
     from quantgate.quant.rotate import rotate_
     from quantgate.variants import GATE_KINDS, gate_kind
 
@@ -130,14 +130,14 @@ def test_a_new_gate_kind_is_one_decorated_class(registries):
 
         def __init__(self, spec, dims, std):
             super().__init__(spec, dims)
-            self.proj = _proj(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
+            self.proj = projection(dims.d_model, dims.n_heads * dims.head_dim, spec.low_rank, spec.bias_init, std)
 
         @classmethod
         def bias_for(cls, pi_init):
             return math.atanh(2 * pi_init - 1)
 
         def compute(self, x):
-            return (1 + torch.tanh(_heads(self.proj(x), self.dims.n_heads))) / 2
+            return (1 + torch.tanh(split_heads(self.proj(x), self.dims.n_heads))) / 2
 
     assert str(AttentionVariant.parse("tanh-test:low_rank=4")) == "tanh-test:low_rank=4"
     model = cast(LlamaForCausalLM, qg.build("tiny-llama", "tanh-test", seed=0).eval())

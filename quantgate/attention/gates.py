@@ -20,9 +20,10 @@ starts within a hair of the pretrained function and the gate ranges over [0, 1 /
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, TypeVar
 
 import torch
 import torch.nn as nn
@@ -30,9 +31,21 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..options import Option
-from ..variants import GATE_KINDS, GateSpec, gate_kind, logit
+from ..registry import Registry
 
-__all__ = ["AttentionDims", "Gate", "ProjGate", "build_gate"]
+__all__ = [
+    "AttentionDims",
+    "GATE_KINDS",
+    "Gate",
+    "GateKind",
+    "GateSpecLike",
+    "ProjGate",
+    "build_gate",
+    "gate_kind",
+    "logit",
+    "projection",
+    "split_heads",
+]
 
 
 OPEN_LOGIT = 30.0  # sigmoid(30) == 1.0 in float32
@@ -49,6 +62,87 @@ class AttentionDims:
 
 
 FINETUNE_STD = 1e-3
+
+
+class GateSpecLike(Protocol):
+    """What a gate reads of its :class:`quantgate.variants.GateSpec` (a protocol: the variant grammar imports this
+    module, for the gate kinds it parses)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def pi_init(self) -> float: ...
+
+    @property
+    def low_rank(self) -> int | None: ...
+
+    @property
+    def bias_init(self) -> float: ...
+
+    def option(self, name: str) -> object: ...
+
+
+class GateLike(Protocol):
+    """What the table reads of a registered gate class, a :class:`Gate` subclass (a protocol: the classes are
+    registered while their module is still being defined)."""
+
+    floor: ClassVar[float]
+    position: ClassVar[str]  # where it multiplies: "sdpa" (G1), "value" (G2), "output" (G5)
+
+    @classmethod
+    def bias_for(cls, pi_init: float) -> float: ...
+
+    def __init__(self, spec: GateSpecLike, dims: AttentionDims, std: float) -> None: ...
+
+
+_G = TypeVar("_G", bound=GateLike)
+
+
+@dataclass(frozen=True)
+class GateKind:
+    """A registered gate kind: its Gate class, description, default initial value, whether its projection can be
+    factorised, its own options (name -> :class:`~quantgate.options.Option`: type, choices, default), which
+    :class:`quantgate.variants.AttentionVariant` parses and prints, and other names its paper gives the common
+    parameters (``{"d_int": "low_rank"}``), which parse as those."""
+
+    gate: type[GateLike]
+    description: str
+    pi_init: float
+    low_rank: bool
+    options: dict[str, Option] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):  # every gate can start as the identity for fine-tuning a pretrained model
+        self.options.setdefault("finetune", Option(bool, (True, False), False))
+
+
+# the gate kinds, in the order variants list them: the @gate_kind classes below, and any a module above registers
+# (quantgate.variants imports this module, so the grammar reads a filled table)
+GATE_KINDS: Registry[str, GateKind] = Registry("gate kind")
+
+
+def gate_kind(
+    name: str,
+    description: str,
+    *,
+    pi_init: float = 0.5,
+    low_rank: bool = True,
+    options: dict[str, Option] | None = None,
+    aliases: dict[str, str] | None = None,
+) -> Callable[[type[_G]], type[_G]]:
+    """Class decorator: register a Gate subclass as the gate kind ``name``: a new gate is one decorated
+    class (its position, activation, bias initialisation and x readers are class attributes and methods)."""
+
+    def register(cls: type[_G]) -> type[_G]:
+        GATE_KINDS.add(name, GateKind(cls, description, pi_init, low_rank, dict(options or {}), dict(aliases or {})))
+        return cls
+
+    return register
+
+
+def logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
 
 
 class Gate(nn.Module):
@@ -69,7 +163,7 @@ class Gate(nn.Module):
         """The pre-activation value at which :meth:`activation` gives ``pi_init``."""
         return logit(pi_init)
 
-    def __init__(self, spec: GateSpec, dims: AttentionDims) -> None:
+    def __init__(self, spec: GateSpecLike, dims: AttentionDims) -> None:
         super().__init__()
         self.spec, self.dims = spec, dims
         self.rescale = 1.0
@@ -112,7 +206,7 @@ class Gate(nn.Module):
         return None
 
 
-def _proj(d_in: int, d_out: int, rank: int | None, bias_init: float, std: float) -> nn.Module:
+def projection(d_in: int, d_out: int, rank: int | None, bias_init: float, std: float) -> nn.Module:
     """x (..., d_in) -> logits (..., d_out): a Linear, or Linear(d_in, r) then Linear(r, d_out) at rank r."""
     layers = [nn.Linear(d_in, d_out)] if rank is None else [nn.Linear(d_in, rank, bias=False), nn.Linear(rank, d_out)]
     for layer in layers:
@@ -134,7 +228,7 @@ class _HeadLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """(B, N, heads * d) -> (B, heads, N, d)."""
     b, n, _ = t.shape
     return t.view(b, n, heads, -1).transpose(1, 2)
@@ -155,9 +249,9 @@ class ProjGate(Gate):
     def layout(z: torch.Tensor, dims: AttentionDims) -> torch.Tensor:
         return z
 
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
+    def __init__(self, spec: GateSpecLike, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
-        self.proj = _proj(dims.d_model, self.width(dims), spec.low_rank, spec.bias_init, std)
+        self.proj = projection(dims.d_model, self.width(dims), spec.low_rank, spec.bias_init, std)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         return self.activation(self.layout(self.proj(x), self.dims))
@@ -168,7 +262,7 @@ class ElementwiseGate(ProjGate):
     """G1 elementwise: sigmoid(x W) per (head, channel), (B, Hq, N, Dh)."""
 
     width = staticmethod(lambda dims: dims.n_heads * dims.head_dim)
-    layout = staticmethod(lambda z, dims: _heads(z, dims.n_heads))
+    layout = staticmethod(lambda z, dims: split_heads(z, dims.n_heads))
 
 
 @gate_kind("g1-headwise", "G1: one sigmoid(x w_h) per head on the SDPA output")
@@ -193,7 +287,7 @@ class ConstantGate(Gate):
 
     x_readers = ()
 
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
+    def __init__(self, spec: GateSpecLike, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         self.logit = nn.Parameter(torch.full((dims.n_heads, 1, dims.head_dim), spec.bias_init))
 
@@ -249,7 +343,7 @@ class BondarenkoGate(Gate):
 
     x_readers = ("proj",)  # mode=all-heads; the other modes read slices
 
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
+    def __init__(self, spec: GateSpecLike, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         h, mode = dims.n_heads, spec.option("mode")
         if mode != "all-heads" and dims.d_model % h:
@@ -259,7 +353,7 @@ class BondarenkoGate(Gate):
             )
         c = dims.d_model // h
         if mode == "all-heads":
-            self.proj = _proj(dims.d_model, h, None, spec.bias_init, std)
+            self.proj = projection(dims.d_model, h, None, spec.bias_init, std)
         elif mode == "linear":
             self.head = _HeadLinear(h, c, 1, spec.bias_init, std)
         else:
@@ -274,7 +368,7 @@ class BondarenkoGate(Gate):
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "proj"):
             return torch.sigmoid(self.proj(x)).transpose(1, 2).unsqueeze(-1)
-        xh = _heads(x, self.dims.n_heads)
+        xh = split_heads(x, self.dims.n_heads)
         if hasattr(self, "hidden"):
             xh = F.relu(self.hidden(xh))
         return torch.sigmoid(self.head(xh))
@@ -306,11 +400,11 @@ class HyGAGate(Gate):
     def initial_value(self) -> float:
         return self.spec.pi_init * (0.5 if self.spec.option("c_gate") else 1.0)
 
-    def __init__(self, spec: GateSpec, dims: AttentionDims, std: float) -> None:
+    def __init__(self, spec: GateSpecLike, dims: AttentionDims, std: float) -> None:
         super().__init__(spec, dims)
         h, dh, r = dims.n_heads, dims.head_dim, spec.low_rank
         if r is None:
-            self.x_proj = _proj(dims.d_model, h * dh, None, spec.bias_init, std)
+            self.x_proj = projection(dims.d_model, h * dh, None, spec.bias_init, std)
         else:
             self.x_down = nn.Linear(dims.d_model, h * r, bias=False)
             nn.init.normal_(self.x_down.weight, std=std)
@@ -319,14 +413,14 @@ class HyGAGate(Gate):
             self.h_down = _HeadLinear(h, dh, r or dh, None, std)
             self.h_up = _HeadLinear(h, r or dh, dh, 0.0, std)
         if spec.option("c_gate"):
-            self.c_proj = _proj(h * dh, h, None, 0.0, std)
+            self.c_proj = projection(h * dh, h, None, 0.0, std)
 
     def compute(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         heads = self.dims.n_heads
         if hasattr(self, "x_proj"):
-            zx = _heads(self.x_proj(x), heads)
+            zx = split_heads(self.x_proj(x), heads)
         else:
-            zx = self.x_up(F.silu(_heads(self.x_down(x), heads)))
+            zx = self.x_up(F.silu(split_heads(self.x_down(x), heads)))
         zh = self.h_up(F.silu(self.h_down(h))) if hasattr(self, "h_down") else None
         if zh is None:
             g = torch.sigmoid(zx)
@@ -340,7 +434,7 @@ class HyGAGate(Gate):
         return g
 
 
-def build_gate(spec: GateSpec, dims: AttentionDims, init_std: float = 0.02) -> Gate:
+def build_gate(spec: GateSpecLike, dims: AttentionDims, init_std: float = 0.02) -> Gate:
     """The gate module for ``spec`` in an attention block of size ``dims``."""
     gate = GATE_KINDS[spec.kind].gate(spec, dims, init_std)
     assert isinstance(gate, Gate)  # gate kinds are registered by the Gate subclasses above

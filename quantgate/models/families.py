@@ -22,7 +22,18 @@ from quantgate.errors import InputError
 from ..attention.gates import AttentionDims
 from ..registry import Registry
 
-__all__ = ["Family", "FAMILIES", "family_of", "get_family", "is_norm", "find_submodule", "config_of"]
+__all__ = [
+    "Family",
+    "FAMILIES",
+    "DECODER_LAYOUT",
+    "DecoderLayout",
+    "GATED_MLP",
+    "family_of",
+    "get_family",
+    "is_norm",
+    "find_submodule",
+    "config_of",
+]
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -181,7 +192,7 @@ def _has(module: nn.Module, path: str) -> bool:
     return find_submodule(module, path) is not None
 
 
-class _DecoderLayout(TypedDict):
+class DecoderLayout(TypedDict):
     layers: str
     attention: str
     q_proj: str
@@ -192,7 +203,7 @@ class _DecoderLayout(TypedDict):
     recipe: TrainRecipe
 
 
-_DECODER: _DecoderLayout = {
+DECODER_LAYOUT: DecoderLayout = {
     "layers": "layers",
     "attention": "self_attn",
     "q_proj": "self_attn.q_proj",
@@ -203,7 +214,7 @@ _DECODER: _DecoderLayout = {
     "recipe": OPT_RECIPE,  # no paper recipe of their own: OPT's
 }
 
-_GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj")  # act(gate) * up -> down
+GATED_MLP = (("mlp.gate_proj", "mlp.up_proj"), "mlp.up_proj", "mlp.down_proj")  # act(gate) * up -> down
 
 FAMILIES: Registry[str, Family] = Registry.named(
     "model family",
@@ -261,15 +272,15 @@ FAMILIES: Registry[str, Family] = Registry.named(
             ffn_linears=(("fc1",), "fc1", "fc2"),
             recipe=OPT_RECIPE,
         ),
-        Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
-        Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
-        Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **_DECODER, ffn_linears=_GATED_MLP),
+        Family("llama", ("llama",), "LlamaConfig", "LlamaForCausalLM", **DECODER_LAYOUT, ffn_linears=GATED_MLP),
+        Family("qwen2", ("qwen2",), "Qwen2Config", "Qwen2ForCausalLM", **DECODER_LAYOUT, ffn_linears=GATED_MLP),
+        Family("qwen3", ("qwen3",), "Qwen3Config", "Qwen3ForCausalLM", **DECODER_LAYOUT, ffn_linears=GATED_MLP),
         Family(
             "qwen3-next",
             ("qwen3_next",),
             "Qwen3NextConfig",
             "Qwen3NextForCausalLM",
-            **_DECODER,
+            **DECODER_LAYOUT,
             native_gate="g1-elementwise",
             native_gate_values=_qwen3_next_gate,
             branches=("self_attn.o_proj", "linear_attn.out_proj", "mlp"),

@@ -22,7 +22,7 @@ from ..options import ABOVE_0, AT_LEAST_1, Range, check_range
 from ..registry import Registry
 from .families import get_family
 
-__all__ = ["Preset", "PRESETS", "get_preset", "preset_config"]
+__all__ = ["Preset", "PRESETS", "decoder_config", "get_preset", "preset_config"]
 
 SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
@@ -50,7 +50,7 @@ def _opt(d: int, layers: int, heads: int, ffn: int, vocab: int = 8192, pos: int 
     return _shape(d, layers, heads, vocab, pos, **opt, **{**SPECIAL, **kw})
 
 
-def _decoder(
+def decoder_config(
     d: int, layers: int, heads: int, kv: int, ffn: int, vocab: int = 8192, pos: int = 8192, **kw: object
 ) -> dict:
     decoder = {"num_key_value_heads": kv, "intermediate_size": ffn, "tie_word_embeddings": True}
@@ -58,7 +58,7 @@ def _decoder(
 
 
 def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
-    cfg = _decoder(d, layers, heads, kv, ffn, head_dim=head_dim, **kw)
+    cfg = decoder_config(d, layers, heads, kv, ffn, head_dim=head_dim, **kw)
     cfg.update(
         layer_types=["full_attention"] * layers,
         num_experts=4,
@@ -72,7 +72,7 @@ def _qwen3_next(d, layers, heads, kv, ffn, head_dim, **kw):
 
 def _mla(d, layers, heads, ffn, q_rank, kv_rank, nope, rope, v, **kw):
     """DeepSeek-V3-style MLA, dense (every layer an MLP, no MoE)."""
-    cfg = _decoder(d, layers, heads, heads, ffn, **kw)
+    cfg = decoder_config(d, layers, heads, heads, ffn, **kw)
     cfg.update(
         q_lora_rank=q_rank,
         kv_lora_rank=kv_rank,
@@ -100,9 +100,11 @@ PRESETS: Registry[str, Preset] = Registry(
     {
         "tiny-bert": Preset("bert", _bert(64, 2, 4, 128), "2 layers, d=64, 4 heads (CPU tests)", "wordpiece-8192"),
         "tiny-opt": Preset("opt", _opt(64, 2, 4, 128), "2 layers, d=64, 4 heads, pre-LN (CPU tests)"),
-        "tiny-llama": Preset("llama", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
-        "tiny-qwen3": Preset("qwen3", _decoder(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"),
-        "tiny-qwen2": Preset("qwen2", _decoder(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
+        "tiny-llama": Preset("llama", decoder_config(64, 2, 4, 2, 128), "2 layers, d=64, 4 q / 2 kv heads (CPU tests)"),
+        "tiny-qwen3": Preset(
+            "qwen3", decoder_config(64, 2, 4, 2, 128, head_dim=16), "2 layers, d=64, GQA 4/2, QK-norm"
+        ),
+        "tiny-qwen2": Preset("qwen2", decoder_config(64, 2, 4, 2, 128), "2 layers, d=64, GQA 4/2, qkv bias"),
         "tiny-qwen3-next": Preset(
             "qwen3-next",
             _qwen3_next(64, 2, 4, 2, 128, head_dim=16),
@@ -115,8 +117,10 @@ PRESETS: Registry[str, Preset] = Registry(
         ),
         "small-bert": Preset("bert", _bert(256, 4, 4, 1024), "4 layers, d=256 (CPU training)", "wordpiece-8192"),
         "small-opt": Preset("opt", _opt(256, 4, 4, 1024), "4 layers, d=256, pre-LN (CPU training)"),
-        "small-llama": Preset("llama", _decoder(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
-        "small-qwen3": Preset("qwen3", _decoder(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"),
+        "small-llama": Preset("llama", decoder_config(256, 4, 4, 2, 768), "4 layers, d=256, GQA 4/2 (CPU training)"),
+        "small-qwen3": Preset(
+            "qwen3", decoder_config(256, 4, 4, 2, 768, head_dim=64), "4 layers, d=256, GQA 4/2, QK-norm"
+        ),
         "small-mla": Preset(
             "mla",
             _mla(256, 4, 4, 768, q_rank=128, kv_rank=64, nope=48, rope=16, v=64),
@@ -137,10 +141,13 @@ PRESETS: Registry[str, Preset] = Registry(
             "facebook/opt-125m",
         ),
         "qwen3-0.6b": Preset(
-            "qwen3", _decoder(1024, 28, 16, 8, 3072, **_QWEN3_06B), "Qwen3-0.6B shape", "Qwen/Qwen3-0.6B"
+            "qwen3", decoder_config(1024, 28, 16, 8, 3072, **_QWEN3_06B), "Qwen3-0.6B shape", "Qwen/Qwen3-0.6B"
         ),
         "smollm2-135m": Preset(
-            "llama", _decoder(576, 30, 9, 3, 1536, **_SMOLLM2), "SmolLM2-135M shape (Llama, 30 layers)", "smollm2-135m"
+            "llama",
+            decoder_config(576, 30, 9, 3, 1536, **_SMOLLM2),
+            "SmolLM2-135M shape (Llama, 30 layers)",
+            "smollm2-135m",
         ),
     },
 )

@@ -29,7 +29,7 @@ from ..models.modes import eval_mode
 from ..models.record import CalibrationRecord, QuantizationRecord, record_of, set_record
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
-from . import imported, simulate
+from . import backends, imported, simulate  # noqa: F401  (backends and simulate register the handlers quantize looks up)
 from .error import quant_error, site_sensitivity
 from .heap import trimming
 from .schemes import (

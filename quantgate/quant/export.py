@@ -37,6 +37,7 @@ from ..errors import InputError, MissingDependency
 from ..models.families import config_of, family_of
 from ..models.record import drop_record
 from ..models.swap import variant_of
+from . import backends  # noqa: F401  (with simulate, it registers the handlers handler_for looks up)
 from .imported import INSTALL
 from .quantizers import INT_BITS
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handler_for

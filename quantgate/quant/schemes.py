@@ -426,10 +426,9 @@ def quantgate_format_only(model: nn.Module, scheme: Scheme) -> tuple[str, str]:
     return "quantgate", f"no other tool's format is known to hold {type(scheme).__name__} ({scheme.name})"
 
 
-# the handler of each scheme class, registered by @handles in the backend modules the first read imports
-HANDLERS: Registry[type, Handler] = Registry(
-    "scheme handler", filled_by=("quantgate.quant.simulate", "quantgate.quant.backends")
-)
+# the handler of each scheme class, registered by @handles in the backend modules (simulate.py, backends.py); the
+# modules that look a handler up import those explicitly (quant/__init__.py, export.py, checkpoint.py)
+HANDLERS: Registry[type, Handler] = Registry("scheme handler")
 
 
 def handles(
