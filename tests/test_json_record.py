@@ -51,7 +51,7 @@ def test_keys_omitted_nones_and_nesting_round_trip():
 def test_unknown_and_missing_keys_are_refused():
     with pytest.raises(ValueError, match=r"Leaf: unknown field\(s\) \['below'\]"):  # the field name, not its key
         Leaf.from_json({"value": 1.0, "below": 0.5})
-    with pytest.raises(RecordError, match="^value is missing$"):
+    with pytest.raises(RecordError, match=r"^value is missing$"):
         Leaf.from_json({"below_0.1": 0.5})
     with pytest.raises(RecordError, match=r"^leaf\.value is missing$"):  # the path from the record read
         Tree.from_json({"leaf": {"below_0.1": 0.5}})
