@@ -220,14 +220,17 @@ def test_qg_names_the_verbs_and_the_refusals():
 
 TOY_BACKEND = '''
 """A toy backend, all in this one module: weights rounded to bfloat16, its models saved in quantgate's format
-unless EXPORTS names another (then with transformers' quantization config)."""
+unless EXPORTS names its own, "toy" (the rounded weights stored in bfloat16, with a transformers-style
+quantization config naming the Linears kept), which it reads back; its state names the Linears it rounded."""
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from quantgate.json_record import JsonRecord
+from quantgate.quant.formats import BackendState, Format, Written
 from quantgate.quant.schemes import SCHEMES, Scheme, handles
-from quantgate.quant.simulate import quantizable_linears
+from quantgate.quant.sites import kept_linears, quantizable_linears
 
 EXPORTS = {"format": "quantgate"}
 
@@ -237,7 +240,23 @@ class ToyScheme(Scheme):
     options: ClassVar[tuple[str, ...]] = ("keep", "gates")
 
 
+@dataclass(frozen=True)
+class ToyState(BackendState):
+    rounded: list[str]  # the Linears rounded to bfloat16
+
+    @classmethod
+    def of(cls, model):
+        return cls(sorted(n for n, m in model.named_modules() if getattr(m, "toy_rounded", False)))
+
+
+@dataclass(frozen=True)
+class ToyFormatState(JsonRecord):
+    stored: list[str]  # the tensors stored in bfloat16
+
+
 def restore(model, scheme, manifest):
+    for name in manifest.state.rounded:  # the backend's own state, typed
+        model.get_submodule(name).toy_rounded = True
     return model
 
 
@@ -246,11 +265,25 @@ def export(model, scheme):
     return (fmt, "the toy's rounding is its own") if fmt == "quantgate" else (fmt, "")
 
 
-@handles(ToyScheme, restore=restore, export=export, quantization_config=lambda model, scheme, kept: {"toy": kept})
+def write(model, scheme, dtype):
+    rounded = {f"{n}.weight" for n in ToyState.of(model).rounded}
+    tensors = {k: v.to(torch.bfloat16) if k in rounded else v for k, v in model.state_dict().items()}
+    return Written(tensors, {"toy": kept_linears(model, scheme)}, ToyFormatState(sorted(rounded)))
+
+
+def read(model, scheme, tensors, state):
+    return {k: v.float() if k in state.stored else v for k, v in tensors.items()}
+
+
+TOY = Format("toy", write=write, read=read, state=ToyFormatState)
+
+
+@handles(ToyScheme, restore=restore, export=export, formats=(TOY,), state=ToyState)
 def apply(model, scheme, calibrate):
     with torch.no_grad():
         for _, linear in quantizable_linears(model, scheme):
             linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
+            linear.toy_rounded = True
     return model
 
 
@@ -274,10 +307,12 @@ def toy_backend(tmp_path, monkeypatch, registries):
 
 def test_a_new_backend_is_a_scheme_class_and_one_handler_module(toy_backend, tmp_path):
     """A scheme class and its handler in one module (no other file touched): it quantizes, saves in the format its
-    handler names (quantgate's own, with why), loads back to the same logits, and, where the handler names another
-    tool's format, writes transformers' quantization config from the handler."""
+    handler names (quantgate's own, with why), loads back to the same logits, and, where the handler names its own
+    format, writes it (the format's quantization config and state, the backend's state) and loads it back to the
+    same logits."""
     import json
 
+    import safetensors.torch
     import torch
 
     from quantgate.quant.export import export_format
@@ -295,9 +330,19 @@ def test_a_new_backend_is_a_scheme_class_and_one_handler_module(toy_backend, tmp
     ids = torch.randint(5, 200, (2, 16))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, q(ids).logits)
-    toy_backend.EXPORTS["format"] = "bitsandbytes"  # a handler that names another tool's format
+    toy_backend.EXPORTS["format"] = "toy"  # the backend's own format, which it writes and reads back
     qg.save(q, tmp_path / "q2")
     config = json.loads((tmp_path / "q2" / "config.json").read_text())
-    kept_linears = config["quantization_config"]["toy"]  # the handler's config, given the Linears kept in float
+    kept_linears = config["quantization_config"]["toy"]  # the format's config, given the Linears kept in float
     assert "lm_head" in kept_linears and "model.layers.1.mlp.up_proj" in kept_linears
     assert not [n for n in kept_linears if n.startswith("model.layers.0.")]
+    manifest = json.loads((tmp_path / "q2" / "quantization.json").read_text())
+    assert manifest["format"] == "toy" and "model.layers.0.mlp.up_proj" in manifest["state"]["rounded"]
+    assert "model.layers.0.mlp.up_proj.weight" in manifest["format_state"]["stored"]
+    assert not any(n.startswith("model.layers.1.") for n in manifest["state"]["rounded"])
+    stored = safetensors.torch.load_file(tmp_path / "q2" / "model.safetensors")
+    assert stored["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    again = qg.load(tmp_path / "q2")
+    assert again.get_submodule("model.layers.0.mlp.up_proj").toy_rounded  # restored from the backend's state
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, q(ids).logits)

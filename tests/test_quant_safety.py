@@ -141,8 +141,8 @@ def test_garbage_manifest_names_the_file(saved, tmp_path, text, fragment):
 @pytest.mark.parametrize(
     "field, value, fragment",
     [
-        ("aliases", [], r"field 'aliases' must be an object, got list"),
-        ("scheme", 8, r"field 'scheme' must be a string, got int"),
+        ("aliases", [], r"field 'aliases' is a JSON array, not an object"),
+        ("scheme", 8, r"field 'scheme' is 8, not a string"),
         ("scheme", "w9a9", r"field 'scheme' is not a valid scheme: unknown quantization scheme 'w9a9'"),
         (
             "scheme",

@@ -60,9 +60,9 @@ def _set_scheme(path, scheme):
 
 def _rehash(path):
     """Recompute content_sha256 as a tool rewriting the manifest consistently would."""
-    from quantgate.quant.checkpoint import _content_sha256
+    from quantgate.quant.checkpoint import content_sha256
 
-    _edit(path / "quantization.json", lambda m: m.update(content_sha256=_content_sha256(m, path)))
+    _edit(path / "quantization.json", lambda m: m.update(content_sha256=content_sha256(m, path)))
 
 
 EDITED = r"quantization\.json or .*config\.json was edited after saving: they no longer match .*'content_sha256'"
@@ -86,8 +86,11 @@ def test_a_scheme_edited_consistently_in_both_files_is_refused(saved, fmt, schem
 def test_edited_activation_ranges_in_the_manifest_are_refused(saved, tmp_path):
     path = _copy(saved, "compressed-tensors", tmp_path)
     manifest = json.loads((path / "quantization.json").read_text())
-    name = next(iter(manifest["act_ranges"]))
-    _edit(path / "quantization.json", lambda m: m["act_ranges"][name].__setitem__(1, m["act_ranges"][name][1] * 2))
+    ranges = manifest["format_state"]["act_ranges"]  # compressed-tensors' state
+    name = next(iter(ranges))
+    _edit(
+        path / "quantization.json", lambda m: m["format_state"]["act_ranges"][name].__setitem__(1, ranges[name][1] * 2)
+    )
     with pytest.raises(ValueError, match=EDITED):
         qg.load(path)
 
@@ -106,6 +109,23 @@ def test_an_unedited_save_loads_identically_and_records_its_content_hash(saved, 
         manifest = json.loads((path / "quantization.json").read_text())
         assert len(manifest["content_sha256"]) == 64
         assert torch.equal(_logits(qg.load(path)), logits), fmt
+
+
+def _older_layout(manifest):
+    """The manifest as quantgate wrote it before backends owned their state: the backend's and the format's state
+    fields at the top level, and every manifest with the torchao-static backend's input_ndims (empty elsewhere)."""
+    for key in ("state", "format_state"):
+        manifest.update(manifest.pop(key, {}))
+    manifest.setdefault("input_ndims", {})
+
+
+@pytest.mark.parametrize("fmt", ["quantgate", "compressed-tensors"])
+def test_a_manifest_in_the_older_layout_still_loads(saved, fmt, tmp_path):
+    path = _copy(saved, fmt, tmp_path)
+    _edit(path / "quantization.json", _older_layout)
+    _rehash(path)
+    assert "input_ndims" in json.loads((path / "quantization.json").read_text())
+    assert torch.equal(_logits(qg.load(path)), saved[fmt][1])
 
 
 def test_a_manifest_without_the_content_hash_is_refused(saved, tmp_path):

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import MissingDependency
+from ..errors import InputError, MissingDependency
 from ..models.swap import replace_module
+from .formats import BackendState, Format, Manifest, Written
 from .heap import trim
 from .mitigate import Calibrate, mitigate
 from .schemes import BnbScheme, TensorQuant, TorchaoScheme, TorchaoStaticScheme, handles
-from .simulate import ActQuant, quantizable_linears
+from .simulate import ActQuant
+from .sites import kept_linears, quantizable_linears
 
-__all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "torchao_input_ndims"]
+__all__ = ["apply_torchao", "apply_torchao_static", "apply_bnb", "TorchaoStaticState", "TORCHAO", "BITSANDBYTES"]
 
 log = logging.getLogger("quantgate")
 T = TypeVar("T", bound=TorchaoScheme)
@@ -42,21 +45,28 @@ TORCHAO_EXPORTED = ("Int8DynamicActivationInt8WeightConfig", "Int8WeightOnlyConf
 
 def _torchao_export(model: nn.Module, scheme: TorchaoScheme) -> tuple[str, str]:
     if scheme.config in TORCHAO_EXPORTED:
-        return "torchao", ""
+        return TORCHAO.name, ""
     return "quantgate", f"transformers' torchao serialization is not checked here for {scheme.config}"
 
 
-def _torchao_quantization_config(model: nn.Module, scheme: TorchaoScheme, kept: list[str]) -> dict:
+def _torchao_write(model: nn.Module, scheme: TorchaoScheme, dtype: torch.dtype | None) -> Written:
+    """The model's state dict as transformers' torchao serialization stores it, with the matching ``TorchAoConfig``
+    as config.json's quantization config."""
     from transformers import TorchAoConfig
 
-    return TorchAoConfig(quant_type=scheme.torchao_config(), modules_to_not_convert=kept).to_dict()
+    config = TorchAoConfig(quant_type=scheme.torchao_config(), modules_to_not_convert=kept_linears(model, scheme))
+    return Written(model.state_dict(), config.to_dict())
+
+
+# transformers' torchao serialization, which transformers, lm-eval and vLLM load
+TORCHAO = Format("torchao", write=_torchao_write)
 
 
 @handles(
     TorchaoScheme,
     restore=lambda model, scheme, manifest: apply_torchao(model, scheme, None),
     export=_torchao_export,
-    quantization_config=_torchao_quantization_config,
+    formats=(TORCHAO,),
     assign=True,
 )
 def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate | None) -> nn.Module:
@@ -69,9 +79,24 @@ def apply_torchao(model: nn.Module, scheme: TorchaoScheme, calibrate: Calibrate 
     return model
 
 
-def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manifest: dict) -> nn.Module:
-    """The static layout with placeholder scales of the ranks recorded in the manifest (``input_ndims``)."""
-    return _with_input_scales(model, scheme, {n: torch.ones((1,) * d) for n, d in manifest["input_ndims"].items()})
+@dataclass(frozen=True)
+class TorchaoStaticState(BackendState):
+    """torchao's static int8 in the manifest: per Linear, the rank of its inputs, which its calibrated input scale
+    has (the scales themselves are in the weights file)."""
+
+    input_ndims: dict[str, int]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> TorchaoStaticState:
+        return cls({n: getattr(m, _INPUT_NDIM) for n, m in model.named_modules() if hasattr(m, _INPUT_NDIM)})
+
+
+def restore_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, manifest: Manifest) -> nn.Module:
+    """The static layout with placeholder scales of the ranks the backend's state records."""
+    state = manifest.state
+    if not isinstance(state, TorchaoStaticState):
+        raise InputError(f"{scheme}: the manifest holds no input ranks (field 'state'); save the quantized model again")
+    return _with_input_scales(model, scheme, {n: torch.ones((1,) * d) for n, d in state.input_ndims.items()})
 
 
 def _torchao_static_export(model: nn.Module, scheme: TorchaoStaticScheme) -> tuple[str, str]:
@@ -79,7 +104,13 @@ def _torchao_static_export(model: nn.Module, scheme: TorchaoStaticScheme) -> tup
     return "quantgate", why
 
 
-@handles(TorchaoStaticScheme, restore=restore_torchao_static, export=_torchao_static_export, assign=True)
+@handles(
+    TorchaoStaticScheme,
+    restore=restore_torchao_static,
+    export=_torchao_static_export,
+    state=TorchaoStaticState,
+    assign=True,
+)
 def apply_torchao_static(model: nn.Module, scheme: TorchaoStaticScheme, calibrate: Calibrate) -> nn.Module:
     """torchao's static int8 on every Linear but the kept ones, with per-tensor symmetric activation
     scales (max |x| / 127) from the calibration batches."""
@@ -126,25 +157,26 @@ def _observe_input(quant: ActQuant):
     return hook
 
 
-def restore_bnb(model: nn.Module, scheme: BnbScheme, manifest: dict | None = None) -> nn.Module:
+def restore_bnb(model: nn.Module, scheme: BnbScheme, manifest: Manifest | None = None) -> nn.Module:
     """Empty Linear8bitLt modules in place of the Linears (their int8 weights come from the file)."""
     return apply_bnb(model, scheme, None, skeleton=True)
 
 
-def _bnb_quantization_config(model: nn.Module, scheme: BnbScheme, kept: list[str]) -> dict:
+def _bnb_write(model: nn.Module, scheme: BnbScheme, dtype: torch.dtype | None) -> Written:
+    """The model's state dict as transformers' 8-bit serialization stores it, with ``BitsAndBytesConfig``."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
-        load_in_8bit=True, llm_int8_threshold=scheme.threshold, llm_int8_skip_modules=kept
-    ).to_dict()
+    config = BitsAndBytesConfig(
+        load_in_8bit=True, llm_int8_threshold=scheme.threshold, llm_int8_skip_modules=kept_linears(model, scheme)
+    )
+    return Written(model.state_dict(), config.to_dict())
 
 
-@handles(
-    BnbScheme,
-    restore=restore_bnb,
-    export=lambda model, scheme: ("bitsandbytes", ""),
-    quantization_config=_bnb_quantization_config,
-)
+# transformers' bitsandbytes 8-bit serialization
+BITSANDBYTES = Format("bitsandbytes", write=_bnb_write)
+
+
+@handles(BnbScheme, restore=restore_bnb, export=lambda model, scheme: (BITSANDBYTES.name, ""), formats=(BITSANDBYTES,))
 def apply_bnb(
     model: nn.Module, scheme: BnbScheme, calibrate: Calibrate | None = None, *, skeleton: bool = False
 ) -> nn.Module:
@@ -184,8 +216,3 @@ def _rows_in(module: nn.Module, args: tuple) -> tuple | None:
 def _rows_out(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
     leading = getattr(module, _LEADING, None)
     return out.reshape(*leading, out.shape[-1]) if leading is not None else None
-
-
-def torchao_input_ndims(model: nn.Module) -> dict[str, int]:
-    """Per Linear, the rank of its inputs recorded for torchao's static scales (saved in the manifest)."""
-    return {n: getattr(m, _INPUT_NDIM) for n, m in model.named_modules() if hasattr(m, _INPUT_NDIM)}

@@ -57,6 +57,7 @@ __all__ = [
     "percentile_range",
     "RangeObserver",
     "ESTIMATORS",
+    "WEIGHT_QPARAMS",
 ]
 
 FP8 = {"fp8-e4m3": (torch.float8_e4m3fn, 448.0), "fp8-e5m2": (torch.float8_e5m2, 57344.0)}
@@ -65,6 +66,9 @@ BLOCK = {"mxfp8": (torch.float8_e4m3fn, 32), "mxfp4": (torch.float4_e2m1fn_x2, 3
 MX_ELEMENT = {"mxfp8": "fp8-e4m3", "mxfp4": "fp4-e2m1"}  # the element formats of .minifloat.MINIFLOATS
 INT_BITS = {f"int{b}": b for b in range(2, 9)}  # int2 .. int8
 FORMATS = (*INT_BITS, *FP8, *FP4, *BLOCK)
+# the attribute of a quantized Linear holding its weight's (scale, zero point), float32, as
+# quantizers.quantize_weight_qparams returns them (not in the state dict: the export formats store them)
+WEIGHT_QPARAMS = "qg_weight_qparams"
 MANTISSA = {"fp8-e4m3": 3, "fp8-e5m2": 2, "fp4-e2m1": 1}  # mantissa bits of the per-tensor float formats
 EPS = 1e-12
 

@@ -26,7 +26,8 @@ the model are refused when it is quantized.
 A scheme is a config object, as in torchao: :class:`SimulatedScheme`, :class:`TorchaoScheme` (and
 :class:`TorchaoStaticScheme`, which calibrates) and :class:`BnbScheme`, each declaring the options
 it reads. Each config class has one registered :class:`Handler` (``@handles(SchemeClass)``, in the
-backend's module) that quantizes a model with it and lays the structure out again for loading; a new
+backend's module) that quantizes a model with it, names the formats its models are saved in and its saved state,
+and lays the structure out again for loading; a new
 torchao config is one ``TorchaoScheme`` row in ``SCHEMES``.
 """
 
@@ -43,6 +44,7 @@ import torch.nn as nn
 from ..errors import InputError
 from ..options import Option, Range, key_values, printed
 from ..registry import Registry
+from .formats import QUANTGATE, BackendState, Format, Manifest
 from .quantizers import BLOCK, ESTIMATORS, FORMATS, INT_BITS
 
 if TYPE_CHECKING:
@@ -409,21 +411,26 @@ class BnbScheme(Scheme):
 
 @dataclass(frozen=True)
 class Handler:
-    """How one scheme class is applied. ``apply(model, scheme, calibrate)`` quantizes ``model`` in place
-    (``calibrate(model)`` runs the calibration batches); ``restore(model, scheme, manifest)`` lays out the
-    same structure without calibrating, for loading a saved model (``manifest``: its quantization.json); the
-    rest as :func:`handles` registers them."""
+    """How one scheme class is applied, saved and loaded: the whole backend. ``apply(model, scheme, calibrate)``
+    quantizes ``model`` in place (``calibrate(model)`` runs the calibration batches); ``restore(model, scheme,
+    manifest)`` lays out the same structure without calibrating, for loading a saved model (``manifest``: its
+    quantization.json, a :class:`~quantgate.quant.formats.Manifest` whose ``state`` is the backend's own, typed);
+    ``export(model, scheme)`` -> ``(format, why)`` picks the format ``qg.save`` writes (``quantgate``, or one of
+    ``formats``); ``state``: the backend's saved state (a :class:`~quantgate.quant.formats.BackendState` record,
+    None: it keeps none); ``assign``: the saved state replaces the parameters (tensor subclasses) instead of being
+    copied in."""
 
     apply: Callable[[nn.Module, Scheme, Callable | None], nn.Module]
-    restore: Callable[[nn.Module, Scheme, dict], nn.Module]
+    restore: Callable[[nn.Module, Scheme, Manifest], nn.Module]
     export: Callable[[nn.Module, Scheme], tuple[str, str]]
-    quantization_config: Callable[[nn.Module, Scheme, list[str]], dict] | None = None
+    formats: tuple[Format, ...] = ()
+    state: type[BackendState] | None = None
     assign: bool = False
 
 
 def quantgate_format_only(model: nn.Module, scheme: Scheme) -> tuple[str, str]:
     """The ``export`` of a backend no other tool's format holds: quantgate's own."""
-    return "quantgate", f"no other tool's format is known to hold {type(scheme).__name__} ({scheme.name})"
+    return QUANTGATE.name, f"no other tool's format is known to hold {type(scheme).__name__} ({scheme.name})"
 
 
 # the handler of each scheme class, registered by @handles in the backend modules (simulate.py, backends.py); the
@@ -436,18 +443,20 @@ def handles(
     *,
     restore: Callable[..., nn.Module],
     export: Callable[..., tuple[str, str]] = quantgate_format_only,
-    quantization_config: Callable[..., dict] | None = None,
+    formats: tuple[Format, ...] = (),
+    state: type[BackendState] | None = None,
     assign: bool = False,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Register the decorated ``apply`` function as the handler of ``scheme_class``, the whole backend: with
-    ``restore`` (the structure of a saved model, without calibrating), ``export(model, scheme)`` -> ``(format,
-    why)``: the format :func:`quantgate.save` writes (one of quant/export.py's ``FORMATS``) and, for
-    ``quantgate``, why no other tool's holds it; ``quantization_config(model, scheme, kept_linears)``:
-    transformers' ``quantization_config`` for a ``torchao`` or ``bitsandbytes`` export; ``assign``: the saved
-    state replaces the parameters (tensor subclasses) instead of being copied in."""
+    ``restore`` (the structure of a saved model, without calibrating, from its manifest), ``export(model, scheme)``
+    -> ``(format, why)``: the format :func:`quantgate.save` writes (``quantgate``, quantgate's own, with why no
+    other tool's holds it, or the name of one of ``formats``, the :class:`~quantgate.quant.formats.Format` entries
+    the backend writes and reads); ``state``: the record of what restoring needs beside the scheme and the weights
+    (``state.of(model)`` is saved in the manifest, and ``restore`` reads it as ``manifest.state``); ``assign``: the
+    saved state replaces the parameters (tensor subclasses) instead of being copied in."""
 
     def register(apply: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
-        HANDLERS.add(scheme_class, Handler(apply, restore, export, quantization_config, assign))
+        HANDLERS.add(scheme_class, Handler(apply, restore, export, formats, state, assign))
         return apply
 
     return register

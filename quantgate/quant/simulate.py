@@ -109,11 +109,14 @@ from ..models.families import config_of, family_of, find_submodule, is_norm
 from ..models.record import record_of, set_record
 from ..models.swap import attention_modules
 from . import fused
+from .compressed_tensors import COMPRESSED_TENSORS, not_held
+from .formats import QUANTGATE, Manifest
 from .heap import trim
 from .mitigate import Calibrate, mitigate, needed
 from .quantizers import (
     EPS,
     INT_BITS,
+    WEIGHT_QPARAMS,
     RangeObserver,
     fake_quant,
     int_grid,
@@ -123,6 +126,7 @@ from .quantizers import (
 )
 from .rotate import rotate_
 from .schemes import Scheme, SimulatedScheme, TensorQuant, handles
+from .sites import kept_modules, quantizable_linears
 
 __all__ = [
     "ActQuant",
@@ -135,10 +139,6 @@ __all__ = [
     "quantizable_linears",
     "WEIGHT_QPARAMS",
 ]
-
-# the attribute of a quantized Linear holding its weight's (scale, zero point), float32, as
-# quantizers.quantize_weight_qparams returns them (not in the state dict: the export formats store them)
-WEIGHT_QPARAMS = "qg_weight_qparams"
 
 
 class _Quantized(NamedTuple):
@@ -388,22 +388,6 @@ class KVQuant(nn.Module):
         return f"{self.role}, per {self.spec.granularity}, sink={self.sink}"
 
 
-def kept_modules(model: nn.Module, scheme: Scheme) -> set[str]:
-    """Names of the modules left in full precision, with everything inside them: the LM head (under
-    ``acts=bondarenko`` the family's whole task head), the attention gates unless ``scheme.gates``,
-    and the scheme's ``keep`` patterns."""
-    names = {id(m): n for n, m in model.named_modules()}
-    head = cast(PreTrainedModel, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    roots = {names[id(head)]} if head is not None and id(head) in names else set()
-    family = family_of(model)
-    if scheme.task_head_in_float and family.head is not None:
-        roots.add(family.head)
-    if not scheme.gates:
-        roots |= {names[id(attn.gate)] for attn in attention_modules(model) if hasattr(attn, "gate")}
-    roots |= {n for n in names.values() if any(fnmatch.fnmatch(n, p) for p in scheme.keep)}
-    return {n for n in names.values() if n in roots or any(n.startswith(r + ".") for r in roots if r)}
-
-
 def check_keep(model: nn.Module, scheme: Scheme) -> None:
     """Raise ValueError for a ``keep`` pattern that matches no module of ``model`` (a typo would keep
     nothing, silently), naming the closest module names."""
@@ -415,11 +399,6 @@ def check_keep(model: nn.Module, scheme: Scheme) -> None:
                 f"{scheme.name}: keep pattern {pattern!r} matches no module of this model (names such as "
                 f"{', '.join(near)}); fix the pattern (fnmatch, e.g. {near[0]}*)"
             )
-
-
-def quantizable_linears(model: nn.Module, scheme: Scheme) -> list[tuple[str, nn.Linear]]:
-    kept = kept_modules(model, scheme)
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in kept]
 
 
 def _quant_input(module, args):
@@ -449,10 +428,10 @@ def _on_output(module: nn.Module, spec: TensorQuant, name: str) -> None:
     module.register_forward_hook(_quant_output)
 
 
-def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict | None = None) -> nn.Module:
+def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: Manifest | None = None) -> nn.Module:
     """Attach frozen quantizers only, for loading a saved quantized model (weights come from the file):
     a rotation's structure is rebuilt, ``keep=auto`` takes the modules the manifest names."""
-    found = ((manifest or {}).get("mitigation") or {}).get("keep")
+    found = manifest.mitigation.keep if manifest is not None and manifest.mitigation is not None else None
     if "auto" in scheme.keep:
         if found is None:
             raise InputError(
@@ -469,67 +448,13 @@ def restore_simulated(model: nn.Module, scheme: SimulatedScheme, manifest: dict 
 
 
 def export_simulated(model: nn.Module, scheme: SimulatedScheme) -> tuple[str, str]:
-    """compressed-tensors where it holds the scheme as quantgate simulates it (quant/export.py writes it), else
-    quantgate's own format with why."""
-    why = _not_compressed_tensors(model, scheme)
-    return ("quantgate", why) if why else ("compressed-tensors", "")
+    """compressed-tensors where it holds the scheme as quantgate simulates it, else quantgate's own format with
+    why."""
+    why = not_held(model, scheme)
+    return (QUANTGATE.name, why) if why else (COMPRESSED_TENSORS.name, "")
 
 
-def _not_compressed_tensors(model: nn.Module, s: SimulatedScheme) -> str:
-    """Why compressed-tensors cannot hold ``model`` quantized with ``s`` ('' when it can)."""
-    if s.acts != "linear-inputs":
-        return (
-            f"acts={s.acts} quantizes residual sums, norms, q/k/v and the softmax, where compressed-tensors "
-            f"quantizes Linear inputs only"
-        )
-    if s.kv is not None:
-        return (
-            f"its KV cache is quantized with dynamic per-{s.kv.granularity} ranges, which compressed-tensors' "
-            f"kv_cache_scheme (static per-tensor scales) is not"
-        )
-    if s.rotate != "none":
-        return f"rotate={s.rotate} adds Hadamard rotations that transformers' model classes do not hold"
-    if s.weight is None:
-        return "its weights stay in float while activations are quantized, which compressed-tensors' readers refuse"
-    if s.weight.format == "nvfp4" or (s.act is not None and s.act.format == "nvfp4"):
-        if s.act is not None and s.act.format != s.weight.format:
-            return "NVFP4 is exported with NVFP4 weights and activations (or weights alone)"
-        if not all(hasattr(linear, WEIGHT_QPARAMS) for _, linear in quantizable_linears(model, s)):
-            return "its NVFP4 weight scales are not known (loaded from quantgate's own format); quantize it again"
-        if s.act is not None and not all(float(q.amax) > 0 for q in _act_quants(model, s)):
-            return (
-                "its NVFP4 activations have a static per-tensor scale in compressed-tensors, from their maximum "
-                "over calibration batches, and none were run (quantize with calibration=...; the CLI does)"
-            )
-        return ""
-    if s.weight.format in ("mxfp8", "mxfp4"):
-        return (
-            f"its {s.weight.format} block scales follow torchao's OCP rounding, which compressed-tensors' MX "
-            f"formats were not checked against here"
-        )
-    if s.weight.format not in ("int8", "int4", "fp8-e4m3"):
-        return (
-            f"its weights are {s.weight.format}; compressed-tensors stores INT8, INT4, FP8 E4M3 and NVFP4 weights here"
-        )
-    if s.act is not None:
-        if s.act.format not in ("int8", "fp8-e4m3"):
-            return f"its activations are {s.act.format}; compressed-tensors quantizes them to INT8 or FP8 E4M3 here"
-        if s.act.granularity == "channel":
-            return "its activations have static per-channel ranges, which compressed-tensors' readers do not take"
-    missing = [n for n, linear in quantizable_linears(model, s) if not hasattr(linear, WEIGHT_QPARAMS)]
-    if missing:
-        return (
-            f"the scales of {missing[0]}'s weights are not known (a checkpoint saved in quantgate's own format "
-            f"was loaded); quantize the float model again to export it"
-        )
-    return ""
-
-
-def _act_quants(model: nn.Module, s: SimulatedScheme) -> list[ActQuant]:
-    return [cast(ActQuant, linear.input_quant) for _, linear in quantizable_linears(model, s)]
-
-
-@handles(SimulatedScheme, restore=restore_simulated, export=export_simulated)
+@handles(SimulatedScheme, restore=restore_simulated, export=export_simulated, formats=(COMPRESSED_TENSORS,))
 def apply_simulated(
     model: nn.Module, scheme: SimulatedScheme, calibrate: Calibrate | None, *, skeleton: bool = False
 ) -> nn.Module:
@@ -564,7 +489,7 @@ def apply_simulated(
         for q in quantizers:
             q.freeze()
     elif calibrate is not None and scheme.export_calibration:
-        calibrate(model)  # NVFP4 activations: their maxima, the static global scales of an export (quant.export)
+        calibrate(model)  # NVFP4 activations: their maxima, the static global scales of a compressed-tensors export
     return model
 
 
