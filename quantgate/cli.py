@@ -445,7 +445,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     # a study run of quantgate's, without a link out of it, before the lock or a plot is written there
     claim_output(args.run, "study", "RUN", fix="give the folder `quantgate study` wrote")
     with run_lock(args.run):  # not while a study is writing there
-        print(f"wrote {write_study_report(args.run, args.cluster)}")
+        print(f"wrote {write_study_report(args.run, args.cluster, args.migrate)}")
     return 0
 
 
@@ -729,6 +729,12 @@ def _report_parser(sub: Any) -> None:
         "--cluster",
         choices=CLUSTERS,
         help="the unit the intervals resample from now on (recorded in metrics.json; default: the study's, work)",
+    )
+    rp.add_argument(
+        "--migrate",
+        action="store_true",
+        help="first write into an older run's metrics.json what it lacks (its documents' works and text hashes); "
+        "without it metrics.json is left byte for byte as it is, and the report reads the same",
     )
     rp.set_defaults(func=cmd_report)
 

@@ -36,7 +36,7 @@ from quantgate import experiment as ex
 from quantgate.models.presets import preset_config
 from quantgate.stats import Delta, format_delta, seed_delta, share_removed, spearman
 from quantgate.study import CellRecord, StudyRecord, load_study, read_metrics
-from quantgate.study.fixes import fix_rows
+from quantgate.study.fixes import Verdict, fix_rows
 from quantgate.study.measures import (
     BUDGET,
     bit_sweeps,
@@ -517,7 +517,7 @@ def mitigations() -> str:
     parts = []
     for c in cells:
         rows = [r for r in fix_rows(c, metrics.schemes, changes, within) if r.scheme != reference]
-        fixed = [r for r in rows if r.verdict == "fixed"]
+        fixed = [r for r in rows if r.verdict is Verdict.FIXED]
         text = f"{c.model}: `{reference}` {_delta(changes[c.id, reference])}"
         if fixed:
             text += (

@@ -158,3 +158,41 @@ def test_the_evaluation_writes_eval_json_as_before():
     computed = {k: v for k, v in settings.items() if k not in ("n_shot", "task_versions", "fewshot_seed")}
     alone = {k: v for k, v in {**data, "settings": computed}.items() if k != "lm_eval_output"}  # no lm-eval task ran
     assert json.dumps(Evaluation.from_json(alone).to_json()) == json.dumps(alone)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_report_leaves_metrics_json_as_it_is_and_migrate_writes_what_an_older_run_lacks(tmp_path, capsys):
+    """``quantgate report RUN`` rebuilds the report without touching metrics.json, even one of a run made before
+    its documents' works and text hashes were kept (read with them recovered: the same report); ``--migrate``
+    writes them into the file, here giving back the committed bytes, and a second ``--migrate`` changes nothing."""
+    import shutil
+
+    from quantgate.cli import main
+
+    committed = ROOT / "results" / "retrofit"
+    run = tmp_path / "retrofit"
+    shutil.copytree(committed, run)
+    assert main(["report", str(run)]) == 0
+    assert _sha256(run / "metrics.json") == _sha256(committed / "metrics.json")
+    assert (run / "report.md").read_bytes() == (committed / "report.md").read_bytes()
+
+    data = json.loads((committed / "metrics.json").read_text())
+    for cell in data["cells"]:  # as an older run wrote them: no works, no text hashes
+        for documents in [cell["float_documents"], *(r["documents"] for r in cell["schemes"].values())]:
+            for column in ("works", "hashes"):
+                documents["quantgate_ppl"].pop(column)
+    older = json.dumps(data, indent=1, sort_keys=True)
+    (run / "metrics.json").write_text(older)
+    assert main(["report", str(run)]) == 0
+    assert (run / "metrics.json").read_text() == older
+    assert (run / "report.md").read_bytes() == (committed / "report.md").read_bytes()
+
+    assert main(["report", str(run), "--migrate"]) == 0
+    assert _sha256(run / "metrics.json") == _sha256(committed / "metrics.json")
+    assert (run / "report.md").read_bytes() == (committed / "report.md").read_bytes()
+    assert main(["report", str(run), "--migrate"]) == 0
+    assert _sha256(run / "metrics.json") == _sha256(committed / "metrics.json")
+    capsys.readouterr()

@@ -15,6 +15,7 @@ read every activation), and the measured quantization time (calibration included
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from ..quant.schemes import get_scheme
 from ..stats import MIN_CLUSTERS, Delta, format_delta, paired_delta, table_head
@@ -29,6 +30,7 @@ __all__ = [
     "without_sink",
     "sink_effect",
     "verdict",
+    "Verdict",
 ]
 
 Changes = dict[tuple[str, str], "Delta | None"]  # {(cell id, scheme): its perplexity change}
@@ -67,18 +69,34 @@ def _why_no_interval(d: Delta) -> str:
     return f"no interval ({units})"
 
 
-def verdict(d: Delta | None, within: float) -> str:
-    """``fixed`` (the whole interval below ``within``), ``not fixed`` (the whole interval at or above it),
-    ``not resolved`` (the interval straddles ``within``, or has no verdict to give: approximate or absent), or
-    ``not run``."""
+class Verdict(str, Enum):
+    """What a scheme's change says against the threshold (:func:`verdict`); a ``str``, so it reads, compares and
+    serializes as its words ("fixed", "not fixed", "not resolved", "not run")."""
+
+    FIXED = "fixed"
+    NOT_FIXED = "not fixed"
+    NOT_RESOLVED = "not resolved"
+    NOT_RUN = "not run"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+def verdict(d: Delta | None, within: float) -> Verdict:
+    """``FIXED`` (the whole interval below ``within``), ``NOT_FIXED`` (the whole interval at or above it),
+    ``NOT_RESOLVED`` (the interval straddles ``within``, or has no verdict to give: approximate or absent), or
+    ``NOT_RUN``."""
     if d is None:
-        return "not run"
+        return Verdict.NOT_RUN
     if not d.decisive:
-        return "not resolved"
+        return Verdict.NOT_RESOLVED
     assert d.low is not None and d.high is not None
     if d.high < within:
-        return "fixed"
-    return "not fixed" if d.low >= within else "not resolved"
+        return Verdict.FIXED
+    return Verdict.NOT_FIXED if d.low >= within else Verdict.NOT_RESOLVED
 
 
 @dataclass(frozen=True)
@@ -88,7 +106,7 @@ class FixRow:
 
     scheme: str
     delta: Delta
-    verdict: str
+    verdict: Verdict
     params: int
     ops: int
     seconds: float | None
@@ -153,12 +171,12 @@ def which_fix(
 
 def _model_line(model: str, c: CellRecord, rows: list[FixRow], reference: str, ref: Delta | None, within: float) -> str:
     """One model's verdicts: the reference's change, the schemes that fix it (best first), those not resolved."""
-    fixed = [r for r in rows if r.verdict == "fixed" and r.scheme != reference]
-    unresolved = [r for r in rows if r.verdict == "not resolved" and r.scheme != reference]
+    fixed = [r for r in rows if r.verdict is Verdict.FIXED and r.scheme != reference]
+    unresolved = [r for r in rows if r.verdict is Verdict.NOT_RESOLVED and r.scheme != reference]
     text = f"- **{model}** ({c.variant}): `{reference}` {format_delta(ref)}"
     if ref is not None and not ref.decisive:
         return f"{text}; no verdicts: {_why_no_interval(ref)}."
-    if verdict(ref, within) == "fixed":
+    if verdict(ref, within) is Verdict.FIXED:
         text += f", already within +{within:.0%}: it needs no fix."
     elif fixed:
         text += (
@@ -179,7 +197,7 @@ def _twin_lines(pairs: list[list[str]], rows_of: dict[str, list[FixRow]], within
     lines = []
     for ungated, gated in pairs:
         if ungated in rows_of and gated in rows_of:
-            fixed_u, fixed_g = ([r.scheme for r in rows_of[m] if r.verdict == "fixed"] for m in (ungated, gated))
+            fixed_u, fixed_g = ([r.scheme for r in rows_of[m] if r.verdict is Verdict.FIXED] for m in (ungated, gated))
             only_g = [s for s in fixed_g if s not in fixed_u]
             lines.append(
                 f"- **{gated}** vs its ungated twin **{ungated}**: {len(fixed_g)} vs {len(fixed_u)} of the "
@@ -221,7 +239,7 @@ def _change_table(order: list[str], by_model: dict[str, CellRecord], changes: Ch
     for s in order:
         cols = [
             format_delta(changes.get((c.id, s)))
-            + ("" if verdict(changes.get((c.id, s)), within) != "fixed" else " **fixed**")
+            + (" **fixed**" if verdict(changes.get((c.id, s)), within) is Verdict.FIXED else "")
             for m, c in by_model.items()
         ]
         lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from ..data.corpus import document_keys
 from ..errors import InputError, MissingFile
 from ..evaluate import Documents, Results
 from ..files import json_kind, read_json, write_text_atomic
@@ -25,7 +24,8 @@ from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share, js
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
 from ..models.record import CalibrationRecord, MitigationRecord
-from ..stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate, check_cluster
+from ..stats import METRICS, aggregate, check_cluster
+from .compat import keyed
 from .grid import cell_dir
 
 __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics", "wrong_metrics", "wrong_evaluation"]
@@ -105,38 +105,35 @@ class Training(JsonRecord):
         )
 
 
-def keyed(documents: Documents) -> Documents:
-    """``documents`` with the work and text hash of each bundled quantgate_ppl document recorded before they were
-    kept (recovered from the bundled corpus by position, where the word counts agree: :func:`document_keys`);
-    other tasks' values as they are."""
-    ppl = documents.get("quantgate_ppl")
-    if not ppl or (CLUSTER_COLUMN in ppl and HASH_COLUMN in ppl) or "ids" not in ppl or "words" not in ppl:
-        return documents
-    keys = document_keys(list(ppl["ids"]), ppl["words"])
-    return documents if keys is None else {**documents, "quantgate_ppl": {**ppl, **keys}}
-
-
-def key_documents(run_dir: str | Path, cluster: str | None = None) -> bool:
-    """Write the works and text hashes :func:`keyed` recovers into a run's metrics.json (one :func:`read_metrics`
-    accepts), and ``cluster`` (the unit its intervals resample, "work" or "document") into its study's report
-    settings where given (the file otherwise as it was); True where it changed."""
+def record_cluster(run_dir: str | Path, cluster: str) -> bool:
+    """Record ``cluster`` (the unit a report's intervals resample, "work" or "document") in a run's metrics.json
+    (its study's report settings; the file otherwise as it was): ``quantgate report RUN --cluster``. True where it
+    changed."""
+    check_cluster(cluster)
     path = Path(run_dir) / "metrics.json"
     data = read_json(path)
-    changed = False
     report = (data.get("study") or {}).get("report")
-    if cluster is not None and isinstance(report, dict) and report.get("cluster", "work") != cluster:
-        check_cluster(cluster)
-        report["cluster"], changed = cluster, True
-    for cell in data.get("cells") or []:
-        for holder, field_name in [(cell, "float_documents")] + [
-            (r, "documents") for r in (cell.get("schemes") or {}).values()
-        ]:
-            documents = holder.get(field_name)
-            if isinstance(documents, dict) and (new := keyed(documents)) is not documents:
-                holder[field_name], changed = new, True
-    if changed:
-        write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
-    return changed
+    if not isinstance(report, dict) or report.get("cluster", "work") == cluster:
+        return False
+    report["cluster"] = cluster
+    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    return True
+
+
+@dataclass(frozen=True)
+class Observed(JsonRecord):
+    """The observe step's result (``<cell>/observe.json``): observe's summary and per-block rows."""
+
+    observe: CellObserve
+
+
+@dataclass(frozen=True)
+class Evaluated(JsonRecord):
+    """The eval-float step's result (``<cell>/eval-float.json``): the float model's ``results`` (``{task: {metric:
+    value}}``) and ``documents`` (``{task: {column: [one value per document]}}``)."""
+
+    results: Results
+    documents: Documents
 
 
 @dataclass(frozen=True)
@@ -170,9 +167,14 @@ class SchemeRecord(JsonRecord):
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SchemeRecord:
         """The record of a scheme step's JSON (its cache ``key``, which a step file holds, left out), with the
-        works and text hashes of older runs' documents recovered (:func:`keyed`)."""
+        works and text hashes of older runs' documents recovered (:func:`~.compat.keyed`)."""
         record = super().from_json({k: v for k, v in data.items() if k != "key"})
         return dataclasses.replace(record, documents=keyed(record.documents))
+
+    @classmethod
+    def computed(cls, data: Mapping[str, Any]) -> SchemeRecord:
+        """The record of a scheme step's result as it was just computed (its documents as evaluated)."""
+        return super().from_json(data)
 
     def to_json(self) -> dict[str, Any]:
         """The step's JSON as the run writes it (an error step keeps only its error and seconds)."""
@@ -207,7 +209,7 @@ class CellRecord(JsonRecord):
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CellRecord:
         """The record of a cell's JSON, with the works and text hashes of older runs' documents recovered
-        (:func:`keyed`)."""
+        (:func:`~.compat.keyed`)."""
         record = super().from_json(data)
         return dataclasses.replace(record, float_documents=keyed(record.float_documents))
 

@@ -20,6 +20,7 @@ from typing import Any
 from ..files import write_text_atomic
 from ..registry import Registry
 from ..stats import DELTA_LEGEND, NOISE_LEGEND, fmt, format_delta, pearson, seed_delta, spearman, table_head
+from . import compat
 from .fixes import Changes, which_fix
 from .measures import (
     ACCURACY,
@@ -39,7 +40,7 @@ from .measures import (
     scheme_change,
 )
 from .plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
-from .records import CellRecord, StudyRecord, key_documents, read_metrics
+from .records import CellRecord, StudyRecord, read_metrics, record_cluster
 
 __all__ = ["Report", "SECTIONS", "study_markdown", "study_plots", "plot_files", "write_study_report"]
 
@@ -759,12 +760,17 @@ def study_plots(metrics: StudyRecord, out: Path) -> None:
     Report.of(metrics).draw(out)
 
 
-def write_study_report(run_dir: str | Path, cluster: str | None = None) -> Path:
-    """report.md and plots of a study run directory, from its metrics.json alone; ``cluster`` ("work" or
-    "document"): the unit its intervals resample from now on, recorded in metrics.json."""
+def write_study_report(run_dir: str | Path, cluster: str | None = None, migrate: bool = False) -> Path:
+    """report.md and plots of a study run directory, from its metrics.json alone, which is left as it is but for
+    ``cluster`` ("work" or "document": the unit its intervals resample from now on, recorded in metrics.json) and
+    ``migrate`` (write into a metrics.json of an older run what it lacks: :func:`~.compat.migrate`; a report reads
+    it the same either way)."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)  # refuses a metrics.json that is not a study's, naming the problem
-    if key_documents(run_dir, cluster):  # works and text hashes into a metrics.json written before they were kept
+    changed = cluster is not None and record_cluster(run_dir, cluster)
+    if migrate and compat.migrate(run_dir):
+        changed = True
+    if changed:
         metrics = read_metrics(run_dir)
     report = Report.of(metrics)
     write_text_atomic(run_dir / "report.md", report.markdown())

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -46,6 +45,7 @@ from ..data.batches import cache_dir, source_sha256
 from ..errors import InputError
 from ..evaluate import check_limit_per_process, evaluate
 from ..files import claim_output, content_sha256, folder_name, read_json, write_text_atomic
+from ..json_record import JsonRecord
 from ..measurements import CellObserve
 from ..models import build
 from ..models.cost import GateCost, gate_cost
@@ -64,6 +64,7 @@ from ..registry import Registry
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
 from ..yaml_file import yaml_text
+from .compat import dtype_key, evaluation_key, file_format, step_key, versioned_key
 from .executors import run_cells
 from .grid import (
     Cell,
@@ -77,17 +78,22 @@ from .grid import (
     shrink,
     slug,
 )
-from .records import CellRecord, SchemeRecord, StudyRecord, Training, wrong_evaluation, wrong_metrics
+from .records import (
+    CellRecord,
+    Evaluated,
+    Observed,
+    SchemeRecord,
+    StudyRecord,
+    Training,
+    wrong_evaluation,
+    wrong_metrics,
+)
 from .report import write_study_report
 from .schema import DEFAULT_STUDY, load_study
 
 __all__ = ["run_study", "plan", "quantize_calibrated"]
 
 log = logging.getLogger("quantgate")
-
-
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _write_json(path: Path, obj) -> None:
@@ -113,7 +119,7 @@ def _done(
         log.warning("  %s; computing that step again", e)
         return None
     if data.get("key") != key:  # another key (a setting it depends on, or the step's code, changed), or none
-        was, now = data.get("format", 1), version
+        was, now = file_format(data), version
         if not isinstance(data.get("key"), str):  # a file without its key cannot say what it was computed from
             log.warning("  cannot read %s: it records no key; computing that step again", path)
         elif was != now:
@@ -152,8 +158,8 @@ CHECKPOINT_FILES = ("*.json", "*.safetensors", "*.gguf", "*.bin", "*.model", "*.
 def _content_keys(m: ModelSpec) -> list[str]:
     """What the model's key holds beside its settings: the sha256 of a ``load:`` checkpoint's files (a local
     folder, a packaged model's, or a hub id's snapshot, fetched here: a repository pushed to since is another
-    model) and of the local data files it trains on. Empty where there are none, so keys stay those of runs
-    made before content was keyed."""
+    model) and of the local data files it trains on. Empty where there are none: a model without such files keeps
+    the key its settings give."""
     memo = cache_dir() / "content-sha256.json"
     keys = []
     if isinstance(m.source, LoadSource):
@@ -285,9 +291,9 @@ class _CellRun:
     def __init__(self, cell: Cell, cdir: Path) -> None:
         self.cell, self.cdir, self.spec = cell, cdir, cell.model
         m = cell.model
-        dtype = ["dtype", m.dtype] if m.dtype else []  # float32 models keep the keys they had before dtype existed
         train = None if m.train is None else m.train.as_dict()
-        self.model_key = _key("model", m.source.as_dict(), cell.variant, train, cell.seed, *_content_keys(m), *dtype)
+        parts = ("model", m.source.as_dict(), cell.variant, train, cell.seed, *_content_keys(m), *dtype_key(m.dtype))
+        self.model_key = step_key(*parts)
         self.eval = _eval_settings(m)
         self._model: nn.Module | None = None
         self._tokenizer: Any = None
@@ -336,7 +342,7 @@ class _CellRun:
             return done
         log.info("  %s: %s", self.cell.id, name)
         t0 = time.perf_counter()
-        result = {"key": key, **step.compute(self, entry)}
+        result = {"key": key, **step.compute(self, entry).to_json()}  # as its file holds it
         result["seconds"] = round(time.perf_counter() - t0, 2)
         wrong = _wrong_step(result, step.record)
         if wrong is not None:
@@ -355,21 +361,20 @@ class _CellRun:
 class Step:
     """One step of a cell's run, the one place that says what it is. ``name``: its file, ``<cell>/NAME.json``
     (a step ``per_scheme`` runs once for each of the model's scheme entries, as ``NAME-<scheme>.json``).
-    ``format``: the version of the code behind its output (recorded in its file). ``key``: what its result
-    depends on, as a key (given the cell's run, the scheme entry and ``legacy``), of which ``format`` is part
-    from 2 on. ``compute``: its result's fields. ``needs``: the fields a cached file must have to be used.
-    ``record``: the :class:`CellRecord` fields its result fills, typed (a ``per_scheme`` step's: its scheme's
-    record, in ``CellRecord.schemes``), and the check of a result read back or computed: an InputError (or
-    TypeError) where it is not one to use. ``legacy``: a text its key holds
-    for the versions it had before formats were numbered (:data:`EVAL_LEGACY`)."""
+    ``format``: the version of the code behind its output (recorded in its file; part of its key from 2 on:
+    :func:`~.compat.versioned_key`). ``key``: what its result depends on, as a key (given the cell's run and the
+    scheme entry). ``compute``: its result, a typed record whose ``to_json()`` its file holds (beside the key, the
+    seconds and the format). ``needs``: the fields a cached file must have to be used. ``record``: the
+    :class:`CellRecord` fields its file's result fills, typed (a ``per_scheme`` step's: its scheme's record, in
+    ``CellRecord.schemes``), and the check of a result read back or computed: an InputError (or TypeError) where it
+    is not one to use. Each is a named function below."""
 
     name: str
     format: int
-    key: Callable[[_CellRun, Any, str], str]
-    compute: Callable[[_CellRun, Any], dict[str, Any]]
+    key: Callable[[_CellRun, Any], str]
+    compute: Callable[[_CellRun, Any], JsonRecord]
     record: Callable[[dict[str, Any]], Any]  # per_scheme: a SchemeRecord; else {CellRecord field: value}
     needs: tuple[str, ...] = ()
-    legacy: str = ""
     per_scheme: bool = False
 
     def files(self, m: ModelSpec) -> list[tuple[str, SchemeEntry | None]]:
@@ -379,23 +384,54 @@ class Step:
         return [(f"{self.name}-{slug(e.scheme)}", e) for e in m.schemes]
 
     def key_of(self, run: _CellRun, entry: SchemeEntry | None) -> str:
-        """The step's key in ``run`` for ``entry``: a key of format 1 is what it was before formats existed."""
-        key = self.key(run, entry, self.legacy)
-        return key if self.format == 1 else _key(key, "format", self.format)
+        """The step's key in ``run`` for ``entry``, at its format."""
+        return versioned_key(self.key(run, entry), self.format)
 
 
-def _scheme_key(run: _CellRun, entry: SchemeEntry, legacy: str) -> str:
-    """A scheme step's key: the model's, the scheme, the settings of its calibration, evaluation and held-out batch,
-    ``legacy``, and the sha256 of the local data files it reads."""
-    m = run.spec
-    data = _data_keys(m.calibration.data, m.observe.data)
-    cal, ev, ob = m.calibration.as_dict(), run.eval_for(entry).as_dict(), m.observe.as_dict()
-    return _key(run.model_key, entry.scheme, cal, ev, ob, legacy, *data)
+# --- the model step: the cell's model built, loaded or trained; its record, how it was trained -----------------
 
 
-def _scheme(run: _CellRun, entry: SchemeEntry) -> dict[str, Any]:
-    """A scheme step's result: the entry's scheme applied to the cell's model, its error and its evaluation."""
-    return _quantized(run.to_quantize(), run.tokenizer(), entry.scheme, run.eval_for(entry), run.spec, run.cell.seed)
+def _model_key(run: _CellRun, entry: None) -> str:
+    """The model step's key (and the cost step's): the model's."""
+    return run.model_key
+
+
+def _trained(run: _CellRun, entry: None) -> Training:
+    """How the cell's model was trained here (the model built, loaded or trained first)."""
+    return _train_summary(run.model, run.cdir)
+
+
+def _trained_fields(out: dict[str, Any]) -> dict[str, Any]:
+    return {"trained": Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds")})}
+
+
+# --- the observe step: observe's summary and per-block rows over the observe data -------------------------------
+
+
+def _observe_key(run: _CellRun, entry: None) -> str:
+    """The observe step's key: the model's, the observe settings and the sha256 of their local data files."""
+    return step_key(run.model_key, run.spec.observe.as_dict(), *_data_keys(run.spec.observe.data))
+
+
+def _observed(run: _CellRun, entry: None) -> Observed:
+    return _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir)
+
+
+def _observed_fields(out: dict[str, Any]) -> dict[str, Any]:
+    return {"observe": CellObserve.from_json(out["observe"])}
+
+
+# --- the eval-float step: the float model's evaluation ---------------------------------------------------------
+
+
+def _float_key(run: _CellRun, entry: None) -> str:
+    """The float evaluation's key: the model's and the eval settings (:func:`~.compat.evaluation_key`)."""
+    return evaluation_key(run.model_key, run.eval.as_dict())
+
+
+def _float_evaluation(run: _CellRun, entry: None) -> Evaluated:
+    out = _evaluate(run.model(), run.tokenizer(), run.eval)
+    return Evaluated(out["results"], out["documents"])
 
 
 def _checked_evaluation(out: dict[str, Any]) -> dict[str, Any]:
@@ -407,15 +443,43 @@ def _checked_evaluation(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _float_fields(out: dict[str, Any]) -> dict[str, Any]:
+    return {"float_results": _checked_evaluation(out)["results"], "float_documents": out["documents"]}
+
+
+# --- the cost step: the gate's parameters and FLOPs per token --------------------------------------------------
+
+
+def _cost(run: _CellRun, entry: None) -> GateCost:
+    return gate_cost(run.model())
+
+
+def _cost_fields(out: dict[str, Any]) -> dict[str, Any]:
+    return {"cost": GateCost.from_json({k: out[k] for k in ("gate_params", "gate_flops_per_token")})}
+
+
+# --- a scheme step: one scheme applied to the cell's model, its error and its evaluation ------------------------
+
+
+def _scheme_key(run: _CellRun, entry: SchemeEntry) -> str:
+    """A scheme step's key: the model's, the scheme, the settings of its calibration, evaluation and held-out batch,
+    and the sha256 of the local data files it reads (:func:`~.compat.evaluation_key`)."""
+    m = run.spec
+    data = _data_keys(m.calibration.data, m.observe.data)
+    cal, ev, ob = m.calibration.as_dict(), run.eval_for(entry).as_dict(), m.observe.as_dict()
+    return evaluation_key(run.model_key, entry.scheme, cal, ev, ob, data=data)
+
+
+def _scheme(run: _CellRun, entry: SchemeEntry) -> SchemeRecord:
+    """A scheme step's result: the entry's scheme applied to the cell's model, its error and its evaluation."""
+    model, tok = run.to_quantize(), run.tokenizer()
+    return SchemeRecord.computed(_quantized(model, tok, entry.scheme, run.eval_for(entry), run.spec, run.cell.seed))
+
+
 def _scheme_record(out: dict[str, Any]) -> SchemeRecord:
     """A scheme step's record, its evaluation checked (an error step has none)."""
     return SchemeRecord.from_json(out if "error" in out else _checked_evaluation(out))
 
-
-# What the evaluation steps' keys hold for the versions they had before formats were numbered (per-document values;
-# then quantgate_ppl 2.0; then backcopy's first prediction apart). Frozen: their cached files are found by it, and a
-# change of their code raises their format.
-EVAL_LEGACY = "per-document values, quantgate_ppl 2.0, backcopy after the first prediction"
 
 # A cell's steps, in the order they run: a new step is one entry (and, for the cell's record to hold it, a
 # CellRecord field). Raise a step's format when its code starts computing something else (another field, meaning
@@ -426,39 +490,11 @@ EVAL_LEGACY = "per-document values, quantgate_ppl 2.0, backcopy after the first 
 STEPS: Registry[str, Step] = Registry.named(
     "study step",
     (
-        Step(
-            "model",
-            1,
-            lambda run, _, __: run.model_key,
-            lambda run, _: _train_summary(run.model, run.cdir),
-            lambda out: {"trained": Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds")})},
-        ),
-        Step(
-            "observe",
-            2,
-            lambda run, _, __: _key(run.model_key, run.spec.observe.as_dict(), *_data_keys(run.spec.observe.data)),
-            lambda run, _: _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir),
-            lambda out: {"observe": CellObserve.from_json(out["observe"])},
-            needs=("observe",),
-        ),
-        Step(
-            "eval-float",
-            2,
-            lambda run, _, legacy: _key(run.model_key, run.eval.as_dict(), legacy),
-            lambda run, _: _evaluate(run.model(), run.tokenizer(), run.eval),
-            lambda out: {"float_results": _checked_evaluation(out)["results"], "float_documents": out["documents"]},
-            needs=("results", "documents"),
-            legacy=EVAL_LEGACY,
-        ),
-        Step(
-            "cost",
-            1,
-            lambda run, _, __: run.model_key,
-            lambda run, _: gate_cost(run.model()).to_json(),
-            lambda out: {"cost": GateCost.from_json({k: out[k] for k in ("gate_params", "gate_flops_per_token")})},
-            needs=("gate_params", "gate_flops_per_token"),
-        ),
-        Step("scheme", 2, _scheme_key, _scheme, _scheme_record, legacy=EVAL_LEGACY, per_scheme=True),
+        Step("model", 1, _model_key, _trained, _trained_fields),
+        Step("observe", 2, _observe_key, _observed, _observed_fields, needs=("observe",)),
+        Step("eval-float", 2, _float_key, _float_evaluation, _float_fields, needs=("results", "documents")),
+        Step("cost", 1, _model_key, _cost, _cost_fields, needs=("gate_params", "gate_flops_per_token")),
+        Step("scheme", 2, _scheme_key, _scheme, _scheme_record, per_scheme=True),
     ),
 )
 
@@ -533,20 +569,20 @@ def _same_key(train_dir: Path, key: str) -> bool:
     return f.is_file() and f.read_text().strip() == key
 
 
-def _train_summary(model, cdir: Path) -> dict:
+def _train_summary(model: Callable[[], nn.Module], cdir: Path) -> Training:
     model()  # builds, trains or loads
     logf = cdir / "train" / "log.jsonl"
     if not logf.is_file():
-        return Training().to_json()
-    return Training.of_log([json.loads(line) for line in logf.read_text().splitlines() if line.strip()]).to_json()
+        return Training()
+    return Training.of_log([json.loads(line) for line in logf.read_text().splitlines() if line.strip()])
 
 
-def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> dict:
+def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> Observed:
     data = batches(tok, cfg.data, cfg.seq_len, cfg.batch_size, family_of(model).objective, max_batches=cfg.batches)
     report = observe(model, data, sink_tokens=cfg.sink_tokens)
     if is_first():
         report.save(cdir / "observe")
-    return {"observe": CellObserve.of(report.summary, report.layers).to_json()}
+    return Observed(CellObserve.of(report.summary, report.layers))
 
 
 # perplexity over passages or whole documents, read in windows of max_length tokens
