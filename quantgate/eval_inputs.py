@@ -17,6 +17,7 @@ import torch.nn as nn
 from .checkpoint import load_or_build
 from .data import batches
 from .errors import InputError
+from .eval.tasks import computed
 from .models.families import config_of, family_of
 from .models.io import Placement
 from .models.sources import tokenizer as get_tokenizer
@@ -24,8 +25,6 @@ from .quant import get_scheme, quantization_of, quantize
 
 __all__ = [
     "TASK_DIR",
-    "BUNDLED_TASKS",
-    "COMPUTED_TASKS",
     "check_limit",
     "check_limit_per_process",
     "check_lm_eval_options",
@@ -37,15 +36,6 @@ __all__ = [
 ]
 
 TASK_DIR = Path(__file__).with_name("tasks")
-BUNDLED_TASKS = (
-    "quantgate_passages",
-    "quantgate_ppl",
-    "quantgate_cloze",
-    "quantgate_nextsent",
-    "quantgate_mlm_ppl",
-    "quantgate_backcopy",
-)
-COMPUTED_TASKS = ("quantgate_mlm_ppl", "quantgate_backcopy")  # scored here, not through lm-eval
 CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE = "train", 128, 8  # what --scheme calibrates on (eval, lm-eval)
 
 
@@ -64,9 +54,9 @@ def check_limit_per_process(
     limit: int | float | None, processes: int, tasks: Iterable[str], name: str = "--limit", processes_name: str = ""
 ) -> None:
     """Refuse a whole-number ``limit`` below the number of data-parallel ``processes`` for a task whose documents
-    lm-eval splits between them (not ``COMPUTED_TASKS``): a process with no document fails in the ranks' gather
-    instead. ``name`` and ``processes_name`` name the settings in the one-line refusal."""
-    split = [t for t in tasks if t not in COMPUTED_TASKS]
+    lm-eval splits between them (not the ones quantgate scores itself): a process with no document fails in the
+    ranks' gather instead. ``name`` and ``processes_name`` name the settings in the one-line refusal."""
+    split = [t for t in tasks if t not in computed()]
     if processes <= 1 or limit is None or limit < 1 or int(limit) >= processes or not split:
         return
     raise InputError(

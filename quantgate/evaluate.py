@@ -2,20 +2,8 @@
 
 ``qg.evaluate(model, tokenizer, tasks)`` wraps the model in lm-eval's HFLM (causal LMs) or in
 ``quantgate-mlm`` (masked LMs, scored by pseudo-log-likelihood, Salazar et al. 2020) and runs
-``lm_eval.simple_evaluate`` with quantgate's task folder on the include path:
-
-* ``quantgate_passages``: loglikelihood_rolling over the held-out test split cut into passages of at most 256
-  words, in turn from each work, so that works contribute comparable words (word_perplexity, byte_perplexity,
-  bits_per_byte);
-* ``quantgate_ppl``: the same over whole test documents (three plays hold 74% of the words of the first 24);
-* ``quantgate_cloze``: LAMBADA-style last word (perplexity, acc);
-* ``quantgate_nextsent``: 4-way next sentence (acc, acc_norm);
-* ``quantgate_mlm_ppl`` (masked LMs): exp of the mean cross-entropy on 15% masked tokens of the test
-  split with a fixed masking seed, as Bondarenko et al. report; computed here, since lm-eval has no
-  masked-LM request type.
-* ``quantgate_backcopy`` (causal LMs trained on the synthetic backcopy task): perplexity and the
-  accuracy of the copied tokens (the one place the task needs attention) on held-out sequences of
-  the same task; computed here.
+``lm_eval.simple_evaluate`` with quantgate's task folder on the include path, for
+the bundled tasks, one row each in :data:`quantgate.eval.tasks.TASKS` (its docstring says what each scores).
 Standard lm-eval tasks (wikitext, lambada_openai, hellaswag, ...) pass straight through online.
 Started as N processes (``quantgate eval --processes N``, torchrun, ``accelerate launch``), lm-eval splits
 each task's requests between them in its own data-parallel way (:mod:`quantgate.parallel`) and every rank
@@ -52,18 +40,22 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
 from . import parallel
-from .data import batches
 from .data.corpus import OfflineError, hub_reachable, text_hash
-from .data.synthetic import BackcopyBatches
 from .errors import InputError, MissingDependency
+from .eval.computed import (
+    BACKCOPY_HELD_OUT_SEED,
+    backcopy_documents,
+    backcopy_metrics,
+    mlm_documents,
+    mlm_perplexity,
+    scored,
+)
+from .eval.tasks import TASKS, bundled, computed
 from .eval_inputs import (
-    BUNDLED_TASKS,
-    COMPUTED_TASKS,
     TASK_DIR,
     NonFiniteOutputs,
     check_limit,
@@ -77,14 +69,13 @@ from .eval_inputs import (
 from .json_record import JsonRecord, json_field
 from .models.families import family_of
 from .models.modes import eval_mode
-from .models.record import record_of
 from .models.sources import check_vocabulary
 from .models.sources import tokenizer as get_tokenizer
 from .models.swap import variant_of
 from .options import AT_LEAST_1, check_range
 from .provenance import git_commit, versions
 from .quant import fingerprint, quantization_of
-from .stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS, aggregate
+from .stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS
 
 if TYPE_CHECKING:
     from lm_eval.loggers import EvaluationTracker
@@ -99,7 +90,7 @@ __all__ = [
     "check_limit_per_process",
     "check_lm_eval_options",
     "load_for_eval",
-    "BUNDLED_TASKS",
+    "BACKCOPY_HELD_OUT_SEED",
     "mlm_perplexity",
     "mlm_documents",
     "backcopy_metrics",
@@ -110,7 +101,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("quantgate")
-BACKCOPY_HELD_OUT_SEED = 1_000_003
 OFFLINE_EQUIVALENTS = {
     "wikitext": "quantgate_ppl",
     "lambada_openai": "quantgate_cloze",
@@ -209,7 +199,7 @@ def evaluate(
     ``.documents[task][column]`` (one value per document), ``.settings`` and ``.versions``, what is needed to
     reproduce the numbers (``.to_json()``: the same as a dict, as eval.json holds it).
 
-    lm-eval's options apply to the lm-eval tasks (not the computed ones, ``COMPUTED_TASKS``):
+    lm-eval's options apply to the lm-eval tasks (not the ones quantgate scores itself, ``eval.tasks.computed``):
     ``num_fewshot`` examples of context (None: each task's default, 0 for the bundled ones; perplexity
     tasks score each document alone whatever it says, as in lm-eval); ``bootstrap_iters`` > 0 adds
     lm-eval's standard error as ``<metric>_stderr`` where lm-eval has one (means in closed form,
@@ -230,7 +220,7 @@ def evaluate(
     family = family_of(model)
     check_vocabulary(model, tokenizer)
     _check_tasks(tasks, family.objective)
-    lm_tasks = [t for t in tasks if t not in COMPUTED_TASKS]
+    lm_tasks = [t for t in tasks if t not in computed()]
     _check_lm_eval_tasks(lm_tasks, tasks, num_fewshot, bootstrap_iters, output_path)
     if batch_size == "auto":
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
@@ -239,14 +229,12 @@ def evaluate(
     run = _Run(model, settings)
     if lm_tasks:
         run.lm_eval(tokenizer, lm_tasks, output_path, log_samples, model_args)
-    if "quantgate_mlm_ppl" in tasks:
-        run.documents["quantgate_mlm_ppl"] = mlm_documents(model, tokenizer, limit=limit)
-        run.refuse_non_finite({"quantgate_mlm_ppl": _scored(run.documents["quantgate_mlm_ppl"])})
-        run.results["quantgate_mlm_ppl"] = {"perplexity": aggregate(run.documents["quantgate_mlm_ppl"], "perplexity")}
-    if "quantgate_backcopy" in tasks:
-        run.documents["quantgate_backcopy"] = backcopy_documents(model, tokenizer, limit=limit)
-        run.refuse_non_finite({"quantgate_backcopy": _scored(run.documents["quantgate_backcopy"])})
-        run.results["quantgate_backcopy"] = _backcopy_results(run.documents["quantgate_backcopy"])
+    for name in (t for t in tasks if t in computed()):  # scored here (the task's row), not by lm-eval
+        task = TASKS[name]
+        assert task.compute is not None and task.results is not None
+        run.documents[name] = task.compute(model, tokenizer, limit)
+        run.refuse_non_finite({name: scored(run.documents[name])})
+        run.results[name] = task.results(run.documents[name])
     return run.result()
 
 
@@ -327,7 +315,7 @@ class _Run:
             parallel.share_work(lm, state)
         tracker = _tracker(output_path)
         with eval_mode(model):
-            manager = task_manager(include_defaults=any(t not in BUNDLED_TASKS for t in lm_tasks))
+            manager = task_manager(include_defaults=any(t not in bundled() for t in lm_tasks))
             out = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=lm_tasks,
@@ -362,7 +350,7 @@ class _Run:
         if tracker is not None and parallel.is_first():
             objective_model = "quantgate-mlm" if self.family.objective == "mlm" else "quantgate"
             self.written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
-            skipped = [t for t in s["tasks"] if t in COMPUTED_TASKS]
+            skipped = [t for t in s["tasks"] if t in computed()]
             if skipped:
                 log.info(f"{', '.join(skipped)}: computed by quantgate, not lm-eval: in quantgate's result only")
 
@@ -383,23 +371,23 @@ def require_lm_eval() -> types.ModuleType:
 
 def _check_tasks(tasks: list[str], objective: str) -> None:
     if not tasks:
-        raise InputError(f"no tasks given; bundled: {', '.join(BUNDLED_TASKS)}")
-    if "quantgate_mlm_ppl" in tasks and objective != "mlm":
-        raise InputError("quantgate_mlm_ppl scores masked LMs; use quantgate_ppl for causal LMs")
-    if "quantgate_backcopy" in tasks and objective != "clm":
-        raise InputError("quantgate_backcopy scores causal LMs trained on the backcopy task")
+        raise InputError(f"no tasks given; bundled: {', '.join(bundled())}")
+    for name in tasks:
+        task = TASKS.get(name)
+        if task is not None and task.objective not in (None, objective):
+            raise InputError(f"{name} scores {task.scores}")
     unknown = unknown_tasks(tasks)
     if unknown:
         raise InputError(
-            f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(BUNDLED_TASKS)}; "
+            f"unknown task(s) {', '.join(unknown)}; bundled (offline): {', '.join(bundled())}; "
             f"any lm-eval task name works online (lm-eval ls tasks)"
         )
-    remote = [t for t in tasks if t not in BUNDLED_TASKS]
+    remote = [t for t in tasks if t not in bundled()]
     if remote and not hub_reachable():
         hints = ", ".join(f"{t} -> {OFFLINE_EQUIVALENTS[t]}" for t in remote if t in OFFLINE_EQUIVALENTS)
         raise OfflineError(
             f"task(s) {', '.join(remote)} download their data from the Hugging Face hub, which is not "
-            f"reachable. Offline, use the bundled tasks: {', '.join(BUNDLED_TASKS)}" + (f" ({hints})" if hints else "")
+            f"reachable. Offline, use the bundled tasks: {', '.join(bundled())}" + (f" ({hints})" if hints else "")
         )
 
 
@@ -482,7 +470,7 @@ def _write_lm_eval_output(
 
 def unknown_tasks(tasks: Iterable[str]) -> list[str]:
     """The names that are neither bundled nor lm-eval tasks (lm-eval's index is read only when needed)."""
-    others = [t for t in tasks if t not in BUNDLED_TASKS]
+    others = [t for t in tasks if t not in bundled()]
     if not others:
         return []
     known = set(task_manager().all_tasks)
@@ -552,119 +540,10 @@ def _doc_hash(doc: Any) -> str:
     return text_hash(json.dumps(doc, sort_keys=True, default=str))
 
 
-def _token_hashes(ids: torch.Tensor) -> list[str]:
-    """The hash of each row's token ids (B, T): which sequence a computed task's row is."""
-    return [text_hash(row.astype("<i8").tobytes()) for row in ids.cpu().numpy()]
-
-
-def _scored(docs: dict) -> list[tuple[Any, list[float]]]:
-    """(document id, [its log-likelihood]) of a computed task's documents."""
-    return [(i, [ll]) for i, ll in zip(docs["ids"], docs["loglikelihood"], strict=True)]
-
-
 def _number(v) -> int | float:
     """A JSON-compact number: whole values (hits, counts) as int."""
     v = float(v)
     return int(v) if v.is_integer() else v
-
-
-def mlm_perplexity(model: nn.Module, tokenizer: PreTrainedTokenizerBase, **options: Any) -> float:
-    """Masked-token perplexity: exp(mean cross-entropy over the 15% masked positions), fixed masks;
-    ``options``: those of :func:`mlm_documents`."""
-    return aggregate(mlm_documents(model, tokenizer, **options), "perplexity")
-
-
-@torch.no_grad()
-def mlm_documents(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    split: str = "test",
-    seq_len: int = 128,
-    batch_size: int = 16,
-    seed: int = 0,
-    limit: int | float | None = None,
-) -> dict:
-    """Per sequence: the log-likelihood summed over its masked positions, and how many there are."""
-    data = batches(tokenizer, split, seq_len, batch_size, "mlm", seed=seed)
-    n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
-    loglik, tokens, hashes = [], [], []
-    device = next(model.parameters()).device
-    with eval_mode(model):
-        for i, batch in enumerate(data):
-            if i >= n:
-                break
-            hashes += _token_hashes(batch["input_ids"])
-            logits = model(
-                input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-            ).logits.float()
-            labels = batch["labels"].to(device)
-            nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
-            loglik += (-nll.sum(1)).tolist()
-            tokens += (labels != -100).sum(1).tolist()
-    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens, HASH_COLUMN: hashes}
-
-
-def backcopy_metrics(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    seq_len: int = 128,
-    batch_size: int = 16,
-    limit: int | float | None = None,
-) -> dict:
-    """Held-out backcopy sequences (``limit`` batches, default 8): perplexity over all predicted tokens,
-    and accuracy (greedy) on the copied tokens."""
-    return _backcopy_results(backcopy_documents(model, tokenizer, seq_len=seq_len, batch_size=batch_size, limit=limit))
-
-
-def _backcopy_results(docs: dict) -> dict:
-    return {m: aggregate(docs, m) for m in ("perplexity", "perplexity_after_first", "copy_acc")}
-
-
-@torch.no_grad()
-def backcopy_documents(
-    model: nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    seq_len: int = 128,
-    batch_size: int = 16,
-    limit: int | float | None = None,
-    seed: int = BACKCOPY_HELD_OUT_SEED,
-) -> dict:
-    """Per held-out sequence (drawn with ``seed``): summed log-likelihood and count of its predicted tokens, the same
-    without the first prediction (the token after BOS: on backcopy a uniformly random one, whose prediction must
-    come out flat), greedy hits on and count of its copied tokens."""
-    task = record_of(model).task or "backcopy"  # recorded by train
-    data = batches(
-        tokenizer,
-        task,
-        seq_len,
-        batch_size,
-        seed=seed,
-        max_batches=int(limit) if limit and limit >= 1 else 8,
-    )
-    assert isinstance(data, BackcopyBatches)  # train records only backcopy tasks, and backcopy is the default
-    device = next(model.parameters()).device
-    columns = ("ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies")
-    docs: dict[str, list] = {c: [] for c in columns}
-    docs[HASH_COLUMN] = []
-    with eval_mode(model):
-        for batch in data:
-            ids = batch["input_ids"].to(device)
-            docs[HASH_COLUMN] += _token_hashes(ids)
-            logits = model(input_ids=ids).logits.float()[:, :-1]
-            target = ids[:, 1:]
-            nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-            copy = data.copy_positions(ids)[:, 1:]
-            docs["loglikelihood"] += (-nll.sum(1)).tolist()
-            docs["tokens"] += [target.shape[1]] * len(target)
-            docs["loglikelihood_after_first"] += (-nll[:, 1:].sum(1)).tolist()
-            docs["tokens_after_first"] += [target.shape[1] - 1] * len(target)
-            docs["copied"] += ((logits.argmax(-1) == target) & copy).sum(1).tolist()
-            docs["copies"] += copy.sum(1).tolist()
-    docs["ids"] = list(range(len(docs["tokens"])))
-    return docs
 
 
 def _register():

@@ -12,7 +12,7 @@ outcome to every rank, so every rank returns the same result and rank 0 alone wr
 values equal a one-process run's (exactly in the tests on a CPU, batches of 8 included; where a rank's batch
 groups other documents than one process does, a GPU's kernels may change the last bits of its sums). The
 scores quantgate computes itself
-(``quantgate_mlm_ppl``, ``quantgate_backcopy``) are not split: every rank computes them.
+(:func:`quantgate.eval.tasks.computed`) are not split: every rank computes them.
 """
 
 from __future__ import annotations

@@ -84,11 +84,42 @@ SECTIONS.add("cells_and_schemes", cells_and_schemes, after="numbers")
 
 
 # each kind of extension: the modules its toy is made of (the page's table names as many files)
+TOY_TASK = '''"""An evaluation task in one module: per-sequence log-likelihood of held-out text, scored by quantgate."""
+import torch
+
+from quantgate.data import batches
+from quantgate.eval.tasks import TASKS, Task
+from quantgate.models.sources import tokenizer as get_tokenizer
+from quantgate.stats import aggregate
+
+
+@torch.no_grad()
+def documents(model, tokenizer, limit):
+    tokenizer = tokenizer or get_tokenizer(model)
+    data = batches(tokenizer, "validation", 32, 2, "clm", max_batches=int(limit or 2))
+    docs = {"ids": [], "loglikelihood": [], "tokens": []}
+    for batch in data:
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids).logits.float()[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        docs["loglikelihood"] += (-nll.sum(1)).tolist()
+        docs["tokens"] += [ids.shape[1] - 1] * len(ids)
+    docs["ids"] = list(range(len(docs["tokens"])))
+    return docs
+
+
+TASKS.add("toy_nll", Task(
+    "toy_nll", "causal LMs", "clm", perplexity="perplexity", headline=("perplexity",), unit="sequences",
+    compute=documents, results=lambda docs: {"perplexity": aggregate(docs, "perplexity")},
+))
+'''
+
 TOYS = {
     "a gate": (TOY_GATE,),
     "a quantization scheme": (TOY_SCHEME,),
     "a model family": (TOY_FAMILY,),
     "a report section": (TOY_SECTION,),
+    "a new evaluation task": (TOY_TASK,),
 }
 
 
@@ -96,13 +127,14 @@ TOYS = {
 def extension(tmp_path, monkeypatch, registries):
     """``extension(name, text)``: the module ``name`` written to a temporary folder and imported; the package's
     registries it may fill are put back after the test."""
+    from quantgate.eval.tasks import TASKS
     from quantgate.models.families import FAMILIES
     from quantgate.models.presets import PRESETS
     from quantgate.quant.schemes import SCHEMES
     from quantgate.study.report import SECTIONS
     from quantgate.variants import GATE_KINDS
 
-    registries(GATE_KINDS, SCHEMES, FAMILIES, PRESETS, SECTIONS)
+    registries(GATE_KINDS, SCHEMES, FAMILIES, PRESETS, SECTIONS, TASKS)
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def load(name: str, text: str):
@@ -177,6 +209,30 @@ def test_a_report_section_is_one_module(extension, tmp_path):
     assert "Toy section" in headings
     at = headings.index("Toy section")
     assert headings[at - 1] == "What the numbers show"  # after numbers, as registered
+
+
+def test_an_evaluation_task_is_one_module(extension, tmp_path, capsys):
+    """A task quantgate scores itself, added as a row: a study evaluates it, its report and compare show it."""
+    from quantgate.cli import main
+    from quantgate.stats import fmt
+
+    extension("toy_task", TOY_TASK)
+    study = tmp_path / "s.yaml"
+    study.write_text(
+        "name: s\nmodels:\n  - name: m\n    preset: tiny-llama\nschemes: [w8-int8]\n"
+        "calibration: {batches: 1, seq_len: 32, batch_size: 2}\nobserve: {batches: 1, seq_len: 32, batch_size: 2}\n"
+        "eval: {tasks: [toy_nll], limit: 2}\n"
+    )
+    assert main(["study", str(study), "--out", str(tmp_path / "run")]) == 0
+    metrics = qg.study.read_metrics(tmp_path / "run")
+    (cell,) = metrics.cells
+    ppl = cell.float_results["toy_nll"]["perplexity"]
+    assert ppl > 1 and len(cell.float_documents["toy_nll"]["ids"]) == 4  # 2 batches of 2 sequences
+    assert fmt(ppl) in (tmp_path / "run" / "report.md").read_text()  # the cell's headline perplexity, in its table
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "run")]) == 0
+    table = capsys.readouterr().out
+    assert "toy_nll/perplexity" in table.splitlines()[0] and "w8-int8" in table
 
 
 def test_the_architecture_page_names_as_many_files_as_each_toy_has_modules():

@@ -335,13 +335,14 @@ def _nan_after_the_first_task(monkeypatch, evaluate):
     model = cast(LlamaForCausalLM, qg.build("tiny-llama", seed=0).eval())
     poisoned: list[int] = []
     model.model.norm.register_forward_hook(lambda m, args, out: out * float("nan") if poisoned else out)
-    backcopy = evaluate.backcopy_documents
+    scorers = importlib.import_module("quantgate.eval.computed")  # the backcopy task's row calls it there
+    backcopy = scorers.backcopy_documents
 
     def poisoning_backcopy(*a, **k):
         poisoned.append(1)
         return backcopy(*a, **k)
 
-    monkeypatch.setattr(evaluate, "backcopy_documents", poisoning_backcopy)
+    monkeypatch.setattr(scorers, "backcopy_documents", poisoning_backcopy)
     return model
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, MissingFile
+from ..eval.tasks import TASKS, bundled, computed
 from ..files import claim_output, json_kind, read_json, write_text_atomic
 from ..models.record import checked_record
 from ..plots import bar_panels
@@ -25,15 +26,6 @@ from .records import StudyRecord, read_metrics, wrong_evaluation
 
 __all__ = ["compare", "collect_evals", "Run"]
 
-HEADLINE = (
-    "quantgate_passages/word_perplexity",
-    "quantgate_passages/bits_per_byte",
-    "quantgate_ppl/word_perplexity",
-    "quantgate_ppl/bits_per_byte",
-    "quantgate_cloze/acc",
-    "quantgate_nextsent/acc",
-    "quantgate_mlm_ppl/perplexity",
-)
 PAIRING_LEGEND = (
     "Reference: the run each change is measured against and how it was found: the float run of the same "
     "study cell; the float run whose weights' sha256 is the quantized run's recorded source (quantize() "
@@ -252,13 +244,12 @@ def _eval_protocol(s: dict) -> dict:
     """The settings of quantgate's eval.json that change the numbers (:data:`PROTOCOL`): quantgate eval applies
     no chat template, system instruction or generation arguments; ``n_shot`` (per task, as lm-eval applied
     it) where recorded, else ``num_fewshot`` (None: a bundled task's default, 0) for each lm-eval task."""
-    from ..evaluate import BUNDLED_TASKS, COMPUTED_TASKS
 
     shots = s.get("n_shot")
     if not isinstance(shots, dict):
         given = s.get("num_fewshot")
-        tasks = [t for t in (s.get("tasks") or []) if t not in COMPUTED_TASKS]
-        shots = {t: given if given is not None else 0 for t in tasks if given is not None or t in BUNDLED_TASKS}
+        tasks = [t for t in (s.get("tasks") or []) if t not in computed()]
+        shots = {t: given if given is not None else 0 for t in tasks if given is not None or t in bundled()}
     out = {
         "limit": s.get("limit"),
         "num_fewshot": shots,
@@ -624,11 +615,13 @@ def _markdown(rows: list[Row], metrics: list[str], notes: list[str]) -> str:
 
 
 def _metric_order(metric: str) -> tuple:
-    """Tasks in the order of :data:`HEADLINE` (others after, by name); within a task its headline metrics first."""
+    """Tasks in the order of :data:`~quantgate.eval.tasks.TASKS` (others after, by name); within a task its headline
+    metrics (its row's ``headline``) first."""
+    headline = [f"{name}/{m}" for name, t in TASKS.items() for m in t.headline]
     task = metric.split("/", 1)[0]
-    tasks = list(dict.fromkeys(h.split("/", 1)[0] for h in HEADLINE))
+    tasks = list(dict.fromkeys(h.split("/", 1)[0] for h in headline))
     rank = tasks.index(task) if task in tasks else len(tasks)
-    return (rank, task, HEADLINE.index(metric) if metric in HEADLINE else len(HEADLINE), metric)
+    return (rank, task, headline.index(metric) if metric in headline else len(headline), metric)
 
 
 def _write_csv(rows: list[Row], metrics: list[str], path: Path) -> None:

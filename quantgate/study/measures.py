@@ -4,14 +4,15 @@ bit sweep. The report, the "Which fix?" section, the experiments and the headlin
 
 from __future__ import annotations
 
+from ..eval.tasks import TASKS, accuracy_keys, perplexity_keys
 from ..quant.schemes import act_bits
 from ..stats import METRICS, Delta, bound, change, cluster_labels, paired_difference
 from .records import CellRecord, Results
 
 __all__ = [
-    "PPL_KEYS",
-    "ACCURACY",
-    "AFTER_FIRST",
+    "ppl_keys",
+    "accuracy_metrics",
+    "after_first",
     "BUDGET",
     "metric_of",
     "ppl_of",
@@ -31,21 +32,23 @@ __all__ = [
 
 TaskMetric = tuple[str, str]  # (task, metric)
 
-# the headline perplexity of a cell: the first of these its tasks report
-PPL_KEYS: tuple[TaskMetric, ...] = (
-    ("quantgate_passages", "word_perplexity"),
-    ("quantgate_ppl", "word_perplexity"),
-    ("quantgate_mlm_ppl", "perplexity"),
-    ("quantgate_backcopy", "perplexity"),
-)
-ACCURACY: tuple[TaskMetric, ...] = (
-    ("quantgate_cloze", "acc"),
-    ("quantgate_nextsent", "acc"),
-    ("quantgate_backcopy", "copy_acc"),
-)
-# backcopy's perplexity without its first prediction (the uniformly random token after BOS, whose prediction
-# the last block's BOS outlier serves)
-AFTER_FIRST: TaskMetric = ("quantgate_backcopy", "perplexity_after_first")
+
+def ppl_keys() -> tuple[TaskMetric, ...]:
+    """The headline perplexity of a cell: the first of these its tasks report (each task's row, in table order)."""
+    return perplexity_keys()
+
+
+def accuracy_metrics() -> tuple[TaskMetric, ...]:
+    """The (task, metric) of each task's headline accuracy."""
+    return accuracy_keys()
+
+
+def after_first() -> TaskMetric:
+    """The perplexity without a sequence's first prediction, of the task that reports one (backcopy's: the uniformly
+    random token after BOS, whose prediction the last block's BOS outlier serves)."""
+    return next((n, t.perplexity_without_first) for n, t in TASKS.items() if t.perplexity_without_first)
+
+
 BUDGET = 0.01  # the perplexity increase a bit budget allows
 
 
@@ -56,13 +59,13 @@ def metric_of(results: Results | None, task_metric: TaskMetric) -> float | None:
 
 
 def ppl_of(results: Results | None) -> float | None:
-    """The headline perplexity in an evaluation's results (see PPL_KEYS), or None."""
-    return next((v for v in (metric_of(results, k) for k in PPL_KEYS) if v is not None), None)
+    """The headline perplexity in an evaluation's results (see :func:`ppl_keys`), or None."""
+    return next((v for v in (metric_of(results, k) for k in ppl_keys()) if v is not None), None)
 
 
 def ppl_key(cell: CellRecord) -> TaskMetric | None:
-    """The (task, metric) of a study cell's headline perplexity (see PPL_KEYS), or None."""
-    return next((k for k in PPL_KEYS if metric_of(cell.float_results, k) is not None), None)
+    """The (task, metric) of a study cell's headline perplexity (see :func:`ppl_keys`), or None."""
+    return next((k for k in ppl_keys() if metric_of(cell.float_results, k) is not None), None)
 
 
 def ppl_change(cell: CellRecord, scheme: str) -> Delta | None:

@@ -17,15 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..eval.tasks import PERPLEXITY_LEGEND
 from ..files import write_text_atomic
 from ..registry import Registry
 from ..stats import DELTA_LEGEND, NOISE_LEGEND, fmt, format_delta, pearson, seed_delta, spearman, table_head
 from . import compat
 from .fixes import Changes, which_fix
 from .measures import (
-    ACCURACY,
-    AFTER_FIRST,
     BUDGET,
+    accuracy_metrics,
+    after_first,
     bit_sweeps,
     budget,
     change_gap,
@@ -185,7 +186,7 @@ def answer(report: Report) -> str:
             f"twin **{gated}** ({about(g)}) by {format_delta(dg)}; paired over the same documents, the gated "
             f"twin's change minus the ungated one's is {format_delta(gap)}: {gap_reading(gap, 'the gated twin')}."
         )
-        first_prediction = change_gap(u, g, scheme, AFTER_FIRST)
+        first_prediction = change_gap(u, g, scheme, after_first())
         if first_prediction is not None:
             text += (
                 " Without the first prediction (the random token after BOS) the paired difference is "
@@ -204,7 +205,7 @@ def answer(report: Report) -> str:
                 )
                 + "."
             )
-            for task_metric in (t for t in ACCURACY if metric_of(u.float_results, t) is not None):
+            for task_metric in (t for t in accuracy_metrics() if metric_of(u.float_results, t) is not None):
                 text += (
                     f" {task_metric[1]} ({task_metric[0]}): "
                     + "; ".join(
@@ -233,7 +234,7 @@ def _pair_table(u: CellRecord, g: CellRecord, schemes: list[str], changes: Chang
     """Every scheme both twins ran, side by side: each one's change, the paired difference of the changes (the
     decision) and, on backcopy, the same without the first prediction."""
     both = [s for s in schemes if changes.get((u.id, s)) and changes.get((g.id, s))]
-    after = any(change_gap(u, g, s, AFTER_FIRST) is not None for s in both)
+    after = any(change_gap(u, g, s, after_first()) is not None for s in both)
     head = ["scheme", f"{u.model} change", f"{g.model} change", "paired difference", "reading"]
     if after:
         head.insert(4, "paired, without the first prediction")
@@ -248,7 +249,7 @@ def _pair_table(u: CellRecord, g: CellRecord, schemes: list[str], changes: Chang
         gap = change_gap(u, g, s)
         row = [f"`{s}`", format_delta(changes[u.id, s]), format_delta(changes[g.id, s]), format_delta(gap)]
         if after:
-            row.append(format_delta(change_gap(u, g, s, AFTER_FIRST)))
+            row.append(format_delta(change_gap(u, g, s, after_first())))
         lines.append("| " + " | ".join([*row, gap_reading(gap, "the gated twin")]) + " |")
     return [*lines, ""]
 
@@ -308,10 +309,7 @@ def outliers(report: Report) -> str:
     lines = [
         "## Outliers, sinks and quantized perplexity (Bondarenko et al.'s table)",
         "",
-        "Perplexity is word perplexity on held-out text for causal LMs (`quantgate_passages`, passages of at most "
-        "256 words, or `quantgate_ppl`, whole documents: the task the model's eval names), `quantgate_mlm_ppl` "
-        "for masked LMs and `quantgate_backcopy` for models trained on the backcopy task; sink mass is the mean "
-        "attention on the first token. All rows ran on the machine above.",
+        PERPLEXITY_LEGEND + "; sink mass is the mean attention on the first token. All rows ran on the machine above.",
         "",
         OUTLIER_LEGEND,
         "",
@@ -407,7 +405,7 @@ def bit_budget(report: Report) -> str:
 def accuracy(report: Report) -> str:
     """The bundled accuracy tasks a cell was evaluated on: float accuracy, and each scheme's and its change."""
     cells, schemes = report.cells, report.schemes
-    acc_rows = [(c, t) for t in ACCURACY for c in cells if metric_of(c.float_results, t) is not None]
+    acc_rows = [(c, t) for t in accuracy_metrics() for c in cells if metric_of(c.float_results, t) is not None]
     if not acc_rows:
         return ""
     head = ["model", "variant", "seed", "task", "FP acc"] + [x for s in schemes for x in (f"{s} acc", "change")]

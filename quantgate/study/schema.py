@@ -20,7 +20,8 @@ from ..data.batches import batch_count
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
 from ..data.synthetic import is_backcopy, task_options
 from ..errors import InputError, QuantgateError
-from ..evaluate import BUNDLED_TASKS, check_limit, unknown_tasks
+from ..eval.tasks import bundled
+from ..evaluate import check_limit, unknown_tasks
 from ..files import is_folder_name
 from ..models.cost import check_memory
 from ..models.families import family_of, get_family
@@ -555,7 +556,7 @@ def _check_source(source: str, where, fail, objective: str | None = None) -> Non
 
 def _check_tasks(tasks, where, fail) -> None:
     for t in unknown_tasks(tasks):
-        fail(where, f"unknown task {t!r}; bundled: {', '.join(BUNDLED_TASKS)} (any lm-eval task name online)")
+        fail(where, f"unknown task {t!r}; bundled: {', '.join(bundled())} (any lm-eval task name online)")
 
 
 def _model_config(m: dict, where: tuple, fail):

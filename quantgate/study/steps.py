@@ -43,6 +43,7 @@ from ..checkpoint import load
 from ..data import batches
 from ..data.batches import cache_dir, source_sha256
 from ..errors import InputError
+from ..eval.tasks import rolling
 from ..evaluate import check_limit_per_process, evaluate
 from ..files import claim_output, content_sha256, folder_name, read_json, write_text_atomic
 from ..json_record import JsonRecord
@@ -585,16 +586,12 @@ def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> Observed:
     return Observed(CellObserve.of(report.summary, report.layers))
 
 
-# perplexity over passages or whole documents, read in windows of max_length tokens
-ROLLING_TASKS = ("quantgate_passages", "quantgate_ppl")
-
-
 def _eval_settings(m: ModelSpec) -> EvalSettings:
     """The model's eval settings; a model trained here reads the documents of a perplexity task in windows of
     its training length (beyond it a RoPE model extrapolates and a learned position table is untrained),
     unless max_length says otherwise. Loaded models use their own context (:func:`quantgate.evaluate.evaluate`'s
     default); item tasks (cloze, next sentence) always do: an item must fit whole."""
-    if m.train is None or m.eval.max_length is not None or not set(m.eval.tasks) & set(ROLLING_TASKS):
+    if m.train is None or m.eval.max_length is not None or not set(m.eval.tasks) & set(rolling()):
         return m.eval
     return dataclasses.replace(m.eval, max_length=m.train.value.seq_len)
 
@@ -604,7 +601,7 @@ def _evaluate(model, tok, cfg: EvalSettings) -> dict:
     results, documents = {}, {}
     for task in cfg.tasks:  # one task at a time: each may carry its own limit
         limit = cfg.limit.get(task) if isinstance(cfg.limit, dict) else cfg.limit
-        window = cfg.max_length if task in ROLLING_TASKS else None
+        window = cfg.max_length if task in rolling() else None
         out = evaluate(model, tok, [task], limit=limit, batch_size=cfg.batch_size, max_length=window)
         results.update(out.results)
         documents.update(out.documents)

@@ -64,7 +64,7 @@ def train(
     family_of(model).check_seq_len(model_config, c.seq_len)
     if variant_of(model) is None:
         apply_variant(model)
-    if is_backcopy(c.data):  # quantgate_backcopy then scores the model on held-out data of its own task
+    if is_backcopy(c.data):  # its evaluation task then scores the model on held-out data of its own task
         set_record(model, task=c.data)
     mp = c.mixed_precision if c.mixed_precision != "auto" else ("bf16" if torch.cuda.is_available() else "no")
     out = Path(c.out) if c.out else None
