@@ -25,7 +25,7 @@ from quantgate.study import DEFAULT_STUDY, read_metrics, run_study
 from quantgate.study.grid import slug
 from quantgate.yaml_file import read_yaml, yaml_text
 
-TASK, METRIC = "quantgate_ppl", "word_perplexity"
+TASK, METRIC = "quantgate_passages", "word_perplexity"  # the main job's SmolLM2 task (quickstart.yaml)
 DTYPES = ("float32", "bfloat16")
 
 

@@ -91,12 +91,15 @@ def test_bf16_eval_sets_each_change_against_float32_on_the_same_documents(tmp_pa
 
     from quantgate.stats import format_delta, paired_difference
     from quantgate.study import read_metrics
+    from quantgate.study.schema import DEFAULT_STUDY
+    from quantgate.yaml_file import read_yaml
 
     bf16_eval.main(["--model", "tiny-llama", "--docs", "2", "--window", "512", "--out", str(tmp_path)])
     text = capsys.readouterr().out
     cells = {c.model: c for c in read_metrics(tmp_path / "run").cells}
     assert set(cells) == {"float32", "bfloat16"}
-    docs = lambda c, s: (c.float_documents["quantgate_ppl"], c.scheme(s).documents["quantgate_ppl"])
+    assert bf16_eval.TASK in read_yaml(DEFAULT_STUDY)[0]["models"][0]["eval"]["tasks"]  # the main job's task
+    docs = lambda c, s: (c.float_documents[bf16_eval.TASK], c.scheme(s).documents[bf16_eval.TASK])
     for scheme in cells["float32"].schemes:
         gap = paired_difference(docs(cells["float32"], scheme), docs(cells["bfloat16"], scheme), "word_perplexity")
         assert f"| `{scheme}` |" in text and f" | {format_delta(gap)} | " in text
