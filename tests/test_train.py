@@ -324,11 +324,20 @@ def test_a_mixed_precision_run_returns_the_model_without_its_autocast_wrapper():
 def test_the_log_is_written_and_read_as_typed_records(tmp_path):
     """log.jsonl: one writer (JsonLog, typed events) and one reader (read_log), which refuses an edited line by
     file, line and field."""
-    from quantgate.train.log import ConfigEvent, EvalEvent, JsonLog, LayerPoint, ObserveEvent, TrainEvent, read_log
+    from quantgate.train.log import (
+        ConfigEvent,
+        EvalEvent,
+        Event,
+        JsonLog,
+        LayerPoint,
+        ObserveEvent,
+        TrainEvent,
+        read_log,
+    )
 
     path = tmp_path / "log.jsonl"
     log = JsonLog(path, keep_until=None)
-    events = [
+    events: list[Event] = [
         ConfigEvent({"steps": 2}, {"family": "llama"}, 1),
         TrainEvent(1, 5.5, 1e-3, None, 64, 1000.0),
         EvalEvent(1, 5.25),
