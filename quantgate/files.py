@@ -32,6 +32,7 @@ __all__ = [
     "write_text_atomic",
     "write_bytes_atomic",
     "read_json",
+    "read_json_lines",
     "json_kind",
     "file_sha256",
     "JSON_LIMIT",
@@ -147,6 +148,23 @@ def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: 
         wanted = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
         raise fail(f"it holds a JSON {json_kind(data)}, not {'an' if wanted[0] in 'aeiou' else 'a'} {wanted}")
     return data
+
+
+def read_json_lines(path: str | Path) -> list[tuple[int, Any]]:
+    """(line number, JSON value) of each non-blank line of JSON Lines file ``path``; a one-line InputError naming the
+    file and the first line that is not JSON (cut off mid-write)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {path}: {e}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append((number, json.loads(line)))
+            except ValueError as e:
+                raise InputError(f"cannot read {path}: line {number} is not valid JSON (truncated?): {e}") from None
+    return rows
 
 
 # --- content keys -----------------------------------------------------------------------------------

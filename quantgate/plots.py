@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,7 @@ from .files import write_bytes_atomic
 if TYPE_CHECKING:
     from .measurements import LayerSummary, ObserveMeta
 
-__all__ = ["plot_observe", "bar_panels", "plot_training", "save_png"]
+__all__ = ["plot_observe", "bar_panels", "save_png"]
 
 
 def plot_observe(layers: list[LayerSummary], meta: ObserveMeta, out: Path) -> list[Path]:
@@ -91,46 +90,5 @@ def bar_panels(panels: dict[str, list[tuple[str, float | None]]], path: Path, ti
         ax.set_xticks(range(len(items)), [label for label, _ in items], fontsize=6, rotation=90)
         ax.set_title(metric, fontsize=9)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return save_png(fig, Path(path))
-
-
-def plot_training(log_path: Path, path: Path) -> Path | None:
-    """Outlier emergence over training from a trainer's log.jsonl: loss, residual max |x|, first-token
-    attention and gate mean per layer against steps."""
-    records = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
-    train = [r for r in records if r["event"] == "train"]
-    evals = [r for r in records if r["event"] == "eval"]
-    obs = [r for r in records if r["event"] == "observe"]
-    if not train:
-        return None
-    gated = any(L.get("gate_mean") is not None for r in obs for L in r["layers"])
-    panels = 4 if gated else 3
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6))
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-    if evals:
-        axes[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], marker="o", label="held-out")
-    axes[0].set(xlabel="step", ylabel="loss", title="loss")
-    axes[0].legend(fontsize=8)
-    if obs:
-        n_layers = len(obs[0]["layers"])
-        cmap = plt.get_cmap("viridis")
-        keys = [("max_abs", "residual max |x|", "log"), ("sink_mass", "first-token attention", "linear")]
-        if gated:
-            keys.append(("gate_mean", "gate mean", "linear"))
-        for ax, (key, label, scale) in zip(axes[1:], keys, strict=True):
-            for i in range(n_layers):
-                ys = [r["layers"][i][key] for r in obs]
-                if any(y is not None for y in ys):
-                    ax.plot(
-                        [r["step"] for r in obs],
-                        [float("nan") if y is None else y for y in ys],
-                        marker=".",
-                        color=cmap(i / max(n_layers - 1, 1)),
-                        label=f"layer {i}" if n_layers <= 8 else None,
-                    )
-            ax.set(xlabel="step", title=label, yscale=scale)
-        if n_layers <= 8:
-            axes[1].legend(fontsize=7)
     fig.tight_layout()
     return save_png(fig, Path(path))

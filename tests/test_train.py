@@ -319,3 +319,38 @@ def test_a_mixed_precision_run_returns_the_model_without_its_autocast_wrapper():
     with torch.no_grad():
         assert trained(torch.randint(5, 100, (1, 8))).logits.dtype == torch.float32
     assert seen == [torch.float32]
+
+
+def test_the_log_is_written_and_read_as_typed_records(tmp_path):
+    """log.jsonl: one writer (JsonLog, typed events) and one reader (read_log), which refuses an edited line by
+    file, line and field."""
+    from quantgate.train.log import (
+        ConfigEvent,
+        EvalEvent,
+        Event,
+        JsonLog,
+        LayerPoint,
+        ObserveEvent,
+        TrainEvent,
+        read_log,
+    )
+
+    path = tmp_path / "log.jsonl"
+    log = JsonLog(path, keep_until=None)
+    events: list[Event] = [
+        ConfigEvent({"steps": 2}, {"family": "llama"}, 1),
+        TrainEvent(1, 5.5, 1e-3, None, 64, 1000.0),
+        EvalEvent(1, 5.25),
+        ObserveEvent(1, [LayerPoint(3.0, 1.5, 0.2, None)], 3.0, 10.0, 1.5, 0.2, None),
+    ]
+    for e in events:
+        log.write(e)
+    assert read_log(path) == events
+    lines = path.read_text().splitlines()
+    lines[3] = lines[3].replace('"sink_mass": 0.2', '"sink_mass": 5')
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(qg.InputError, match=r"log\.jsonl: line 4: .*sink_mass is 5, not a finite number in \[0, 1\]"):
+        read_log(path)
+    path.write_text(lines[0] + '\n{"event": "lunch", "step": 1}\n')
+    with pytest.raises(qg.InputError, match="line 2 is not a log record"):
+        read_log(path)

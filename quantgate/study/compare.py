@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any
 
 from ..errors import InputError, MissingFile
 from ..eval.tasks import TASKS, bundled, computed
-from ..files import claim_output, json_kind, read_json, write_text_atomic
+from ..files import claim_output, json_kind, read_json, read_json_lines, write_text_atomic
 from ..models.record import checked_record
 from ..plots import bar_panels
 from ..stats import DELTA_LEGEND, Delta, change, fmt, format_delta, table_head
@@ -387,26 +386,10 @@ def _lm_eval_documents(f: Path, results: dict) -> dict:
         samples = f.with_name(f"samples_{task}_{date}.jsonl")
         if not samples.is_file():
             continue
-        rows = _read_jsonl(samples)
+        rows = [row for _, row in read_json_lines(samples)]
         if rows and all(isinstance(r, dict) and "doc_id" in r and "filter" in r for r in rows):
             docs[task] = sample_documents(rows, {}, None)
     return docs
-
-
-def _read_jsonl(file: Path) -> list:
-    """The JSON value of each line of ``file`` (JSON Lines); a one-line ValueError naming the file and line."""
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read {file}: {e}") from None
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError as e:
-                raise InputError(f"cannot read {file}: line {number} is not valid JSON (truncated?): {e}") from None
-    return rows
 
 
 def _flat(results: dict | None) -> dict:

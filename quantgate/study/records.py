@@ -25,6 +25,7 @@ from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
 from ..models.record import CalibrationRecord, MitigationRecord
 from ..stats import METRICS, aggregate, check_cluster
+from ..train.log import EvalEvent, Event, LayerPoint, ObserveEvent, TrainEvent
 from .compat import keyed
 from .grid import cell_dir
 
@@ -35,16 +36,6 @@ __all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics", "wrong_m
 class LossPoint(JsonRecord):
     step: Count
     loss: float
-
-
-@dataclass(frozen=True)
-class LayerPoint(JsonRecord):
-    """One block in a light observe pass during training: residual max |x|, kurtosis, sink mass, gate mean."""
-
-    max_abs: NonNegative
-    kurtosis: NonNegative | None
-    sink_mass: Share | None
-    gate_mean: NonNegative | None
 
 
 @dataclass(frozen=True)
@@ -77,30 +68,23 @@ class Training(JsonRecord):
         return super().to_json() if self.trained else {"trained": False}
 
     @classmethod
-    def of_log(cls, records: list[dict[str, Any]]) -> Training:
-        """The summary of a trainer's log.jsonl records (:mod:`quantgate.train.log`)."""
-        train = [r for r in records if r["event"] == "train"]
-        evals = [r for r in records if r["event"] == "eval"]
+    def of_log(cls, events: list[Event]) -> Training:
+        """The summary of a trainer's log.jsonl (:func:`quantgate.train.log.read_log`)."""
+        train = [e for e in events if isinstance(e, TrainEvent)]
+        evals = [e for e in events if isinstance(e, EvalEvent)]
         last = train[-1] if train else None
         return cls(
             trained=True,
-            steps=last["step"] if last else 0,
-            tokens=last["tokens"] if last else 0,
-            final_train_loss=last["loss"] if last else None,
-            final_eval_loss=evals[-1]["loss"] if evals else None,
-            curve=[LossPoint(r["step"], r["loss"]) for r in train],
-            eval_curve=[LossPoint(r["step"], r["loss"]) for r in evals],
+            steps=last.step if last else 0,
+            tokens=last.tokens if last else 0,
+            final_train_loss=last.loss if last else None,
+            final_eval_loss=evals[-1].loss if evals else None,
+            curve=[LossPoint(e.step, e.loss) for e in train],
+            eval_curve=[LossPoint(e.step, e.loss) for e in evals],
             observe_curve=[
-                ObservePoint(
-                    r["step"],
-                    [LayerPoint.from_json(L) for L in r["layers"]],
-                    r["max_activation"],
-                    r["sink_mass"],
-                    r["gate_mean"],
-                    r["kurtosis"],
-                )
-                for r in records
-                if r["event"] == "observe"
+                ObservePoint(e.step, e.layers, e.max_activation, e.sink_mass, e.gate_mean, e.kurtosis)
+                for e in events
+                if isinstance(e, ObserveEvent)
             ],
         )
 

@@ -64,6 +64,7 @@ from ..quant.schemes import get_scheme
 from ..registry import Registry
 from ..runlock import run_lock
 from ..train import TrainConfig, can_resume, train
+from ..train.log import read_log
 from ..yaml_file import yaml_text
 from .compat import dtype_key, evaluation_key, file_format, step_key, versioned_key
 from .executors import run_cells
@@ -575,7 +576,7 @@ def _train_summary(model: Callable[[], nn.Module], cdir: Path) -> Training:
     logf = cdir / "train" / "log.jsonl"
     if not logf.is_file():
         return Training()
-    return Training.of_log([json.loads(line) for line in logf.read_text().splitlines() if line.strip()])
+    return Training.of_log(read_log(logf))
 
 
 def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> Observed:

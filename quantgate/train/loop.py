@@ -26,12 +26,23 @@ from ..models.modes import eval_mode
 from ..models.record import set_record
 from ..models.swap import apply_variant, variant_of
 from ..observe import observe
-from ..plots import plot_training
 from ..quant import quantization_of
 from ..runlock import run_lock
 from .checkpoint import Run, check_checkpointable, gathered, model_identity, write_checkpoint
 from .config import Batch, TrainConfig, make_data, param_groups, schedule
-from .log import LOG_FILE, JsonLog, check_tracker, hyperparameters
+from .log import (
+    LOG_FILE,
+    ConfigEvent,
+    EvalEvent,
+    JsonLog,
+    LayerPoint,
+    ObserveEvent,
+    TrainEvent,
+    check_tracker,
+    hyperparameters,
+    plot_training,
+    read_log,
+)
 from .resume import resume
 from .rundir import check_fresh, claim_run_dir, remove_leftovers, save_model
 
@@ -129,7 +140,7 @@ def _train(
     if c.log_with is not None:
         acc.init_trackers("tensorboard", config=hyperparameters(c))
     if not c.resume:
-        logger.write({"event": "config", "config": asdict(c), "identity": identity.to_json(), "world_size": world})
+        logger.write(ConfigEvent(asdict(c), identity.to_json(), world))
     model.train()
     it = iter(data)
     # one process computes the MLM loss at the masked positions only; a DDP or FSDP wrapper must see the forward call
@@ -146,21 +157,20 @@ def _train(
                 now = time.perf_counter()
                 rate = (run.tokens - tok_last) / max(now - t_last, 1e-9)
                 t_last, tok_last = now, run.tokens
-                record = {
-                    "event": "train",
-                    "step": step,
-                    "loss": loss_sum / c.grad_accum,
-                    "lr": sched.get_last_lr()[0],
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                    "tokens": run.tokens,
-                    "tokens_per_s": rate,
-                }
+                record = TrainEvent(
+                    step=step,
+                    loss=loss_sum / c.grad_accum,
+                    lr=float(sched.get_last_lr()[0]),
+                    grad_norm=float(grad_norm) if grad_norm is not None else None,
+                    tokens=run.tokens,
+                    tokens_per_s=rate,
+                )
                 logger.write(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}")
+                bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{rate:,.0f}")
             if eval_data is not None and ((c.eval_every and step % c.eval_every == 0) or step == c.steps):
-                logger.write({"event": "eval", "step": step, "loss": _eval_loss(raw, eval_data, acc.device)})
+                logger.write(EvalEvent(step, _eval_loss(raw, eval_data, acc.device)))
             if eval_data is not None and ((c.observe_every and step % c.observe_every == 0) or step == c.steps):
-                logger.write({"event": "observe", "step": step, **_light_observe(raw, eval_data[:1])})
+                logger.write(_light_observe(raw, eval_data[:1], step))
             if out is not None and ((c.checkpoint_every and step % c.checkpoint_every == 0) or step == stop < c.steps):
                 write_checkpoint(run, out / "checkpoints" / f"step-{step}", identity, c)
     acc.wait_for_everyone()
@@ -168,7 +178,7 @@ def _train(
         weights = gathered(run)
         if acc.is_main_process:
             save_model(raw, out / "model", tokenizer, weights)
-            plot_training(out / LOG_FILE, out / "training.png")
+            plot_training(read_log(out / LOG_FILE), out / "training.png")
     # without accelerate's mixed-precision wrapper: what the caller observes, quantizes or evaluates next
     # runs in the model's own dtype, not silently in bf16 autocast. Under FSDP it is each process's shard
     # (a forward pass needs every process); the whole weights are in out/model
@@ -252,21 +262,19 @@ def _eval_loss(model: nn.Module, data: list[Batch], device: torch.device) -> flo
         return sum(float(model(**{k: v.to(device) for k, v in b.items()}).loss) for b in data) / len(data)
 
 
-def _light_observe(model: nn.Module, data: list[Batch]) -> dict:
+def _light_observe(model: nn.Module, data: list[Batch], step: int) -> ObserveEvent:
     """Per layer: residual max |x|, mean kurtosis, first-token attention, gate mean."""
     report = observe(model, data, progress=False)
     s = report.summary
-    return {
-        "layers": [
-            {"max_abs": L.max_activation, "kurtosis": L.kurtosis, "sink_mass": L.sink_mass, "gate_mean": L.gate_mean}
-            for L in report.layers
-        ],
-        "max_activation": s.max_activation,
-        "max_median_ratio": s.max_median_ratio,
-        "kurtosis": s.kurtosis,
-        "sink_mass": s.sink_mass,
-        "gate_mean": s.gate_mean,
-    }
+    return ObserveEvent(
+        step=step,
+        layers=[LayerPoint(L.max_activation, L.kurtosis, L.sink_mass, L.gate_mean) for L in report.layers],
+        max_activation=s.max_activation,
+        max_median_ratio=s.max_median_ratio,
+        kurtosis=s.kurtosis,
+        sink_mass=s.sink_mass,
+        gate_mean=s.gate_mean,
+    )
 
 
 def _diverged(run: Run, out: Path | None, what: str) -> NoReturn:
