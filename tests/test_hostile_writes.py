@@ -289,3 +289,13 @@ def test_a_full_disk_names_the_file(tmp_path, monkeypatch, capsys):
 def test_an_out_option_with_a_null_byte_is_one_line(tmp_path, capsys):
     assert main(["eval", "tiny-llama", "--limit", "1", "--out", str(tmp_path / "a\0b")]) == 2
     assert "null byte" in one_line_error(capsys, "eval")
+
+
+def test_an_audit_writes_into_the_folder_holding_the_model_it_reads(float_model, tmp_path):
+    """The model audited may lie in --out (an input, not content): the check before the work lets it, and the
+    audit's end (which marks the folder) does not refuse it after the work."""
+    out = tmp_path / "a"
+    out.mkdir()
+    shutil.copytree(float_model, out / "fl")
+    assert main(["audit", str(out / "fl"), "--out", str(out), *AUDIT]) == 0
+    assert (out / "audit.json").is_file() and json.loads((out / MARKER).read_text())["kind"] == "audit"

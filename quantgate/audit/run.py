@@ -22,7 +22,7 @@ from ..certify import Test, certifies, fixed_sequence
 from ..checkpoint import load, save
 from ..data import batches as make_batches
 from ..data.synthetic import is_backcopy
-from ..files import claim_output, owner, write_text_atomic
+from ..files import claim_output, mark_output, owner, write_text_atomic
 from ..models.families import family_of
 from ..models.io import DTYPES, Placement
 from ..models.sources import PACKAGED
@@ -425,7 +425,8 @@ def _finish(main: Model, found: Found, tests: list[Test], sets: tuple[DocSet, Do
     certified = [c for c in found.candidates if any(t.certified and t.name == c.scheme for t in tests)]
     chosen = min(certified, key=lambda c: c.cost.key(), default=None)  # the cheapest certified
     recipe = chosen.scheme if chosen is not None else None
-    claim_output(out, "audit", "--out", mark=True, by="quantgate audit")
+    out.mkdir(parents=True, exist_ok=True)  # checked by claim_output before the work; marked now that it writes
+    mark_output(out, "audit", by="quantgate audit")
     export_dir, note = _export(main, chosen, out / "export") if export and chosen else (None, "")
     if export_dir is None and (out / "export").is_dir() and owner(out / "export") is not None:
         shutil.rmtree(out / "export")  # an earlier audit's, which this audit.md would not describe
