@@ -167,3 +167,16 @@ def test_scale_dry_run_measures_fits_and_extrapolates(tmp_path):
         text=True,
     )
     assert again.returncode == 0 and "| 70B | forward |" in (tmp_path / "again" / "scale-cpu-dry-run.md").read_text()
+
+
+@pytest.mark.slow  # 25 s: three runs of a page, one of them cold
+def test_warm_tests_runs_a_page_three_ways_and_totals_them(tmp_path):
+    import warm_tests
+
+    page = "docs/guides/compare-quantized-checkpoints.md"
+    warm_tests.main(["--pages", page, "--out", str(tmp_path / "w.md")])
+    table = (tmp_path / "w.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith(f"| {page} |"))
+    cold, inprocess, warm = (float(x) for x in row.strip("|").split("|")[1:])
+    assert min(cold, inprocess, warm) > 0
+    assert "| **all pages** |" in table and ("the server pays" in table or "the server does not pay" in table)

@@ -331,11 +331,12 @@ def page_env() -> dict[str, str]:
     return env
 
 
-def run_page(page: Path, tmp: Path, slow: bool = False, warm: Warm | None = None) -> list[Block]:
+def run_page(page: Path, tmp: Path, slow: bool = False, warm: Warm | None = None, prelude: str = "") -> list[Block]:
     """Run ``page``'s blocks in order (``slow``: its slow blocks too) in ``tmp``/work; raise DocTestError where
     the page breaks the convention and DocBlockFailed at the first block that fails. Returns the blocks run.
     ``warm``: its server forks the driver and each ``quantgate`` command (tests/_warm_quantgate.py), which then
-    skip the package's import."""
+    skip the package's import. ``prelude``: source the driver runs first (benchmarks/warm_tests.py's in-process
+    commands)."""
     blocks = parse_page(page.read_text(encoding="utf-8"), relative(page))
     for block in blocks:
         if block.skip or (block.slow and not slow):
@@ -349,7 +350,7 @@ def run_page(page: Path, tmp: Path, slow: bool = False, warm: Warm | None = None
     spec = logs / "spec.json"
     spec.write_text(json.dumps({"blocks": [asdict(b) for b in plan], "logs": str(logs), "work": str(work)}))
     env = page_env()
-    boot = textwrap.dedent(_drive_source()) + "\nimport sys\n_drive(sys.argv[1])\n"
+    boot = prelude + textwrap.dedent(_drive_source()) + "\nimport sys\n_drive(sys.argv[1])\n"
     command = [sys.executable, "-c", boot, str(spec)]
     if warm is not None and warm.env is not None:  # the pages' server: its environment has the client on PATH
         env = {**env, "PATH": warm.env["PATH"]}
