@@ -34,6 +34,7 @@ from quantgate.audit.record import AuditRecord
 from quantgate.audit.search import Search, fresh_copy
 from quantgate.audit.sites import keep_scheme
 from quantgate.certify import certifies
+from quantgate.eval.tasks import TASKS
 from quantgate.stats import format_delta, paired_delta
 from quantgate.study.grid import DataSettings
 
@@ -53,8 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     n = int(record.search_documents.split()[0])
     model = qg.load("smollm2-135m", dtype=torch.bfloat16).eval()
     tok = qg.tokenizer(model)
-    search = Search(model, tok, CALIBRATION, DocSet("text", "search", n), args.within, fresh_copy(model))
-    held = DocSet("text", "held-out", n)
+    passages = TASKS["quantgate_passages"]  # the audit's text sets: passages of the bundled text
+    search = Search(model, tok, CALIBRATION, DocSet(passages, "search", n), args.within, fresh_copy(model))
+    held = DocSet(passages, "held-out", n)
     reference = held.score(copy.deepcopy(model).float(), tok)
     recipes = [("ModelOpt", r["target"], list(r["unquantized"])) for r in opt["recipes"] if r["how"] != "auto_quantize"]
     ours = [c for c in record.candidates if c.base == BASE and c.kept]

@@ -62,7 +62,7 @@ def prepare(work: Path, calib_batches: int) -> None:
     """quantgate's side: the float folder and quantgate's calibration rows (token ids)."""
     import quantgate as qg
     from quantgate.data.batches import batches
-    from quantgate.eval_inputs import CALIB_BATCH_SIZE, CALIB_SEQ_LEN, CALIB_SOURCE
+    from quantgate.eval.load import CALIB_BATCH_SIZE, CALIB_SEQ_LEN, CALIB_SOURCE
     from quantgate.models.sources import tokenizer
 
     _threads()

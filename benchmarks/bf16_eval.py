@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     docs = [c.float_documents[TASK] for c in (f32, b16)]
     base = paired_delta(docs[0], docs[1], METRIC)
     steps = lambda c, name: json.loads((c.directory / f"{name}.json").read_text())["seconds"]
-    n, works = len(docs[0]["ids"]), len(set(docs[0].get("works", [])))
+    n, works = len(docs[0].ids), len(set(docs[0].works or ()))
     lines = [
         f"# bfloat16 against float32: {args.model}, {n} documents of `{TASK}` ({works} works), the main job's "
         "SmolLM2 settings",

@@ -38,12 +38,13 @@ def main(argv: list[str] | None = None) -> None:
         "| docs | works | tokens | word perplexity change [95% CI] | width (pp) | interval | byte perplexity change "
         "[95% CI] |\n|---|---|---|---|---|---|---|"
     )
-    for k in (k for k in PREFIXES if k <= len(runs["float"]["ids"])):
-        first = {name: {c: v[:k] for c, v in docs.items()} for name, docs in runs.items()}
+    for k in (k for k in PREFIXES if k <= len(runs["float"].ids)):
+        first = {name: docs.first(k) for name, docs in runs.items()}
         word, byte = (paired_delta(first["float"], first["quant"], m) for m in ("word_perplexity", "byte_perplexity"))
         width = "-" if word.low is None or word.high is None else f"{100 * (word.high - word.low):.2f}"
+        base = first["float"]
         print(
-            f"| {k} | {len(set(first['float']['works']))} | {sum(first['float']['tokens']):,} | {word} | {width} | "
+            f"| {k} | {len(set(base.works or ()))} | {sum(base.tokens or ()):,} | {word} | {width} | "
             f"{interval_method(word.clusters or 0)} | {byte} |"
         )
 

@@ -49,10 +49,6 @@ def _first(docs: list[Document], words: int) -> int:
     return len(docs)
 
 
-def _subset(scores: dict, n: int) -> dict:
-    return {k: v[:n] for k, v in scores.items()}
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("results/bench/passage_width-smollm2-cpu.md"))
@@ -69,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, docs in sets.items():
             scored = score_text(q, tok, docs[: max(sizes[name])], 512)
             for w, n in zip(WORDS, sizes[name], strict=True):
-                d = paired_delta(_subset(floats[name], n), _subset(scored, n), "perplexity")
+                d = paired_delta(floats[name].first(n), scored.first(n), "perplexity")
                 width = 100 * (d.high - d.low) if d.high is not None and d.low is not None else float("nan")
-                works = len(set(floats[name]["works"][:n]))
+                works = len(set(floats[name].first(n).works or ()))
                 rows.append(
                     f"| `{scheme}` | {name} | {w:,} | {n} ({works} works) | {format_delta(d)} | {width:.2f} pp |"
                 )

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the names as __getattr__ gives them, for type checkers and 
     from .attention import gated_sdpa
     from .audit import Audit, audit
     from .checkpoint import load, save
-    from .evaluate import Evaluation, evaluate
+    from .eval.evaluate import Evaluation, evaluate
     from .models import apply_variant, build, gate_parameters, set_backend, tokenizer, variant_of
     from .observe import ObserveReport, observe
     from .quant import SCHEMES, quant_error, quantization_of, quantize
@@ -53,8 +53,8 @@ _API = {
     "quant_error": ".quant",
     "quantization_of": ".quant",
     "SCHEMES": ".quant",
-    "evaluate": ".evaluate",
-    "Evaluation": ".evaluate",
+    "evaluate": ".eval.evaluate",
+    "Evaluation": ".eval.evaluate",
     "TrainConfig": ".train",
     "train": ".train",
     "run_study": ".study",
@@ -63,7 +63,7 @@ _API = {
 }
 # verbs named as their submodule: importing the submodule must not replace the verb as qg.<name> (the submodule
 # stays importable by name: importlib.import_module("quantgate.observe"))
-_VERBS = frozenset({"observe", "evaluate", "train", "audit"})
+_VERBS = frozenset({"observe", "train", "audit"})
 
 __all__ = [
     "AttentionVariant",

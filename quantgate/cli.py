@@ -20,17 +20,9 @@ from .data import batches
 from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
 from .errors import InputError, MissingFile, QuantgateError
-from .evaluate import (
-    Evaluation,
-    LmEvalOutput,
-    NonFiniteOutputs,
-    check_limit,
-    check_limit_per_process,
-    check_lm_eval_options,
-    evaluate,
-    load_for_eval,
-    require_lm_eval,
-)
+from .eval.checks import NonFiniteOutputs, check_limit, check_limit_per_process, check_lm_eval_options
+from .eval.evaluate import Evaluation, LmEvalOutput, evaluate, require_lm_eval
+from .eval.load import load_for_eval
 from .files import claim_output, os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
 from .models.cost import parameter_count
@@ -318,7 +310,7 @@ def _lm_eval_files(written: LmEvalOutput | None) -> list[str]:
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     require_lm_eval()  # one line naming what to install, before lm-eval's own import errors
-    from .lm_eval_models import main as lm_eval_main  # lm-eval is optional: imported at first use
+    from .eval.lm_eval_models import main as lm_eval_main  # lm-eval is optional: imported at first use
 
     return lm_eval_main(args.args)
 

@@ -171,6 +171,8 @@ def _from_json(tp: Any, value: Any, at: str = "") -> Any:
                 continue
         raise RecordError(at, f"is {value!r}, not {' or '.join(_noun(a) for a in args)}")
     if isinstance(tp, type) and issubclass(tp, JsonRecord):
+        if isinstance(value, tp):  # a record already (a result computed in memory): as it is
+            return value
         try:
             return tp.from_json(value)
         except RecordError as e:

@@ -39,8 +39,8 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict:
 def git_commit(cwd: str | os.PathLike[str] | None = None) -> str | None:
     """``git describe --always`` of the git checkout around ``cwd`` (default: the working directory); None outside
     one or without git, silently: git's "fatal: not a git repository" is captured, not printed. lm-eval records
-    this in its results (its own version of it lets git print that line): :func:`quantgate.evaluate.require_lm_eval`
-    puts this one in its place."""
+    this in its results (its own version of it lets git print that line):
+    :func:`quantgate.eval.evaluate.require_lm_eval` puts this one in its place."""
     try:
         run = subprocess.run(
             ["git", "describe", "--always"], cwd=cwd, capture_output=True, text=True, timeout=30, check=False

@@ -1,11 +1,11 @@
 """Intervals on the change quantization causes: per-document values in, a delta with its 95% interval out.
 
-An evaluation keeps, per task, the values of each document (``qg.evaluate(...).documents[task]``):
-columns of equal length, ``ids`` first, e.g. ``{"ids": [0, 1], "loglikelihood": [-812.5, -95.1],
-"words": [129, 17], "bytes": [783, 96], "tokens": [188, 25], "works": ["Othello", "Jude"],
-"hashes": ["5f1c...", "9a0e..."]}``: ``works`` the source group of each document (documents of one work are
-not independent), ``hashes`` a hash of its text. :data:`METRICS` says how each reported metric is computed
-from them, as lm-eval aggregates it (a ratio of sums over documents), so that
+An evaluation keeps, per task, the values of each document (``qg.evaluate(...).documents[task]``), a
+:class:`TaskDocuments` record: columns of equal length, ``ids`` first, e.g. ids ``[0, 1]``, loglikelihood
+``[-812.5, -95.1]``, words ``[129, 17]``, bytes ``[783, 96]``, tokens ``[188, 25]``, works ``["Othello", "Jude"]``,
+hashes ``["5f1c...", "9a0e..."]``: ``works`` the source group of each document (documents of one work are not
+independent), ``hashes`` a hash of its text. :data:`METRICS` says how each reported metric is computed from them,
+as lm-eval aggregates it (a ratio of sums over documents), so that
 
 * :func:`paired_delta` compares a float and a quantized evaluation of the same documents: the relative
   change of a perplexity (``ppl_q / ppl_f - 1``) or the difference of an accuracy or bits per byte,
@@ -26,14 +26,20 @@ the experiments' headlines).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
 from quantgate.errors import InputError
+from quantgate.json_record import JsonRecord, json_field
 
 __all__ = [
     "METRICS",
+    "TaskDocuments",
+    "Documents",
+    "Columns",
     "Delta",
     "share_removed",
     "aggregate",
@@ -43,8 +49,6 @@ __all__ = [
     "cluster_labels",
     "MIN_CLUSTERS",
     "CLUSTERS",
-    "CLUSTER_COLUMN",
-    "HASH_COLUMN",
     "check_cluster",
     "bound",
     "seed_delta",
@@ -64,8 +68,6 @@ RESAMPLES = 1000
 # clusters below which the interval's measured coverage fell under 0.94 (results/bench/interval_coverage.md)
 MIN_CLUSTERS = 9
 CLUSTERS = ("work", "document")  # the units an interval may resample (a study's report: cluster)
-CLUSTER_COLUMN = "works"  # a document's source group: the unit the interval resamples
-HASH_COLUMN = "hashes"  # a hash of each document's text (or tokens): which document a row is, not only where
 RATIO_SCALE = 10  # a perplexity that grew this many times or more is printed, and differenced, as a ratio
 NOISE_LEGEND = (
     "~ marks a change whose 95% interval includes 0 (within noise); [n/a]: no interval (no per-document "
@@ -109,6 +111,62 @@ METRICS = {
 }
 
 
+@dataclass(frozen=True, kw_only=True)
+class TaskDocuments(JsonRecord):
+    """One task's per-document values: columns of one value per document, in the order of ``ids`` (lm-eval's
+    ``doc_id``, a computed task's sequence number, an audit passage's id). A column the task does not record is None
+    and absent from the JSON (which lists the columns in the fields' order). Which tasks record which:
+
+    * ``loglikelihood`` (summed over the document, nats): the perplexity tasks, cloze, the computed tasks;
+    * ``words``, ``bytes``: the rolling text tasks (lm-eval's word and byte perplexity weights);
+    * ``tokens``: the tokens scored (rolling text tasks, counted with the model's tokenizer; masked tokens of the
+      masked-LM task; predicted tokens of backcopy);
+    * ``loglikelihood_after_first``, ``tokens_after_first``, ``copied``, ``copies``: backcopy without its first
+      prediction, and its greedy hits on and count of the copied tokens;
+    * ``acc``, ``acc_norm`` (1 or 0 per item): the multiple-choice and cloze tasks;
+    * ``works``: each document's work, where the task's documents record one (the bundled text): the cluster an
+      interval resamples;
+    * ``hashes``: a hash of each document's text (or its tokens): which document a row is, not only where."""
+
+    ids: list[int | str]
+    loglikelihood: list[float] | None = json_field(omit_none=True)
+    words: list[int] | None = json_field(omit_none=True)
+    bytes: list[int] | None = json_field(omit_none=True)
+    acc: list[float] | None = json_field(omit_none=True)
+    acc_norm: list[float] | None = json_field(omit_none=True)
+    works: list[str] | None = json_field(omit_none=True)
+    hashes: list[str] | None = json_field(omit_none=True)
+    tokens: list[int] | None = json_field(omit_none=True)
+    loglikelihood_after_first: list[float] | None = json_field(omit_none=True)
+    tokens_after_first: list[int] | None = json_field(omit_none=True)
+    copied: list[int] | None = json_field(omit_none=True)
+    copies: list[int] | None = json_field(omit_none=True)
+
+    @classmethod
+    def read(cls, docs: Columns) -> TaskDocuments:
+        """``docs`` as a record: itself, or the record its JSON object holds (as eval.json keeps a task's)."""
+        return docs if isinstance(docs, TaskDocuments) else cls.from_json(docs)
+
+    def column(self, name: str) -> list | None:
+        """The column a metric names (:class:`Metric`'s ``value`` or ``weight``); None where the task records none."""
+        if name not in _COLUMNS:
+            raise InputError(f"no per-document column {name!r}; known: {', '.join(_COLUMNS)}")
+        return getattr(self, name)
+
+    def first(self, n: int) -> TaskDocuments:
+        """The values of the first ``n`` documents."""
+        return TaskDocuments.from_json({name: column[:n] for name, column in self.to_json().items()})
+
+    def recorded(self) -> list[str]:
+        """The names of the columns recorded, ``ids`` aside, in order."""
+        return [name for name in _COLUMNS[1:] if self.column(name) is not None]
+
+
+_COLUMNS = tuple(f.name for f in fields(TaskDocuments))
+Columns = TaskDocuments | Mapping[str, Any]  # a task's per-document values, as a record or as its JSON object
+Documents = dict[str, TaskDocuments]  # {task: its per-document values}
+
+
 @dataclass(frozen=True)
 class Delta:
     """A change and its interval (low/high None where there is none); ``method`` says how it was found."""
@@ -143,28 +201,28 @@ def _metric(name: str) -> Metric:
     return METRICS[name]
 
 
-def _columns(docs: dict, metric: Metric) -> tuple[np.ndarray, np.ndarray]:
+def _columns(docs: TaskDocuments, metric: Metric) -> tuple[np.ndarray, np.ndarray]:
+    value = docs.column(metric.value)
+    weight = docs.column(metric.weight) if metric.weight is not None else None
     needed = (metric.value,) if metric.optional_weight or metric.weight is None else (metric.value, metric.weight)
-    missing = [c for c in needed if c not in docs]
+    missing = [c for c in needed if docs.column(c) is None]
     if missing:
         raise InputError(
-            f"the per-document values hold no {', '.join(missing)} column (they have "
-            f"{', '.join(k for k in docs if k != 'ids')})"
+            f"the per-document values hold no {', '.join(missing)} column (they have {', '.join(docs.recorded())})"
         )
-    value = np.asarray(docs[metric.value], dtype=np.float64)
-    weight = np.asarray(docs[metric.weight], dtype=np.float64) if metric.weight in docs else np.ones_like(value)
-    return value, weight
+    v = np.asarray(value, dtype=np.float64)
+    return v, np.asarray(weight, dtype=np.float64) if weight is not None else np.ones_like(v)
 
 
 def _transform(kind: str, x):
     return np.exp(-x) if kind == "perplexity" else -x / math.log(2) if kind == "bits" else x
 
 
-def aggregate(docs: dict, metric: str) -> float:
+def aggregate(docs: Columns, metric: str) -> float:
     """``metric`` over the documents, as lm-eval aggregates it (e.g. word_perplexity =
     exp(-sum loglikelihood / sum words))."""
     m = _metric(metric)
-    value, weight = _columns(docs, m)
+    value, weight = _columns(TaskDocuments.read(docs), m)
     return float(_transform(m.kind, value.sum() / weight.sum()))
 
 
@@ -181,8 +239,8 @@ def _change(kind: str, vf, wf, vq, wq, *, axis=-1):
 
 
 def paired_delta(
-    float_docs: dict,
-    quant_docs: dict,
+    float_docs: Columns,
+    quant_docs: Columns,
     metric: str,
     *,
     resamples: int = RESAMPLES,
@@ -193,6 +251,7 @@ def paired_delta(
     """The change of ``metric`` from the float to the quantized evaluation of the same documents
     (relative for a perplexity, a difference otherwise) with a paired interval that resamples ``cluster``:
     ``work`` (the documents' works, where they record them; else each document) or ``document``."""
+    float_docs, quant_docs = TaskDocuments.read(float_docs), TaskDocuments.read(quant_docs)
     _same_documents(float_docs, quant_docs, "the float and quantized evaluations")
     m = _metric(metric)
     data = (*_columns(float_docs, m), *_columns(quant_docs, m))
@@ -205,8 +264,8 @@ def paired_delta(
 
 
 def paired_difference(
-    base: tuple[dict, dict],
-    other: tuple[dict, dict],
+    base: tuple[Columns, Columns],
+    other: tuple[Columns, Columns],
     metric: str,
     *,
     resamples: int = RESAMPLES,
@@ -222,11 +281,12 @@ def paired_difference(
     against 1.04e+06x is "-4.9e9 pp"): the difference is then the ratio of the two perplexity ratios, minus 1
     (``kind`` "ratio", printed ``0.021x [...]``; its jackknife interval on the log). Negative: ``other`` (say
     the gated twin) loses less."""
-    for docs in (base[1], *other):
-        _same_documents(base[0], docs, "the four evaluations of a paired difference")
+    reference, *others = (TaskDocuments.read(docs) for docs in (*base, *other))
+    for docs in others:
+        _same_documents(reference, docs, "the four evaluations of a paired difference")
     m = _metric(metric)
-    data = tuple(col for docs in (*base, *other) for col in _columns(docs, m))
-    clusters = cluster_labels(base[0], cluster)
+    data = tuple(col for docs in (reference, *others) for col in _columns(docs, m))
+    clusters = cluster_labels(reference, cluster)
     if m.kind == "perplexity" and max(_log_ratio(*data[:4]), _log_ratio(*data[4:])) >= math.log(RATIO_SCALE):
 
         def ratio(*c, axis=-1):
@@ -248,11 +308,12 @@ def interval_method(clusters: int) -> str:
     return "none" if clusters < 2 else "approximate" if clusters < MIN_CLUSTERS else "cluster"
 
 
-def cluster_labels(docs: dict, cluster: str = "work") -> list | None:
+def cluster_labels(docs: Columns, cluster: str = "work") -> list | None:
     """The cluster of each document: its work (the ``works`` column) for ``cluster`` "work"; None (each document
     its own) for "document" or where the documents record no work."""
     check_cluster(cluster)
-    return list(docs[CLUSTER_COLUMN]) if cluster == "work" and CLUSTER_COLUMN in docs else None
+    works = TaskDocuments.read(docs).works
+    return list(works) if cluster == "work" and works is not None else None
 
 
 def check_cluster(cluster: str) -> None:
@@ -348,11 +409,11 @@ def _interval(
     return Delta(value, float(back(low)), float(back(high)), kind, n, how, clusters=g, approximate=approximate)
 
 
-def _same_documents(reference: dict, docs: dict, what: str) -> None:
-    if list(reference["ids"]) != list(docs["ids"]):
+def _same_documents(reference: TaskDocuments, docs: TaskDocuments, what: str) -> None:
+    if list(reference.ids) != list(docs.ids):
         raise InputError(
-            f"{what} cover different documents ({len(reference['ids'])} vs {len(docs['ids'])} ids, first "
-            f"difference at {_first_difference(reference['ids'], docs['ids'])}): evaluate them on the same "
+            f"{what} cover different documents ({len(reference.ids)} vs {len(docs.ids)} ids, first "
+            f"difference at {_first_difference(reference.ids, docs.ids)}): evaluate them on the same "
             f"tasks with the same limit"
         )
 
@@ -393,8 +454,8 @@ def change(
     metric: str,
     float_value: float | None,
     quant_value: float | None,
-    float_docs: dict | None = None,
-    quant_docs: dict | None = None,
+    float_docs: Columns | None = None,
+    quant_docs: Columns | None = None,
     cluster: str = "work",
 ) -> Delta | None:
     """The change of ``metric``: with its paired interval where both evaluations kept per-document

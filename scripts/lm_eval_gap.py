@@ -55,7 +55,8 @@ import torch
 import torch.nn as nn
 
 import quantgate as qg
-from quantgate.evaluate import _wrap, context_length, task_manager
+from quantgate.eval.evaluate import _wrap, task_manager
+from quantgate.eval.load import context_length
 from quantgate.stats import Delta, paired_delta
 
 TASK = "quantgate_cloze"

@@ -85,7 +85,7 @@ def serve(address: str) -> None:
     import quantgate.cli  # the import every child shares
 
     with contextlib.suppress(ImportError):  # lm-eval (optional), which the evaluations import; it sets an env var
-        import quantgate.lm_eval_models  # noqa: F401
+        import quantgate.eval.lm_eval_models  # noqa: F401
 
     gc.freeze()  # the children's collections leave the inherited objects alone (and their pages shared)
     base = comparable(before)  # what a request's environment must be

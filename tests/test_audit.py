@@ -242,11 +242,11 @@ def test_the_documents_fit_the_budget_by_the_measured_speed():
     two bisections, the gradient ranking on 2,048 tokens at 4 passes, certificate): 21 fit 10 minutes (85% of it),
     9 (the fewest, one per work) fit 265 s, and 250 s is refused, naming a budget that fits."""
     speed = Speed(1e-3, 3e-3)
-    assert size("text", speed, 340, 8, 600, 0) == 21
-    assert size("text", speed, 340, 8, 600, 0, units=12) == 12
-    assert size("text", speed, 340, 8, 265, 0) == 9
+    assert size("documents", speed, 340, 8, 600, 0) == 21
+    assert size("documents", speed, 340, 8, 600, 0, units=12) == 12
+    assert size("documents", speed, 340, 8, 265, 0) == 9
     with pytest.raises(AuditError, match="give --budget") as e:
-        size("text", speed, 340, 8, 250, 0)
+        size("documents", speed, 340, 8, 250, 0)
     assert parse_budget(str(e.value).split("give --budget ")[1].split()[0]) >= 265
 
 

@@ -8,7 +8,8 @@ import torch
 
 import quantgate as qg
 from quantgate.data.synthetic import BackcopyBatches, task_options
-from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED, evaluate
+from quantgate.eval.computed import BACKCOPY_HELD_OUT_SEED
+from quantgate.eval.evaluate import evaluate
 from quantgate.models.families import config_of
 from quantgate.train import TrainConfig, train
 
@@ -79,14 +80,12 @@ def test_a_trained_model_is_scored_on_its_own_task(tmp_path):
     with torch.no_grad():
         logp = again(input_ids=ids).logits[:, :-1].log_softmax(-1)
     by_hand = logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1)
-    assert docs["loglikelihood"] == pytest.approx(by_hand.tolist(), rel=1e-5)
+    assert docs.loglikelihood == pytest.approx(by_hand.tolist(), rel=1e-5)
     del config_of(again).quantgate["task"]  # a model with no recorded task is scored on the default one
     plain = evaluate(again, None, ["quantgate_backcopy"], limit=1).documents["quantgate_backcopy"]
     ids = next(iter(qg.data.batches(TOK, "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))["input_ids"]
     with torch.no_grad():
         logp = again(input_ids=ids).logits[:, :-1].log_softmax(-1)
-    assert plain["loglikelihood"] == pytest.approx(
-        logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1).tolist(), rel=1e-5
-    )
+    assert plain.loglikelihood == pytest.approx(logp.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(1).tolist(), rel=1e-5)
     # it has learnt BOS's successors, so its own task scores better (by more than the tolerance above)
-    assert sum(docs["loglikelihood"]) > sum(plain["loglikelihood"]) * (1 - 1e-3)
+    assert sum(docs.loglikelihood or ()) > sum(plain.loglikelihood or ()) * (1 - 1e-3)

@@ -10,7 +10,7 @@ import torch
 
 import quantgate as qg
 from quantgate.cli import main
-from quantgate.evaluate import evaluate
+from quantgate.eval.evaluate import evaluate
 from quantgate.models import build
 from quantgate.models.io import Placement, offloaded
 from quantgate.models.sources import tokenizer

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import quantgate as qg
-from quantgate.evaluate import Evaluation, LmEvalOutput
+from quantgate.eval.evaluate import Evaluation, LmEvalOutput
 from quantgate.models.record import (
     CalibrationRecord,
     MitigationRecord,

@@ -12,7 +12,8 @@ import torch
 import quantgate as qg
 from quantgate.data import corpus
 from quantgate.data.corpus import Document, OfflineError, document_keys
-from quantgate.evaluate import evaluate, mlm_perplexity
+from quantgate.eval.computed import mlm_perplexity
+from quantgate.eval.evaluate import evaluate
 from quantgate.stats import aggregate
 
 
@@ -43,37 +44,38 @@ def test_per_document_values_recompute_lm_evals_metrics(tiny):
     out = evaluate(tiny, tok, ["quantgate_ppl", "quantgate_cloze", "quantgate_nextsent"], limit=3)
     for task, metrics in out.results.items():
         columns = out.documents[task]
-        assert columns["ids"] == [0, 1, 2]
+        assert columns.ids == [0, 1, 2]
         for metric, value in metrics.items():
             if metric != "sample_len":
                 assert aggregate(columns, metric) == pytest.approx(value, rel=1e-12), (task, metric)
     ppl = out.documents["quantgate_ppl"]
-    assert set(ppl) == {"ids", "loglikelihood", "words", "bytes", "tokens", "works", "hashes"}
+    assert list(ppl.to_json()) == ["ids", "loglikelihood", "words", "bytes", "works", "hashes", "tokens"]  # eval.json
     first_of_each: dict[str, Document] = {}  # the task takes the test split's documents in turn from each work
     for d in corpus("test"):
         first_of_each.setdefault(d.work, d)
     docs = list(first_of_each.values())[:3]
-    assert ppl["works"] == [d.work for d in docs] and len(set(ppl["works"])) == 3
-    assert ppl["hashes"] == [hashlib.sha256(d.text.encode("utf-8")).hexdigest()[:16] for d in docs]
-    assert document_keys([0, 1, 2], ppl["words"]) == {"works": ppl["works"], "hashes": ppl["hashes"]}
-    assert document_keys([0, 1, 2], [w + 1 for w in ppl["words"]]) is None  # another order: nothing guessed
-    assert ppl["bytes"] == [len(d.text.encode("utf-8")) for d in docs]
-    assert ppl["tokens"] == [tok(d.text, return_tensors="pt").input_ids.shape[1] - 1 for d in docs]
-    assert set(out.documents["quantgate_nextsent"]) == {"ids", "acc", "acc_norm", "hashes"}
-    assert set(out.documents["quantgate_cloze"]) == {"ids", "loglikelihood", "acc", "hashes"}
-    assert len(set(out.documents["quantgate_cloze"]["hashes"])) == 3  # three different documents
+    assert ppl.works == [d.work for d in docs] and len(set(ppl.works)) == 3
+    assert ppl.hashes == [hashlib.sha256(d.text.encode("utf-8")).hexdigest()[:16] for d in docs]
+    assert ppl.words is not None and document_keys([0, 1, 2], ppl.words) == (ppl.works, ppl.hashes)
+    assert document_keys([0, 1, 2], [w + 1 for w in ppl.words]) is None  # another order: nothing guessed
+    assert ppl.bytes == [len(d.text.encode("utf-8")) for d in docs]
+    assert ppl.tokens == [tok(d.text, return_tensors="pt").input_ids.shape[1] - 1 for d in docs]
+    assert out.documents["quantgate_nextsent"].recorded() == ["acc", "acc_norm", "hashes"]
+    assert out.documents["quantgate_cloze"].recorded() == ["loglikelihood", "acc", "hashes"]
+    assert len(set(out.documents["quantgate_cloze"].hashes or ())) == 3  # three different documents
 
 
 def test_computed_tasks_keep_per_sequence_values():
-    from quantgate.evaluate import backcopy_metrics
+    from quantgate.eval.computed import backcopy_metrics
 
     bert = qg.build("tiny-bert", seed=0).eval()
     out = evaluate(bert, None, ["quantgate_mlm_ppl"], limit=1)
     docs = out.documents["quantgate_mlm_ppl"]
-    assert len(docs["ids"]) == 16 and all(n > 0 for n in docs["tokens"])  # one batch of 16 sequences
-    assert len(docs["hashes"]) == 16
+    assert docs.tokens is not None and docs.hashes is not None and docs.loglikelihood is not None
+    assert len(docs.ids) == 16 and all(n > 0 for n in docs.tokens)  # one batch of 16 sequences
+    assert len(docs.hashes) == 16 and docs.recorded() == ["loglikelihood", "hashes", "tokens"]
     assert out.results["quantgate_mlm_ppl"]["perplexity"] == pytest.approx(
-        math.exp(-sum(docs["loglikelihood"]) / sum(docs["tokens"])), rel=1e-12
+        math.exp(-sum(docs.loglikelihood) / sum(docs.tokens)), rel=1e-12
     )
     assert mlm_perplexity(bert, qg.tokenizer(bert), limit=1) == pytest.approx(
         out.results["quantgate_mlm_ppl"]["perplexity"], rel=1e-6
@@ -81,32 +83,28 @@ def test_computed_tasks_keep_per_sequence_values():
     llama = qg.build("tiny-llama", seed=0).eval()
     out = evaluate(llama, None, ["quantgate_backcopy"], limit=1)
     docs = out.documents["quantgate_backcopy"]
-    assert (
-        set(docs)
-        == {
-            "ids",
-            "loglikelihood",
-            "tokens",
-            "loglikelihood_after_first",
-            "tokens_after_first",
-            "copied",
-            "copies",
-            "hashes",
-        }
-        and len(docs["ids"]) == 16
-        and len(set(docs["hashes"])) == 16  # each sequence named by its tokens
-    )
-    assert out.results["quantgate_backcopy"]["copy_acc"] == sum(docs["copied"]) / sum(docs["copies"])
+    assert docs.recorded() == [
+        "loglikelihood",
+        "hashes",
+        "tokens",
+        "loglikelihood_after_first",
+        "tokens_after_first",
+        "copied",
+        "copies",
+    ]
+    assert docs.hashes is not None and len(docs.ids) == 16 and len(set(docs.hashes)) == 16  # named by its tokens
+    assert docs.copied is not None and docs.copies is not None
+    assert out.results["quantgate_backcopy"]["copy_acc"] == sum(docs.copied) / sum(docs.copies)
     # without the first prediction, by hand: each sequence's own loss over targets 2..L-1
-    from quantgate.evaluate import BACKCOPY_HELD_OUT_SEED
+    from quantgate.eval.computed import BACKCOPY_HELD_OUT_SEED
 
     batch = next(iter(qg.data.batches(qg.tokenizer(llama), "backcopy", 128, 16, seed=BACKCOPY_HELD_OUT_SEED)))
     ids = batch["input_ids"]
     with torch.no_grad():
         logits = llama(input_ids=ids).logits.float()
     nll = torch.nn.functional.cross_entropy(logits[:, 1:-1].transpose(1, 2), ids[:, 2:], reduction="none").sum(1)
-    assert docs["loglikelihood_after_first"] == pytest.approx((-nll).tolist(), rel=1e-5)
-    assert docs["tokens_after_first"] == [126] * 16
+    assert docs.loglikelihood_after_first == pytest.approx((-nll).tolist(), rel=1e-5)
+    assert docs.tokens_after_first == [126] * 16
     assert out.results["quantgate_backcopy"]["perplexity_after_first"] == pytest.approx(
         math.exp(float(nll.sum()) / (126 * 16)), rel=1e-6
     )
@@ -115,7 +113,7 @@ def test_computed_tasks_keep_per_sequence_values():
 
 def test_cloze_and_nextsent_against_direct_scores(tiny):
     tok = qg.tokenizer(tiny)
-    from quantgate.evaluate import TASK_DIR
+    from quantgate.eval.tasks import TASK_DIR
 
     with open(TASK_DIR / "data" / "quantgate_nextsent.jsonl") as f:
         items = [json.loads(line) for line in f][:4]
@@ -149,7 +147,7 @@ def test_quantized_models_evaluate_through_the_same_call(tiny):
 
 def _rank_real_over_shuffled(model, tok, n_docs: int = 40) -> float:
     """Share of held-out 12-word openings whose pseudo-log-likelihood beats a word shuffle of them."""
-    from quantgate.evaluate import PseudoLogLikelihoodLM
+    from quantgate.eval.lm_eval_models import PseudoLogLikelihoodLM
 
     lm = PseudoLogLikelihoodLM(model, tok, batch_size=64, max_length=128)
     rng = torch.Generator().manual_seed(1)
@@ -210,7 +208,8 @@ def test_the_passages_task_reads_passages_in_turn_from_every_work(tiny):
     r = evaluate(tiny, qg.tokenizer(tiny), ["quantgate_passages"], limit=9, max_length=64)
     d = r.documents["quantgate_passages"]
     first = passages("test")[:9]
-    assert d["hashes"] == [text_hash(p.text) for p in first] and len(set(d["works"])) == 9
-    assert d["words"] == [len(p.text.split()) for p in first] and max(d["words"]) <= 256
-    ppl = math.exp(-sum(d["loglikelihood"]) / sum(d["words"]))
+    assert d.words is not None and d.works is not None and d.loglikelihood is not None
+    assert d.hashes == [text_hash(p.text) for p in first] and len(set(d.works)) == 9
+    assert d.words == [len(p.text.split()) for p in first] and max(d.words) <= 256
+    ppl = math.exp(-sum(d.loglikelihood) / sum(d.words))
     assert r.results["quantgate_passages"]["word_perplexity"] == pytest.approx(ppl, rel=1e-9)

@@ -90,22 +90,21 @@ import torch
 from quantgate.data import batches
 from quantgate.eval.tasks import TASKS, Task
 from quantgate.models.sources import tokenizer as get_tokenizer
-from quantgate.stats import aggregate
+from quantgate.stats import TaskDocuments, aggregate
 
 
 @torch.no_grad()
 def documents(model, tokenizer, limit):
     tokenizer = tokenizer or get_tokenizer(model)
     data = batches(tokenizer, "validation", 32, 2, "clm", max_batches=int(limit or 2))
-    docs = {"ids": [], "loglikelihood": [], "tokens": []}
+    loglikelihood, tokens = [], []
     for batch in data:
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits.float()[:, :-1]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        docs["loglikelihood"] += (-nll.sum(1)).tolist()
-        docs["tokens"] += [ids.shape[1] - 1] * len(ids)
-    docs["ids"] = list(range(len(docs["tokens"])))
-    return docs
+        loglikelihood += (-nll.sum(1)).tolist()
+        tokens += [ids.shape[1] - 1] * len(ids)
+    return TaskDocuments(ids=list(range(len(tokens))), loglikelihood=loglikelihood, tokens=tokens)
 
 
 TASKS.add("toy_nll", Task(
@@ -227,7 +226,7 @@ def test_an_evaluation_task_is_one_module(extension, tmp_path, capsys):
     metrics = qg.study.read_metrics(tmp_path / "run")
     (cell,) = metrics.cells
     ppl = cell.float_results["toy_nll"]["perplexity"]
-    assert ppl > 1 and len(cell.float_documents["toy_nll"]["ids"]) == 4  # 2 batches of 2 sequences
+    assert ppl > 1 and len(cell.float_documents["toy_nll"].ids) == 4  # 2 batches of 2 sequences
     assert fmt(ppl) in (tmp_path / "run" / "report.md").read_text()  # the cell's headline perplexity, in its table
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "run")]) == 0

@@ -177,7 +177,8 @@ def test_direct_perplexity_is_quantgate_ppl():
     model = qg.build("tiny-llama", "g1-elementwise", seed=0)
     tok = qg.tokenizer(model)
     mine = gt.ppl_documents(model, tok, gt.held_out_documents(qg, 1), 32, 4)  # 177 tokens: 6 windows
-    ref = qg.evaluate(model, tok, ["quantgate_ppl"], limit=1, batch_size=16, max_length=32).documents["quantgate_ppl"]
+    evaluated = qg.evaluate(model, tok, ["quantgate_ppl"], limit=1, batch_size=16, max_length=32)
+    ref = evaluated.documents["quantgate_ppl"].to_json()  # as eval.json holds it
     for column in ("ids", "tokens", "words", "bytes", "works"):
         assert mine[column] == ref[column], column
     assert mine["loglikelihood"] == pytest.approx(ref["loglikelihood"], rel=1e-5)

@@ -116,12 +116,13 @@ QG_NAMES = textwrap.dedent("""
     import importlib
     import types
     import quantgate as qg
-    import quantgate.observe, quantgate.train, quantgate.evaluate, quantgate.audit  # the submodules first
+    import quantgate.observe, quantgate.train, quantgate.eval.evaluate, quantgate.audit  # the submodules first
     assert set(qg.__all__) <= set(dir(qg))
     for name in qg.__all__:
         assert getattr(qg, name) is not None, name
     for verb in ("observe", "train", "evaluate", "audit"):  # still the verbs, not their submodules
         assert callable(getattr(qg, verb)) and not isinstance(getattr(qg, verb), types.ModuleType), verb
+    for verb in ("observe", "train", "audit"):  # a verb's submodule named as it
         assert isinstance(importlib.import_module(f"quantgate.{verb}"), types.ModuleType)
     assert qg.quant.SCHEMES is qg.SCHEMES and isinstance(qg.models, types.ModuleType)
     from quantgate import build, data, load, save  # noqa: F401

@@ -12,7 +12,7 @@ import quantgate as qg
 from quantgate.cli import main
 from quantgate.data import batches, corpus
 from quantgate.data.corpus import OfflineError, hub_reachable
-from quantgate.evaluate import check_limit
+from quantgate.eval.checks import check_limit
 from quantgate.models.families import config_of
 from quantgate.models.presets import preset_config
 from quantgate.runlock import RunDirectoryBusy, run_lock

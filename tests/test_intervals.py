@@ -254,11 +254,11 @@ def test_the_main_jobs_smollm2_numbers_rest_on_253_passages_from_9_works_resampl
     smol = next(c for c in metrics.cells if c.model == "smollm2-135m")
     docs = smol.float_documents["quantgate_passages"]
     texts = passages("test")
-    assert len(docs["ids"]) == 253 and len(set(docs["works"])) == 9
-    assert docs["hashes"] == [text_hash(texts[int(i)].text) for i in docs["ids"]]
-    assert docs["works"] == [texts[int(i)].work for i in docs["ids"]]
+    assert docs.works is not None and len(docs.ids) == 253 and len(set(docs.works)) == 9
+    assert docs.hashes == [text_hash(texts[int(i)].text) for i in docs.ids]
+    assert docs.works == [texts[int(i)].work for i in docs.ids]
     for scheme, record in smol.schemes.items():
-        assert record.documents["quantgate_passages"]["hashes"] == docs["hashes"], scheme
+        assert record.documents["quantgate_passages"].hashes == docs.hashes, scheme
         change = ppl_change(smol, scheme)
         assert change is not None and "over 253 documents in 9 works" in change.method and change.clusters == 9
 

@@ -172,7 +172,7 @@ def test_bad_eval_options_are_one_line_errors(argv, fragment, tmp_path, capsys):
 
 
 def test_evaluate_refuses_bad_lm_eval_options():
-    from quantgate.evaluate import check_lm_eval_options
+    from quantgate.eval.checks import check_lm_eval_options
 
     for kwargs, fragment in (
         ({"num_fewshot": 1.5}, "whole number >= 0, got 1.5"),
@@ -189,7 +189,7 @@ def test_lm_eval_models_are_registered_and_load_like_quantgate_eval():
     loading and quantizing as quantgate eval does, and refuses what does not fit in one line."""
     from lm_eval.api.registry import get_model
 
-    from quantgate.lm_eval_models import PseudoLogLikelihoodLM, QuantgateLM
+    from quantgate.eval.lm_eval_models import PseudoLogLikelihoodLM, QuantgateLM
 
     assert get_model("quantgate") is QuantgateLM and get_model("quantgate-mlm") is PseudoLogLikelihoodLM
     assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models still there
@@ -221,8 +221,8 @@ def test_lm_eval_models_are_registered_and_load_like_quantgate_eval():
 
 
 def test_lm_eval_arguments_pass_through_with_quantgates_task_folder(capsys):
-    from quantgate.evaluate import TASK_DIR
-    from quantgate.lm_eval_models import with_task_folder
+    from quantgate.eval.lm_eval_models import with_task_folder
+    from quantgate.eval.tasks import TASK_DIR
 
     run = ["--model", "quantgate", "--tasks", "quantgate_ppl"]
     assert with_task_folder(run) == [*run, "--include_path", str(TASK_DIR)]

@@ -299,7 +299,7 @@ def test_the_cli_refuses_to_requantize_a_quantized_directory(command, quantized_
 
 
 def test_eval_names_the_scheme_option_it_refuses(quantized_dir):
-    from quantgate.evaluate import load_for_eval
+    from quantgate.eval.load import load_for_eval
 
     with pytest.raises(
         ValueError,
@@ -322,7 +322,7 @@ def _nan_model():
 @pytest.mark.parametrize("task", ["quantgate_ppl", "quantgate_nextsent", "quantgate_cloze", "quantgate_backcopy"])
 def test_evaluate_refuses_non_finite_outputs_naming_task_and_document(task):
     """quantgate_nextsent scored NaN log-likelihoods as accuracy 0 and quantgate_ppl printed nothing."""
-    from quantgate.evaluate import NonFiniteOutputs
+    from quantgate.eval.checks import NonFiniteOutputs
 
     with pytest.raises(NonFiniteOutputs) as err:
         qg.evaluate(_nan_model(), tasks=[task], limit=2, batch_size=2)
@@ -347,7 +347,7 @@ def _nan_after_the_first_task(monkeypatch, evaluate):
 
 
 def test_what_was_scored_before_the_non_finite_task_is_kept(monkeypatch):
-    evaluate = importlib.import_module("quantgate.evaluate")  # qg.evaluate is the function
+    evaluate = importlib.import_module("quantgate.eval.evaluate")
 
     model = _nan_after_the_first_task(monkeypatch, evaluate)
     with pytest.raises(evaluate.NonFiniteOutputs) as err:
@@ -373,7 +373,7 @@ def test_cli_eval_keeps_the_tasks_finished_before_a_non_finite_one(monkeypatch, 
     """quantgate eval --out: the tasks scored before the NaN one are written to eval.partial.json and named."""
     import quantgate.cli as cli
 
-    model = _nan_after_the_first_task(monkeypatch, importlib.import_module("quantgate.evaluate"))
+    model = _nan_after_the_first_task(monkeypatch, importlib.import_module("quantgate.eval.evaluate"))
     monkeypatch.setattr(cli, "load_for_eval", lambda *a, **k: model)
     argv = ["eval", "tiny-llama", "--tasks", "quantgate_nextsent,quantgate_backcopy", "--limit", "2"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 2
@@ -386,7 +386,7 @@ def test_cli_eval_keeps_the_tasks_finished_before_a_non_finite_one(monkeypatch, 
 @pytest.mark.parametrize("task", ["quantgate_ppl", "quantgate_nextsent"])
 def test_lm_evals_own_cli_refuses_a_nan_model_and_writes_nothing(task, monkeypatch, capsys, tmp_path):
     """`quantgate lm-eval` (lm-eval's command line): lm-eval itself writes NaN metrics and exits 0."""
-    lm_eval_models = importlib.import_module("quantgate.lm_eval_models")
+    lm_eval_models = importlib.import_module("quantgate.eval.lm_eval_models")
 
     monkeypatch.setattr(lm_eval_models, "_load", lambda *a, **k: _nan_model())
     # lm-eval's log handlers can outlive an earlier test's captured stream: not this command's output
@@ -413,8 +413,8 @@ def test_lm_evals_own_cli_refuses_a_nan_model_and_writes_nothing(task, monkeypat
 
 
 def test_the_pll_model_refuses_a_nan_score_too():
-    from quantgate.evaluate import NonFiniteOutputs
-    from quantgate.lm_eval_models import PseudoLogLikelihoodLM
+    from quantgate.eval.checks import NonFiniteOutputs
+    from quantgate.eval.lm_eval_models import PseudoLogLikelihoodLM
 
     model = cast(BertForMaskedLM, qg.build("tiny-bert", seed=0).eval())
     model.get_output_embeddings().register_forward_hook(lambda m, args, out: out * float("nan"))

@@ -20,19 +20,23 @@ import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
 from ..data.corpus import Document, passages, text_hash
-from ..evaluate import BACKCOPY_HELD_OUT_SEED, backcopy_documents, mlm_documents
+from ..eval.computed import BACKCOPY_HELD_OUT_SEED, backcopy_documents, mlm_documents
+from ..eval.tasks import Task
 from ..models.modes import eval_mode
-from ..stats import CLUSTER_COLUMN, HASH_COLUMN
+from ..stats import TaskDocuments
 
-__all__ = ["DocSet", "score_text", "KINDS"]
+__all__ = ["DocSet", "score_text", "MOST", "MIN_UNITS"]
 
-KINDS = ("text", "backcopy", "mlm")  # what a model reads: passages, backcopy sequences, masked-token batches
 SPLITS = {"search": ("test", BACKCOPY_HELD_OUT_SEED), "held-out": ("validation", BACKCOPY_HELD_OUT_SEED + 1)}
-MOST = {"text": 270, "backcopy": 8, "mlm": 8}  # the most units a set reads: passages, or batches of 16 sequences
+# by the unit of the task read (its row's): the most a set reads (passages, or batches of 16 sequences), and the fewest
+# that give a verdict (one passage of each of 9 works)
+MOST = {"documents": 270, "sequences": 8}
+MIN_UNITS = {"documents": 9, "sequences": 1}
+SEQUENCES = 16, 128  # a batch of a computed task: sequences, tokens each
 
 
 @torch.no_grad()
-def score_text(model: nn.Module, tok: PreTrainedTokenizerBase, docs: list[Document], max_length: int) -> dict:
+def score_text(model: nn.Module, tok: PreTrainedTokenizerBase, docs: list[Document], max_length: int) -> TaskDocuments:
     """Per document: its summed log-likelihood (nats, float64) and the tokens predicted, read as lm-eval's rolling
     windows read it: disjoint windows of ``max_length`` tokens, the first after the prefix token (BOS, else EOS),
     each later one after the last token of the one before (a passage of the audit's sets is one window); its work
@@ -50,58 +54,60 @@ def score_text(model: nn.Module, tok: PreTrainedTokenizerBase, docs: list[Docume
                 total += float(logp.gather(-1, x[0, 1:, None])[:, 0].double().sum())
             loglik.append(total)
             tokens.append(len(ids) - 1)
-    return {
-        "ids": [d.id for d in docs],
-        "loglikelihood": loglik,
-        "tokens": tokens,
-        CLUSTER_COLUMN: [d.work for d in docs],
-        HASH_COLUMN: [text_hash(d.text) for d in docs],
-    }
+    return TaskDocuments(
+        ids=[d.id for d in docs],
+        loglikelihood=loglik,
+        tokens=tokens,
+        works=[d.work for d in docs],
+        hashes=[text_hash(d.text) for d in docs],
+    )
 
 
 @dataclass(frozen=True)
 class DocSet:
-    """One of an audit's two document sets (module docstring): ``kind`` (:data:`KINDS`), ``role`` ("search" or
-    "held-out"), ``n`` units (passages, or batches of 16 sequences) and the longest window (tokens)."""
+    """One of an audit's two document sets (module docstring): the evaluation ``task`` whose documents it reads (its
+    row in :data:`~quantgate.eval.tasks.TASKS`: passages of text where it reads whole documents in a window, else
+    sequences of its own scorer), ``role`` ("search" or "held-out"), ``n`` units (passages, or batches of 16
+    sequences) and the longest window (tokens)."""
 
-    kind: str
+    task: Task
     role: str
     n: int
     max_length: int = 512
 
     @cached_property
     def texts(self) -> list[Document]:
-        return passages(SPLITS[self.role][0])[: self.n] if self.kind == "text" else []
+        return passages(SPLITS[self.role][0])[: self.n] if self.task.rolling else []
 
     @property
     def metric(self) -> str:
-        """The perplexity read from the scores (per token)."""
+        """The perplexity read from the scores: per token, for text too (the audit's scorer counts no words)."""
         return "perplexity"
 
     @property
     def cluster(self) -> str:
-        """The unit an interval resamples: the work of a passage, each sequence of the synthetic tasks."""
-        return "work" if self.kind == "text" else "document"
+        """The unit an interval resamples: the work of a document, each sequence of the synthetic tasks."""
+        return "work" if self.task.unit == "documents" else "document"
 
     def describe(self) -> str:
         """The set in words: ``36 passages of 9 works (the bundled test split)``."""
-        if self.kind == "text":
+        if self.task.rolling:
             works = len({d.work for d in self.texts})
             return f"{len(self.texts)} passages of {works} works (the bundled {SPLITS[self.role][0]} split)"
-        what = "backcopy sequences" if self.kind == "backcopy" else "masked-token sequences"
-        return f"{16 * self.n} {what} ({self.n} batch{'es' if self.n != 1 else ''} of 16)"
+        what = "masked-token sequences" if self.task.objective == "mlm" else "backcopy sequences"
+        return f"{SEQUENCES[0] * self.n} {what} ({self.n} batch{'es' if self.n != 1 else ''} of {SEQUENCES[0]})"
 
     def tokens(self, tok: PreTrainedTokenizerBase) -> int:
         """Tokens one scoring reads (for the budget)."""
-        if self.kind != "text":
-            return 16 * 128 * self.n
+        if not self.task.rolling:
+            return SEQUENCES[0] * SEQUENCES[1] * self.n
         return sum(len(tok(d.text, add_special_tokens=False)["input_ids"]) + 1 for d in self.texts)
 
-    def score(self, model: nn.Module, tok: PreTrainedTokenizerBase) -> dict:
+    def score(self, model: nn.Module, tok: PreTrainedTokenizerBase) -> TaskDocuments:
         """Per-document scores of ``model`` on this set (:func:`score_text`, or the synthetic tasks' scorers)."""
-        if self.kind == "text":
+        if self.task.rolling:
             return score_text(model, tok, self.texts, self.max_length)
-        if self.kind == "backcopy":
-            return backcopy_documents(model, tok, limit=self.n, seed=SPLITS[self.role][1])
-        split = SPLITS[self.role][0]
-        return mlm_documents(model, tok, split=split, limit=self.n, seed=0 if self.role == "search" else 1)
+        split, seed = SPLITS[self.role]
+        if self.task.objective == "mlm":
+            return mlm_documents(model, tok, split=split, limit=self.n, seed=0 if self.role == "search" else 1)
+        return backcopy_documents(model, tok, limit=self.n, seed=seed)

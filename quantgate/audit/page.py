@@ -7,11 +7,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..certify import Test, certifies
-from ..data.synthetic import is_backcopy
 from ..stats import Delta, format_delta
 from .plan import duration
 from .record import AuditRecord
-from .search import LADDER, REFERENCE, WORK, Candidate, Found, serves
+from .search import LADDER, REFERENCE, Candidate, Found, Work, serves
 from .target import Target
 
 if TYPE_CHECKING:
@@ -20,8 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["text", "LOADERS"]
 
 LOADERS = {"clm": "AutoModelForCausalLM", "mlm": "AutoModelForMaskedLM"}
-WORDS = {0: "static ranges: nothing read at run time", 1: "every token's range read at run time",
-         2: "per-token ranges and online Hadamard transforms"}  # fmt: skip
+WORDS = {Work.STATIC: "static ranges: nothing read at run time", Work.TOKEN: "every token's range read at run time",
+         Work.ROTATION: "per-token ranges and online Hadamard transforms"}  # fmt: skip
 
 
 def _cost(c: Candidate) -> str:
@@ -35,13 +34,6 @@ def percent(fraction: float) -> str:
     (never ``0.00%`` for a tolerance above 0: the page restates the question as the user asked it)."""
     p = fraction * 100
     return f"{p:.2f}%" if p >= 0.01 and abs(round(p, 2) - p) <= 1e-9 * p else f"{p:.3g}%"
-
-
-def unit(t: Target) -> str:
-    """What the audit's sets hold for ``t``: documents (passages of the bundled text), or sequences (in batches of 16)
-    for a model of the backcopy task or a masked LM."""
-    synthetic = (t.task is not None and is_backcopy(t.task)) or t.family.objective == "mlm"
-    return "sequences" if synthetic else "documents"
 
 
 def _static_line(name: str, static: Delta | None, tolerance: float, docs: str = "documents") -> str:
@@ -229,7 +221,7 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
          note: str, seconds: float, budget_s: float) -> str:  # fmt: skip
     """audit.md's whole text."""
     static = next((c.search for c in found.candidates if c.scheme == REFERENCE), None)
-    docs = unit(t)
+    docs = t.reads.unit  # what the audit's sets hold: documents (passages of text), or sequences (batches of 16)
     lines = [f"# Audit of {t.name}", "", _static_line(t.name, static, tolerance, docs)]
     lines += _recipe_lines(found, tests, tolerance, record, docs)
     lines += _fallback_lines(found, record, found.report, docs)
@@ -253,7 +245,7 @@ def text(t: Target, record: AuditRecord, found: Found, tests: list[Test], tolera
         f"float32, until one fails; the recipe is the cheapest certified (fixed-sequence testing: certifying a "
         f"recipe whose true change is at or above the tolerance has a chance of at most 2.5%, however many were "
         f"tried). Cost: bits of the weights, then of the matmuls, then "
-        f"run-time work ({', '.join(f'{k}' for k in WORK)}). "
+        f"run-time work ({', '.join(w.name.lower() for w in Work)}). "
         + (
             f"Serving target {record.serve}: only recipes it has kernels for were certified. "
             if record.serve != "any"

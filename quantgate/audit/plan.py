@@ -10,16 +10,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .documents import MOST
+from .documents import MIN_UNITS, MOST
 from .target import AuditError
 
-__all__ = ["parse_budget", "parse_within", "Speed", "measure", "size", "duration", "MIN_UNITS", "SAFETY"]
+__all__ = ["parse_budget", "parse_within", "Speed", "measure", "size", "duration", "SAFETY"]
 
 SAFETY = 0.85  # the share of the budget the plan fills: estimates err
 MOST_BUDGET_S = (
     30 * 24 * 3600
 )  # 720h: a longer budget buys nothing (the sets stop at their largest), a typo more likely
-MIN_UNITS = {"text": 9, "backcopy": 1, "mlm": 1}  # the fewest that give a verdict: one passage of each of 9 works
 RATIO = 2.0  # a simulated scheme's scoring over the float model's, until one is measured (1.4-2.5 here)
 FALLBACK_TRIES = 16  # scorings of the search set a fallback's two bisections take (run.OFFERED; log2 of 120 sites)
 CERTIFY = 3  # recipes the certificate may test in turn
@@ -110,10 +109,11 @@ def measure(model: nn.Module, length: int) -> Speed:
         model.train(was)
 
 
-def size(kind: str, speed: Speed, tokens_per_unit: float, rungs: int, budget_s: float, spent: float,
+def size(unit: str, speed: Speed, tokens_per_unit: float, rungs: int, budget_s: float, spent: float,
          units: int | None = None) -> int:  # fmt: skip
     """The most units (passages, or batches) each document set may hold for the search, one fallback and the
-    certificate to fit the budget (``units`` where given); refuses a budget in which the fewest that give a
+    certificate to fit the budget (``units`` where given), for a task whose ``unit`` (its row's) is documents
+    (passages) or sequences (batches); refuses a budget in which the fewest that give a
     verdict (:data:`MIN_UNITS`) do not fit, naming the budget that would."""
 
     def total(n: int) -> float:
@@ -123,14 +123,14 @@ def size(kind: str, speed: Speed, tokens_per_unit: float, rungs: int, budget_s: 
         certify = tokens * speed.per_token_fp32_s * (1 + RATIO * CERTIFY)
         return spent + search + ranking + certify
 
-    least = min(units or MIN_UNITS[kind], MOST[kind])
+    least = min(units or MIN_UNITS[unit], MOST[unit])
     if total(least) > budget_s * SAFETY:
         need = total(least) / SAFETY
         raise AuditError(
             f"a budget of {duration(budget_s)} is too small for any interval on this machine: the search and the "
-            f"certificate on {least} {'passages' if kind == 'text' else 'batches'} take about {duration(need)} "
+            f"certificate on {least} {'passages' if unit == 'documents' else 'batches'} take about {duration(need)} "
             f"here; give --budget {duration(need, up=True)} or more"
         )
     if units is not None:
         return least
-    return max((n for n in range(least, MOST[kind] + 1) if total(n) <= budget_s * SAFETY), default=least)
+    return max((n for n in range(least, MOST[unit] + 1) if total(n) <= budget_s * SAFETY), default=least)

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from ..certify import Test, certifies, fixed_sequence
 from ..checkpoint import load, save
 from ..data import batches as make_batches
-from ..data.synthetic import is_backcopy
+from ..eval.tasks import Task
 from ..files import claim_output, mark_output, owner, write_text_atomic
 from ..models.families import family_of
 from ..models.io import DTYPES, Placement
@@ -93,25 +93,20 @@ class Audit:
 
 @dataclass
 class Model:
-    """One audited model, loaded: its target, float model, tokenizer, document kind, calibration and search."""
+    """One audited model, loaded: its target, float model, tokenizer, the evaluation task it is read on
+    (:attr:`~.target.Target.reads`), calibration and search."""
 
     target: Target
     float_model: nn.Module
     tok: PreTrainedTokenizerBase
-    kind: str
+    reads: Task
     calibration: DataSettings
     search: Search | None = None
 
 
-def _kind(t: Target) -> str:
-    if t.task is not None and is_backcopy(t.task):
-        return "backcopy"
-    return "mlm" if t.family.objective == "mlm" else "text"
-
-
 def _calibration(t: Target, float_model: nn.Module) -> DataSettings:
-    if _kind(t) == "backcopy":
-        return DataSettings(data=t.task or "backcopy", batches=8, seq_len=128, batch_size=8)
+    if t.task is not None and t.reads.trained_on is not None:  # calibrated on the synthetic task it was trained on
+        return DataSettings(data=t.task, batches=8, seq_len=128, batch_size=8)
     context = int(getattr(float_model.config, "max_position_embeddings", None) or 512)
     return DataSettings(data="train", batches=4, seq_len=min(128, context), batch_size=8)
 
@@ -121,7 +116,7 @@ def _load(t: Target, dtype: str, placement: Placement | None) -> Model:
     if placement is None and torch.cuda.is_available():
         model = model.to("cuda")
     model.eval()
-    return Model(t, model, get_tokenizer(model), _kind(t), _calibration(t, model))
+    return Model(t, model, get_tokenizer(model), t.reads, _calibration(t, model))
 
 
 def _targets(model: str, variant: str | None, docs: int | None, against: str | None) -> tuple[Target, list[Target]]:
@@ -196,8 +191,9 @@ def _runnable(ladder: list[Rung], model: nn.Module) -> list[Rung]:
 
 
 def _observe(m: Model) -> ObserveReport | None:
-    """The float model's outliers and sinks on 3 held-out batches (the audit's "why"); None for a synthetic task."""
-    if m.kind == "backcopy":
+    """The float model's outliers and sinks on 3 held-out batches (the audit's "why"); None for a model of a
+    synthetic task."""
+    if m.reads.trained_on is not None:
         return None
     seq = m.calibration.seq_len
     data = make_batches(m.tok, "validation", seq, 4, family_of(m.float_model).objective, max_batches=3)
@@ -258,7 +254,7 @@ def audit(
     main = models[targets.index(focus)]
     if not schemes:  # what the model can run and the target serve (static INT8, the question, always)
         ladder = [r for r in _runnable(ladder, main.float_model) if serves(r.scheme, serve) or r.scheme == REFERENCE]
-    speed = measure(main.float_model, 128 if main.kind != "text" else 512)
+    speed = measure(main.float_model, 512 if main.reads.rolling else 128)
     sets = _sets(main, speed, ladder, clock, docs)
     ms = (1000 * speed.per_token_s, 1000 * speed.per_token_fp32_s)
     log.info("audit of %s: %s to search, %s held out; %.2f ms a token here (%.2f in float32)", focus.name,
@@ -286,10 +282,10 @@ def _same_tokens(models: list[Model]) -> None:
 
 def _sets(m: Model, speed: Speed, ladder: list[Rung], clock: Clock, docs: int | None) -> tuple[DocSet, DocSet]:
     """The search and held-out sets, sized to the budget (:func:`~.plan.size`)."""
-    probe = DocSet(m.kind, "search", 18 if m.kind == "text" else 1)
+    probe = DocSet(m.reads, "search", 18 if m.reads.rolling else 1)
     per_unit = probe.tokens(m.tok) / probe.n
-    n = size(m.kind, speed, per_unit, len(ladder), clock.budget_s, clock.spent(), docs)
-    return DocSet(m.kind, "search", n), DocSet(m.kind, "held-out", n)
+    n = size(m.reads.unit, speed, per_unit, len(ladder), clock.budget_s, clock.spent(), docs)
+    return DocSet(m.reads, "search", n), DocSet(m.reads, "held-out", n)
 
 
 def _fresh(m: Model, placement: Placement | None, dtype: str):
@@ -334,6 +330,7 @@ def _gap(models: list[Model], runs: dict[int, Candidate], scheme: str) -> Delta:
     ungated, gated = models
     assert ungated.search is not None and gated.search is not None
     u, g = runs[id(ungated)].scores, runs[id(gated)].scores  # what each scored on the search set
+    assert u is not None and g is not None  # a whole-model candidate keeps its scores
     return paired_difference((ungated.search.float_docs, u), (gated.search.float_docs, g), "perplexity",
                              cluster=ungated.search.docs.cluster)  # fmt: skip
 

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch.nn as nn
@@ -24,7 +25,7 @@ from ..data import batches as make_batches
 from ..models.families import family_of
 from ..quant.quantizers import BLOCK, FP4, FP8
 from ..quant.schemes import SimulatedScheme, get_scheme
-from ..stats import Delta, paired_delta
+from ..stats import Delta, TaskDocuments, paired_delta
 from ..study.grid import DataSettings
 from ..study.steps import quantize_calibrated
 from .documents import DocSet
@@ -42,7 +43,7 @@ __all__ = [
     "scheme_bits",
     "serves",
     "SERVE",
-    "WORK",
+    "Work",
 ]
 
 if TYPE_CHECKING:
@@ -74,7 +75,16 @@ LADDER: tuple[Rung, ...] = (
     Rung("w4-int4-group", "W4A16", "weight-only INT4 in groups of 128", probe=True),
 )
 REFERENCE = LADDER[0].scheme  # the question: per-tensor static INT8
-WORK = {"static": 0, "token": 1, "rotation": 2}  # run-time work of the activation ranges, least first
+
+
+class Work(IntEnum):
+    """The run-time work a recipe's activation ranges need, least first."""
+
+    STATIC = 0  # ranges fixed at calibration
+    TOKEN = 1  # every token's range read at run time
+    ROTATION = 2  # per-token ranges and online Hadamard transforms
+
+
 RANKING_SEQUENCES = 16  # sequences (of the calibration length, 128 tokens) each site is ranked on
 
 
@@ -105,15 +115,15 @@ def _format_bits(fmt: str) -> int:
     return 8 if fmt in FP8 or fmt == "mxfp8" else 4 if fmt in FP4 or fmt in BLOCK else 16
 
 
-def scheme_bits(scheme: str) -> tuple[int, int, int]:
+def scheme_bits(scheme: str) -> tuple[int, int, Work]:
     """(weight bits, activation bits, run-time work) of a whole-model scheme: 16 for what it leaves in float;
     a scheme quantgate cannot read the widths of (a torchao or bitsandbytes kernel) counts as W8A8, dynamic."""
     s = get_scheme(scheme)
     if not isinstance(s, SimulatedScheme):
-        return 8, 16 if "weight" in s.range_kind() else 8, WORK["token"]
+        return 8, 16 if "weight" in s.range_kind() else 8, Work.TOKEN
     w = _format_bits(s.weight.format) if s.weight is not None else 16
     a = _format_bits(s.act.format) if s.act is not None else 16
-    work = WORK["rotation"] if s.rotate == "online" else WORK["token"] if s.act is not None and s.act.dynamic else 0
+    work = Work.ROTATION if s.rotate == "online" else Work.TOKEN if s.act is not None and s.act.dynamic else Work.STATIC
     return w, a, work
 
 
@@ -124,7 +134,7 @@ class Cost:
 
     compute_bits: float
     weight_bits: float
-    work: int
+    work: Work
     kept: int = 0
     kept_share: float = 0.0
 
@@ -145,7 +155,9 @@ class Candidate:
     held_out: Delta | None = None
     seconds: float = 0.0
     model: nn.Module | None = field(default=None, repr=False)
-    scores: dict = field(default_factory=dict, repr=False)  # per-document scores on the search set (whole-model)
+    scores: TaskDocuments | None = field(
+        default=None, repr=False
+    )  # per-document scores on the search set (whole-model)
 
 
 class Search:
@@ -162,7 +174,7 @@ class Search:
         """``model``'s change of perplexity on the search documents, paired with the float model's."""
         return self._change(self.docs.score(model, self.tok))
 
-    def _change(self, scores: dict) -> Delta:
+    def _change(self, scores: TaskDocuments) -> Delta:
         return paired_delta(self.float_docs, scores, self.docs.metric, cluster=self.docs.cluster)
 
     def quantize(self, scheme: str) -> nn.Module:

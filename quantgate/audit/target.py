@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..eval.tasks import Task, read_on
 from ..files import folder_name, read_json
 from ..models import cost
 from ..models.families import Family, family_of
@@ -36,6 +37,12 @@ class Target:
     family: Family
     variant: str | None  # the gated variant it was saved with, None for an ungated model
     task: str | None  # the synthetic task it was trained on (its evaluation), None for text
+
+    @property
+    def reads(self) -> Task:
+        """The evaluation task the audit reads it on: its row in :data:`~quantgate.eval.tasks.TASKS`
+        (:func:`~quantgate.eval.tasks.read_on`: its synthetic task's, a masked LM's masked tokens, else text)."""
+        return read_on(self.family.objective, self.task)
 
 
 def target(model: str, variant: str | None) -> Target:

@@ -112,8 +112,8 @@ def text_hash(text: str | bytes) -> str:
     return hashlib.sha256(text.encode("utf-8") if isinstance(text, str) else text).hexdigest()[:16]
 
 
-def document_keys(ids: list, words: list) -> dict[str, list[str]] | None:
-    """The work and text hash of each of quantgate_ppl's documents, for per-document values recorded before they
+def document_keys(ids: list, words: list) -> tuple[list[str], list[str]] | None:
+    """(the work, the text hash) of each of quantgate_ppl's documents, for per-document values recorded before they
     were kept: ``ids`` are positions in the test split taken in turn from each work (the task's version 2.0) or,
     where the word counts say so, in file order (version 1.0); None where neither order gives every document's
     ``words`` (another corpus: then nothing is guessed)."""
@@ -123,7 +123,7 @@ def document_keys(ids: list, words: list) -> dict[str, list[str]] | None:
             return None
         picked = [docs[i] for i in ids]
         if [len(re.split(r"\s+", d.text)) for d in picked] == list(words):
-            return {"works": [d.work for d in picked], "hashes": [text_hash(d.text) for d in picked]}
+            return [d.work for d in picked], [text_hash(d.text) for d in picked]
     return None
 
 

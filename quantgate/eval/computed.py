@@ -15,7 +15,7 @@ from ..data.corpus import text_hash
 from ..data.synthetic import BackcopyBatches
 from ..models.modes import eval_mode
 from ..models.record import record_of
-from ..stats import HASH_COLUMN, aggregate
+from ..stats import TaskDocuments, aggregate
 
 __all__ = [
     "BACKCOPY_HELD_OUT_SEED",
@@ -31,17 +31,18 @@ __all__ = [
 BACKCOPY_HELD_OUT_SEED = 1_000_003
 
 
-def scored(docs: dict) -> list[tuple[Any, list[float]]]:
+def scored(docs: TaskDocuments) -> list[tuple[Any, list[float]]]:
     """(document id, [its log-likelihood]) of a computed task's documents."""
-    return [(i, [ll]) for i, ll in zip(docs["ids"], docs["loglikelihood"], strict=True)]
+    assert docs.loglikelihood is not None  # every task quantgate scores itself records it
+    return [(i, [ll]) for i, ll in zip(docs.ids, docs.loglikelihood, strict=True)]
 
 
-def mlm_results(docs: dict) -> dict:
+def mlm_results(docs: TaskDocuments) -> dict:
     """The masked-token task's metric from its documents: perplexity."""
     return {"perplexity": aggregate(docs, "perplexity")}
 
 
-def backcopy_results(docs: dict) -> dict:
+def backcopy_results(docs: TaskDocuments) -> dict:
     """The backcopy task's metrics from its documents."""
     return {m: aggregate(docs, m) for m in ("perplexity", "perplexity_after_first", "copy_acc")}
 
@@ -67,7 +68,7 @@ def mlm_documents(
     batch_size: int = 16,
     seed: int = 0,
     limit: int | float | None = None,
-) -> dict:
+) -> TaskDocuments:
     """Per sequence: the log-likelihood summed over its masked positions, and how many there are."""
     data = batches(tokenizer, split, seq_len, batch_size, "mlm", seed=seed)
     n = len(data) if limit is None else max(1, int(limit if limit >= 1 else limit * len(data)))
@@ -85,7 +86,7 @@ def mlm_documents(
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="none")
             loglik += (-nll.sum(1)).tolist()
             tokens += (labels != -100).sum(1).tolist()
-    return {"ids": list(range(len(loglik))), "loglikelihood": loglik, "tokens": tokens, HASH_COLUMN: hashes}
+    return TaskDocuments(ids=list(range(len(loglik))), loglikelihood=loglik, tokens=tokens, hashes=hashes)
 
 
 def backcopy_metrics(
@@ -110,7 +111,7 @@ def backcopy_documents(
     batch_size: int = 16,
     limit: int | float | None = None,
     seed: int = BACKCOPY_HELD_OUT_SEED,
-) -> dict:
+) -> TaskDocuments:
     """Per held-out sequence (drawn with ``seed``): summed log-likelihood and count of its predicted tokens, the same
     without the first prediction (the token after BOS: on backcopy a uniformly random one, whose prediction must
     come out flat), greedy hits on and count of its copied tokens."""
@@ -125,22 +126,34 @@ def backcopy_documents(
     )
     assert isinstance(data, BackcopyBatches)  # train records only backcopy tasks, and backcopy is the default
     device = next(model.parameters()).device
-    columns = ("ids", "loglikelihood", "tokens", "loglikelihood_after_first", "tokens_after_first", "copied", "copies")
-    docs: dict[str, list] = {c: [] for c in columns}
-    docs[HASH_COLUMN] = []
+    loglik: list[float] = []
+    tokens: list[int] = []
+    loglik_after: list[float] = []
+    tokens_after: list[int] = []
+    copied: list[int] = []
+    copies: list[int] = []
+    hashes: list[str] = []
     with eval_mode(model):
         for batch in data:
             ids = batch["input_ids"].to(device)
-            docs[HASH_COLUMN] += _token_hashes(ids)
+            hashes += _token_hashes(ids)
             logits = model(input_ids=ids).logits.float()[:, :-1]
             target = ids[:, 1:]
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")
             copy = data.copy_positions(ids)[:, 1:]
-            docs["loglikelihood"] += (-nll.sum(1)).tolist()
-            docs["tokens"] += [target.shape[1]] * len(target)
-            docs["loglikelihood_after_first"] += (-nll[:, 1:].sum(1)).tolist()
-            docs["tokens_after_first"] += [target.shape[1] - 1] * len(target)
-            docs["copied"] += ((logits.argmax(-1) == target) & copy).sum(1).tolist()
-            docs["copies"] += copy.sum(1).tolist()
-    docs["ids"] = list(range(len(docs["tokens"])))
-    return docs
+            loglik += (-nll.sum(1)).tolist()
+            tokens += [target.shape[1]] * len(target)
+            loglik_after += (-nll[:, 1:].sum(1)).tolist()
+            tokens_after += [target.shape[1] - 1] * len(target)
+            copied += ((logits.argmax(-1) == target) & copy).sum(1).tolist()
+            copies += copy.sum(1).tolist()
+    return TaskDocuments(
+        ids=list(range(len(tokens))),
+        loglikelihood=loglik,
+        tokens=tokens,
+        loglikelihood_after_first=loglik_after,
+        tokens_after_first=tokens_after,
+        copied=copied,
+        copies=copies,
+        hashes=hashes,
+    )

@@ -21,14 +21,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from ..data.synthetic import is_backcopy
 from ..registry import Registry
+from ..stats import TaskDocuments
 from . import computed as scorers
 
-__all__ = ["Task", "TASKS", "bundled", "computed", "rolling", "perplexity_keys", "accuracy_keys", "PERPLEXITY_LEGEND"]
+__all__ = [
+    "Task",
+    "TASKS",
+    "TASK_DIR",
+    "bundled",
+    "computed",
+    "rolling",
+    "perplexity_keys",
+    "accuracy_keys",
+    "read_on",
+    "PERPLEXITY_LEGEND",
+]
 
-Documents = dict[str, list]  # a task's per-document columns (quantgate.stats reads them)
+TASK_DIR = Path(__file__).parent.parent / "tasks"  # the lm-eval YAMLs of the tasks lm-eval scores, and their loaders
 
 
 @dataclass(frozen=True)
@@ -39,8 +53,9 @@ class Task:
     perplexity without a sequence's first prediction, where it reports one; ``headline``: the metrics compare shows
     first; ``unit``: what one of its documents is (``documents``, or ``sequences`` drawn in batches of 16);
     ``rolling``: a window over whole documents, as long as the model was trained on (a study sets its
-    ``max_length``). ``compute`` (a task quantgate scores itself, not lm-eval): the per-document columns of
-    ``(model, tokenizer, limit)``, from which ``results`` gives its metrics."""
+    ``max_length``). ``trained_on`` (a task for models trained on a synthetic task): whether a model's recorded
+    training data (``backcopy:...``) is that task's. ``compute`` (a task quantgate scores itself, not lm-eval): the
+    per-document columns of ``(model, tokenizer, limit)``, from which ``results`` gives its metrics."""
 
     name: str
     scores: str = "any model"
@@ -51,15 +66,16 @@ class Task:
     headline: tuple[str, ...] = ()
     unit: str = "documents"
     rolling: bool = False
-    compute: Callable[[Any, Any, int | float | None], Documents] | None = None
-    results: Callable[[Documents], dict[str, float]] | None = None
+    trained_on: Callable[[str], bool] | None = None
+    compute: Callable[[Any, Any, int | float | None], TaskDocuments] | None = None
+    results: Callable[[TaskDocuments], dict[str, float]] | None = None
 
 
-def _mlm(model: Any, tokenizer: Any, limit: int | float | None) -> Documents:
+def _mlm(model: Any, tokenizer: Any, limit: int | float | None) -> TaskDocuments:
     return scorers.mlm_documents(model, tokenizer, limit=limit)
 
 
-def _backcopy(model: Any, tokenizer: Any, limit: int | float | None) -> Documents:
+def _backcopy(model: Any, tokenizer: Any, limit: int | float | None) -> TaskDocuments:
     return scorers.backcopy_documents(model, tokenizer, limit=limit)
 
 
@@ -89,6 +105,7 @@ TASKS: Registry[str, Task] = Registry.named(
             "copy_acc",
             "perplexity_after_first",
             unit="sequences",
+            trained_on=is_backcopy,
             compute=_backcopy,
             results=scorers.backcopy_results,
         ),
@@ -127,3 +144,14 @@ def perplexity_keys() -> tuple[tuple[str, str], ...]:
 def accuracy_keys() -> tuple[tuple[str, str], ...]:
     """(task, metric) of each task's headline accuracy, in table order."""
     return tuple((name, t.accuracy) for name, t in TASKS.items() if t.accuracy)
+
+
+def read_on(objective: str, trained_on: str | None) -> Task:
+    """The task a model of ``objective`` (``clm``, ``mlm``), trained on the data ``trained_on`` names (None: not
+    recorded), is read on where no task is named (quantgate audit): the row of the synthetic task it was trained on,
+    else the first row for its objective alone (a masked LM's masked tokens), else the first rolling row (held-out
+    text, in passages)."""
+    rows = list(TASKS.values())
+    trained = [t for t in rows if t.trained_on is not None and trained_on is not None and t.trained_on(trained_on)]
+    own = [t for t in rows if t.trained_on is None and t.objective == objective]
+    return (trained or own or [t for t in rows if t.rolling])[0]

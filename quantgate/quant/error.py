@@ -14,7 +14,7 @@ import torch.nn as nn
 from ..errors import InputError
 from ..models.families import family_of
 from ..models.modes import eval_mode
-from ..stats import paired_delta
+from ..stats import TaskDocuments, paired_delta
 from .simulate import act_quantizers
 
 __all__ = ["quant_error", "float_outputs", "FloatOutputs", "site_sensitivity", "sqnr_db"]
@@ -137,7 +137,7 @@ def site_sensitivity(
     labels = torch.cat([b["labels"][:, shift:] for b in data])
     tokens = (labels != -100).sum(1).tolist()
 
-    def documents(on) -> dict:
+    def documents(on) -> TaskDocuments:
         for q in quantizers:
             q.enabled = q in on
         per_batch = []
@@ -154,14 +154,14 @@ def site_sensitivity(
                 f"model's weights and the quantizers' ranges (quant.simulate.check_ranges)"
             )
         values = nll.tolist()
-        return {"ids": list(range(len(values))), "loglikelihood": [-x for x in values], "tokens": tokens}
+        return TaskDocuments(ids=list(range(len(values))), loglikelihood=[-x for x in values], tokens=tokens)
 
-    def change(base: dict, new: dict) -> dict:
+    def change(base: TaskDocuments, new: TaskDocuments) -> dict:
         d = paired_delta(base, new, "perplexity")
         return {"ppl_change": d.value, "low": d.low, "high": d.high}
 
-    def mean_loss(docs: dict) -> float:
-        return -sum(docs["loglikelihood"]) / sum(tokens)
+    def mean_loss(docs: TaskDocuments) -> float:
+        return -sum(docs.loglikelihood or ()) / sum(tokens)
 
     with eval_mode(q_model):
         try:

@@ -378,7 +378,7 @@ def _lm_eval_metrics(metrics: dict) -> dict:
 def _lm_eval_documents(f: Path, results: dict) -> dict:
     """Per-document values from the samples files lm-eval wrote beside ``f`` (``--log_samples``):
     ``samples_<task>_<date>.jsonl`` for ``results_<date>.json`` (or ``NAME_<date>.json``)."""
-    from ..evaluate import sample_documents  # the same per-document columns as quantgate's eval.json
+    from ..eval.evaluate import sample_documents  # the same per-document columns as quantgate's eval.json
 
     date = f.stem.rsplit("_", 1)[-1]
     docs = {}
@@ -388,7 +388,7 @@ def _lm_eval_documents(f: Path, results: dict) -> dict:
             continue
         rows = [row for _, row in read_json_lines(samples)]
         if rows and all(isinstance(r, dict) and "doc_id" in r and "filter" in r for r in rows):
-            docs[task] = sample_documents(rows, {}, None)
+            docs[task] = sample_documents(rows, {}, None).to_json()  # as eval.json holds it
     return docs
 
 

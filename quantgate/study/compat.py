@@ -18,6 +18,7 @@ computes raises its format instead.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -25,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..data.corpus import document_keys
-from ..evaluate import Documents
 from ..files import read_json, write_text_atomic
-from ..stats import CLUSTER_COLUMN, HASH_COLUMN
+from ..stats import Documents, TaskDocuments
 
 __all__ = ["EVAL_LEGACY", "step_key", "versioned_key", "file_format", "evaluation_key", "dtype_key", "keyed", "migrate"]
 
@@ -70,10 +70,13 @@ def keyed(documents: Documents) -> Documents:
     kept (recovered from the bundled corpus by position, where the word counts agree: :func:`document_keys`);
     other tasks' values as they are."""
     ppl = documents.get("quantgate_ppl")
-    if not ppl or (CLUSTER_COLUMN in ppl and HASH_COLUMN in ppl) or "ids" not in ppl or "words" not in ppl:
+    if ppl is None or (ppl.works is not None and ppl.hashes is not None) or ppl.words is None:
         return documents
-    keys = document_keys(list(ppl["ids"]), ppl["words"])
-    return documents if keys is None else {**documents, "quantgate_ppl": {**ppl, **keys}}
+    keys = document_keys(list(ppl.ids), ppl.words)
+    if keys is None:
+        return documents
+    works, hashes = keys
+    return {**documents, "quantgate_ppl": dataclasses.replace(ppl, works=works, hashes=hashes)}
 
 
 def migrate(run_dir: str | Path) -> bool:
@@ -87,9 +90,12 @@ def migrate(run_dir: str | Path) -> bool:
         for holder, field_name in [(cell, "float_documents")] + [
             (r, "documents") for r in (cell.get("schemes") or {}).values()
         ]:
-            documents = holder.get(field_name)
-            if isinstance(documents, dict) and (new := keyed(documents)) is not documents:
-                holder[field_name], changed = new, True
+            written = holder.get(field_name)
+            if not isinstance(written, dict):
+                continue
+            documents = {task: TaskDocuments.from_json(columns) for task, columns in written.items()}
+            if (new := keyed(documents)) is not documents:
+                holder[field_name], changed = {task: docs.to_json() for task, docs in new.items()}, True
     if changed:
         write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
     return changed

@@ -110,11 +110,11 @@ def change_gap(base: CellRecord, cell: CellRecord, scheme: str, task_metric: Tas
     if key is None or scheme not in base.schemes or scheme not in cell.schemes:
         return None
     docs = [d for c in (base, cell) for d in (c.float_documents.get(key[0]), c.scheme(scheme).documents.get(key[0]))]
-    found = [d for d in docs if d]
+    found = [d for d in docs if d is not None]
     if (
         len(found) < 4
-        or len({tuple(d["ids"]) for d in found}) > 1
-        or any(METRICS[key[1]].value not in d for d in found)
+        or len({tuple(d.ids) for d in found}) > 1
+        or any(d.column(METRICS[key[1]].value) is None for d in found)
     ):
         return None
     return paired_difference((found[0], found[1]), (found[2], found[3]), key[1], cluster=base.cluster)
@@ -141,14 +141,14 @@ def read_on(cell: CellRecord) -> str:
     ``cluster: document``; ``128`` where the documents record no work (each its own)."""
     key = ppl_key(cell)
     docs = cell.float_documents.get(key[0]) if key else None
-    if not docs or "ids" not in docs:
+    if docs is None:
         return "-"
     labels = cluster_labels(docs)
     if labels is None:
-        return f"{len(docs['ids'])}"
+        return f"{len(docs.ids)}"
     works = len(set(map(str, labels)))
     by = "; resampled by document" if cell.cluster == "document" else ""
-    return f"{len(docs['ids'])} ({works} work{'s' * (works != 1)}{by})"
+    return f"{len(docs.ids)} ({works} work{'s' * (works != 1)}{by})"
 
 
 def format_bound(d: Delta) -> str:

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, MissingFile
-from ..evaluate import Documents, Results
+from ..eval.evaluate import Results
 from ..files import json_kind, read_json, write_text_atomic
 from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share, json_field
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
 from ..models.record import CalibrationRecord, MitigationRecord
-from ..stats import METRICS, aggregate, check_cluster
+from ..stats import METRICS, Documents, TaskDocuments, aggregate, check_cluster
 from ..train.log import EvalEvent, Event, LayerPoint, ObserveEvent, TrainEvent
 from .compat import keyed
 from .grid import cell_dir
@@ -437,8 +437,12 @@ def _wrong_documents(at: str, columns: dict[str, Any]) -> str | None:
         for j, x in enumerate(values):
             if not (_is_number(x) and test(x)):
                 return f"{at}.{column}[{j}] is {x!r}, not {wants}"
-    if "copied" in columns and "copies" in columns:
-        for j, (copied, copies) in enumerate(zip(columns["copied"], columns["copies"], strict=True)):
+    try:
+        docs = TaskDocuments.from_json(columns)
+    except InputError as e:  # a column no task records
+        return f"{at}: {e}"
+    if docs.copied is not None and docs.copies is not None:
+        for j, (copied, copies) in enumerate(zip(docs.copied, docs.copies, strict=True)):
             if copied > copies:
                 return f"{at}.copied[{j}] is {copied!r}, more than the {copies!r} copies of that document"
     return None

@@ -20,8 +20,9 @@ from ..data.batches import batch_count
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
 from ..data.synthetic import is_backcopy, task_options
 from ..errors import InputError, QuantgateError
+from ..eval.checks import check_limit
+from ..eval.evaluate import unknown_tasks
 from ..eval.tasks import bundled
-from ..evaluate import check_limit, unknown_tasks
 from ..files import is_folder_name
 from ..models.cost import check_memory
 from ..models.families import family_of, get_family
@@ -514,7 +515,7 @@ def _check_precision(value, where: tuple, fail) -> None:
 
 
 def _check_limit(ev: dict, where: tuple, fail) -> None:
-    """Each limit is one evaluate accepts (:func:`quantgate.evaluate.check_limit`), and a per-task limit
+    """Each limit is one evaluate accepts (:func:`quantgate.eval.checks.check_limit`), and a per-task limit
     names only tasks the evaluation runs (a misspelt task would run in full)."""
     limit = ev["limit"]
     unknown = sorted(set(limit) - set(ev["tasks"])) if isinstance(limit, dict) else []

@@ -43,8 +43,9 @@ from ..checkpoint import load
 from ..data import batches
 from ..data.batches import cache_dir, source_sha256
 from ..errors import InputError
+from ..eval.checks import check_limit_per_process
+from ..eval.evaluate import evaluate
 from ..eval.tasks import rolling
-from ..evaluate import check_limit_per_process, evaluate
 from ..files import claim_output, content_sha256, folder_name, read_json, write_text_atomic
 from ..json_record import JsonRecord
 from ..measurements import CellObserve

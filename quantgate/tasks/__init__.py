@@ -1,1 +1,1 @@
-"""lm-eval task configs (YAML) and their data loaders; see quantgate.evaluate."""
+"""lm-eval task configs (YAML) and their data loaders; see quantgate.eval.evaluate."""

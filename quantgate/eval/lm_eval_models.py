@@ -4,7 +4,7 @@ Importing this module (it imports lm-eval) registers two models in lm-eval's mod
 
 * ``quantgate`` (:class:`QuantgateLM`, an HFLM subclass, so every request type lm-eval has works):
   causal LMs. ``pretrained=NAME`` is a directory, packaged checkpoint or preset, loaded by
-  :func:`quantgate.evaluate.load_for_eval` (:func:`quantgate.load`, never transformers' AutoModel:
+  :func:`quantgate.eval.load.load_for_eval` (:func:`quantgate.load`, never transformers' AutoModel:
   quantgate's gated and quantized checkpoints are not plain transformers models), the loader
   ``quantgate eval`` uses; ``scheme=S`` quantizes it after calibrating as ``quantgate eval --scheme``
   does (train split, 128-token sequences, batches of 8); ``variant=V`` swaps an attention variant in
@@ -42,23 +42,17 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from transformers import PreTrainedTokenizerBase
 
-from .errors import InputError
-from .eval_inputs import (
-    TASK_DIR,
-    NonFiniteOutputs,
-    check_lm_eval_options,
-    context_length,
-    first_non_finite,
-    load_for_eval,
-    score_floats,
-)
-from .files import writable_dir, write_text_atomic
-from .models.families import family_of
-from .models.io import DTYPES
-from .models.sources import check_vocabulary
-from .models.sources import tokenizer as get_tokenizer
-from .models.swap import variant_of
-from .quant import quantization_of
+from ..errors import InputError
+from ..files import writable_dir, write_text_atomic
+from ..models.families import family_of
+from ..models.io import DTYPES
+from ..models.sources import check_vocabulary
+from ..models.sources import tokenizer as get_tokenizer
+from ..models.swap import variant_of
+from ..quant import quantization_of
+from .checks import NonFiniteOutputs, check_lm_eval_options, first_non_finite, score_floats
+from .load import context_length, load_for_eval
+from .tasks import TASK_DIR
 
 __all__ = ["QuantgateLM", "PseudoLogLikelihoodLM", "main", "with_task_folder", "check_output_path"]
 
@@ -255,8 +249,9 @@ class QuantgateLM(HFLM):
 def _finite(lm: QuantgateLM | PseudoLogLikelihoodLM, kind: str, requests: list[Any], scores: list) -> list:
     """``scores`` (one per request: a float, or a (float, is_greedy) pair), unless one is NaN or inf: then
     :class:`NonFiniteOutputs` naming the request, before lm-eval aggregates or writes anything (lm-eval
-    would write a NaN metric and exit 0). Not where ``lm.refuse_non_finite`` is False: :func:`quantgate.evaluate`
-    checks lm-eval's samples itself, naming the task and keeping the tasks that scored."""
+    would write a NaN metric and exit 0). Not where ``lm.refuse_non_finite`` is False:
+    :func:`quantgate.eval.evaluate.evaluate` checks lm-eval's samples itself, naming the task and keeping the tasks
+    that scored."""
     if not lm.refuse_non_finite:
         return scores
     for i, score in enumerate(scores):
@@ -424,7 +419,7 @@ def main(argv: Sequence[str]) -> int:
 def check_output_path(output_path: str | None) -> None:
     """lm-eval's ``--output_path`` (a directory, or a results file name ending in .json), refused in one line
     before the work where lm-eval could not write there: the checks of ``quantgate eval --output-path``
-    (:func:`quantgate.evaluate.check_lm_eval_options`, :func:`quantgate.files.writable_dir`)."""
+    (:func:`quantgate.eval.checks.check_lm_eval_options`, :func:`quantgate.files.writable_dir`)."""
     if output_path is None:
         return
     check_lm_eval_options(output_path=output_path)

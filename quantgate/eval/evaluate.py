@@ -10,10 +10,10 @@ each task's requests between them in its own data-parallel way (:mod:`quantgate.
 returns rank 0's result.
 
 The result is an :class:`Evaluation` record (``result.to_json()``: the dict ``quantgate eval`` writes as eval.json).
-Besides each task's metrics, it keeps each document's values (``result.documents[task]``,
-columns as :mod:`quantgate.stats` reads them): the summed log-likelihood with the document's words,
-bytes and tokens for perplexity tasks, acc (and acc_norm) per item for multiple-choice and cloze tasks,
-the summed log-likelihood and token count per sequence for the computed tasks. From them
+Besides each task's metrics, it keeps each document's values (``result.documents[task]``, a
+:class:`~quantgate.stats.TaskDocuments` record, as :mod:`quantgate.stats` reads them): the summed log-likelihood
+with the document's words, bytes and tokens for perplexity tasks, acc (and acc_norm) per item for multiple-choice
+and cloze tasks, the summed log-likelihood and token count per sequence for the computed tasks. From them
 :func:`quantgate.stats.paired_delta` puts an interval on the change between two evaluations.
 
 lm-eval's own conventions, for the lm-eval tasks: ``num_fewshot`` (lm-eval's ``--num_fewshot``),
@@ -22,12 +22,13 @@ stderr for gets ``<metric>_stderr`` beside it in ``results``), ``output_path`` (
 ``lm_eval --output_path`` writes, by lm-eval's own EvaluationTracker) and ``log_samples`` (its
 per-sample jsonl files beside it). The computed tasks are no lm-eval tasks: they are in quantgate's
 result (eval.json) only, never in lm-eval's files, and take neither few-shot context nor stderr.
-:mod:`quantgate.lm_eval_models` registers the same models with lm-eval (``--model quantgate``,
+:mod:`quantgate.eval.lm_eval_models` registers the same models with lm-eval (``--model quantgate``,
 ``--model quantgate-mlm``) for lm-eval's own command line (``quantgate lm-eval``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -43,39 +44,30 @@ from typing import TYPE_CHECKING, Any
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
-from . import parallel
-from .data.corpus import OfflineError, hub_reachable, text_hash
-from .errors import InputError, MissingDependency
-from .eval.computed import (
-    BACKCOPY_HELD_OUT_SEED,
-    backcopy_documents,
-    backcopy_metrics,
-    mlm_documents,
-    mlm_perplexity,
-    scored,
-)
-from .eval.tasks import TASKS, bundled, computed
-from .eval_inputs import (
-    TASK_DIR,
+from .. import parallel
+from ..data.corpus import OfflineError, hub_reachable, text_hash
+from ..errors import InputError, MissingDependency
+from ..json_record import JsonRecord, json_field
+from ..models.families import family_of
+from ..models.modes import eval_mode
+from ..models.sources import check_vocabulary
+from ..models.sources import tokenizer as get_tokenizer
+from ..models.swap import variant_of
+from ..options import AT_LEAST_1, check_range
+from ..provenance import git_commit, versions
+from ..quant import fingerprint, quantization_of
+from ..stats import METRICS, Documents, TaskDocuments
+from .checks import (
     NonFiniteOutputs,
     check_limit,
     check_limit_per_process,
     check_lm_eval_options,
-    context_length,
     first_non_finite,
-    load_for_eval,
     score_floats,
 )
-from .json_record import JsonRecord, json_field
-from .models.families import family_of
-from .models.modes import eval_mode
-from .models.sources import check_vocabulary
-from .models.sources import tokenizer as get_tokenizer
-from .models.swap import variant_of
-from .options import AT_LEAST_1, check_range
-from .provenance import git_commit, versions
-from .quant import fingerprint, quantization_of
-from .stats import CLUSTER_COLUMN, HASH_COLUMN, METRICS
+from .computed import scored
+from .load import context_length
+from .tasks import TASK_DIR, TASKS, bundled, computed
 
 if TYPE_CHECKING:
     from lm_eval.loggers import EvaluationTracker
@@ -86,18 +78,11 @@ __all__ = [
     "Evaluation",
     "EvaluationSettings",
     "LmEvalOutput",
-    "check_limit",
-    "check_limit_per_process",
-    "check_lm_eval_options",
-    "load_for_eval",
-    "BACKCOPY_HELD_OUT_SEED",
-    "mlm_perplexity",
-    "mlm_documents",
-    "backcopy_metrics",
-    "backcopy_documents",
-    "NonFiniteOutputs",
-    "first_non_finite",
-    "score_floats",
+    "Results",
+    "require_lm_eval",
+    "task_manager",
+    "unknown_tasks",
+    "sample_documents",
 ]
 
 log = logging.getLogger("quantgate")
@@ -114,7 +99,6 @@ OFFLINE_EQUIVALENTS = {
 
 
 Results = dict[str, dict[str, float]]  # {task: {metric: value}}
-Documents = dict[str, dict[str, list]]  # {task: {column: [one value per document]}}: numbers; works, hashes: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,13 +140,45 @@ class EvaluationSettings(JsonRecord):
     quantization_record: dict[str, Any] | None
     dtype: str
 
+    @classmethod
+    def of(
+        cls,
+        model: nn.Module,
+        tasks: list[str],
+        limit: int | float | None,
+        num_fewshot: int | None,
+        bootstrap_iters: int,
+        batch_size: int | str,
+        max_length: int | None,
+    ) -> EvaluationSettings:
+        """The settings of an evaluation of ``model`` as asked (``max_length`` None: the model's context), with the
+        model's identity; lm-eval's protocol (``n_shot``, ...) is added once an lm-eval task ran."""
+        quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
+        return cls(
+            tasks=tasks,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            bootstrap_iters=bootstrap_iters,
+            batch_size=batch_size,
+            max_length=max_length or context_length(model),
+            model=getattr(model.config, "_name_or_path", None) or None,
+            model_sha256=fingerprint(model),  # identity: quantize() records it as its source_sha256
+            family=family_of(model).name,
+            variant=str(variant_of(model)),
+            quantization=quant["scheme"] if quant else None,
+            quantization_origin=quant.get("origin") if quant else None,
+            source_sha256=quant.get("source_sha256") if quant else None,  # the float model it came from
+            quantization_record=quant,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        )
+
 
 @dataclass(frozen=True, kw_only=True)
 class Evaluation(JsonRecord):
-    """What :func:`evaluate` returns: per task its ``results`` (``{metric: value}``) and ``documents`` (``{column:
-    [one value per document]}``, the columns :mod:`quantgate.stats` reads), lm-eval's files where it wrote them
-    (``lm_eval_output``), the ``settings`` and the library ``versions``. ``to_json()`` is quantgate eval's
-    eval.json."""
+    """What :func:`evaluate` returns: per task its ``results`` (``{metric: value}``) and ``documents`` (its
+    :class:`~quantgate.stats.TaskDocuments`, the columns :mod:`quantgate.stats` reads), lm-eval's files where it
+    wrote them (``lm_eval_output``), the ``settings`` and the library ``versions``. ``to_json()`` is quantgate
+    eval's eval.json."""
 
     results: Results
     documents: Documents
@@ -224,8 +240,7 @@ def evaluate(
     _check_lm_eval_tasks(lm_tasks, tasks, num_fewshot, bootstrap_iters, output_path)
     if batch_size == "auto":
         batch_size = 8 if next(model.parameters()).device.type == "cpu" else "auto"
-    settings = {"tasks": tasks, "limit": limit, "num_fewshot": num_fewshot, "bootstrap_iters": bootstrap_iters,
-                "batch_size": batch_size, "max_length": max_length or context_length(model)}  # fmt: skip
+    settings = EvaluationSettings.of(model, tasks, limit, num_fewshot, bootstrap_iters, batch_size, max_length)
     run = _Run(model, settings)
     if lm_tasks:
         run.lm_eval(tokenizer, lm_tasks, output_path, log_samples, model_args)
@@ -240,37 +255,21 @@ def evaluate(
 
 class _Run:
     """One :func:`evaluate` call's results and documents as they come in, per task, and the record it returns
-    (:meth:`result`), which a NonFiniteOutputs error keeps too (as JSON). ``settings``: the call's tasks, limit,
-    num_fewshot, bootstrap_iters, batch_size and max_length."""
+    (:meth:`result`), which a NonFiniteOutputs error keeps too (as JSON). ``settings``: the call's, to which lm-eval's
+    protocol (``n_shot``, ``task_versions``, ``fewshot_seed``) is added where an lm-eval task ran."""
 
-    def __init__(self, model: nn.Module, settings: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, settings: EvaluationSettings) -> None:
         self.model, self.family, self.settings = model, family_of(model), settings
-        self.results: dict[str, dict] = {}
-        self.documents: dict[str, dict] = {}
+        self.results: Results = {}
+        self.documents: Documents = {}
         self.written: LmEvalOutput | None = None
-        self.protocol: dict[str, Any] = {}  # what lm-eval used that changes the numbers (quantgate compare checks it)
 
     def result(self) -> Evaluation:
-        model = self.model
-        quant = quantization_of(model)  # quantgate's record, or that of another tool's quantization_config
-        settings = EvaluationSettings(
-            **self.settings,
-            **self.protocol,  # n_shot (per task, as lm-eval applied it), task_versions, fewshot_seed
-            model=getattr(model.config, "_name_or_path", None) or None,
-            model_sha256=fingerprint(model),  # identity: quantize() records it as its source_sha256
-            family=self.family.name,
-            variant=str(variant_of(model)),
-            quantization=quant["scheme"] if quant else None,
-            quantization_origin=quant.get("origin") if quant else None,
-            source_sha256=quant.get("source_sha256") if quant else None,  # the float model it came from
-            quantization_record=quant,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-        )
         return Evaluation(
             results=self.results,
             documents=self.documents,
             lm_eval_output=self.written,
-            settings=settings,
+            settings=self.settings,
             versions={
                 **versions(("quantgate", "lm_eval", "torch", "transformers", "torchao")),
                 "python": platform.python_version(),
@@ -308,10 +307,10 @@ class _Run:
         model, s = self.model, self.settings
         lm_eval = require_lm_eval()
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices about custom datasets
-        lm = _wrap(model, tokenizer, self.family.objective, s["batch_size"], s["max_length"])
+        lm = _wrap(model, tokenizer, self.family.objective, s.batch_size, s.max_length)
         state = parallel.joined()  # launched as one of N processes: lm-eval splits the requests between them
         if state is not None:  # every rank refuses alike, before the gather a rank with no document would fail in
-            check_limit_per_process(s["limit"], state.num_processes, lm_tasks, "limit", " (ranks)")
+            check_limit_per_process(s.limit, state.num_processes, lm_tasks, "limit", " (ranks)")
             parallel.share_work(lm, state)
         tracker = _tracker(output_path)
         with eval_mode(model):
@@ -320,18 +319,19 @@ class _Run:
                 model=lm,
                 tasks=lm_tasks,
                 task_manager=manager,
-                limit=s["limit"],
-                batch_size=s["batch_size"],  # recorded in lm-eval's config (the model is built already)
-                num_fewshot=s["num_fewshot"],
+                limit=s.limit,
+                batch_size=s.batch_size,  # recorded in lm-eval's config (the model is built already)
+                num_fewshot=s.num_fewshot,
                 log_samples=True,
-                bootstrap_iters=s["bootstrap_iters"],
+                bootstrap_iters=s.bootstrap_iters,
                 evaluation_tracker=tracker,
                 verbosity="ERROR",
                 confirm_run_unsafe_code=False,  # a task's own code never runs (as a checkpoint's never does)
             )
         out = parallel.from_first(out)  # rank 0 holds every rank's samples; the others get None from lm-eval
         self.results.update({task: _clean(metrics) for task, metrics in out["results"].items()})
-        self.protocol.update(
+        self.settings = dataclasses.replace(  # what lm-eval used that changes the numbers (quantgate compare checks it)
+            s,
             n_shot=dict(out.get("n-shot") or {}),
             task_versions=dict(out.get("versions") or {}),
             fewshot_seed=(out.get("config") or {}).get("fewshot_seed"),
@@ -350,7 +350,7 @@ class _Run:
         if tracker is not None and parallel.is_first():
             objective_model = "quantgate-mlm" if self.family.objective == "mlm" else "quantgate"
             self.written = _write_lm_eval_output(tracker, out, log_samples, objective_model, model_args, model)
-            skipped = [t for t in s["tasks"] if t in computed()]
+            skipped = [t for t in s.tasks if t in computed()]
             if skipped:
                 log.info(f"{', '.join(skipped)}: computed by quantgate, not lm-eval: in quantgate's result only")
 
@@ -479,7 +479,7 @@ def unknown_tasks(tasks: Iterable[str]) -> list[str]:
 
 def _wrap(model, tokenizer, objective: str, batch_size, max_length):
     """The lm-eval model for ``model``: the classes lm-eval's ``--model quantgate`` / ``quantgate-mlm``
-    construct (quantgate.lm_eval_models), so both routes score with the same settings; non-finite scores
+    construct (:mod:`quantgate.eval.lm_eval_models`), so both routes score with the same settings; non-finite scores
     are left to :func:`evaluate`, which names the task and keeps the others."""
     from . import lm_eval_models  # imports lm-eval: optional, imported at first use
 
@@ -507,30 +507,38 @@ def _clean(metrics: dict) -> dict:
     return out
 
 
-def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTokenizerBase | None) -> dict:
+def sample_documents(samples: list[dict], config: dict, tokenizer: PreTrainedTokenizerBase | None) -> TaskDocuments:
     """Per-document values of one lm-eval task from its logged samples (one filter: the first): the
     per-document value of each metric quantgate.stats aggregates, split where lm-eval logs a pair
     (word_perplexity: (loglikelihood, words)), each document's work where the task records it, and for
     rolling log-likelihood tasks the token count."""
     rows = sorted((s for s in samples if s["filter"] == samples[0]["filter"]), key=lambda s: s["doc_id"])
-    docs = {"ids": [s["doc_id"] for s in rows]}
+    columns: dict[str, list] = {}  # the columns METRICS names, as lm-eval logs their metrics
     for name, metric in METRICS.items():
         if name not in rows[0]:
             continue
         values = [s[name] for s in rows]
         if isinstance(values[0], (tuple, list)):  # a weighted aggregation's (value, weight)
             assert metric.weight is not None  # lm-eval logs pairs for the weighted metrics only
-            docs[metric.value], docs[metric.weight] = [_number(v[0]) for v in values], [_number(v[1]) for v in values]
+            columns[metric.value] = [_number(v[0]) for v in values]
+            columns[metric.weight] = [_number(v[1]) for v in values]
         else:
-            docs[metric.value] = [_number(v) for v in values]
-    if all(isinstance(s.get("doc"), dict) and "work" in s["doc"] for s in rows):  # the bundled corpus's
-        docs[CLUSTER_COLUMN] = [s["doc"]["work"] for s in rows]  # independent units: works, not chapters of one
-    docs[HASH_COLUMN] = [_doc_hash(s.get("doc")) for s in rows]
+            columns[metric.value] = [_number(v) for v in values]
+    docs = [s.get("doc") for s in rows]
+    recorded = all(isinstance(d, dict) and "work" in d for d in docs)
+    works = [s["doc"]["work"] for s in rows] if recorded else None
+    tokens = None
     if config.get("output_type") == "loglikelihood_rolling":  # every token of the text is scored once
         if tokenizer is None:
             raise InputError("a rolling task's documents count their tokens: give sample_documents the tokenizer")
-        docs["tokens"] = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
-    return docs
+        tokens = [len(tokenizer(s["arguments"][0][0], add_special_tokens=False).input_ids) for s in rows]
+    return TaskDocuments(
+        ids=[s["doc_id"] for s in rows],
+        **columns,
+        tokens=tokens,
+        works=works,  # the bundled corpus's independent units: works, not chapters of one
+        hashes=[_doc_hash(d) for d in docs],
+    )
 
 
 def _doc_hash(doc: Any) -> str:
@@ -544,17 +552,3 @@ def _number(v) -> int | float:
     """A JSON-compact number: whole values (hits, counts) as int."""
     v = float(v)
     return int(v) if v.is_integer() else v
-
-
-def _register():
-    """PseudoLogLikelihoodLM, registered with lm-eval as ``quantgate-mlm`` (with ``quantgate``) on import."""
-    require_lm_eval()
-    from .lm_eval_models import PseudoLogLikelihoodLM  # imports lm-eval: optional, imported at first use
-
-    return PseudoLogLikelihoodLM
-
-
-def __getattr__(name: str):
-    if name == "PseudoLogLikelihoodLM":  # defined on first access, so that importing quantgate needs no lm-eval
-        return _register()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

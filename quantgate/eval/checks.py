@@ -1,7 +1,6 @@
-"""What an evaluation takes in, below :mod:`quantgate.evaluate` and :mod:`quantgate.lm_eval_models` (which both read
-it, so neither imports the other's module at its top): the bundled tasks, the checks of lm-eval's options, the
-model an evaluation loads (``quantgate eval SOURCE --scheme S``, lm-eval's ``--model quantgate``) and the test for
-non-finite scores."""
+"""The checks of an evaluation, shared by :func:`quantgate.eval.evaluate.evaluate` and lm-eval's models
+(:mod:`quantgate.eval.lm_eval_models`): lm-eval's ``limit`` and options, refused in one line before any work, and
+the test for non-finite scores (:class:`NonFiniteOutputs`)."""
 
 from __future__ import annotations
 
@@ -11,32 +10,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn as nn
-
-from .checkpoint import load_or_build
-from .data import batches
-from .errors import InputError
-from .eval.tasks import computed
-from .models.families import config_of, family_of
-from .models.io import Placement
-from .models.sources import tokenizer as get_tokenizer
-from .quant import get_scheme, quantization_of, quantize
+from ..errors import InputError
+from .tasks import computed
 
 __all__ = [
-    "TASK_DIR",
     "check_limit",
     "check_limit_per_process",
     "check_lm_eval_options",
     "NonFiniteOutputs",
-    "load_for_eval",
-    "context_length",
     "score_floats",
     "first_non_finite",
 ]
-
-TASK_DIR = Path(__file__).with_name("tasks")
-CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE = "train", 128, 8  # what --scheme calibrates on (eval, lm-eval)
 
 
 def check_limit(limit: int | float | None) -> int | float | None:
@@ -100,51 +84,12 @@ def check_lm_eval_options(
 
 class NonFiniteOutputs(InputError):
     """The model's log-likelihood of a task's document is NaN or inf (its outputs are). ``partial``: the JSON of
-    what :func:`evaluate` returns (``Evaluation.to_json()``), over the tasks finished before it with finite outputs."""
+    what :func:`~quantgate.eval.evaluate.evaluate` returns (``Evaluation.to_json()``), over the tasks finished
+    before it with finite outputs."""
 
     def __init__(self, message: str, partial: dict):
         super().__init__(message)
         self.partial = partial
-
-
-def load_for_eval(
-    source: str,
-    variant: str | None = None,
-    scheme: str | None = None,
-    *,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    placement: Placement | None = None,
-) -> nn.Module:
-    """The model ``quantgate eval SOURCE [--variant V] [--scheme S]`` evaluates, and lm-eval's ``--model
-    quantgate`` / ``quantgate-mlm`` load: a packaged checkpoint or directory through :func:`quantgate.load`
-    (float or quantized), another preset name built fresh (seed 0); with ``scheme``, quantized after
-    calibrating on the train split (128-token sequences, batches of 8: ``CALIB_*``), in place (the float model is
-    not needed again); ``placement`` shards a checkpoint as it loads."""
-    if scheme is not None:
-        get_scheme(scheme)  # an unknown scheme or option fails before the model loads
-    model = load_or_build(source, variant, dtype=dtype, placement=placement)
-    if device is not None:
-        model = model.to(device)
-    record = quantization_of(model) if scheme is not None else None
-    if record is not None:
-        source_model = record.get("source_model")
-        raise InputError(
-            f"{source} is already quantized ({record['scheme']}); scheme (--scheme) quantizes a float model: "
-            f"evaluate {source} as it is, without a scheme, or give its float source"
-            + (f" ({source_model})" if source_model else "")
-            + " with the scheme"
-        )
-    if scheme is not None:
-        family = family_of(model)
-        family.check_seq_len(config_of(model), CALIB_SEQ_LEN)
-        calib = batches(get_tokenizer(model), CALIB_SOURCE, CALIB_SEQ_LEN, CALIB_BATCH_SIZE, family.objective)
-        model = quantize(model, scheme, calibration=calib, inplace=True)
-    return model
-
-
-def context_length(model: nn.Module) -> int:
-    return int(min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 4096))
 
 
 def score_floats(value: Any) -> list[float]:
