@@ -634,7 +634,7 @@ def observe(
         batches=n_batches,
         data=getattr(batches, "split", None),
         model=getattr(model.config, "_name_or_path", "") or None,
-        quantization=(quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
+        quantization=q.scheme if (q := quantization_of(model)) else None,  # quantgate's scheme or another tool's
     )
     return ObserveReport(summary, layers, meta)
 
