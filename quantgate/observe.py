@@ -544,7 +544,7 @@ class ObserveReport(JsonRecord):
             "|---|---|---|---|---|---|---|",
         ]
         for i, L in enumerate(self.layers):
-            res = L.tensors["block_out"]
+            res = L.residual
             lines.append(
                 f"| {i} | {fmt(res.max_abs)} | {fmt(res.max_median_ratio)} | {fmt(L.kurtosis)} | "
                 f"{fmt(L.sink_mass)} | {fmt(L.gate_mean)} | {L.massive_activations} |"
@@ -650,7 +650,7 @@ def _summary(
     ]
     if nonfinite:
         log.warning("observe: non-finite activations (excluded from the statistics): %s", nonfinite[:5])
-    res = [L.tensors["block_out"] for L in layers]
+    res = [L.residual for L in layers]
     gate_means = [L.gate_mean for L in layers if L.gate_mean is not None]
     final_out = obs.final_out.summary(decode) if obs.final_out.sequences and family.objective == "clm" else None
     outer = [final_out] if final_out else []
