@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..files import read_json_lines, write_text_atomic
 from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share
 from ..plots import save_png
+from .checkpoint import ModelIdentity
 from .config import TrainConfig
 
 LOG_FILE = "log.jsonl"
@@ -26,7 +27,7 @@ class ConfigEvent(JsonRecord):
     """The first line: the run's config (:class:`TrainConfig` as a dict), the model's identity and the processes."""
 
     config: dict[str, Any]
-    identity: dict[str, Any]
+    identity: ModelIdentity
     world_size: Count
     event: str = "config"
 

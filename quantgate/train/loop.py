@@ -140,7 +140,7 @@ def _train(
     if c.log_with is not None:
         acc.init_trackers("tensorboard", config=hyperparameters(c))
     if not c.resume:
-        logger.write(ConfigEvent(asdict(c), identity.to_json(), world))
+        logger.write(ConfigEvent(asdict(c), identity, world))
     model.train()
     it = iter(data)
     # one process computes the MLM loss at the masked positions only; a DDP or FSDP wrapper must see the forward call
