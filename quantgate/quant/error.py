@@ -16,7 +16,7 @@ from ..json_record import Count, JsonRecord
 from ..models.families import family_of
 from ..models.modes import eval_mode
 from ..stats import paired_delta
-from .simulate import act_quantizers
+from .simulate import ActQuant, act_quantizers
 
 __all__ = [
     "quant_error",
@@ -243,7 +243,7 @@ def site_sensitivity(
         d = paired_delta(base, new, "perplexity")
         return PplChange(d.value, d.low, d.high)
 
-    def cost(q, alone: PplChange) -> SiteCost:
+    def cost(q: ActQuant, alone: PplChange) -> SiteCost:
         lo, hi = (None, None) if q.spec.dynamic else (float(q.lo.min()), float(q.hi.max()))
         return SiteCost(q.name, alone.ppl_change, alone.low, alone.high, sqnr_db(q.signal, q.noise), lo, hi)
 
