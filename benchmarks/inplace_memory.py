@@ -81,7 +81,7 @@ def measure(path: str, dtype: str, tokens: int, scheme: str, threads: int) -> di
             seen = calibrate(model, batches, n, trim)
             runs.append(time.process_time() - t0)
         passes.append(runs)
-        forwards.append(seen["batches"])
+        forwards.append(seen.batches)
         return seen
 
     quant._calibrate = timed

@@ -471,7 +471,7 @@ def sites(results: dict[str, StudyRecord], name: str, seed: int) -> None:
                         q(**b)
                 for h in hooks:
                     h.remove()
-            found = site_sensitivity(q, held_out, max_batches=4)  # switches every quantizer back on
+            found = site_sensitivity(q, held_out, max_batches=4).to_json()  # switches every quantizer back on
             for row in found["sites"]:
                 row["first_token_max"], row["other_tokens_max"] = peaks.get(row["name"], [None, None])
             out.setdefault(c.variant, {})[scheme] = found

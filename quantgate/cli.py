@@ -119,7 +119,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     n_gate = parameter_count(gates.values())  # by storage: a tied head (two Parameters over one tensor) once
     n_all = parameter_count(model)
     dtype = next(model.parameters()).dtype
-    quant = quantization_of(model) or {}
+    quant = quantization_of(model)
     rows = [
         ("model", args.model),
         ("family", family_of(model).name),
@@ -127,12 +127,12 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("variant", str(variant_of(model))),
         ("parameters", f"{n_all:,} ({n_all - n_gate:,} base + {n_gate:,} gate/sink)"),
         ("dtype", str(dtype).removeprefix("torch.")),
-        ("quantization", quant.get("scheme", "none")),
+        ("quantization", quant.scheme if quant else "none"),
     ]
     if quant:
-        rows.append(("quantized by", quant["origin"]))
-    if quant.get("source_sha256"):
-        rows.append(("float source", f"{quant.get('source_model') or '?'} (sha256 {quant['source_sha256'][:16]})"))
+        rows.append(("quantized by", quant.origin))
+    if quant and quant.source_sha256:
+        rows.append(("float source", f"{quant.source_model or '?'} (sha256 {quant.source_sha256[:16]})"))
     rows.append(("layers", str(model.config.num_hidden_layers)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
@@ -212,11 +212,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     else:
         report = quant_error(model, q, held_out, max_batches=2)
         print(
-            f"{scheme}: logits SQNR {report['logits_sqnr_db']:.1f} dB on held-out text; worst blocks: "
-            + ", ".join(f"{r['layer']} ({r['sqnr_db']:.1f} dB)" for r in report["worst_layers"])
+            f"{scheme}: logits SQNR {report.logits_sqnr_db:.1f} dB on held-out text; worst blocks: "
+            + ", ".join(f"{r.layer} ({r.sqnr_db:.1f} dB)" for r in report.worst_layers)
         )
-        if report["overflow"]:
-            print(f"FP8 saturation: {report['overflow']} values hit the format's limit")
+        if report.overflow:
+            print(f"FP8 saturation: {report.overflow} values hit the format's limit")
     if args.out:
         save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
         fmt = read_json(Path(args.out) / "quantization.json").get("format")

@@ -23,10 +23,12 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from quantgate.errors import InputError
+from quantgate.json_record import JsonRecord
 
 __all__ = [
     "write_text_atomic",
@@ -41,6 +43,7 @@ __all__ = [
     "claim_output",
     "mark_output",
     "MARKER",
+    "Marker",
     "OUTPUT_KINDS",
     "is_folder_name",
     "folder_name",
@@ -267,7 +270,7 @@ def _probe(directory: Path) -> None:
 
 # --- ownership of output folders ----------------------------------------------------------------------
 
-MARKER = ".quantgate"  # {"written_by": "quantgate <command>", "kind": <a key of OUTPUT_KINDS>}: who wrote a folder
+MARKER = ".quantgate"  # who wrote a folder: a Marker
 
 # the kinds of folder quantgate writes -> their name in a message
 OUTPUT_KINDS = {
@@ -280,6 +283,22 @@ OUTPUT_KINDS = {
     "compare": "comparison",
     "tokenizers": "tokenizer set",
 }
+
+
+@dataclass(frozen=True)
+class Marker(JsonRecord):
+    """A folder's :data:`MARKER`: who wrote it (``written_by``: ``quantgate <command>``, ``qg.save``) and the
+    ``kind`` of output it holds (a key of :data:`OUTPUT_KINDS`)."""
+
+    written_by: str
+    kind: str
+
+    @property
+    def output(self) -> str:
+        """The kind of output it names (an audit's marked ``study`` before audits had their own kind)."""
+        return "audit" if self.kind == "study" and self.written_by == "quantgate audit" else self.kind
+
+
 _REPLACED_WHOLE = {"model"}  # a new one replaces the old one's files: only with overwrite
 _OWN_FILES = (MARKER, ".quantgate.lock", ".quantgate-write-test.*")  # quantgate's bookkeeping: not content
 _MODEL_FILES = ("config.json", "generation_config.json", "quantization.json", "*.safetensors",
@@ -383,11 +402,6 @@ def _older_kind(directory: Path, content: list[str]) -> str | None:
     return None
 
 
-def _marker_kind(marker: dict[str, Any]) -> str:
-    """The kind a marker names (an audit's marked ``study`` before audits had their own kind)."""
-    return "audit" if marker["kind"] == "study" and marker.get("written_by") == "quantgate audit" else marker["kind"]
-
-
 def owner(directory: str | Path) -> tuple[str, str | None] | None:
     """``(kind, written_by)`` of the quantgate output in folder ``directory`` (its :data:`MARKER`; an older
     quantgate's by :func:`_older_kind`, ``written_by`` None), None where quantgate did not write it."""
@@ -396,23 +410,22 @@ def owner(directory: str | Path) -> tuple[str, str | None] | None:
         return None
     marker = _marker(directory)
     if marker is not None:
-        by = marker.get("written_by")
-        return _marker_kind(marker), by if isinstance(by, str) else None
+        return marker.output, marker.written_by
     content = sorted(e for e in os.listdir(directory) if not any(fnmatch.fnmatch(e, p) for p in _OWN_FILES))
     kind = _older_kind(directory, content) if content else None
     return (kind, None) if kind else None
 
 
-def _marker(directory: Path) -> dict[str, Any] | None:
+def _marker(directory: Path) -> Marker | None:
     """The folder's marker where it holds a valid one, else None."""
     path = directory / MARKER
     if not path.is_file() or path.is_symlink():
         return None
     try:
-        data = read_json(path, limit=1 << 16)
-    except ValueError:
+        marker = Marker.from_json(read_json(path, limit=1 << 16))
+    except ValueError:  # not JSON, or not a marker (InputError is one)
         return None
-    return data if data.get("kind") in OUTPUT_KINDS else None
+    return marker if marker.kind in OUTPUT_KINDS else None
 
 
 def _escaping_links(directory: Path, deep: bool) -> Iterator[tuple[Path, Path]]:
@@ -447,7 +460,7 @@ def claim_output(
       train (whose --resume/--overwrite rule then applies), an eval, observe or compare folder is written
       again; a model folder is replaced only with ``overwrite`` (``--overwrite``), its other files kept.
 
-    Who wrote a folder is read from its :data:`MARKER` (``{"written_by": ..., "kind": ...}``). A folder an
+    Who wrote a folder is read from its :data:`MARKER` (a :class:`Marker`: written by, kind). A folder an
     older quantgate wrote has none; it counts as quantgate's only where every entry in it is a name that kind
     writes (:data:`_WRITES`) and a file only quantgate writes is there in quantgate's own shape (:data:`_LEGACY`):
     a user's eval.json, log.jsonl or config.json beside their own notes, or in a shape of their own, is theirs.
@@ -478,11 +491,11 @@ def claim_output(
         )
         if content:
             marker = _marker(directory)
-            found_kind = _marker_kind(marker) if marker else _older_kind(directory, content)
+            found_kind = marker.output if marker else _older_kind(directory, content)
             if found_kind is None:
                 shown = ", ".join(content[:4]) + (f", ... ({len(content)} in all)" if len(content) > 4 else "")
                 raise InputError(f"{what} {directory} holds files quantgate did not write ({shown}); {fix}")
-            written_by = f" (written by {marker['written_by']})" if marker and marker.get("written_by") else ""
+            written_by = f" (written by {marker.written_by})" if marker and marker.written_by else ""
             if found_kind != kind:
                 raise InputError(
                     f"{what} {directory} holds a quantgate {OUTPUT_KINDS[found_kind]}{written_by}, not "
@@ -504,9 +517,9 @@ def claim_output(
 def mark_output(directory: Path, kind: str, by: str | None = None) -> None:
     """Mark the existing folder ``directory`` as output of ``kind`` written by ``by`` (default ``quantgate
     <kind>``): its :data:`MARKER`, which :func:`claim_output` reads."""
-    record = {"written_by": by or f"quantgate {kind}", "kind": kind}
-    if _marker(directory) != record:
-        write_text_atomic(directory / MARKER, json.dumps(record) + "\n")
+    marker = Marker(by or f"quantgate {kind}", kind)
+    if _marker(directory) != marker:
+        write_text_atomic(directory / MARKER, json.dumps(marker.to_json()) + "\n")
 
 
 def _refuse_links(directory: Path, what: str, fix: str, deep: bool) -> None:

@@ -115,6 +115,11 @@ class LayerSummary(LayerHeadline):
     gate: UnitSummary | None
     massive: list[MassiveEntry]
 
+    @property
+    def residual(self) -> TensorSummary:
+        """The residual stream after the block (the hooked tensor ``block_out``)."""
+        return self.tensors["block_out"]
+
 
 @dataclass(frozen=True)
 class Headline(JsonRecord):
@@ -166,7 +171,7 @@ class LayerRow(LayerHeadline):
 
     @classmethod
     def of(cls, layer: LayerSummary) -> LayerRow:
-        return cls(**_fields_of(LayerHeadline, layer), max_median_ratio=layer.tensors["block_out"].max_median_ratio)
+        return cls(**_fields_of(LayerHeadline, layer), max_median_ratio=layer.residual.max_median_ratio)
 
 
 @dataclass(frozen=True)

@@ -544,7 +544,7 @@ class ObserveReport(JsonRecord):
             "|---|---|---|---|---|---|---|",
         ]
         for i, L in enumerate(self.layers):
-            res = L.tensors["block_out"]
+            res = L.residual
             lines.append(
                 f"| {i} | {fmt(res.max_abs)} | {fmt(res.max_median_ratio)} | {fmt(L.kurtosis)} | "
                 f"{fmt(L.sink_mass)} | {fmt(L.gate_mean)} | {L.massive_activations} |"
@@ -634,7 +634,7 @@ def observe(
         batches=n_batches,
         data=getattr(batches, "split", None),
         model=getattr(model.config, "_name_or_path", "") or None,
-        quantization=(quantization_of(model) or {}).get("scheme"),  # quantgate's scheme or another tool's
+        quantization=q.scheme if (q := quantization_of(model)) else None,  # quantgate's scheme or another tool's
     )
     return ObserveReport(summary, layers, meta)
 
@@ -650,7 +650,7 @@ def _summary(
     ]
     if nonfinite:
         log.warning("observe: non-finite activations (excluded from the statistics): %s", nonfinite[:5])
-    res = [L.tensors["block_out"] for L in layers]
+    res = [L.residual for L in layers]
     gate_means = [L.gate_mean for L in layers if L.gate_mean is not None]
     final_out = obs.final_out.summary(decode) if obs.final_out.sequences and family.objective == "clm" else None
     outer = [final_out] if final_out else []

@@ -22,7 +22,7 @@ variant; the printed form lists only parameters that differ from their defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, TypedDict
+from typing import Any, TypeVar
 
 from .attention.gates import GATE_KINDS, GateKind, gate_kind, logit
 from .errors import InputError
@@ -57,9 +57,6 @@ def _check_ranges(spec, owner: str) -> None:
         value = getattr(spec, f.name)
         if "valid" in f.metadata and value is not None:
             f.metadata["valid"].check(owner, f.name, value)
-
-
-_SLOTS = {"clipped": "clip"}  # the AttentionVariant field of a component, where it is not the component's name
 
 
 @dataclass(frozen=True)
@@ -173,7 +170,7 @@ class AttentionVariant:
             return text
         if text is None or not str(text).strip():
             return cls()
-        parts: _Parts = {}
+        found: list[GateSpec | ClipSpec | SinkSpec] = []
         for comp in str(text).strip().split("+"):
             name, _, arg = comp.strip().partition(":")
             name = name.strip()
@@ -182,30 +179,12 @@ class AttentionVariant:
                 if params or len(str(text).split("+")) > 1:
                     raise InputError("'vanilla' takes no parameters and combines with nothing")
                 continue
-            slot = "gate" if name in GATE_KINDS else _SLOTS.get(name, name)
-            if slot in parts:
-                what = "more than one gate" if slot == "gate" else f"{name} twice"
+            spec = _component(name, params)
+            if any(type(s) is type(spec) for s in found):
+                what = "more than one gate" if isinstance(spec, GateSpec) else f"{name} twice"
                 raise InputError(f"variant {text!r} names {what}; give each component once")
-            if name in GATE_KINDS:
-                aliases = GATE_KINDS[name].aliases
-                both = [k for k, alias in aliases.items() if k in params and alias in params]
-                if both:
-                    raise InputError(f"{name}: {both[0]} is another name for {aliases[both[0]]}; give one of them")
-                params = {aliases.get(k, k): v for k, v in params.items()}
-                pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
-                low_rank = params.pop("low_rank", None)
-                parts["gate"] = GateSpec(
-                    name, float(pi_init), None if low_rank is None else int(low_rank), tuple(params.items())
-                )
-            elif name == "clipped":
-                if "alpha" in params and "gamma" not in params:
-                    params["gamma"] = None
-                parts["clip"] = ClipSpec(**params)
-            elif name == "sink":
-                parts["sink"] = SinkSpec(**params)
-            else:
-                raise InputError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
-        return cls(**parts)
+            found.append(spec)
+        return cls(_one(found, GateSpec), _one(found, ClipSpec), _one(found, SinkSpec))
 
     def __str__(self) -> str:
         comps = [str(c) for c in (self.gate, self.clip, self.sink) if c is not None]
@@ -214,22 +193,41 @@ class AttentionVariant:
     @staticmethod
     def describe() -> dict[str, str]:
         """One line per variant name, for ``--list`` output."""
-        out = {"vanilla": "plain softmax attention"}
-        out.update({k: s.description for k, s in GATE_KINDS.items()})
-        out["clipped"] = "clipped softmax; params gamma (default -0.025), zeta (1.0) or alpha (gamma=-alpha/T)"
-        out["sink"] = "learnable per-head sink logit appended to every softmax row (gpt-oss); param init"
-        return out
+        return {
+            "vanilla": "plain softmax attention",
+            **{k: s.description for k, s in GATE_KINDS.items()},
+            "clipped": "clipped softmax; params gamma (default -0.025), zeta (1.0) or alpha (gamma=-alpha/T)",
+            "sink": "learnable per-head sink logit appended to every softmax row (gpt-oss); param init",
+        }
 
 
 VariantLike = AttentionVariant | str | None
 
 
-class _Parts(TypedDict, total=False):
-    """The components :meth:`AttentionVariant.parse` has read, by field."""
+def _component(name: str, params: dict[str, Any]) -> GateSpec | ClipSpec | SinkSpec:
+    """The component ``name`` of a variant with its ``params`` (read by :func:`_parse_params`)."""
+    if name in GATE_KINDS:
+        aliases = GATE_KINDS[name].aliases
+        both = [k for k, alias in aliases.items() if k in params and alias in params]
+        if both:
+            raise InputError(f"{name}: {both[0]} is another name for {aliases[both[0]]}; give one of them")
+        params = {aliases.get(k, k): v for k, v in params.items()}
+        pi_init = params.pop("pi_init", GATE_KINDS[name].pi_init)
+        low_rank = params.pop("low_rank", None)
+        return GateSpec(name, float(pi_init), None if low_rank is None else int(low_rank), tuple(params.items()))
+    if name == "clipped":  # alpha alone: gamma follows from it (-alpha / T), its fixed default unset
+        return ClipSpec(gamma=None, **params) if "alpha" in params and "gamma" not in params else ClipSpec(**params)
+    if name == "sink":
+        return SinkSpec(**params)
+    raise InputError(f"unknown attention variant {name!r}; valid: {', '.join(_names())}")
 
-    gate: GateSpec
-    clip: ClipSpec
-    sink: SinkSpec
+
+S = TypeVar("S", GateSpec, ClipSpec, SinkSpec)
+
+
+def _one(found: list[GateSpec | ClipSpec | SinkSpec], kind: type[S]) -> S | None:
+    """The component of type ``kind`` among those ``found`` (at most one), None where there is none."""
+    return next((s for s in found if isinstance(s, kind)), None)
 
 
 def _names() -> list[str]:

@@ -37,7 +37,7 @@ def test_w_bits_gives_the_grid_of_that_width(bits):
     for row in weight:  # per output channel, symmetric: 2^b - 1 levels
         assert len(torch.unique(row)) <= 2**bits - 1
     record = qg.quantization_of(q)
-    assert record is not None and record["scheme"] == f"w8-int8:w_bits={bits}"
+    assert record is not None and record.scheme == f"w8-int8:w_bits={bits}"
 
 
 def test_bits_options_parse_print_and_refuse_what_they_cannot_mean():

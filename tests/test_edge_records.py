@@ -127,13 +127,13 @@ def test_the_quantization_record_writes_its_keys_in_order_and_reads_older_record
         QuantizationRecord.from_json({**data, "schema": "x"})
 
 
-def test_quantize_stores_the_typed_record_and_quantization_of_its_json():
+def test_quantize_stores_the_typed_record_and_quantization_of_reads_it():
     model = qg.build("tiny-llama", seed=0)
     tok = qg.tokenizer(model)
     q = qg.quantize(model, "w8a8-int8-static", calibration=qg.data.batches(tok, "train", 32, 2), calib=2)
     own = record_of(q).quantization
     assert isinstance(own, QuantizationRecord) and own.calibration == CalibrationRecord(2, 2, 128, "train", 32)
-    assert qg.quantization_of(q) == {"origin": "quantgate", **own.to_json()}
+    assert qg.quantization_of(q) == own and own.with_origin() == {"origin": "quantgate", **own.to_json()}
     config: Any = q.config
     assert config.quantgate["quantization"] == own.to_json()  # config.json's object: plain JSON
     assert ModelRecord.from_json(config.quantgate) == record_of(q)

@@ -141,7 +141,7 @@ def test_quantized_models_evaluate_through_the_same_call(tiny):
         q = qg.quantize(tiny, scheme, calibration=calib, **options)
         out = evaluate(q, tok, ["quantgate_cloze"], limit=8)
         record = qg.quantization_of(q)
-        assert record is not None and out.settings.quantization == record["scheme"]
+        assert record is not None and out.settings.quantization == record.scheme
         assert out.results["quantgate_cloze"]["perplexity"] == pytest.approx(ref, rel=0.2)
 
 

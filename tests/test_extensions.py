@@ -171,7 +171,8 @@ def test_a_scheme_is_one_module(extension, tmp_path):
     extension("toy_scheme", TOY_SCHEME)
     model = qg.build("tiny-llama", seed=0).eval()
     q = qg.quantize(model, "w6a8-toy:w_bits=5")
-    assert (qg.quantization_of(q) or {}).get("scheme") == "w6a8-toy:w_bits=5"
+    record = qg.quantization_of(q)
+    assert record is not None and record.scheme == "w6a8-toy:w_bits=5"
     w = q.get_parameter("model.layers.0.mlp.up_proj.weight")
     for row in w:  # INT5 per channel, symmetric: at most 2^5 - 1 levels in a row
         assert row.unique().numel() <= 31

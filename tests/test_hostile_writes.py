@@ -13,6 +13,7 @@ from conftest import TINY_STUDY, one_line_error, snapshot_files
 import quantgate as qg
 from quantgate.cli import main
 from quantgate.files import MARKER
+from quantgate.models.record import record_of
 
 TRAIN = ["train", "--preset", "tiny-llama", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]
 AUDIT = ["--docs", "1", "--schemes", "w8a8-int8-static", "--budget", "1h"]
@@ -181,9 +182,9 @@ def test_audit_of_a_quantized_checkpoint_does_not_take_another_folder_of_the_sam
     shutil.copytree(float_model, here / "fl")
     monkeypatch.chdir(here)
     assert main(["quantize", "fl", "--scheme", "w8a8-int8-dynamic", "--out", str(tmp_path / "q-dyn")]) == 0
-    record = qg.quantization_of(qg.load(tmp_path / "q-dyn"))
-    assert record is not None and record["source_model"] == str((here / "fl").resolve())
-    assert record["source_files_sha256"]
+    record = record_of(qg.load(tmp_path / "q-dyn")).quantization
+    assert record is not None and record.source_model == str((here / "fl").resolve())
+    assert record.source_files_sha256
     qg.save(qg.build("tiny-llama", seed=7), there / "fl")  # another model of the same name, elsewhere
     monkeypatch.chdir(there)
     shutil.rmtree(here / "fl")

@@ -319,7 +319,8 @@ def test_a_new_backend_is_a_scheme_class_and_one_handler_module(toy_backend, tmp
 
     model = qg.build("tiny-llama", seed=0).eval()
     q = qg.quantize(model, "w16-toy:keep=model.layers.1*")
-    assert (qg.quantization_of(q) or {}).get("scheme") == "w16-toy:keep=model.layers.1*"
+    record = qg.quantization_of(q)
+    assert record is not None and record.scheme == "w16-toy:keep=model.layers.1*"
     rounded, kept = (q.get_parameter(f"model.layers.{i}.mlp.up_proj.weight") for i in (0, 1))
     assert torch.equal(rounded, rounded.to(torch.bfloat16).float())
     assert not torch.equal(rounded, model.get_parameter("model.layers.0.mlp.up_proj.weight"))  # it did round

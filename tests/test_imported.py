@@ -13,7 +13,8 @@ import torch
 import quantgate as qg
 from quantgate.cli import main
 from quantgate.models.families import config_of
-from quantgate.quant.imported import check_installed, dequantize_, describe
+from quantgate.models.record import QuantizationRecord
+from quantgate.quant.imported import ImportedQuantization, check_installed, dequantize_, describe
 from quantgate.stats import format_delta, paired_delta
 
 CT_LABEL = "compressed-tensors:w8a8-int8 (weights int8 channel symmetric, activations int8 token dynamic)"
@@ -135,7 +136,7 @@ def test_info_eval_and_compare_name_the_scheme_and_pair_with_baseline(ckpts, cap
 def test_quantize_refuses_a_quantized_checkpoint(ckpts, kind, label):
     model = qg.load(ckpts[kind])
     record = qg.quantization_of(model)
-    assert record is not None and record["scheme"] == label
+    assert record is not None and record.scheme == label
     for scheme in ("w8-int8", "torchao-int8-weight-only"):
         with pytest.raises(ValueError) as err:
             qg.quantize(model, scheme)
@@ -157,7 +158,7 @@ def test_quantgate_records_refuse_too():
     ao = qg.quantize(qg.build("tiny-llama"), "torchao-int8-weight-only")
     config_of(ao).quantgate.pop("quantization")  # the record gone: its torchao tensors still say it
     record = qg.quantization_of(ao)
-    assert record is not None and record["scheme"] == "torchao:Int8Tensor (quantized tensors, no quantization_config)"
+    assert record is not None and record.scheme == "torchao:Int8Tensor (quantized tensors, no quantization_config)"
     with pytest.raises(ValueError, match=r"already quantized .*from its tensors"):
         qg.quantize(ao, "w8-int8")
     with pytest.raises(ValueError, match="not quantized; leave dequantize out"):
@@ -174,21 +175,22 @@ def test_dequantize_gives_the_stored_int8_times_scale(ckpts):
     model = qg.load(ckpts["ct"])
     q = qg.quantize(model, "w8-int8", dequantize=True)
     record = qg.quantization_of(q)
-    assert record is not None and record["origin"] == "quantgate" and record["dequantized_from"] == CT_LABEL
+    assert isinstance(record, QuantizationRecord) and record.origin == "quantgate"
+    assert record.dequantized_from == CT_LABEL
     source = qg.quantization_of(model)
-    assert source is not None and source["scheme"] == CT_LABEL  # the source model is untouched
+    assert source is not None and source.scheme == CT_LABEL  # the source model is untouched
     float_model = dequantize_(qg.load(ckpts["ct"]))
     assert qg.quantization_of(float_model) is None
     weight = float_model.get_submodule(key).weight
     assert isinstance(weight, torch.Tensor) and torch.equal(weight, expected)
     assert not any(hasattr(m, "quantization_scheme") for m in float_model.modules())
     bnb = qg.quantization_of(qg.quantize(qg.load(ckpts["bnb"]), "w8-int8", dequantize=True))
-    assert bnb is not None and bnb["dequantized_from"] == BNB_LABEL
+    assert isinstance(bnb, QuantizationRecord) and bnb.dequantized_from == BNB_LABEL
 
 
 def test_records_and_observe_name_the_fields(ckpts):
     ct = qg.quantization_of(qg.load(ckpts["ct"]))
-    assert ct is not None and ct["weights"] == {
+    assert isinstance(ct, ImportedQuantization) and ct.settings["weights"] == {
         "num_bits": 8,
         "type": "int",
         "strategy": "channel",
@@ -196,12 +198,15 @@ def test_records_and_observe_name_the_fields(ckpts):
         "dynamic": False,
         "group_size": None,
     }
-    assert ct["input_activations"]["strategy"] == "token" and ct["input_activations"]["dynamic"] is True
-    assert ct["ignore"] == ["lm_head"] and ct["format"] == "int-quantized" and ct["kv_cache_scheme"] is None
+    settings = ct.settings
+    assert settings["input_activations"]["strategy"] == "token" and settings["input_activations"]["dynamic"] is True
+    assert settings["ignore"] == ["lm_head"] and settings["format"] == "int-quantized"
+    assert settings["kv_cache_scheme"] is None
     ao = qg.quantization_of(qg.load(ckpts["ao"]))
-    assert ao is not None and ao["config"] == "Int8WeightOnlyConfig"
+    assert isinstance(ao, ImportedQuantization) and ao.settings["config"] == "Int8WeightOnlyConfig"
     bnb = qg.quantization_of(qg.load(ckpts["bnb"]))
-    assert bnb is not None and (bnb["bits"], bnb["threshold"], bnb["has_fp16_weight"]) == (8, 6.0, False)
+    assert isinstance(bnb, ImportedQuantization)
+    assert (bnb.settings["bits"], bnb.settings["threshold"], bnb.settings["has_fp16_weight"]) == (8, 6.0, False)
     model = qg.load(ckpts["ct"])
     report = qg.observe(model, qg.data.batches(qg.tokenizer(model), "validation", 16, 2, max_batches=1), progress=False)
     assert report.meta.quantization == CT_LABEL and f"quantized {CT_LABEL})" in report.markdown()
@@ -209,11 +214,11 @@ def test_records_and_observe_name_the_fields(ckpts):
 
 def test_labels_of_other_configs():
     assert (
-        describe({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True})["scheme"]
+        describe({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}).scheme
         == "gptq:w4g128(sym)"
     )
     assert (
-        describe({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"})["scheme"]
+        describe({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}).scheme
         == "awq:w4g128(zero_point, gemm)"
     )
     assert (
@@ -225,7 +230,7 @@ def test_labels_of_other_configs():
                 "bnb_4bit_compute_dtype": "bfloat16",
                 "bnb_4bit_use_double_quant": True,
             }
-        )["scheme"]
+        ).scheme
         == "bitsandbytes:nf4(compute_dtype=bfloat16, double_quant)"
     )
     fp8 = {
@@ -240,7 +245,7 @@ def test_labels_of_other_configs():
         },
         "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
     }
-    assert describe(fp8)["scheme"] == (
+    assert describe(fp8).scheme == (
         "compressed-tensors:w8a8-fp8 (weights fp8 channel symmetric, activations fp8 "
         "token dynamic); kv-cache fp8 tensor static"
     )
@@ -253,7 +258,7 @@ def test_labels_of_other_configs():
             }
         },
     }
-    assert describe(w4)["scheme"] == "compressed-tensors:w4a16-int4 (weights int4 group 128 asymmetric)"
+    assert describe(w4).scheme == "compressed-tensors:w4a16-int4 (weights int4 group 128 asymmetric)"
 
 
 @pytest.mark.parametrize(
@@ -288,11 +293,7 @@ def test_a_sidecar_source_hash_pairs_a_foreign_checkpoint_with_its_float_run(ckp
     (folder / "quantization.json").write_text(json.dumps(sidecar))
     model = AutoModelForCausalLM.from_pretrained(folder)
     record = qg.quantization_of(model)
-    assert (
-        record is not None
-        and record["scheme"] == CT_LABEL
-        and record["source_sha256"] == fp["settings"]["model_sha256"]
-    )
+    assert record is not None and record.scheme == CT_LABEL and record.source_sha256 == fp["settings"]["model_sha256"]
     out = qg.evaluate(model, qg.tokenizer(folder), "quantgate_ppl", limit=3).to_json()
     assert out["settings"]["source_sha256"] == fp["settings"]["model_sha256"]
     (ckpts["root"] / "ev_sidecar").mkdir()

@@ -195,13 +195,13 @@ def test_lm_eval_models_are_registered_and_load_like_quantgate_eval():
     assert get_model("hf").__name__ == "HFLM"  # lm-eval's own models still there
     lm = QuantgateLM.create_from_arg_string("pretrained=tiny-llama,scheme=w8-int8", {"batch_size": "auto"})
     record = qg.quantization_of(lm.model)
-    assert record is not None and record["scheme"] == "w8-int8" and lm.batch_size_per_gpu == 8
+    assert record is not None and record.scheme == "w8-int8" and lm.batch_size_per_gpu == 8
     assert lm.max_length == 4096 and lm.add_bos_token is False  # tiny-llama: 8192 positions, capped
     mlm = PseudoLogLikelihoodLM.create_from_arg_string(
         "pretrained=tiny-bert,scheme=w8a8-int8-dynamic,variant=g1-headwise", {"batch_size": 4, "device": "cpu"}
     )
     record = qg.quantization_of(mlm.model)
-    assert record is not None and record["scheme"] == "w8a8-int8-dynamic" and mlm.batch_size == 4
+    assert record is not None and record.scheme == "w8a8-int8-dynamic" and mlm.batch_size == 4
     assert str(qg.variant_of(mlm.model)) == "g1-headwise" and mlm.max_length == 1024  # its positions
     info = mlm.get_model_info()
     assert info["quantgate_source"] == "tiny-bert" and info["quantgate_quantization"] == "w8a8-int8-dynamic"

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import quantgate as qg
+from quantgate.models.record import record_of
 from quantgate.quant import get_scheme, quantize
 from quantgate.quant.mitigate import massive_ffns, smooth_, smoothing_groups
 from quantgate.quant.quantizers import fake_block, fake_quant
@@ -130,10 +131,10 @@ def test_smoothed_static_int8_runs_end_to_end_and_records_what_it_did():
     model = _model()
     batches = _batches(model.config.vocab_size)
     q = quantize(model, "w8a8-int8-static:smooth=0.5,calib=3", calibration=batches)
-    record = qg.quantization_of(q)
-    assert record is not None
-    assert record["scheme"] == "w8a8-int8-static:calib=3,smooth=0.5"
-    assert record["mitigation"]["smooth"]["groups"] == 3 * len(model.model.layers)
+    record = record_of(q).quantization
+    assert record is not None and record.mitigation is not None and record.mitigation.smooth is not None
+    assert record.scheme == "w8a8-int8-static:calib=3,smooth=0.5"
+    assert record.mitigation.smooth.groups == 3 * len(model.model.layers)
     assert torch.isfinite(_logits(q, batches)).all()
 
 
@@ -244,8 +245,8 @@ def test_keep_auto_keeps_the_ffn_that_writes_a_planted_massive_activation():
     batches = _batches(model.config.vocab_size)
     assert massive_ffns(model, lambda m: _logits(m, batches)) == ["model.layers.1.mlp"]
     q = cast(LlamaForCausalLM, quantize(model, "w8a8-int8-static:keep=auto,calib=3", calibration=batches))
-    record = qg.quantization_of(q)
-    assert record is not None and record["mitigation"]["keep"] == ["model.layers.1.mlp"]
+    record = record_of(q).quantization
+    assert record is not None and record.mitigation is not None and record.mitigation.keep == ["model.layers.1.mlp"]
     assert not hasattr(q.model.layers[1].mlp.down_proj, "input_quant")
     assert hasattr(q.model.layers[0].mlp.down_proj, "input_quant")
     assert math.isfinite(float(_logits(q, batches).sum()))
@@ -377,8 +378,9 @@ def test_smoothquant_on_torchaos_real_int8_static_path_lowers_the_error_of_an_ou
 
     model, batches, ref = _outlier_model(80.0)
     err, q = _errors(model, batches, ref, ("torchao-int8-static:calib=2", "torchao-int8-static:smooth=0.5,calib=2"))
-    record = qg.quantization_of(q)
-    assert record is not None and record["mitigation"]["smooth"]["groups"] == 3 * len(model.model.layers)
+    record = record_of(q).quantization
+    assert record is not None and record.mitigation is not None and record.mitigation.smooth is not None
+    assert record.mitigation.smooth.groups == 3 * len(model.model.layers)
     assert err["torchao-int8-static:smooth=0.5,calib=2"] < 0.75 * err["torchao-int8-static:calib=2"]
     save_quantized(q, tmp_path / "q")
     torch.testing.assert_close(_logits(load_quantized(tmp_path / "q"), batches), _logits(q, batches))

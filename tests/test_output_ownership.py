@@ -69,7 +69,7 @@ def test_quantize_out_into_an_earlier_export_refused_then_replaced_with_overwrit
     assert snapshot_files(out) == before
     assert main([*again, "--overwrite"]) == 0
     record = qg.quantization_of(qg.load(out))
-    assert record is not None and record["scheme"] == "w8a8-int8-dynamic"
+    assert record is not None and record.scheme == "w8a8-int8-dynamic"
     assert main([*again, "--overwrite"]) == 0  # and again: its own folder, replaced whole
 
 

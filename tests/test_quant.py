@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import quantgate as qg
+from quantgate.models.record import record_of
 from quantgate.quant import get_scheme
 from quantgate.quant.error import sqnr_db
 from quantgate.quant.quantizers import (
@@ -173,7 +174,7 @@ def test_planted_outlier_breaks_static_int8_not_per_token_or_llm_int8():
     model = _planted_outlier_model()
     calib, held_out = _bos_batches(4), _bos_batches(2, seed=1)
     sqnr = {
-        s: qg.quant_error(model, qg.quantize(model, s, calibration=calib), held_out)["logits_sqnr_db"]
+        s: qg.quant_error(model, qg.quantize(model, s, calibration=calib), held_out).logits_sqnr_db
         for s in ("w8a8-int8-static", "w8a8-int8-dynamic", "llm-int8", "w8a8-fp8-e4m3")
     }
     assert sqnr["w8a8-int8-dynamic"] > sqnr["w8a8-int8-static"] + 15  # per-tensor static error >> per-token
@@ -195,17 +196,18 @@ def test_site_sensitivity_measures_each_site_alone():
 
     before = loss(q)
     clean = qg.quant.site_sensitivity(q, held_out)
-    assert clean["none"] == pytest.approx(loss(model), rel=1e-4)  # W16: all off is the float model (HF sums differ)
-    assert clean["all"] == pytest.approx(before, rel=1e-4) and loss(q) == before  # quantizers back on after
+    assert clean.none == pytest.approx(loss(model), rel=1e-4)  # W16: all off is the float model (HF sums differ)
+    assert clean.all == pytest.approx(before, rel=1e-4) and loss(q) == before  # quantizers back on after
     site = next(m for m in act_quantizers(q) if m.name == "model.layers.0 output")
     site.lo.fill_(-1e-3), site.hi.fill_(1e-3)  # clamp that one tensor to nothing
     broken = qg.quant.site_sensitivity(q, held_out)
-    worst = broken["sites"][0]
-    assert worst["name"] == site.name and worst["ppl_change"] > 1 and worst["sqnr_db"] < 1
-    assert 0 < worst["low"] <= worst["ppl_change"] <= worst["high"]  # its paired interval excludes 0
-    assert broken["all_change"]["ppl_change"] == pytest.approx(math.exp(broken["all"] - broken["none"]) - 1)
-    others = {r["name"]: r["ppl_change"] for r in clean["sites"] if r["name"] != site.name}
-    assert {r["name"]: r["ppl_change"] for r in broken["sites"] if r["name"] != site.name} == pytest.approx(others)
+    worst = broken.sites[0]
+    assert worst.name == site.name and worst.ppl_change > 1 and worst.sqnr_db < 1
+    assert worst.low is not None and worst.high is not None
+    assert 0 < worst.low <= worst.ppl_change <= worst.high  # its paired interval excludes 0
+    assert broken.all_change.ppl_change == pytest.approx(math.exp(broken.all - broken.none) - 1)
+    others = {r.name: r.ppl_change for r in clean.sites if r.name != site.name}
+    assert {r.name: r.ppl_change for r in broken.sites if r.name != site.name} == pytest.approx(others)
     with pytest.raises(ValueError, match="activation quantizers"):
         qg.quant.site_sensitivity(qg.quantize(model, "w8-int8"), held_out)
     site.hi.fill_(float("nan"))  # a broken range: a clear error, not a NaN change (its NaN reaches the loss)
@@ -243,11 +245,11 @@ def test_every_cpu_scheme_runs_and_reloads_bit_exactly(tmp_path, scheme, variant
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # the source is untouched
     ids = _bos_batches(1, seed=3)[0]["input_ids"]
     err = qg.quant_error(model, q, [{"input_ids": ids}])
-    assert 10 < err["logits_sqnr_db"] < math.inf  # quantized, and still the same model (the gates survive)
+    assert 10 < err.logits_sqnr_db < math.inf  # quantized, and still the same model (the gates survive)
     qg.save(q, tmp_path / "q")
     again = qg.load(tmp_path / "q")
     record = qg.quantization_of(again)
-    assert record is not None and record["scheme"] == str(get_scheme(scheme))
+    assert record is not None and record.scheme == str(get_scheme(scheme))
     with torch.no_grad():
         assert torch.equal(again(ids).logits, q(ids).logits)
 
@@ -263,12 +265,12 @@ def test_inplace_and_manifest(tmp_path):
     model = qg.build("tiny-opt")
     same = qg.quantize(model, "w8-int8", inplace=True)
     record = qg.quantization_of(model)
-    assert same is model and record is not None and record["scheme"] == "w8-int8"
+    assert same is model and record is not None and record.scheme == "w8-int8"
     q = qg.quantize(qg.build("tiny-opt"), "w8a8-int8-static", calibration=_bos_batches(3), calib=2, estimator="minmax")
-    rec = qg.quantization_of(q)
-    assert rec is not None
-    assert rec["scheme"] == "w8a8-int8-static:estimator=minmax,calib=2"
-    assert rec["calibration"]["batches"] == 2 and rec["source_model"] == "tiny-opt" and len(rec["source_sha256"]) == 64
+    rec = record_of(q).quantization
+    assert rec is not None and rec.calibration is not None and rec.source_sha256 is not None
+    assert rec.scheme == "w8a8-int8-static:estimator=minmax,calib=2"
+    assert rec.calibration.batches == 2 and rec.source_model == "tiny-opt" and len(rec.source_sha256) == 64
     qg.save(q, tmp_path / "q")
     import json
 

@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 import quantgate as qg
+from quantgate.models.record import record_of
 from quantgate.models.swap import apply_variant
 from quantgate.quant import SCHEMES, get_scheme, quantization_of
 from quantgate.quant.quantizers import RangeObserver, percentile_range, quantize_weight_qparams
@@ -335,7 +336,7 @@ def test_the_record_names_the_options_that_ran():
     q = qg.quantize(qg.build("tiny-llama", seed=0).eval(), "w8a8-int8-static", calibration=_batches(1), calib_skip=1)
     record = quantization_of(q)
     assert record is not None
-    scheme = record["scheme"]
+    scheme = record.scheme
     assert scheme == "w8a8-int8-static:calib_skip=1"
     parsed = get_scheme(scheme)
     assert isinstance(parsed, SimulatedScheme) and parsed.act is not None and parsed.act.calib_skip == 1
@@ -357,11 +358,11 @@ def test_the_calibration_record_counts_the_batches_that_ran(given, calib, used, 
     options = {} if calib is None else {"calib": calib}
     with caplog.at_level(logging.WARNING, logger="quantgate"):
         q = qg.quantize(model, "w8a8-int8-static", calibration=iter(_batches(given)), **options)
-    quantization = quantization_of(q)
+    quantization = record_of(q).quantization
     assert quantization is not None
-    record = quantization["calibration"]
+    record = quantization.calibration
     requested = 16 if calib is None else calib
-    assert record["batches"] == used and record["requested"] == requested and record["tokens"] == used * 2 * 16
+    assert record is not None and (record.batches, record.requested, record.tokens) == (used, requested, used * 2 * 16)
     short = [r.getMessage() for r in caplog.records if "calibration:" in r.getMessage()]
     if used < requested:
         assert short == [

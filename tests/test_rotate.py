@@ -10,8 +10,9 @@ import torch
 from transformers import PreTrainedModel
 
 import quantgate as qg
+from quantgate.models.record import record_of
 from quantgate.models.swap import gate_parameters
-from quantgate.quant.rotate import UnitRMSNorm, check_rotatable, hadamard_pre_hook, rotate_
+from quantgate.quant.rotate import OnlineHadamard, UnitRMSNorm, check_rotatable, rotate_
 
 VOCAB = 128
 
@@ -61,10 +62,10 @@ def test_rotation_keeps_the_logits(preset, online):
     assert isinstance(norm, UnitRMSNorm) and not list(norm.parameters())
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert model.config.tie_word_embeddings is False
-    assert model.config.quantgate["rotation"] == info and info["online"] is online
-    assert info["d_ff"] == (128 if online else None)
+    assert record_of(model).rotation == info and info.online is online
+    assert info.d_ff == (128 if online else None)
     # RMSNorm models add nothing; OPT's final LayerNorm bias becomes an LM-head bias
-    assert info["extra_params"] == (VOCAB if preset == "tiny-opt" else 0)
+    assert info.extra_params == (VOCAB if preset == "tiny-opt" else 0)
 
 
 @pytest.mark.parametrize(
@@ -91,14 +92,14 @@ def test_sizes_that_are_not_powers_of_two():
     """d = 48 = 12 * 4 and d_ff = 160 = 40 * 4 use torchao's stored Hadamard blocks (K = 12, K = 40)."""
     model = tiny("tiny-qwen3", "g1-elementwise", hidden_size=48, intermediate_size=160)
     info = assert_same_function(model)
-    assert info["extra_ops_per_token"] == 2 * 160 * (2 + 40 - 1)  # layers * d_ff * (log2(d_ff / K) + K - 1)
+    assert info.extra_ops_per_token == 2 * 160 * (2 + 40 - 1)  # layers * d_ff * (log2(d_ff / K) + K - 1)
 
 
 def test_extra_ops_per_token_formula():
     model = tiny("tiny-llama", num_hidden_layers=3, intermediate_size=256)
     info = rotate_(model)
-    assert info["extra_ops_per_token"] == 3 * 256 * int(math.log2(256))  # K = 1: layers * d_ff * log2(d_ff)
-    assert rotate_(tiny(), online=False)["extra_ops_per_token"] == 0
+    assert info.extra_ops_per_token == 3 * 256 * int(math.log2(256))  # K = 1: layers * d_ff * log2(d_ff)
+    assert rotate_(tiny(), online=False).extra_ops_per_token == 0
 
 
 def test_deepcopy_and_seeds():
@@ -108,7 +109,7 @@ def test_deepcopy_and_seeds():
     rotate_(model, seed=0)
     rotate_(twin, seed=1)
     dup = copy.deepcopy(model)
-    assert hadamard_pre_hook in dup.base_model.decoder.layers[1].fc2._forward_pre_hooks.values()
+    assert any(isinstance(h, OnlineHadamard) for h in dup.base_model.decoder.layers[1].fc2._forward_pre_hooks.values())
     torch.testing.assert_close(logits(dup, x), logits(model, x), atol=0, rtol=0)
     torch.testing.assert_close(logits(twin, x), logits(model, x), atol=1e-4, rtol=0)
     assert not torch.equal(twin.base_model.decoder.embed_tokens.weight, model.base_model.decoder.embed_tokens.weight)
@@ -203,10 +204,8 @@ def test_the_online_transform_is_x_times_the_hadamard_matrix_in_each_dtype(n, dt
     hadK, K = get_hadK(n)
     m = matmul_hadU_slow(torch.eye(n, dtype=torch.float64), hadK, K)
     assert torch.allclose(m @ m.T, torch.eye(n, dtype=torch.float64), atol=1e-12)  # orthonormal
-    linear = torch.nn.Linear(n, 4)
-    vars(linear)["qg_hadamard"] = (hadK, K)
     x = torch.randn(3, 7, n, generator=torch.Generator().manual_seed(n)).to(dtype)
-    (y,) = hadamard_pre_hook(linear, (x,))
+    (y,) = OnlineHadamard(hadK, K)(torch.nn.Linear(n, 4), (x,))
     exact = x.double() @ m
     assert y.dtype == dtype and y.shape == x.shape
     # bf16: oneDNN's GEMM rounds its sums to within 2^-8 (measured), then the scaling rounds once more

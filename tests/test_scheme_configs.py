@@ -90,7 +90,7 @@ def test_a_new_torchao_config_is_one_row(registries, tmp_path):
     qg.save(q, tmp_path / "q")
     again = qg.load(tmp_path / "q")
     record = qg.quantization_of(again)
-    assert record is not None and record["scheme"] == "my-int8-weights:keep=model.layers.1*"
+    assert record is not None and record.scheme == "my-int8-weights:keep=model.layers.1*"
     with torch.no_grad():
         assert torch.equal(again(ids).logits, q(ids).logits)
 

@@ -285,7 +285,7 @@ def test_quantize_refuses_a_model_quantgate_quantized(how, quantized_dir):
     if how == "dequantize":
         assert "cannot be dequantized" in str(err.value)
     record = qg.quantization_of(model)
-    assert record is not None and record["scheme"] == "w8-int8"
+    assert record is not None and record.scheme == "w8-int8"
 
 
 @pytest.mark.parametrize("command", ["quantize", "eval"])

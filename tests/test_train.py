@@ -324,6 +324,7 @@ def test_a_mixed_precision_run_returns_the_model_without_its_autocast_wrapper():
 def test_the_log_is_written_and_read_as_typed_records(tmp_path):
     """log.jsonl: one writer (JsonLog, typed events) and one reader (read_log), which refuses an edited line by
     file, line and field."""
+    from quantgate.train.checkpoint import ModelIdentity
     from quantgate.train.log import (
         ConfigEvent,
         EvalEvent,
@@ -338,7 +339,7 @@ def test_the_log_is_written_and_read_as_typed_records(tmp_path):
     path = tmp_path / "log.jsonl"
     log = JsonLog(path, keep_until=None)
     events: list[Event] = [
-        ConfigEvent({"steps": 2}, {"family": "llama"}, 1),
+        ConfigEvent({"steps": 2}, ModelIdentity("llama", "vanilla", 9, "0123456789abcdef"), 1),
         TrainEvent(1, 5.5, 1e-3, None, 64, 1000.0),
         EvalEvent(1, 5.25),
         ObserveEvent(1, [LayerPoint(3.0, 1.5, 0.2, None)], 3.0, 10.0, 1.5, 0.2, None),

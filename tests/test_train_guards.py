@@ -107,7 +107,7 @@ TAMPERED = {
         "optimizer.param_groups[0] is a JSON number, not an object",
     ),
     "scaler-text": (_set("x", "scaler"), "scaler is a JSON string, not an object"),
-    "data-batch": (_set("x", "data", "batch"), "data.batch must be an integer >= 0; got 'x'"),
+    "data-batch": (_set("x", "data", "batch"), "data.batch is 'x', not a whole number >= 0"),
     "model-config": (_set([], "model_config"), "model_config is a JSON array, not an object"),
     "not-an-object": (lambda s: s.clear() or s.update(format=1, world_size=[]), "trainer.json: identity is missing"),
 }

@@ -221,10 +221,9 @@ class Batches(Resumable):
 
     def _make(self, index: torch.Tensor, epoch: int, b: int) -> dict[str, torch.Tensor]:
         ids = self.rows[index].clone()
-        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        mask = torch.ones_like(ids)
         if self.objective == "clm":
-            out["labels"] = ids.clone()
-            return out
+            return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
         g = torch.Generator().manual_seed(_generator_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + b))
         selected = (torch.rand(ids.shape, generator=g) < self.mlm_probability) & self._maskable[ids]
         labels = torch.where(selected, ids, torch.full_like(ids, -100))
@@ -232,8 +231,7 @@ class Batches(Resumable):
         random_ids = self._random_ids[torch.randint(len(self._random_ids), ids.shape, generator=g)]
         ids = torch.where(selected & (action < 0.8), torch.full_like(ids, self.tokenizer.mask_token_id), ids)
         ids = torch.where(selected & (action >= 0.8) & (action < 0.9), random_ids, ids)
-        out.update(input_ids=ids, labels=labels)
-        return out
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 class BatchOptions(TypedDict, total=False):

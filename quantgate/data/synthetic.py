@@ -15,15 +15,25 @@ activation at BOS to flatten it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TypedDict, cast
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict, cast
 
 import torch
 
 from ..errors import InputError
+from ..json_record import Count, JsonRecord
 from ..options import Option, Range, key_values
 
-__all__ = ["BackcopyBatches", "Resumable", "TASK_OPTIONS", "TaskOptions", "is_backcopy", "task_options"]
+__all__ = [
+    "BackcopyBatches",
+    "Resumable",
+    "DataPosition",
+    "TASK_OPTIONS",
+    "TaskOptions",
+    "is_backcopy",
+    "task_options",
+]
 
 _STARTS = ("random", "chain")  # the token after BOS: uniform over the vocabulary, or drawn from BOS's successors
 
@@ -46,6 +56,17 @@ class TaskOptions(TypedDict, total=False):
 def is_backcopy(source: str) -> bool:
     """Whether a data source names the synthetic backcopy task (``backcopy`` or ``backcopy:...``)."""
     return source.partition(":")[0] == "backcopy"
+
+
+@dataclass(frozen=True)
+class DataPosition(JsonRecord):
+    """Where a :class:`Resumable` stream stands (its ``state_dict()``, which trainer.json keeps as ``data``): the
+    ``epoch`` and the next ``batch`` in it, of the stream's ``split`` and ``seed``."""
+
+    epoch: Count
+    batch: Count
+    split: str
+    seed: int
 
 
 class Resumable:
@@ -74,16 +95,18 @@ class Resumable:
     def _batches(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__} must define _batches(epoch)")
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch, "split": self.split, "seed": self.seed}
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's :class:`DataPosition`, as JSON."""
+        return DataPosition(self.epoch, self.batch, self.split, self.seed).to_json()
 
-    def load_state_dict(self, state: dict) -> None:
-        if (state.get("split"), state.get("seed")) != (self.split, self.seed):
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue, at the next ``for`` loop, from the :class:`DataPosition` ``state`` (JSON) of this split, seed."""
+        position = DataPosition.from_json(state)
+        if (position.split, position.seed) != (self.split, self.seed):
             raise InputError(
-                f"data state is for split {state.get('split')!r} seed {state.get('seed')}, not "
-                f"{self.split!r} seed {self.seed}"
+                f"data state is for split {position.split!r} seed {position.seed}, not {self.split!r} seed {self.seed}"
             )
-        self._resume = (state["epoch"], state["batch"])
+        self._resume = (position.epoch, position.batch)
 
 
 def task_options(source: str) -> TaskOptions:

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..errors import InputError
 from ..files import json_kind
@@ -103,8 +103,11 @@ class QuantizationRecord(JsonRecord):
     id, or its folder as an absolute path, where it had one), ``source_sha256`` (its weights' fingerprint as
     quantized) and, for a folder, ``source_files_sha256`` (of its config and weights files, which a reader checks
     before it uses the folder), ``dequantized_from`` (the
-    other tool's quantization it was decompressed from) and the ``mitigation`` applied, each absent where none."""
+    other tool's quantization it was decompressed from) and the ``mitigation`` applied, each absent where none.
+    Its ``origin`` (who quantized the model) is quantgate, as :class:`~quantgate.quant.imported.ImportedQuantization`
+    names another tool's."""
 
+    origin: ClassVar[str] = "quantgate"
     scheme: str
     calibration: CalibrationRecord | None = None
     source_model: str | None = None
@@ -112,6 +115,10 @@ class QuantizationRecord(JsonRecord):
     source_files_sha256: str | None = json_field(omit_none=True)
     dequantized_from: str | None = json_field(omit_none=True)
     mitigation: MitigationRecord | None = json_field(omit_none=True)
+
+    def with_origin(self) -> dict[str, Any]:
+        """The record as JSON after its ``origin`` (as an evaluation keeps it, beside another tool's records)."""
+        return {"origin": self.origin, **self.to_json()}
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from ..models.record import CalibrationRecord, QuantizationRecord, record_of, se
 from ..models.swap import apply_variant, variant_of
 from ..options import printed
 from . import backends, imported, simulate  # noqa: F401  (backends and simulate register the handlers quantize looks up)
-from .error import quant_error, site_sensitivity
+from .error import QuantError, SiteSensitivity, quant_error, site_sensitivity
 from .heap import trimming
+from .imported import ImportedQuantization
 from .schemes import (
     HANDLERS,
     SCHEMES,
@@ -44,17 +45,25 @@ from .schemes import (
 __all__ = [
     "quantize",
     "quant_error",
+    "QuantError",
     "site_sensitivity",
+    "SiteSensitivity",
     "SCHEMES",
     "Scheme",
     "get_scheme",
     "quantization_of",
+    "Quantization",
     "HANDLERS",
     "handler_for",
     "HardwareUnavailable",
 ]
 
 log = logging.getLogger("quantgate")
+
+# a model's quantization as :func:`quantization_of` reads it, whoever made it: each names it (``scheme``), its maker
+# (``origin``) and the float model it came from where known (``source_model``, ``source_sha256``), and writes itself
+# as JSON after its origin (``with_origin()``)
+Quantization = QuantizationRecord | ImportedQuantization
 
 
 class HardwareUnavailable(Unavailable):
@@ -90,10 +99,10 @@ def quantize(
     existing = quantization_of(model)
     dequantized_from = None
     if existing is not None:
-        if not (dequantize and imported.can_dequantize(existing)):
+        if not (dequantize and isinstance(existing, ImportedQuantization) and existing.dequantizable):
             raise InputError(_already_quantized(existing, dequantize))
         model = imported.dequantize_(model if inplace else copy.deepcopy(model))
-        dequantized_from, inplace = existing["scheme"], True
+        dequantized_from, inplace = existing.scheme, True
     elif dequantize:
         raise InputError("dequantize=True: this model is not quantized; leave dequantize out")
     if scheme.needs_cuda and not _cuda_fp8():
@@ -106,22 +115,21 @@ def quantize(
     target = model if inplace else copy.deepcopy(model)
     if variant_of(target) is None:
         apply_variant(target)
-    seen: dict[str, int] = {}
+    ran: CalibrationRecord | None = None  # the last calibration's
 
     def calibrate(m: nn.Module) -> None:
+        nonlocal ran
         assert isinstance(scheme, CalibratedScheme)  # the schemes that calibrate
-        seen.update(_calibrate(m, calibration, scheme.calib, trim=inplace))
+        ran = _calibrate(m, calibration, scheme.calib, trim=inplace)
 
     handler_for(scheme).apply(target, scheme, calibrate if calibration is not None else None)
+    source_model, source_files = _source(getattr(model.config, "_name_or_path", None) or None)
     quantization = QuantizationRecord(
         scheme=str(scheme),
-        calibration=CalibrationRecord(
-            **seen, source=getattr(calibration, "split", None), seq_len=getattr(calibration, "seq_len", None)
-        )
-        if seen
-        else None,
-        **_source(getattr(model.config, "_name_or_path", None) or None),
+        calibration=ran,
+        source_model=source_model,
         source_sha256=source_sha256,
+        source_files_sha256=source_files,
         dequantized_from=dequantized_from,
         mitigation=record_of(target).mitigation,
     )
@@ -134,32 +142,31 @@ def source_files_sha256(folder: str | Path) -> str:
     return content_sha256(folder, patterns=("config.json", "*.safetensors"), memo=cache_dir() / "content-sha256.json")
 
 
-def _source(name: str | None) -> dict[str, str | None]:
-    """The record of the float model a quantized one comes from: its name as given (a packaged name, a hub id), or
-    for a folder its absolute path and the hash of its files, so that no reader takes another folder of the same
-    name (a relative path means another folder in another working directory) for it."""
+def _source(name: str | None) -> tuple[str | None, str | None]:
+    """The float model a quantized one comes from, as its record names it: ``(source_model,
+    source_files_sha256)``, its name as given (a packaged name, a hub id) and None, or for a folder its absolute
+    path and the hash of its files, so that no reader takes another folder of the same name (a relative path means
+    another folder in another working directory) for it."""
     if name is None or not Path(name).is_dir():
-        return {"source_model": name}
-    return {"source_model": str(Path(name).resolve()), "source_files_sha256": source_files_sha256(name)}
+        return name, None
+    return str(Path(name).resolve()), source_files_sha256(name)
 
 
-def quantization_of(model: nn.Module) -> dict | None:
-    """The quantization record of ``model`` as JSON, None for a float model: for a model made by :func:`quantize`,
-    quantgate's own (:class:`~quantgate.models.record.QuantizationRecord`, ``origin`` ``quantgate``; the typed
-    record is ``record_of(model).quantization``); for one another tool quantized, the record of its
-    ``quantization_config`` or its quantized tensors (:func:`quantgate.quant.imported.imported_quantization`:
-    ``origin`` the tool, e.g. ``compressed-tensors``). ``scheme`` names the quantization either way."""
+def quantization_of(model: nn.Module) -> Quantization | None:
+    """The quantization record of ``model``, None for a float model: for a model made by :func:`quantize`,
+    quantgate's own (:class:`~quantgate.models.record.QuantizationRecord`, ``origin`` ``quantgate``); for one
+    another tool quantized, the record of its ``quantization_config`` or its quantized tensors
+    (:class:`~quantgate.quant.imported.ImportedQuantization`: ``origin`` the tool, e.g. ``compressed-tensors``).
+    ``scheme`` names the quantization either way."""
     own = record_of(model).quantization
-    if own is not None:
-        return {"origin": "quantgate", **own.to_json()}
-    return imported.imported_quantization(model)
+    return own if own is not None else imported.imported_quantization(model)
 
 
-def _already_quantized(record: dict, dequantize: bool) -> str:
+def _already_quantized(record: Quantization, dequantize: bool) -> str:
     """Why :func:`quantize` refuses a quantized model, and what to do instead."""
-    scheme, origin = record["scheme"], record.get("origin")
-    if origin == "quantgate":
-        source = record.get("source_model")
+    scheme, origin = record.scheme, record.origin
+    if isinstance(record, QuantizationRecord):
+        source = record.source_model
         return (
             f"this model is already quantized ({scheme}); quantize() takes a float model: quantize its float "
             f"source{f' ({source})' if source else ''} with the new scheme instead"
@@ -169,12 +176,12 @@ def _already_quantized(record: dict, dequantize: bool) -> str:
                 else ""
             )
         )
-    where = "its config.json's quantization_config" if "quantization_config" in record else "its tensors"
+    where = "its config.json's quantization_config" if record.quantization_config is not None else "its tensors"
     text = (
         f"this model is already quantized ({scheme}, from {where}); quantize() takes a float model: load "
         f"the float checkpoint it was made from and quantize that"
     )
-    if imported.can_dequantize(record):
+    if record.dequantizable:
         return text + ", or pass dequantize=True to decompress its weights to float first"
     if dequantize:
         return text + f" ({origin} models cannot be dequantized here: only compressed-tensors and bitsandbytes ones)"
@@ -196,10 +203,11 @@ def _cuda_fp8() -> bool:
 @torch.no_grad()
 def _calibrate(
     model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]] | None, n: int, trim: bool = False
-) -> dict[str, int]:
+) -> CalibrationRecord:
     """Run up to ``n`` batches through ``model`` (eval mode); checks the batches fit the model. Returns what
     ran, for the quantization record: ``batches`` (those consumed: fewer than ``requested`` = ``n`` where the
-    calibration set holds fewer, which is logged) and ``tokens``. ``trim``: the heap's free pages given back
+    calibration set holds fewer, which is logged), ``tokens``, and the batches' split and sequence length where
+    they say. ``trim``: the heap's free pages given back
     after each block (:mod:`.heap`), for in-place quantization's peak memory; it costs time (the next block
     faults its pages in again: the main job's static INT8 on SmolLM2 quantized in 5.9 s with it, 2.3 s without),
     so a copy, which holds twice the model anyway, runs without."""
@@ -240,7 +248,7 @@ def _calibrate(
             n,
             count,
         )
-    return {"batches": count, "requested": n, "tokens": tokens}
+    return CalibrationRecord(count, n, tokens, getattr(batches, "split", None), getattr(batches, "seq_len", None))
 
 
 def _check_finite(model: nn.Module) -> None:

@@ -1,5 +1,5 @@
-"""Where quantization hurts: per-layer SQNR of a quantized model against its float source, and the
-loss each activation quantizer costs on its own."""
+"""Where quantization hurts: per-layer SQNR of a quantized model against its float source (:class:`QuantError`),
+and the loss each activation quantizer costs on its own (:class:`SiteSensitivity`)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,25 @@ import torch
 import torch.nn as nn
 
 from ..errors import InputError
+from ..json_record import Count, JsonRecord
 from ..models.families import family_of
 from ..models.modes import eval_mode
 from ..stats import TaskDocuments, paired_delta
-from .simulate import act_quantizers
+from .simulate import ActQuant, act_quantizers
 
-__all__ = ["quant_error", "float_outputs", "FloatOutputs", "site_sensitivity", "sqnr_db"]
+__all__ = [
+    "quant_error",
+    "QuantError",
+    "LayerError",
+    "QuantizerError",
+    "float_outputs",
+    "FloatOutputs",
+    "site_sensitivity",
+    "SiteSensitivity",
+    "SiteCost",
+    "PplChange",
+    "sqnr_db",
+]
 
 
 def sqnr_db(signal: float, noise: float) -> float:
@@ -25,6 +38,85 @@ def sqnr_db(signal: float, noise: float) -> float:
     if noise == 0:
         return math.inf
     return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+@dataclass(frozen=True)
+class LayerError(JsonRecord):
+    """A block of a quantized model against the float model: its index (``layer``) and the SQNR of its output
+    (``sqnr_db``, dB; inf where the outputs are equal)."""
+
+    layer: Count
+    sqnr_db: float
+
+
+@dataclass(frozen=True)
+class QuantizerError(JsonRecord):
+    """An activation quantizer of a simulated scheme: its ``name``, the SQNR of the tensor it quantizes
+    (``sqnr_db``, dB), and of its ``values`` quantized, those FP8 saturated at the format's limit (``overflow``)."""
+
+    name: str
+    sqnr_db: float
+    overflow: Count
+    values: Count
+
+
+@dataclass(frozen=True)
+class QuantError(JsonRecord):
+    """:func:`quant_error`'s report over ``batches`` batches: each block's error (``layers``, in order), the
+    logits' SQNR (``logits_sqnr_db``, dB) and each activation quantizer's error (``quantizers``, lowest SQNR first;
+    none for a scheme without them)."""
+
+    layers: list[LayerError]
+    logits_sqnr_db: float
+    quantizers: list[QuantizerError]
+    batches: Count
+
+    @property
+    def worst_layers(self) -> list[LayerError]:
+        """The three blocks with the lowest SQNR, lowest first."""
+        return sorted(self.layers, key=lambda r: r.sqnr_db)[:3]
+
+    @property
+    def overflow(self) -> int:
+        """The values FP8 saturated, over every quantizer."""
+        return sum(q.overflow for q in self.quantizers)
+
+
+@dataclass(frozen=True)
+class PplChange(JsonRecord):
+    """A change of perplexity (``ppl_change``: the ratio - 1) and its 95% paired bootstrap interval over the
+    sequences (``low``, ``high``; None where there is none)."""
+
+    ppl_change: float
+    low: float | None
+    high: float | None
+
+
+@dataclass(frozen=True)
+class SiteCost(JsonRecord):
+    """What one activation quantizer (``name``) costs alone: the perplexity change against every quantizer off
+    (``ppl_change``, ``low``, ``high``: :class:`PplChange`'s), the SQNR of its tensor with all on (``sqnr_db``, dB) and
+    its static range (``lo``, ``hi``; None where it is dynamic)."""
+
+    name: str
+    ppl_change: float
+    low: float | None
+    high: float | None
+    sqnr_db: float
+    lo: float | None
+    hi: float | None
+
+
+@dataclass(frozen=True)
+class SiteSensitivity(JsonRecord):
+    """:func:`site_sensitivity`'s report: the mean loss (nats per predicted token) with every quantizer off
+    (``none``) and on (``all``), the change all on (``all_change``) and each site alone (``sites``, costliest
+    first)."""
+
+    none: float
+    all: float
+    all_change: PplChange
+    sites: list[SiteCost]
 
 
 @dataclass
@@ -75,7 +167,7 @@ def quant_error(
     batches: Iterable[Mapping[str, torch.Tensor]] = (),
     *,
     max_batches: int | None = 4,
-) -> dict:
+) -> QuantError:
     """Run both models on the same batches and report the SQNR (dB) of every block's output, of the
     logits and, for simulated schemes, of every activation quantizer (with FP8 saturation counts).
     ``worst_layers`` lists the three blocks with the lowest SQNR. ``fp``: the float model, or its outputs
@@ -97,33 +189,24 @@ def quant_error(
     finally:
         for q in quantizers.values():
             q.track = False
-    layers = [{"layer": i, "sqnr_db": sqnr_db(*energy[i])} for i in range(n_layers)]
-    quant = [
-        {"name": n, "sqnr_db": sqnr_db(q.signal, q.noise), "overflow": q.overflow, "values": q.values}
-        for n, q in quantizers.items()
-    ]
-    quant.sort(key=lambda r: r["sqnr_db"])
-    return {
-        "layers": layers,
-        "logits_sqnr_db": sqnr_db(*energy[-1]),
-        "worst_layers": sorted(layers, key=lambda r: r["sqnr_db"])[:3],
-        "quantizers": quant,
-        "overflow": sum(r["overflow"] for r in quant),
-        "batches": len(reference.inputs),
-    }
+    quant = [QuantizerError(n, sqnr_db(q.signal, q.noise), q.overflow, q.values) for n, q in quantizers.items()]
+    return QuantError(
+        layers=[LayerError(i, sqnr_db(*energy[i])) for i in range(n_layers)],
+        logits_sqnr_db=sqnr_db(*energy[-1]),
+        quantizers=sorted(quant, key=lambda r: r.sqnr_db),
+        batches=len(reference.inputs),
+    )
 
 
 @torch.no_grad()
 def site_sensitivity(
     q_model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, max_batches: int = 2
-) -> dict:
+) -> SiteSensitivity:
     """Which activation quantizer of a simulated scheme costs what. On the batches (they carry ``labels``),
     each sequence's summed NLL with every quantizer off (weights stay as quantized), with all on, and with
-    each alone on. Returns ``{"none", "all"}`` (mean loss, nats per predicted token), ``"all_change"`` (all
-    on vs none) and ``"sites"``: rows ``{"name", "ppl_change"`` (perplexity ratio - 1, that site alone vs
-    none), ``"low", "high"`` (its 95% paired bootstrap interval over the sequences), ``"sqnr_db"`` (of that
-    tensor with all on), ``"lo", "hi"`` (its static range; None when dynamic)``}``, costliest first.
-    Interactions are not additive: the alone changes need not compose to the all-on change."""
+    each alone on (:class:`SiteSensitivity`: the mean losses, the change all on and each site's alone,
+    costliest first). Interactions are not additive: the alone changes need not compose to the all-on
+    change."""
     quantizers = act_quantizers(q_model)
     if not quantizers:
         raise InputError(
@@ -156,9 +239,13 @@ def site_sensitivity(
         values = nll.tolist()
         return TaskDocuments(ids=list(range(len(values))), loglikelihood=[-x for x in values], tokens=tokens)
 
-    def change(base: TaskDocuments, new: TaskDocuments) -> dict:
+    def change(base: TaskDocuments, new: TaskDocuments) -> PplChange:
         d = paired_delta(base, new, "perplexity")
-        return {"ppl_change": d.value, "low": d.low, "high": d.high}
+        return PplChange(d.value, d.low, d.high)
+
+    def cost(q: ActQuant, alone: PplChange) -> SiteCost:
+        lo, hi = (None, None) if q.spec.dynamic else (float(q.lo.min()), float(q.hi.max()))
+        return SiteCost(q.name, alone.ppl_change, alone.low, alone.high, sqnr_db(q.signal, q.noise), lo, hi)
 
     def mean_loss(docs: TaskDocuments) -> float:
         return -sum(docs.loglikelihood or ()) / sum(tokens)
@@ -171,25 +258,16 @@ def site_sensitivity(
             for q in quantizers:
                 q.track = False
             none = documents(set())
-            rows = [
-                {
-                    "name": q.name,
-                    **change(none, documents({q})),
-                    "sqnr_db": sqnr_db(q.signal, q.noise),
-                    "lo": None if q.spec.dynamic else float(q.lo.min()),
-                    "hi": None if q.spec.dynamic else float(q.hi.max()),
-                }
-                for q in quantizers
-            ]
+            rows = [cost(q, change(none, documents({q}))) for q in quantizers]
         finally:
             for q in quantizers:
                 q.enabled, q.track = True, False
-    return {
-        "none": mean_loss(none),
-        "all": mean_loss(everything),
-        "all_change": change(none, everything),
-        "sites": sorted(rows, key=lambda r: -r["ppl_change"]),
-    }
+    return SiteSensitivity(
+        none=mean_loss(none),
+        all=mean_loss(everything),
+        all_change=change(none, everything),
+        sites=sorted(rows, key=lambda r: -r.ppl_change),
+    )
 
 
 def _device(model: nn.Module) -> torch.device:

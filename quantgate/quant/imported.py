@@ -3,12 +3,12 @@
 A checkpoint quantized by llm-compressor / compressed-tensors, by transformers' ``TorchAoConfig`` or
 ``BitsAndBytesConfig``, or by GPTQ / AWQ tools carries a ``quantization_config`` in its config.json;
 transformers' HF quantizers load and run it. :func:`describe` turns that config into quantgate's
-quantization record: a short, stable label (``scheme``), e.g.
+record of it (:class:`ImportedQuantization`): a short, stable label (``scheme``), e.g.
 ``compressed-tensors:w8a8-int8 (weights int8 channel symmetric, activations int8 token dynamic)``,
-``torchao:Int8WeightOnlyConfig`` or ``bitsandbytes:llm-int8(threshold=6.0)``, the structured fields
-and ``origin`` (the tool). :func:`imported_quantization` reads it from a loaded model (with the
-``source_sha256`` of a quantgate ``quantization.json`` sidecar beside the weights, where there is one),
-or, for a model without a config, names the quantized tensors it holds.
+``torchao:Int8WeightOnlyConfig`` or ``bitsandbytes:llm-int8(threshold=6.0)``, the method's settings
+and ``origin`` (the tool). :func:`imported_quantization` reads it from a loaded model (with what a quantgate
+``quantization.json`` sidecar beside the weights says of their float source, where there is one:
+:class:`Sidecar`), or, for a model without a config, names the quantized tensors it holds.
 
 :func:`check_installed` turns the ImportError transformers raises deep in ``from_pretrained`` when the
 tool's package is missing into a one-line ModuleNotFoundError naming its pip command;
@@ -18,11 +18,13 @@ own code.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -31,15 +33,17 @@ import torch
 import torch.nn as nn
 
 from quantgate.errors import InputError, MissingDependency
+from quantgate.json_record import JsonRecord, json_field
 
 __all__ = [
     "INSTALL",
+    "ImportedQuantization",
+    "Sidecar",
     "describe",
     "quantization_config",
     "imported_quantization",
     "quantized_tensors",
     "check_installed",
-    "can_dequantize",
     "dequantize_",
 ]
 
@@ -57,6 +61,58 @@ INSTALL: dict[str, tuple[dict[str, str], str]] = {
 }
 _GENERIC_KEYS = ("bits", "group_size", "weight_block_size", "activation_scheme", "quant_type", "weights", "activations")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Sidecar(JsonRecord):
+    """What a quantgate ``quantization.json`` beside another tool's weights says of them (:func:`_sidecar`): the
+    file (``sidecar``), the float source's ``source_sha256`` (64 hex digits) and ``source_model``, and the quantgate
+    scheme that exported them (``quantgate_scheme``), each absent where the file lacks it or holds another type."""
+
+    sidecar: str
+    source_sha256: str | None = json_field(omit_none=True)
+    source_model: str | None = json_field(omit_none=True)
+    quantgate_scheme: str | None = json_field(omit_none=True)
+
+
+@dataclass(frozen=True)
+class ImportedQuantization:
+    """quantgate's record of a quantization another tool made: the tool (``origin``: transformers' quant method,
+    or the library whose tensors the model holds), the label naming it (``scheme``), the method's ``settings``
+    as read from its config (compressed-tensors' ``weights`` and ``groups``, bitsandbytes' ``bits``, ...; JSON
+    values), the ``quantization_config`` itself (plain JSON; None for a model without one), the quantized tensors
+    counted where there is no config (``tensors``) and what a quantgate ``sidecar`` beside the weights says."""
+
+    origin: str
+    scheme: str
+    settings: dict[str, Any]
+    quantization_config: dict[str, Any] | None = None
+    tensors: int | None = None
+    sidecar: Sidecar | None = None
+
+    @property
+    def source_model(self) -> str | None:
+        """The float model it was made from, where a sidecar names it."""
+        return self.sidecar.source_model if self.sidecar else None
+
+    @property
+    def source_sha256(self) -> str | None:
+        """The float model's fingerprint, where a sidecar holds it."""
+        return self.sidecar.source_sha256 if self.sidecar else None
+
+    @property
+    def dequantizable(self) -> bool:
+        """Whether :func:`dequantize_` can turn the model back into a float one: a compressed-tensors or
+        bitsandbytes model loaded with its quantization_config."""
+        return self.origin in ("compressed-tensors", "bitsandbytes") and self.quantization_config is not None
+
+    def with_origin(self) -> dict[str, Any]:
+        """The record as JSON (an evaluation keeps it): ``origin``, ``scheme``, the settings at the top level, then
+        ``quantization_config``, ``tensors`` and the sidecar's fields, each where there is one."""
+        config = {} if self.quantization_config is None else {"quantization_config": self.quantization_config}
+        counted = {} if self.tensors is None else {"tensors": self.tensors}
+        found = self.sidecar.to_json() if self.sidecar else {}
+        return {"origin": self.origin, "scheme": self.scheme, **self.settings, **config, **counted, **found}
 
 
 def _plain(value: Any) -> Any:
@@ -94,9 +150,9 @@ def method_of(qc: Mapping) -> str:
     return "bitsandbytes" if method in ("bitsandbytes", "bitsandbytes_8bit", "bitsandbytes_4bit") else method
 
 
-def describe(qc: Mapping) -> dict:
-    """quantgate's record of a ``quantization_config`` (plain dict): ``origin``, ``scheme`` (the label),
-    the structured fields of the method, and ``quantization_config`` itself."""
+def describe(qc: Mapping) -> ImportedQuantization:
+    """quantgate's record of a ``quantization_config``: ``origin``, ``scheme`` (the label), the method's
+    settings, and ``quantization_config`` itself (as plain JSON)."""
     plain: dict = _plain(qc)
     method = method_of(plain)
     reader = {
@@ -108,7 +164,7 @@ def describe(qc: Mapping) -> dict:
     }.get(method, _generic)
     label, fields = reader(plain)
     scheme = f"{method}:{label}" if label else method
-    return {"origin": method, "scheme": scheme, **fields, "quantization_config": plain}
+    return ImportedQuantization(method, scheme, fields, quantization_config=plain)
 
 
 # --- compressed-tensors ------------------------------------------------------------------------------
@@ -289,45 +345,43 @@ def _generic(qc: dict) -> tuple[str, dict]:
 # --- a loaded model ---------------------------------------------------------------------------------
 
 
-def _sidecar(model: nn.Module) -> dict:
-    """``source_sha256`` / ``source_model`` / ``scheme`` of a quantgate sidecar (quantization.json) in
-    the directory the model was loaded from, where there is a readable one."""
+def _sidecar(model: nn.Module) -> Sidecar | None:
+    """What a quantgate sidecar (quantization.json) in the directory the model was loaded from says, where there
+    is a readable one: a field of another type is left out, and so is a ``source_sha256`` that is not one."""
     where = getattr(getattr(model, "config", None), "_name_or_path", None)
     file = Path(str(where)) / SIDECAR if where else None
     if file is None or not file.is_file():
-        return {}
+        return None
     try:
         data = json.loads(file.read_text())
     except (OSError, ValueError):
-        return {}
+        return None
     if not isinstance(data, dict):
-        return {}
-    out: dict[str, Any] = {"sidecar": str(file)}
-    if isinstance(data.get("source_sha256"), str) and _SHA256.fullmatch(data["source_sha256"]):
-        out["source_sha256"] = data["source_sha256"]
-    for key, name in (("source_model", "source_model"), ("scheme", "quantgate_scheme")):
-        if isinstance(data.get(key), str):
-            out[name] = data[key]
-    return out
+        return None
+
+    def text(key: str) -> str | None:
+        value = data.get(key)
+        return value if isinstance(value, str) else None
+
+    sha = text("source_sha256")
+    return Sidecar(str(file), sha if sha and _SHA256.fullmatch(sha) else None, text("source_model"), text("scheme"))
 
 
-def imported_quantization(model: nn.Module) -> dict | None:
+def imported_quantization(model: nn.Module) -> ImportedQuantization | None:
     """The record of a quantization quantgate did not make: from the model's ``quantization_config``
-    (:func:`describe`, plus a sidecar's ``source_sha256``), else from the quantized tensors it holds
-    (``origin`` the library, ``scheme`` naming the tensor types); None for a float model."""
+    (:func:`describe`, with what a sidecar says), else from the quantized tensors it holds (``origin`` the
+    library, ``scheme`` naming the tensor types); None for a float model."""
     qc = quantization_config(getattr(model, "config", None))
     if qc is not None:
-        return {**describe(qc), **_sidecar(model)}
+        return dataclasses.replace(describe(qc), sidecar=_sidecar(model))
     found = quantized_tensors(model)
     if not found:
         return None
     origin = found[0][0]
     kinds = ", ".join(dict.fromkeys(kind for _, kind in found))
-    return {
-        "origin": origin,
-        "scheme": f"{origin}:{kinds} (quantized tensors, no quantization_config)",
-        "tensors": len(found),
-    }
+    return ImportedQuantization(
+        origin, f"{origin}:{kinds} (quantized tensors, no quantization_config)", {}, tensors=len(found)
+    )
 
 
 def quantized_tensors(model: nn.Module) -> list[tuple[str, str]]:
@@ -365,7 +419,7 @@ def check_installed(config: object, where: object) -> None:
     packages, command = INSTALL[method]
     missing = [name for module, name in packages.items() if not _installed(module)]
     if missing:
-        label = describe(qc)["scheme"]
+        label = describe(qc).scheme
         raise MissingDependency(
             f"{where} is quantized with {label}; loading it needs {' and '.join(missing)} ({command})"
         )
@@ -380,23 +434,18 @@ def _installed(package: str) -> bool:
         return False
 
 
-def can_dequantize(record: Mapping) -> bool:
-    """Whether :func:`dequantize_` can turn a model with this imported record back into a float one."""
-    return record.get("origin") in ("compressed-tensors", "bitsandbytes") and "quantization_config" in record
-
-
 def dequantize_(model: nn.Module) -> nn.Module:
     """Decompress, in place, a compressed-tensors or bitsandbytes model to a float one with the tool's own
     code: each quantized weight becomes its dequantized float value, the activation quantizers and the
     model's quantization_config go. Returns the model."""
-    record = imported_quantization(model) or {}
-    if not can_dequantize(record):
+    record = imported_quantization(model)
+    if record is None or not record.dequantizable:
         raise InputError(
-            f"cannot dequantize {record.get('scheme', 'this model')}: only compressed-tensors and "
+            f"cannot dequantize {record.scheme if record else 'this model'}: only compressed-tensors and "
             f"bitsandbytes models loaded with their quantization_config can be"
         )
     quantizer = getattr(model, "hf_quantizer", None)
-    if record["origin"] == "bitsandbytes":
+    if record.origin == "bitsandbytes":
         dequantize = getattr(model, "dequantize", None)
         if quantizer is None or not callable(dequantize):
             raise InputError("this bitsandbytes model was not loaded by transformers: it cannot be dequantized")

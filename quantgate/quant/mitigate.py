@@ -27,7 +27,7 @@ import torch.nn as nn
 from ..errors import InputError
 from ..massive import MassiveActivations
 from ..models.families import config_of, family_of
-from ..models.record import MitigationRecord, set_record
+from ..models.record import MitigationRecord, RotationRecord, SmoothingRecord, set_record
 from ..models.swap import attention_modules
 from .rotate import gate_readers, linear_at
 from .schemes import CalibratedScheme, Scheme
@@ -46,21 +46,20 @@ def needed(calibrate: Calibrate | None, scheme: Scheme) -> Calibrate:
     return calibrate
 
 
-def mitigate(model: nn.Module, scheme: S, calibrate: Calibrate | None, done: dict[str, object] | None = None) -> S:
+def mitigate(model: nn.Module, scheme: S, calibrate: Calibrate | None, rotation: RotationRecord | None = None) -> S:
     """Apply the scheme's fixes to the float model, for every backend: SmoothQuant (``smooth=``), then
-    ``keep=auto`` (returns the scheme with the kept FFNs named). What ran, after ``done`` (what the backend
-    did first: a rotation), is recorded as the model's pending mitigation, which quantize moves into its
+    ``keep=auto`` (returns the scheme with the kept FFNs named). What ran, after the ``rotation`` the backend
+    did first (where it did), is recorded as the model's pending mitigation, which quantize moves into its
     quantization record."""
-    done = dict(done or {})
-    if scheme.smooth is not None:
-        done["smooth"] = smooth_(model, scheme.smooth, needed(calibrate, scheme))
+    smooth = smooth_(model, scheme.smooth, needed(calibrate, scheme)) if scheme.smooth is not None else None
+    keep = kept_params = None
     if "auto" in scheme.keep:
-        found = massive_ffns(model, needed(calibrate, scheme))
-        done["keep"] = found
-        done["kept_params"] = sum(p.numel() for name in found for p in model.get_submodule(name).parameters())
-        scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(found))
-    if done:
-        set_record(model, mitigation=MitigationRecord.from_json(done))
+        keep = massive_ffns(model, needed(calibrate, scheme))
+        kept_params = sum(p.numel() for name in keep for p in model.get_submodule(name).parameters())
+        scheme = dataclasses.replace(scheme, keep=tuple(k for k in scheme.keep if k != "auto") + tuple(keep))
+    done = MitigationRecord(rotation, smooth, keep, kept_params)
+    if done != MitigationRecord():
+        set_record(model, mitigation=done)
     return scheme
 
 
@@ -86,9 +85,9 @@ def smoothing_groups(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Lin
 
 
 @torch.no_grad()
-def smooth_(model: nn.Module, alpha: float, calibrate: Callable[[nn.Module], object]) -> dict:
+def smooth_(model: nn.Module, alpha: float, calibrate: Callable[[nn.Module], object]) -> SmoothingRecord:
     """SmoothQuant ``model`` in place (module docstring); ``calibrate(model)`` runs the calibration
-    batches. Returns ``{"groups": n, "max_s": largest s, "min_s": smallest}``."""
+    batches. Returns the groups smoothed and the largest and smallest s."""
     from torchao.prototype.smoothquant.core import (  # torchao prototype: imported at first use
         RunningAbsMaxSmoothQuantObserver,
     )
@@ -119,7 +118,7 @@ def smooth_(model: nn.Module, alpha: float, calibrate: Callable[[nn.Module], obj
             bias.div_(s.to(bias.dtype))
         scales.append(s)
     every = torch.cat(scales)
-    return {"groups": len(groups), "max_s": float(every.max()), "min_s": float(every.min())}
+    return SmoothingRecord(groups=len(groups), max_s=float(every.max()), min_s=float(every.min()))
 
 
 def _column_absmax(readers: list[nn.Linear]) -> torch.Tensor:

@@ -10,7 +10,7 @@ x the residual stream as a row vector and x' = x Q:
 * readers and embeddings (token table, OPT's position table, LM head; shape (*, d_model)): W <- W Q;
 * writers of the residual (o_proj / out_proj, down_proj / fc2; shape (d_model, *)): W <- Q^T W, b <- Q^T b;
 * ``online``: the FFN output Linear (in_features d_ff) gets a normalized Hadamard M (d_ff x d_ff) at run
-  time, x -> x M in a forward pre-hook (:func:`hadamard_pre_hook`, O(d_ff log d_ff)), and W <- W M,
+  time, x -> x M in a forward pre-hook (:class:`OnlineHadamard`, O(d_ff log d_ff)), and W <- W M,
   so (x M)(W M)^T = x W^T.
 
 OPT's LayerNorm subtracts the mean over channels, which a rotation does not commute with. As in
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from types import ModuleType
 from typing import cast
 
@@ -43,7 +44,7 @@ __all__ = [
     "gate_readers",
     "linear_at",
     "UnitRMSNorm",
-    "hadamard_pre_hook",
+    "OnlineHadamard",
 ]
 
 _HAD_BASES = (1, 12, 20, 28, 36, 40, 44, 52, 60, 108, 140, 156, 172)  # torchao's get_hadK: sizes K * 2^m
@@ -73,18 +74,24 @@ def _had() -> ModuleType:
     return hadamard_utils
 
 
-def hadamard_pre_hook(module: nn.Linear, args: tuple) -> tuple:
-    """Forward pre-hook of an online-rotated Linear: its input x -> x M (normalized Hadamard). In float32 by
-    torchao's butterfly (O(n log n)); in bfloat16 / float16, whose butterfly rounds at each of its log n stages,
-    as one matmul by the exact +-1 matrix, then 1 / sqrt(n) in float32: closer to x M there (tests/test_rotate.py)
-    and, on this CPU's bf16 matrix units, 5x faster (1.4 ms against 6.9 ms for 512 x 1536 values)."""
-    hadK, K = vars(module)["qg_hadamard"]  # set by rotate_
-    x = args[0]
-    if x.dtype == torch.float32:
-        return (_had().matmul_hadU(x.contiguous(), hadK, K), *args[1:])
-    n = x.shape[-1]
-    signs = _hadamard_signs(n, x.dtype, x.device)
-    return ((nn.functional.linear(x, signs).float() * (1 / math.sqrt(n))).to(x.dtype), *args[1:])
+@dataclass(frozen=True, eq=False)  # a hook is itself: no comparison of its tensor
+class OnlineHadamard:
+    """Forward pre-hook of an online-rotated Linear: its input x -> x M, M torchao's normalized Hadamard matrix of
+    the input's size n = K * 2^m (``hadK``: its K-point block, None for K = 1). In float32 by torchao's butterfly
+    (O(n log n)); in bfloat16 / float16, whose butterfly rounds at each of its log n stages, as one matmul by the
+    exact +-1 matrix, then 1 / sqrt(n) in float32: closer to x M there (tests/test_rotate.py) and, on this CPU's
+    bf16 matrix units, 5x faster (1.4 ms against 6.9 ms for 512 x 1536 values)."""
+
+    hadK: torch.Tensor | None
+    K: int
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if x.dtype == torch.float32:
+            return (_had().matmul_hadU(x.contiguous(), self.hadK, self.K), *args[1:])
+        n = x.shape[-1]
+        signs = _hadamard_signs(n, x.dtype, x.device)
+        return ((nn.functional.linear(x, signs).float() * (1 / math.sqrt(n))).to(x.dtype), *args[1:])
 
 
 @functools.cache
@@ -212,20 +219,16 @@ def _fold_norm(owner: nn.Module, path: str, readers: list[nn.Linear]) -> int:
 
 
 @torch.no_grad()
-def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
+def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> RotationRecord:
     """Rotate ``model`` (llama, qwen2, qwen3, pre-LN opt; gated or not) in place; its float outputs are unchanged.
 
     ``seed`` draws Q's random signs; ``online`` adds the Hadamard transform at each FFN output projection.
-    Returns, and records in ``model.config.quantgate["rotation"]``::
-
-        {"kind": "hadamard", "online", "seed", "d_model",
-         "d_ff": the online transform's size (None without it),
-         "extra_params": biases added where a LayerNorm bias folds into a bias-free reader (0 for RMSNorm
-                         models; OPT: the LM head's vocab_size, and low-rank gates' down projections),
-         "extra_ops_per_token": additions/subtractions of the online transforms per token,
-                         layers * d_ff * (log2(d_ff / K) + K - 1) for d_ff = K * 2^m: log2(d_ff / K)
-                         butterfly stages, then a K-point +-1 Hadamard (K - 1 per output) per group of K;
-                         0 without online}
+    Returns, and records as the model record's ``rotation``, a :class:`~quantgate.models.record.RotationRecord`:
+    ``extra_params`` are the biases added where a LayerNorm bias folds into a bias-free reader (0 for RMSNorm
+    models; OPT: the LM head's vocab_size, and low-rank gates' down projections); ``extra_ops_per_token`` the
+    additions/subtractions of the online transforms per token, layers * d_ff * (log2(d_ff / K) + K - 1) for
+    d_ff = K * 2^m: log2(d_ff / K) butterfly stages, then a K-point +-1 Hadamard (K - 1 per output) per group of
+    K; 0 without online.
     """
     check_rotatable(model, online=online)
     hf, config = cast(PreTrainedModel, model), config_of(model)
@@ -272,18 +275,17 @@ def rotate_(model: nn.Module, *, online: bool = True, seed: int = 0) -> dict:
             n = down.in_features
             hadK, K = _hadamard(n, "d_ff")
             down.weight.copy_(_had().matmul_hadU_slow(down.weight.double(), hadK, K))  # each row w -> w M, float64
-            vars(down)["qg_hadamard"] = (hadK, K)  # a plain attribute: nn.Module's __setattr__ is typed for tensors
-            down.register_forward_pre_hook(hadamard_pre_hook)
+            down.register_forward_pre_hook(OnlineHadamard(hadK, K))
             ops += n * (int(math.log2(n // K)) + K - 1)
 
-    info = {
-        "kind": "hadamard",
-        "online": online,
-        "seed": seed,
-        "d_model": d,
-        "d_ff": n if online else None,
-        "extra_params": added,
-        "extra_ops_per_token": ops,
-    }
-    set_record(config, rotation=RotationRecord.from_json(info))
-    return info
+    rotation = RotationRecord(
+        kind="hadamard",
+        online=online,
+        seed=seed,
+        d_model=d,
+        d_ff=n if online else None,
+        extra_params=added,
+        extra_ops_per_token=ops,
+    )
+    set_record(config, rotation=rotation)
+    return rotation

@@ -34,7 +34,7 @@ torchao config is one ``TorchaoScheme`` row in ``SCHEMES``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -252,53 +252,57 @@ class SimulatedScheme(CalibratedScheme):
             raise InputError(f"{self.name}: smooth= folds its scales into the norms that rotate= removes; pick one")
 
     def unread(self) -> dict[str, str]:
+        return dict(self._unread())
+
+    def _unread(self) -> Iterator[tuple[str, str]]:
+        """(option, why) for each option :meth:`unread` names."""
         w, a, kv = self.weight, self.act, self.kv
-        why: dict[str, str] = {}
         if w is not None and w.format in BLOCK:
             fixed = f"the weights are {w.format}, whose blocks of {BLOCK[w.format][1]} set their scales"
-            why |= dict.fromkeys(("w_granularity", "w_estimator", "w_symmetric", "group_size"), fixed)
+            yield from ((k, fixed) for k in ("w_granularity", "w_estimator", "w_symmetric", "group_size"))
         elif w is not None:
             if w.granularity != "group":
-                why["group_size"] = (
-                    f"it sizes weight groups, and w_granularity is {w.granularity} (w_granularity=group groups them)"
+                yield (
+                    "group_size",
+                    f"it sizes weight groups, and w_granularity is {w.granularity} (w_granularity=group groups them)",
                 )
             if w.format not in INT_BITS:
-                why["w_symmetric"] = f"{w.format} scales are symmetric"
+                yield "w_symmetric", f"{w.format} scales are symmetric"
         if a is not None and a.format in BLOCK:
             fixed = f"the activations are {a.format}, each block's scale taken from the block at run time"
-            why |= dict.fromkeys(
-                ("a_granularity", "a_symmetric", "dynamic", "estimator", "momentum", "percentile", "calib_skip"), fixed
-            )
+            options = ("a_granularity", "a_symmetric", "dynamic", "estimator", "momentum", "percentile", "calib_skip")
+            yield from ((k, fixed) for k in options)
         elif a is not None:
             if a.dynamic:
                 dynamic = (
                     "it calibrates static activation ranges, and this scheme's come from each batch (dynamic=false)"
                 )
-                why |= dict.fromkeys(("estimator", "momentum", "percentile", "calib_skip"), dynamic)
+                yield from ((k, dynamic) for k in ("estimator", "momentum", "percentile", "calib_skip"))
             else:
                 for key, estimator in (("momentum", "running-minmax"), ("percentile", "percentile")):
                     if a.estimator not in (estimator, "running-percentile"):
-                        why[key] = (
+                        yield (
+                            key,
                             f"estimator={estimator} reads it, and the estimator is {a.estimator} "
-                            f"(estimator=running-percentile reads it too)"
+                            f"(estimator=running-percentile reads it too)",
                         )
             if a.format not in INT_BITS:
-                why["a_symmetric"] = f"{a.format} scales are symmetric"
+                yield "a_symmetric", f"{a.format} scales are symmetric"
         if kv is not None and kv.granularity == "token":
-            why["kv_group"] = "it sizes kv_granularity=group or channel ranges, and these are per token"
+            yield "kv_group", "it sizes kv_granularity=group or channel ranges, and these are per token"
         if kv is None:
-            why["sink"] = (
+            yield (
+                "sink",
                 f"it keeps the first KV-cache tokens in full precision, and this scheme leaves the cache in "
-                f"float (to quantize it, use a kv scheme such as kv4-int4:sink={self.sink})"
+                f"float (to quantize it, use a kv scheme such as kv4-int4:sink={self.sink})",
             )
         if w is None and a is None:  # the KV cache alone: no module is quantized, so none is kept
             cache = "this scheme quantizes the KV cache alone, at every attention"
-            why |= {"acts": f"{cache}, not at placed sites", "keep": cache, "gates": cache}
+            yield from (("acts", f"{cache}, not at placed sites"), ("keep", cache), ("gates", cache))
         if a is None:
-            why["smooth"] = _NOTHING_TO_SMOOTH
+            yield "smooth", _NOTHING_TO_SMOOTH
         if not (self.needs_calibration or self.export_calibration):
-            why["calib"] = _NOTHING_TO_CALIBRATE
-        return why
+            yield "calib", _NOTHING_TO_CALIBRATE
 
     @property
     def needs_calibration(self) -> bool:

@@ -520,10 +520,8 @@ def _token_shapes(model: nn.Module, quantizers: list[ActQuant]) -> Iterator[None
 def _mitigate(model: nn.Module, scheme: SimulatedScheme, calibrate: Calibrate | None) -> SimulatedScheme:
     """Rotate, then the fixes every backend applies (:func:`~quantgate.quant.mitigate.mitigate`: smooth,
     keep=auto); returns the scheme with the kept modules named."""
-    rotated: dict[str, object] = {}
-    if scheme.rotate != "none":
-        rotated["rotation"] = rotate_(model, online=scheme.rotate == "online")
-    return mitigate(model, scheme, calibrate, rotated)
+    rotation = rotate_(model, online=scheme.rotate == "online") if scheme.rotate != "none" else None
+    return mitigate(model, scheme, calibrate, rotation)
 
 
 def _place_kv(model: nn.Module, spec: TensorQuant, sink: int) -> None:

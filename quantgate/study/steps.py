@@ -53,13 +53,14 @@ from ..models import build
 from ..models.cost import GateCost, gate_cost
 from ..models.families import family_of
 from ..models.io import DTYPES
+from ..models.record import record_of
 from ..models.sources import PACKAGED, package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
 from ..options import AT_LEAST_0
 from ..parallel import from_first, is_first, joined
 from ..provenance import machine, versions
-from ..quant import HardwareUnavailable, quant_error, quantization_of, quantize
+from ..quant import HardwareUnavailable, quant_error, quantize
 from ..quant.error import float_outputs
 from ..quant.schemes import get_scheme
 from ..registry import Registry
@@ -642,14 +643,16 @@ def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed
         return {"error": str(e)}
     quantize_s = time.perf_counter() - start
     err = quant_error(reference, q)
+    quantization = record_of(q).quantization  # the record quantize wrote
+    assert quantization is not None
     out = _evaluate(q, tok, ev_cfg)
     return {
         "results": out["results"],
         "documents": out["documents"],
-        "logits_sqnr_db": err["logits_sqnr_db"],
-        "worst_layers": err["worst_layers"],
-        "overflow": err["overflow"],
-        "calibration": (quantization_of(q) or {}).get("calibration"),
-        "mitigation": (quantization_of(q) or {}).get("mitigation"),
+        "logits_sqnr_db": err.logits_sqnr_db,
+        "worst_layers": [w.to_json() for w in err.worst_layers],
+        "overflow": err.overflow,
+        "calibration": quantization.calibration.to_json() if quantization.calibration else None,
+        "mitigation": quantization.mitigation.to_json() if quantization.mitigation else None,
         "quantize_s": quantize_s,
     }

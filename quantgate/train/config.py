@@ -168,28 +168,28 @@ def param_groups(model: nn.Module, c: TrainConfig) -> list[dict]:
     """AdamW's parameter groups for ``model`` under ``c``: gates, norm gains, biases (no decay), the rest."""
     gates = {id(p) for p in gate_parameters(model).values()}
     norms = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
-    groups: dict[str, list[nn.Parameter]] = {"gate": [], "norm": [], "no_decay": [], "decay": []}
+    gate: list[nn.Parameter] = []
+    norm: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if id(p) in gates:
-            groups["gate"].append(p)
+            gate.append(p)
         elif id(p) in norms and name.endswith("weight"):
-            groups["norm"].append(p)
+            norm.append(p)
         elif name.endswith("bias") or p.dim() < 2:
-            groups["no_decay"].append(p)
+            no_decay.append(p)
         else:
-            groups["decay"].append(p)
-    return [
-        g
-        for g in (
-            {"params": groups["decay"], "weight_decay": c.weight_decay, "lr": c.lr},
-            {"params": groups["no_decay"], "weight_decay": 0.0, "lr": c.lr},
-            {"params": groups["norm"], "weight_decay": c.norm_weight_decay, "lr": c.lr},
-            {"params": groups["gate"], "weight_decay": c.gate_weight_decay or 0.0, "lr": c.gate_lr or c.lr},
-        )
-        if g["params"]
-    ]
+            decay.append(p)
+    settings = (  # (parameters, weight decay, learning rate) per group
+        (decay, c.weight_decay, c.lr),
+        (no_decay, 0.0, c.lr),
+        (norm, c.norm_weight_decay, c.lr),
+        (gate, c.gate_weight_decay or 0.0, c.gate_lr or c.lr),
+    )
+    return [{"params": params, "weight_decay": wd, "lr": lr} for params, wd, lr in settings if params]
 
 
 def schedule(c: TrainConfig) -> Callable[[int], float]:

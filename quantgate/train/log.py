@@ -16,6 +16,7 @@ from ..errors import InputError
 from ..files import read_json_lines, write_text_atomic
 from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share
 from ..plots import save_png
+from .checkpoint import ModelIdentity
 from .config import TrainConfig
 
 LOG_FILE = "log.jsonl"
@@ -26,7 +27,7 @@ class ConfigEvent(JsonRecord):
     """The first line: the run's config (:class:`TrainConfig` as a dict), the model's identity and the processes."""
 
     config: dict[str, Any]
-    identity: dict[str, Any]
+    identity: ModelIdentity
     world_size: Count
     event: str = "config"
 
@@ -137,20 +138,21 @@ class JsonLog:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if self.tracker is not None and not isinstance(event, ConfigEvent):
-            self.tracker.log(scalars(record), step=event.step)
+            self.tracker.log(scalars(event), step=event.step)
 
 
-def scalars(record: dict) -> dict[str, float]:
-    """A log record's numbers under ``<event>/<name>``; an observe record's per-layer values also as
+def scalars(event: TrainEvent | EvalEvent | ObserveEvent) -> dict[str, float]:
+    """A logged step's numbers under ``<event>/<name>``; an observe record's per-layer values also as
     ``observe/layer_<i>/<name>`` (None values, such as an ungated model's gate mean, are left out)."""
-    event = record["event"]
     out = {
-        f"{event}/{k}": float(v)
-        for k, v in record.items()
+        f"{event.event}/{k}": float(v)
+        for k, v in event.to_json().items()
         if k not in ("event", "step") and isinstance(v, (int, float)) and not isinstance(v, bool)
     }
-    for i, layer in enumerate(record.get("layers") or []):
-        out |= {f"{event}/layer_{i}/{k}": float(v) for k, v in layer.items() if isinstance(v, (int, float))}
+    for i, layer in enumerate(event.layers if isinstance(event, ObserveEvent) else []):
+        out |= {
+            f"{event.event}/layer_{i}/{k}": float(v) for k, v in layer.to_json().items() if isinstance(v, (int, float))
+        }
     return out
 
 

@@ -100,9 +100,9 @@ def _check_float(model: nn.Module) -> None:
     names a calibration that training would make untrue."""
     record = quantization_of(model)
     if record is not None:
-        source = record.get("source_model")
+        source = record.source_model
         raise InputError(
-            f"this model is quantized ({record['scheme']}); training would update rounded weights and keep a "
+            f"this model is quantized ({record.scheme}); training would update rounded weights and keep a "
             f"quantization record that no longer describes them: train the float model"
             f"{f' it was made from ({source})' if source else ''} and quantize the result"
         )
@@ -140,7 +140,7 @@ def _train(
     if c.log_with is not None:
         acc.init_trackers("tensorboard", config=hyperparameters(c))
     if not c.resume:
-        logger.write(ConfigEvent(asdict(c), identity.to_json(), world))
+        logger.write(ConfigEvent(asdict(c), identity, world))
     model.train()
     it = iter(data)
     # one process computes the MLM loss at the masked positions only; a DDP or FSDP wrapper must see the forward call

@@ -16,8 +16,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from ..data.batches import Resumable
+from ..data.synthetic import DataPosition
 from ..errors import InputError
 from ..files import short_repr
+from ..json_record import RecordError
 from ..models.io import check_state, read_safetensors
 from .checkpoint import (
     MODEL_FILE,
@@ -139,12 +141,11 @@ def _check_data_position(run: Run, path: Path, saved: TrainerRecord, c: TrainCon
     if not isinstance(run.data, Resumable):
         return
     file = path / TRAINER_FILE
-    position = []
-    for key in ("epoch", "batch"):
-        value = saved.data.get(key)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise InputError(f"{file}: data.{key} must be an integer >= 0; got {short_repr(value)}")
-        position.append(value)
+    try:
+        saved_at = DataPosition.from_json(saved.data)
+    except InputError as e:  # a value of another type or range (a RecordError), a field missing or unknown
+        raise InputError(f"{file}: {e.within('data') if isinstance(e, RecordError) else f'data: {e}'}") from None
+    position = (saved_at.epoch, saved_at.batch)
     try:
         per_epoch = len(cast(Sized, run.data))
     except TypeError:  # data of unknown length: its position cannot be derived from the step

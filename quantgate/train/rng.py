@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -15,6 +16,17 @@ from safetensors.torch import save_file
 
 from ..errors import InputError
 from ..files import short_repr
+from ..json_record import JsonRecord
+
+
+@dataclass(frozen=True)
+class GeneratorStates(JsonRecord):
+    """The metadata of ``rng-<rank>.safetensors`` (safetensors metadata holds text): python's
+    ``random.getstate()`` (``python``: JSON of its version, internal state and gauss) and numpy's legacy global
+    generator (``numpy``: JSON of its MT19937 key, pos, has_gauss and gauss)."""
+
+    python: str
+    numpy: str
 
 
 def save_rng(file: Path) -> None:
@@ -27,7 +39,9 @@ def save_rng(file: Path) -> None:
     save_file(
         tensors,
         str(file),
-        metadata={"python": json.dumps(random.getstate()), "numpy": json.dumps([key.tolist(), pos, has_gauss, gauss])},
+        metadata=GeneratorStates(
+            python=json.dumps(random.getstate()), numpy=json.dumps([key.tolist(), pos, has_gauss, gauss])
+        ).to_json(),
     )
 
 
@@ -43,12 +57,12 @@ def load_rng(file: Path) -> None:
 
 def _set_rng(file: Path) -> None:
     with safe_open(str(file), framework="pt") as fh:
-        meta = fh.metadata()
+        states = GeneratorStates.from_json(fh.metadata())
         torch.set_rng_state(fh.get_tensor("torch"))
         cuda = sorted((k for k in fh.keys() if k.startswith("cuda.")), key=lambda k: int(k[5:]))
         if cuda and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([fh.get_tensor(k) for k in cuda])
-    version, internal, gauss = json.loads(meta["python"])
+    version, internal, gauss = json.loads(states.python)
     random.setstate((version, tuple(internal), gauss))
-    key, pos, has_gauss, gauss = json.loads(meta["numpy"])
+    key, pos, has_gauss, gauss = json.loads(states.numpy)
     np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, gauss))

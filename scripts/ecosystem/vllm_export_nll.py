@@ -251,7 +251,7 @@ def run_quantgate(export: Path, wins: list[dict], dtype: str, noise: float) -> t
         quant = qg.quantization_of(model) if hasattr(qg, "quantization_of") else None
         t1 = time.monotonic()
         res = {
-            "quantization": quant.get("scheme") if isinstance(quant, dict) else None,
+            "quantization": quant.scheme if quant is not None else None,
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "class": type(model).__name__,
             "load_s": load_s,

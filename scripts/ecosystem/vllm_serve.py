@@ -341,7 +341,7 @@ def quantgate_logprobs(path: Path, docs: list[dict], dtype: str = "float32") -> 
     meta = {
         "load_s": load_s,
         "score_s": time.monotonic() - t1,
-        "quantization": (quant or {}).get("scheme") if isinstance(quant, dict) else None,
+        "quantization": quant.scheme if quant is not None else None,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "class": type(model).__name__,
     }
