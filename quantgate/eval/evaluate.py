@@ -165,10 +165,10 @@ class EvaluationSettings(JsonRecord):
             model_sha256=fingerprint(model),  # identity: quantize() records it as its source_sha256
             family=family_of(model).name,
             variant=str(variant_of(model)),
-            quantization=quant["scheme"] if quant else None,
-            quantization_origin=quant.get("origin") if quant else None,
-            source_sha256=quant.get("source_sha256") if quant else None,  # the float model it came from
-            quantization_record=quant,
+            quantization=quant.scheme if quant else None,
+            quantization_origin=quant.origin if quant else None,
+            source_sha256=quant.source_sha256 if quant else None,  # the float model it came from
+            quantization_record=quant.with_origin() if quant else None,
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         )
 

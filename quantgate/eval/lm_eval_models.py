@@ -157,7 +157,7 @@ def _model_info(model: nn.Module, source: str | None) -> dict[str, Any]:
         "quantgate_source": source,
         "quantgate_family": family_of(model).name,
         "quantgate_variant": str(variant_of(model)),
-        "quantgate_quantization": quant["scheme"] if quant else None,
+        "quantgate_quantization": quant.scheme if quant else None,
     }
 
 

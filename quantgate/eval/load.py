@@ -40,9 +40,9 @@ def load_for_eval(
         model = model.to(device)
     record = quantization_of(model) if scheme is not None else None
     if record is not None:
-        source_model = record.get("source_model")
+        source_model = record.source_model
         raise InputError(
-            f"{source} is already quantized ({record['scheme']}); scheme (--scheme) quantizes a float model: "
+            f"{source} is already quantized ({record.scheme}); scheme (--scheme) quantizes a float model: "
             f"evaluate {source} as it is, without a scheme, or give its float source"
             + (f" ({source_model})" if source_model else "")
             + " with the scheme"

@@ -346,9 +346,9 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
         return str(args["scheme"]), source
     truthy = {k for k, v in args.items() if str(v).lower() in ("true", "1")}
     if "load_in_8bit" in truthy:
-        return describe({"quant_method": "bitsandbytes", "load_in_8bit": True})["scheme"], source
+        return describe({"quant_method": "bitsandbytes", "load_in_8bit": True}).scheme, source
     if "load_in_4bit" in truthy:
-        return describe({"quant_method": "bitsandbytes", "load_in_4bit": True})["scheme"], source
+        return describe({"quant_method": "bitsandbytes", "load_in_4bit": True}).scheme, source
     if truthy & {"autogptq", "gptqmodel"}:
         return "gptq", source
     if folder is not None and (folder / "config.json").is_file():
@@ -359,7 +359,7 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
             return own.scheme, source or own.source_sha256
         qc = quantization_config(cfg)
         if qc is not None:
-            return describe(qc)["scheme"], source
+            return describe(qc).scheme, source
     return "float", source
 
 
