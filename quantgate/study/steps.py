@@ -444,13 +444,13 @@ def _float_evaluation(run: _CellRun, entry: None) -> Evaluated:
     return _evaluate(run.model(), run.tokenizer(), run.eval)
 
 
-def _checked_evaluation(result: dict[str, Any]) -> dict[str, Any]:
+def _checked_evaluation(out: dict[str, Any]) -> dict[str, Any]:
     """An evaluation step's result (``results``, ``documents``), refused where a number is wrong
     (:func:`~.records.wrong_evaluation`, the check metrics.json gets)."""
-    wrong = wrong_evaluation("results", result.get("results") or {}, "documents", result.get("documents") or {})
+    wrong = wrong_evaluation("results", out.get("results") or {}, "documents", out.get("documents") or {})
     if wrong is not None:
         raise InputError(wrong)
-    return result
+    return out
 
 
 def _float_fields(result: dict[str, Any]) -> dict[str, Any]:
@@ -465,8 +465,8 @@ def _cost(run: _CellRun, entry: None) -> GateCost:
     return gate_cost(run.model())
 
 
-def _cost_fields(result: dict[str, Any]) -> dict[str, Any]:
-    return {"cost": GateCost.from_json({k: result[k] for k in ("gate_params", "gate_flops_per_token")})}
+def _cost_fields(out: dict[str, Any]) -> dict[str, Any]:
+    return {"cost": GateCost.from_json({k: out[k] for k in ("gate_params", "gate_flops_per_token")})}
 
 
 # --- a scheme step: one scheme applied to the cell's model, its error and its evaluation ------------------------
@@ -487,9 +487,9 @@ def _scheme(run: _CellRun, entry: SchemeEntry) -> SchemeRecord:
     return SchemeRecord.computed(_quantized(model, tok, entry.scheme, run.eval_for(entry), run.spec, run.cell.seed))
 
 
-def _scheme_record(result: dict[str, Any]) -> SchemeRecord:
+def _scheme_record(out: dict[str, Any]) -> SchemeRecord:
     """A scheme step's record, its evaluation checked (an error step has none)."""
-    return SchemeRecord.from_json(result if "error" in result else _checked_evaluation(result))
+    return SchemeRecord.from_json(out if "error" in out else _checked_evaluation(out))
 
 
 # A cell's steps, in the order they run: a new step is one entry (and, for the cell's record to hold it, a
