@@ -215,13 +215,13 @@ def save_figure(fig: Figure, path: Path) -> None:
 def header(title: str, command: str, seconds: float, what: str) -> list[str]:
     """The first lines of an experiment's report.md: what it asks, how to regenerate it, where it ran."""
     m = machine()
-    where = m["gpu"] or f"{m['cpus']} CPUs ({m['torch_threads']} torch threads), no GPU"
+    where = m.gpu or f"{m.cpus} CPUs ({m.torch_threads} torch threads), no GPU"
     return [
         f"# {title}",
         "",
         what.strip(),
         "",
-        f"Command: `{command}` ({seconds / 60:.1f} min wall). Machine: {m['platform']}, {where}; "
+        f"Command: `{command}` ({seconds / 60:.1f} min wall). Machine: {m.platform}, {where}; "
         + ", ".join(f"{k} {v}" for k, v in versions().items() if v)
         + ".",
         "",

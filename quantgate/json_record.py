@@ -20,6 +20,10 @@ with the file::
 
     Unit.from_json({"mean": 0.5, "below_0.1": 0.2}).below  # 0.2
     Unit.from_json({"mean": 5})  # RecordError: mean is 5, not a finite number in [0, 1]
+
+A *view* (``class V(JsonRecord, view=True)``) reads its fields of an object that holds more and passes the other
+keys over: what a reader takes, typed, of data kept as it was written (metrics.json's ``study``, the study file as
+it ran); a view is read, never written.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from functools import cache
-from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, ClassVar, TypeVar, get_args, get_origin, get_type_hints
 
 from quantgate.errors import InputError
 from quantgate.options import AT_LEAST_0, Range
@@ -84,6 +88,12 @@ def json_field(
 class JsonRecord:
     """Base of a frozen dataclass that converts to and from a JSON object (see the module docstring)."""
 
+    _view: ClassVar[bool] = False  # a view: reads its fields of a larger object, passing the other keys over
+
+    def __init_subclass__(cls, view: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._view = view
+
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object: nested records converted, omitted Nones left out."""
         out = {}
@@ -96,13 +106,13 @@ class JsonRecord:
 
     @classmethod
     def from_json(cls: type[R], data: Mapping[str, Any]) -> R:
-        """The record a JSON object holds; ValueError naming an unknown key, :class:`RecordError` a missing one or a
-        value its field refuses."""
+        """The record a JSON object holds; ValueError naming an unknown key (a view passes them over),
+        :class:`RecordError` a missing one or a value its field refuses."""
         if not isinstance(data, Mapping):
             raise InputError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
         hints, fields = _hints(cls), _stored(cls)  # type: ignore[arg-type]  # a class is hashable
         keys = {f.metadata.get("key", f.name): f for f in fields}
-        unknown = sorted(set(data) - set(keys))
+        unknown = [] if cls._view else sorted(set(data) - set(keys))
         if unknown:
             raise InputError(f"{cls.__name__}: unknown field(s) {unknown} (known: {sorted(keys)})")
         unset = dataclasses.MISSING

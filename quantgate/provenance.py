@@ -5,23 +5,40 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+from dataclasses import dataclass
 from importlib import metadata
 
 import torch
 
-__all__ = ["git_commit", "machine", "version", "versions"]
+from .json_record import JsonRecord
+
+__all__ = ["git_commit", "Machine", "machine", "version", "versions"]
 
 PACKAGES = ("quantgate", "torch", "transformers", "torchao", "bitsandbytes", "lm_eval", "accelerate")
 
 
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
+@dataclass(frozen=True)
+class Machine(JsonRecord):
+    """The machine a result was made on (a study's metrics.json holds it; reports print it): its ``platform``
+    (:func:`platform.platform`), logical ``cpus`` (None where the system does not say), ``python`` version, torch's
+    thread count (``torch_threads``) and the first CUDA device's name (``gpu``, None without one)."""
+
+    platform: str
+    cpus: int | None
+    python: str
+    torch_threads: int
+    gpu: str | None
+
+
+def machine() -> Machine:
+    """The machine this process runs on."""
+    return Machine(
+        platform=platform.platform(),
+        cpus=os.cpu_count(),
+        python=platform.python_version(),
+        torch_threads=torch.get_num_threads(),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    )
 
 
 def version(package: str) -> str | None:

@@ -187,7 +187,7 @@ def quickstart() -> str:
         for s, label in SCHEMES.items()
         if s in smol.schemes and s != "w8a8-int8-static"
     )
-    ((ungated, gated),) = metrics.report["pairs"]
+    ((ungated, gated),) = metrics.report.pairs
     u, g = (next(c for c in cells.values() if c.model == name) for name in (ungated, gated))
     ((_, widths),) = bit_sweeps(metrics.schemes).items()
     found = [budget([(b, _change(c, s)) for b, s in widths]) for c in (u, g)]
@@ -511,8 +511,9 @@ def twins_search() -> str:
 def mitigations() -> str:
     metrics = _study("mitigations")
     cells = metrics.cells
-    fixes = metrics.report["fixes"]
-    reference, within = fixes["reference"], float(fixes.get("within", 0.01))
+    fixes = metrics.report.fixes
+    assert fixes is not None  # the mitigations study ranks its fixes
+    reference, within = fixes.reference, fixes.within
     changes = {(c.id, s): ppl_change(c, s) for c in cells for s in metrics.schemes}
     parts = []
     for c in cells:

@@ -3,11 +3,13 @@ each cell's bit budget (fewest activation bits under a 1% perplexity increase) a
 
 import pytest
 
+from quantgate.provenance import machine
 from quantgate.quant.schemes import act_bits
 from quantgate.stats import Delta
 from quantgate.study import CellRecord, StudyError, StudyRecord, load_study
 from quantgate.study.measures import bit_sweeps, budget
 from quantgate.study.plots import plot_bit_sweeps
+from quantgate.study.records import WallSeconds
 from quantgate.study.report import Report, bit_budget
 
 STUDY = """name: sweep
@@ -87,7 +89,7 @@ def test_report_section_and_plot(tmp_path):
         ("t/g1", schemes[0]): _d(0.002, -0.001, 0.004),
         ("t/g1", schemes[1]): _d(0.008, 0.004, 0.013),
     }
-    text = bit_budget(Report(StudyRecord({}, cells, schemes), changes))
+    text = bit_budget(Report(StudyRecord({}, cells, schemes, machine(), WallSeconds(0, 0)), changes))
     assert "| t | vanilla | 0 | A8: +0.30% [+0.10, +0.50] | +0.30% [+0.10, +0.50] | +9.0% [+7.0, +11.0] |" in text
     assert "| t | g1 | 0 | A6: +0.8% [+0.4, +1.3] | +0.20% [-0.10, +0.40] ~ | +0.8% [+0.4, +1.3] |" in text
     sweeps = {

@@ -29,7 +29,7 @@ RUNS = sorted(
 
 
 def _written(record: StudyRecord) -> str:
-    """metrics.json as a study run writes it (study/steps.py's _write_json)."""
+    """metrics.json as a study run writes it (study/records.py's write_metrics)."""
     return json.dumps(record.to_json(), indent=1, sort_keys=True)
 
 
@@ -84,7 +84,7 @@ def test_committed_metrics_read_typed_and_write_what_they_read(run):
     again = StudyRecord.from_json(json.loads(_written(record)), run)
     assert _written(again) == _written(record)
     for cell in record.cells:
-        assert cell.run_dir == run and cell.cluster == (record.report.get("cluster") or "work")
+        assert cell.run_dir == run and cell.cluster == record.report.cluster
         for scheme in cell.schemes.values():
             assert all(isinstance(w, WorstLayer) for w in scheme.worst_layers)
             assert scheme.calibration is None or isinstance(scheme.calibration, CalibrationRecord)

@@ -17,8 +17,10 @@ import quantgate as qg
 from quantgate import experiment as ex
 from quantgate.measurements import CellObserve, CellSummary, LayerRow
 from quantgate.models.families import config_of
+from quantgate.provenance import machine
 from quantgate.stats import Delta, format_delta
 from quantgate.study import CellRecord, StudyRecord, load_study, plan, read_metrics, run_study
+from quantgate.study.records import WallSeconds
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDIES = sorted(p for p in (ROOT / "experiments").glob("*.yaml"))
@@ -349,9 +351,10 @@ def test_twins_search_criterion_part_by_part(monkeypatch):
     assert v["held"] == {"ungated sink": 3, "ungated ratio": 2, "gated neither": 3, "W8A8 apart": 1}
     assert not v["met"] and v["widest apart"] is None
     assert not search.verdict(cells[:4], widths)["met"]  # two seeds never meet it
+    run = StudyRecord(study={}, cells=cells, schemes=[], machine=machine(), wall_seconds=WallSeconds(0, 0))
     with pytest.raises(SystemExit, match=r"run python experiments/twins_search\.py --only d128-2L --seeds 5 first"):
-        search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 5)  # never run
-    assert len(search._pair({"d128-2L": StudyRecord(study={}, cells=cells, schemes=[])}, "d128-2L", 1)) == 2
+        search._pair({"d128-2L": run}, "d128-2L", 5)  # never run
+    assert len(search._pair({"d128-2L": run}, "d128-2L", 1)) == 2
 
 
 def test_retrofit_readout_applies_the_declared_condition_by_hand():

@@ -264,7 +264,7 @@ def test_a_refused_run_leaves_the_previous_metrics_json(study_run, tmp_path, mon
 
     def wrong(*args, **kwargs):
         out = evaluate(*args, **kwargs)
-        out["results"][TASK]["word_perplexity"] = -5.0
+        out.results[TASK]["word_perplexity"] = -5.0
         return out
 
     monkeypatch.setattr(steps, "_evaluate", wrong)

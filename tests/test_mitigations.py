@@ -321,6 +321,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
     from quantgate.stats import Delta, format_delta
     from quantgate.study import CellRecord
     from quantgate.study.fixes import which_fix
+    from quantgate.study.records import Fixes
 
     def d(v, lo, hi):
         return Delta(v, lo, hi, "perplexity", 4, "paired bootstrap")
@@ -351,7 +352,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
         ("twin/v", schemes[0]): d(0.002, -0.001, 0.004),
         ("twin/v", schemes[1]): d(0.001, 0.0, 0.002),
     }
-    lines = which_fix(cells, schemes, changes, {"reference": "w8a8-int8-static"}, [["big", "twin"]])
+    lines = which_fix(cells, schemes, changes, Fixes("w8a8-int8-static"), [["big", "twin"]])
     text = "\n".join(lines)
     assert (
         f"- **big** (vanilla): `w8a8-int8-static` {format_delta(changes['big/v', schemes[0]])}; fixed by 1 of 3, "
@@ -389,6 +390,7 @@ def test_smoothquant_on_torchaos_real_int8_static_path_lowers_the_error_of_an_ou
 def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_hand():
     from quantgate.study import CellRecord
     from quantgate.study.fixes import sink_effect, which_fix, without_sink
+    from quantgate.study.records import Fixes
 
     def docs(loglik):
         return {"quantgate_backcopy": {"ids": [0, 1, 2], "loglikelihood": loglik, "tokens": [10, 10, 10]}}
@@ -409,7 +411,7 @@ def test_sink_effect_pairs_the_kv_scheme_with_and_without_its_kept_tokens_by_han
     assert d is not None and d.low is not None and d.high is not None
     assert d.value == pytest.approx(math.exp(33.0 / 30) / math.exp(36.0 / 30) - 1)  # ppl = exp(-loglik / tokens)
     assert d.low <= d.value <= d.high
-    lines = which_fix([cell], ["kv4-int4", "kv4-int4:sink=1"], {}, {"reference": "kv4-int4"}, [])
+    lines = which_fix([cell], ["kv4-int4", "kv4-int4:sink=1"], {}, Fixes("kv4-int4"), [])
     assert any(
         line.startswith(
             "- KV cache: keeping its first 1 token(s) in full precision (`kv4-int4:sink=1` against `kv4-int4`"

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from quantgate.measurements import CellObserve, CellSummary, LayerRow
+from quantgate.provenance import machine
 from quantgate.stats import fmt, pearson, spearman
 from quantgate.study import CellRecord, StudyError, StudyRecord, load_study, run_study
 from quantgate.study.measures import peak_activation
+from quantgate.study.records import WallSeconds
 from quantgate.study.report import study_markdown, write_study_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,7 +322,7 @@ def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     base, low = cell("g1-elementwise", [-12.0, -15.0, -9.0, -14.0], 800), cell("hyga", [-11.0, -15.5, -8.0, -13.0], 200)
     records = [CellRecord.from_json(c) for c in (base, low)]
     lines = against_baseline(
-        Report.of(StudyRecord({"report": {"baseline": "g1-elementwise"}}, records, []))
+        Report.of(StudyRecord({"report": {"baseline": "g1-elementwise"}}, records, [], machine(), WallSeconds(0, 0)))
     ).splitlines()
     row = next(line for line in lines if line.startswith("| m | hyga |"))
     expected = paired_delta(
@@ -329,7 +331,7 @@ def test_against_baseline_pairs_each_variant_with_the_baseline_over_documents():
     assert expected.value == pytest.approx(math.exp((50 - 47.5) / -40) - 1)  # ppl ratio by hand: exp(-2.5 / 40) - 1
     assert f"| {format_delta(expected)} | 200 (0.25x) | 0.50 (0) |" in row
     assert "| m | g1-elementwise | 0 | - | 800 (1.00x) |" in "\n".join(lines)
-    assert against_baseline(Report.of(StudyRecord({}, records, []))) == ""
+    assert against_baseline(Report.of(StudyRecord({}, records, [], machine(), WallSeconds(0, 0)))) == ""
 
 
 def test_a_study_fine_tunes_a_loaded_checkpoint_with_a_gate_added(tmp_path):

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, MissingFile
+from ..eval.evaluate import Evaluation, EvaluationSettings, sample_documents
 from ..eval.tasks import TASKS, bundled, computed
 from ..files import claim_output, json_kind, read_json, read_json_lines, write_text_atomic
+from ..json_record import RecordError
 from ..models.record import checked_record
 from ..plots import bar_panels
 from ..stats import DELTA_LEGEND, Delta, change, fmt, format_delta, table_head
@@ -96,9 +98,9 @@ def _run_files(folder: Path) -> list[Path]:
     evals = sorted(folder.rglob("eval.json"))
     written = set()
     for f in evals:
-        out = _read_json(f).get("lm_eval_output") or {}
-        if isinstance(out, dict) and isinstance(out.get("results"), str):
-            written.add(str(Path(out["results"]).resolve()))
+        out = _evaluation(_read_json(f), f).lm_eval_output
+        if out is not None:
+            written.add(str(Path(out.results).resolve()))
     lm, unreadable = [], []
     for f in sorted(folder.rglob("results_*.json")):  # lm_eval --output_path DIR
         try:
@@ -128,9 +130,7 @@ def _lm_eval_shaped(data: dict) -> bool:
 def _file_record(f: Path) -> Run:
     data = _read_json(f)
     if "settings" in data and "results" in data:
-        _check_fields(data, f, ("settings", "results", "documents"), "quantgate's eval.json")
-        _check_numbers(f, "results", data["results"], "documents", data.get("documents") or {})
-        return _eval_record(data, f)
+        return _eval_record(_evaluation(data, f), f)
     if _lm_eval_shaped(data):
         _check_fields(data, f, ("config", "results"), "lm-eval's results JSON")
         return _lm_eval_record(data, f)
@@ -138,6 +138,20 @@ def _file_record(f: Path) -> Run:
         f"{f} is neither quantgate's eval.json (settings, results) nor lm-eval's results JSON (results, "
         f"configs, versions)"
     )
+
+
+def _evaluation(data: dict, f: Path) -> Evaluation:
+    """The :class:`~quantgate.eval.evaluate.Evaluation` of eval.json ``f`` (its object ``data``); a one-line InputError
+    naming ``f`` and the field where it is not one (a field missing or of another type) or a number of its
+    evaluation is wrong (:func:`_check_numbers`)."""
+    try:
+        evaluation = Evaluation.from_json(data)
+    except RecordError as e:
+        raise InputError(f"cannot read {f}: {e}; {REWRITE}") from None
+    except InputError as e:  # not an evaluation's object: an unknown field, or an object where a record is
+        raise InputError(f"cannot read {f}: not quantgate's eval.json ({e}); {REWRITE}") from None
+    _check_numbers(f, "results", evaluation.results, "documents", evaluation.documents)
+    return evaluation
 
 
 def _check_fields(data: dict, f: Path, fields: tuple[str, ...], kind: str) -> None:
@@ -165,25 +179,25 @@ def _check_numbers(f: Path, results_at: str, results: dict, documents_at: str, d
         raise InputError(f"cannot read {f}: {wrong}; {REWRITE}")
 
 
-def _eval_record(data: dict, f: Path) -> Run:
-    s = data["settings"]
-    scheme = s.get("quantization") or "float"
+def _eval_record(evaluation: Evaluation, f: Path) -> Run:
+    s = evaluation.settings
+    scheme = s.quantization or "float"
     return Run(
-        model=s.get("model") or f.parent.name,
-        variant=s.get("variant"),
+        model=s.model or f.parent.name,
+        variant=s.variant,
         seed=None,
         scheme=scheme,
-        identity=s.get("model_sha256"),
-        source=s.get("source_sha256") if scheme != "float" else None,
+        identity=s.model_sha256,
+        source=s.source_sha256 if scheme != "float" else None,
         cell=None,
         kind="eval",
         path=str(f),
-        tasks=tuple(s.get("tasks") or ()),
-        limit=s.get("limit"),
+        tasks=tuple(s.tasks),
+        limit=s.limit,
         protocol=_eval_protocol(s),
-        documents=data.get("documents") or {},
-        stderr=_stderr(data["results"]),
-        values=_flat(data["results"]),
+        documents=evaluation.documents,
+        stderr=_stderr(evaluation.results),
+        values=_flat(evaluation.results),
     )
 
 
@@ -239,27 +253,27 @@ PROTOCOL = (
 )
 
 
-def _eval_protocol(s: dict) -> dict:
+def _eval_protocol(s: EvaluationSettings) -> dict:
     """The settings of quantgate's eval.json that change the numbers (:data:`PROTOCOL`): quantgate eval applies
     no chat template, system instruction or generation arguments; ``n_shot`` (per task, as lm-eval applied
     it) where recorded, else ``num_fewshot`` (None: a bundled task's default, 0) for each lm-eval task."""
 
-    shots = s.get("n_shot")
-    if not isinstance(shots, dict):
-        given = s.get("num_fewshot")
-        tasks = [t for t in (s.get("tasks") or []) if t not in computed()]
+    shots = s.n_shot
+    if shots is None:
+        given = s.num_fewshot
+        tasks = [t for t in s.tasks if t not in computed()]
         shots = {t: given if given is not None else 0 for t in tasks if given is not None or t in bundled()}
     out = {
-        "limit": s.get("limit"),
+        "limit": s.limit,
         "num_fewshot": shots,
         "chat_template": None,
         "system_instruction": None,
         "fewshot_as_multiturn": False,
         "gen_kwargs": None,
-        "max_length": s.get("max_length"),
+        "max_length": s.max_length,
     }
-    out |= {k: s[k] for k in ("task_versions", "fewshot_seed") if s.get(k) is not None}
-    return out
+    recorded = {"task_versions": s.task_versions, "fewshot_seed": s.fewshot_seed}  # where this eval.json has them
+    return out | {k: v for k, v in recorded.items() if v is not None}
 
 
 def _lm_eval_protocol(data: dict) -> dict:
@@ -378,8 +392,6 @@ def _lm_eval_metrics(metrics: dict) -> dict:
 def _lm_eval_documents(f: Path, results: dict) -> dict:
     """Per-document values from the samples files lm-eval wrote beside ``f`` (``--log_samples``):
     ``samples_<task>_<date>.jsonl`` for ``results_<date>.json`` (or ``NAME_<date>.json``)."""
-    from ..eval.evaluate import sample_documents  # the same per-document columns as quantgate's eval.json
-
     date = f.stem.rsplit("_", 1)[-1]
     docs = {}
     for task in results:
@@ -415,7 +427,7 @@ def _stderr(results: dict | None) -> dict:
 def _study_records(metrics: StudyRecord, path: Path) -> list[Run]:
     out = []
     for c in metrics.cells:
-        model, cell = f"{metrics.study['name']}:{c.model}", f"{path}#{c.id}"  # a cell's runs are one model's
+        model, cell = f"{metrics.settings.name}:{c.model}", f"{path}#{c.id}"  # a cell's runs are one model's
         runs = {"float": (c.float_documents, c.float_results)} | {
             s: (r.documents, r.results) for s, r in c.schemes.items()
         }

@@ -2,7 +2,7 @@
 
 * ``serial`` (the default): one cell after another, in this process. Needs nothing beyond quantgate.
 * ``ray``: each cell a Ray task asking for its model's ``resources`` (``{cpus: n, gpus: n}``, default
-  :data:`DEFAULT_RESOURCES`), on the cluster at ``address`` (``--address``, else ``RAY_ADDRESS``) or on a Ray
+  :class:`Resources`' own), on the cluster at ``address`` (``--address``, else ``RAY_ADDRESS``) or on a Ray
   started here on this machine's CPUs and GPUs. The driver shows a progress bar over the cells and writes
   metrics.json and the report when all are done; each cell's worker keeps its log in ``cells/<cell>/cell.log``
   (host, pid, threads, then quantgate's log lines). A worker that dies mid-cell is replaced and its task run
@@ -25,6 +25,7 @@ import os
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -35,7 +36,8 @@ from .records import CellRecord
 
 __all__ = [
     "EXECUTORS",
-    "DEFAULT_RESOURCES",
+    "Resources",
+    "RESOURCES",
     "RETRIES",
     "RUN_ID",
     "StudyDirectoryNotShared",
@@ -45,7 +47,6 @@ __all__ = [
 
 log = logging.getLogger("quantgate")
 EXECUTORS = ("serial", "ray")
-DEFAULT_RESOURCES = {"cpus": 1.0, "gpus": 0.0}
 RETRIES = 3  # times a cell whose worker died is run again
 PROBE_SECONDS = 5.0  # how long a Ray address may take to accept a connection
 RUN_ID = ".quantgate-run-id"  # the driver's token in the run directory: a worker that cannot read it cannot see it
@@ -57,10 +58,22 @@ class StudyDirectoryNotShared(Unavailable):
     """A Ray worker cannot see the study's run directory."""
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What one cell asks of a Ray worker: ``cpus`` and ``gpus`` (a fraction of one shares it); a model's
+    ``resources:`` sets either."""
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+
+RESOURCES = tuple(f.name for f in fields(Resources))  # the keys of a model's resources:
+
+
 def check_resources(resources: dict) -> bool:
-    """A model's ``resources``: keys among DEFAULT_RESOURCES', each a number >= 0."""
+    """A model's ``resources``: keys among :data:`RESOURCES`, each a number >= 0."""
     return all(
-        k in DEFAULT_RESOURCES and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+        k in RESOURCES and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
         for k, v in resources.items()
     )
 
@@ -128,11 +141,9 @@ def _on_ray(cells: list[Cell], out: Path, run_cell: RunCell, address: str | None
     task = ray.remote(max_retries=RETRIES, retry_exceptions=False)(_cell_task)
     refs = {}
     for i, cell in enumerate(cells):
-        need = {**DEFAULT_RESOURCES, **(cell.model.resources or {})}
+        need = Resources(**(cell.model.resources or {}))
         cdir = cell_dir(out, cell.model.name, cell.id)
-        ref = task.options(num_cpus=need["cpus"], num_gpus=need["gpus"]).remote(
-            run_cell, cell, cdir, out, token, need["cpus"]
-        )
+        ref = task.options(num_cpus=need.cpus, num_gpus=need.gpus).remote(run_cell, cell, cdir, out, token, need.cpus)
         refs[ref] = i
     records: list[CellRecord | None] = [None] * len(cells)
     pending = list(refs)

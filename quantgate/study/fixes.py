@@ -20,7 +20,7 @@ from enum import Enum
 from ..quant.schemes import get_scheme
 from ..stats import MIN_CLUSTERS, Delta, format_delta, paired_delta, table_head
 from .measures import ppl_key
-from .records import CellRecord
+from .records import CellRecord, Fixes
 
 __all__ = [
     "which_fix",
@@ -138,12 +138,11 @@ def which_fix(
     cells: list[CellRecord],
     schemes: list[str],
     changes: Changes,
-    fixes: dict,
+    fixes: Fixes,
     pairs: list[list[str]],
 ) -> list[str]:
     """The report's opening section (module docstring)."""
-    reference = str(get_scheme(fixes["reference"]))
-    within = float(fixes.get("within", 0.01))
+    reference, within = str(get_scheme(fixes.reference)), fixes.within
     lines = [
         "## Which fix?",
         "",

@@ -153,7 +153,7 @@ class ModelSpec:
     # the dtype the model is observed, quantized and evaluated in ("bfloat16", "float16"); None: float32 (a model
     # trained here trains as its train settings say, then is cast)
     dtype: str | None = None
-    # what one of its cells asks of a Ray worker ({"cpus": n, "gpus": n}); None: DEFAULT_RESOURCES. The serial
+    # what one of its cells asks of a Ray worker ({"cpus": n, "gpus": n}); None: Resources()'s. The serial
     # executor ignores it; it changes no number, so no step key holds it
     resources: dict[str, float] | None = None
     # accelerate's big-model loading of a `load:` checkpoint; each scheme then quantizes a fresh load in place.

@@ -12,6 +12,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,21 @@ from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share, js
 from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
 from ..models.record import CalibrationRecord, MitigationRecord
+from ..provenance import Machine
 from ..stats import METRICS, Documents, TaskDocuments, aggregate, check_cluster
 from ..train.log import EvalEvent, Event, LayerPoint, ObserveEvent, TrainEvent
 from .compat import keyed
 from .grid import cell_dir
 
-__all__ = ["SchemeRecord", "CellRecord", "StudyRecord", "read_metrics", "wrong_metrics", "wrong_evaluation"]
+__all__ = [
+    "SchemeRecord",
+    "CellRecord",
+    "StudyRecord",
+    "read_metrics",
+    "write_metrics",
+    "wrong_metrics",
+    "wrong_evaluation",
+]
 
 
 @dataclass(frozen=True)
@@ -94,13 +104,12 @@ def record_cluster(run_dir: str | Path, cluster: str) -> bool:
     (its study's report settings; the file otherwise as it was): ``quantgate report RUN --cluster``. True where it
     changed."""
     check_cluster(cluster)
-    path = Path(run_dir) / "metrics.json"
-    data = read_json(path)
+    data = _metrics_object(run_dir)
     report = (data.get("study") or {}).get("report")
     if not isinstance(report, dict) or report.get("cluster", "work") == cluster:
         return False
     report["cluster"] = cluster
-    write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
+    write_metrics(run_dir, data)
     return True
 
 
@@ -226,34 +235,104 @@ class CellRecord(JsonRecord):
 
 
 @dataclass(frozen=True)
+class Fixes(JsonRecord):
+    """``report: fixes``: the scheme every other is set against (``reference``) and the perplexity increase a fix
+    stays below (``within``, a fraction of the float perplexity)."""
+
+    reference: str
+    within: Share = 0.01
+
+
+@dataclass(frozen=True)
+class ReportSettings(JsonRecord):
+    """A study's ``report:`` settings as it ran (:data:`~.schema.SECTION_RULES`): the study file's ``notes`` and
+    success ``criterion`` (markdown), the ``pairs`` of models the page opens with ([ungated, gated]), the
+    ``baseline`` variant every other variant of a model is set against, the ``fixes`` ranking and the ``cluster``
+    the intervals resample ("work" or "document")."""
+
+    notes: str = ""
+    criterion: str = ""
+    pairs: list[list[str]] = field(default_factory=list)
+    baseline: str | None = None
+    fixes: Fixes | None = None
+    cluster: str = "work"
+
+
+@dataclass(frozen=True)
+class SchemeView(JsonRecord, view=True):
+    """A model's ``schemes:`` entry as the study ran it, as its report reads it: the scheme's canonical name."""
+
+    scheme: str
+
+
+@dataclass(frozen=True)
+class ModelView(JsonRecord, view=True):
+    """A ``models:`` entry as the study ran it, as its report reads it: the model's ``name`` and its ``schemes`` in
+    the study file's order."""
+
+    name: str
+    schemes: list[SchemeView] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StudyView(JsonRecord, view=True):
+    """What the report and compare read of metrics.json's ``study`` (the study file as resolved and run, kept as it
+    was written) beside its ``report:`` settings (:attr:`StudyRecord.report`): its ``name`` and ``description``, the
+    ``file`` that reruns it ("" for the packaged default; None where the run did not record it) and its ``models``."""
+
+    name: str
+    description: str = ""
+    file: str | None = None
+    models: list[ModelView] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WallSeconds(JsonRecord):
+    """How long a study run took, in seconds: this invocation of the study (``this_invocation``, cached steps
+    read, not run) and every step of every cell as it was computed (``steps_total``)."""
+
+    this_invocation: NonNegative
+    steps_total: NonNegative
+
+
+@dataclass(frozen=True)
 class StudyRecord(JsonRecord):
-    """A run's metrics.json: the resolved ``study`` (its settings as run), its ``cells``, the ``schemes`` in order,
-    the library ``versions``, the ``machine`` it ran on, and ``wall_seconds`` (seconds, per phase of the run)."""
+    """A run's metrics.json: the resolved ``study`` (the study file as run, kept as written; read through
+    :attr:`settings`), its ``cells``, the ``schemes`` in order, the ``machine`` it ran on, ``wall_seconds`` and the
+    library ``versions``."""
 
     study: dict[str, Any]
     cells: list[CellRecord]
     schemes: list[str]
+    machine: Machine
+    wall_seconds: WallSeconds
     versions: dict[str, str | None] = field(default_factory=dict)
-    machine: dict[str, Any] = field(default_factory=dict)
-    wall_seconds: dict[str, NonNegative] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], run_dir: Path | None = None) -> StudyRecord:
-        """The record of a metrics.json, its cells read from ``run_dir`` with the study's report ``cluster``."""
+        """The record of a metrics.json, its study's settings checked and its cells read from ``run_dir`` with the
+        study's report ``cluster``."""
         record = super().from_json(data)
-        cluster = (record.study.get("report") or {}).get("cluster", "work")
+        try:
+            cluster = record.report.cluster
+            record.settings  # noqa: B018  # what the report reads of the study: checked as the file is read
+        except RecordError as e:
+            raise e.within("study") from None
         cells = [dataclasses.replace(c, run_dir=run_dir, cluster=cluster) for c in record.cells]
         return dataclasses.replace(record, cells=cells)
 
-    @property
-    def report(self) -> dict[str, Any]:
-        """The study's ``report:`` settings (notes, pairs, baseline, fixes)."""
-        return self.study.get("report") or {}
+    @cached_property
+    def settings(self) -> StudyView:
+        """What the report and compare read of the study (:class:`StudyView`)."""
+        return StudyView.from_json(self.study)
 
-
-# what metrics.json must hold for the report to read it: field -> type, at the top and in each cell
-_METRICS_FIELDS = {"study": dict, "cells": list, "schemes": list, "machine": dict, "wall_seconds": dict}
-_CELL_FIELDS = {"id": str, "model": str, "variant": str}
+    @cached_property
+    def report(self) -> ReportSettings:
+        """The study's ``report:`` settings (notes, criterion, pairs, baseline, fixes, cluster)."""
+        try:
+            return ReportSettings.from_json(self.study.get("report") or {})
+        except RecordError as e:
+            raise e.within("report") from None
 
 
 def read_metrics(run_dir: str | Path) -> StudyRecord:
@@ -266,14 +345,26 @@ def read_metrics(run_dir: str | Path) -> StudyRecord:
     a negative duration). Every reader (report, compare, the experiments) reads through here, and a study checks
     the same (:func:`wrong_metrics`) before it writes the file; :meth:`StudyRecord.from_json` alone builds records
     from data in memory without the checks of the evaluations' numbers."""
+    data = _metrics_object(run_dir)
+    record, wrong = _checked(data, Path(run_dir))
+    if record is None:
+        raise InputError(f"cannot read {Path(run_dir) / 'metrics.json'}: {wrong}; {_regenerate(run_dir, data)}")
+    return record
+
+
+def _metrics_object(run_dir: str | Path) -> dict[str, Any]:
+    """The JSON object of a run's metrics.json, as written: the one read of the file (:func:`read_metrics` types
+    it, :func:`record_cluster` edits it); a one-line error naming the file where it is missing or cannot be read."""
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         raise MissingFile(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
-    data = read_json(path, fix=_regenerate(run_dir, None))
-    record, wrong = _checked(data, Path(run_dir))
-    if record is None:
-        raise InputError(f"cannot read {path}: {wrong}; {_regenerate(run_dir, data)}")
-    return record
+    return read_json(path, fix=_regenerate(run_dir, None))
+
+
+def write_metrics(run_dir: str | Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as a run's metrics.json (one space of indent, keys sorted): the one writer of the file, for
+    a study's run and :func:`record_cluster`."""
+    write_text_atomic(Path(run_dir) / "metrics.json", json.dumps(data, indent=1, sort_keys=True))
 
 
 def wrong_metrics(data: dict[str, Any]) -> str | None:
@@ -285,18 +376,14 @@ def wrong_metrics(data: dict[str, Any]) -> str | None:
 
 def _checked(data: dict[str, Any], run_dir: Path | None) -> tuple[StudyRecord | None, str | None]:
     """(the record of ``data``, None), or (None, what is wrong with it)."""
-    problem = _not_metrics(data)
-    if problem is None:
-        wrong = _wrong_numbers(data)  # a value out of range, or a headline its per-document values disagree with
-        if wrong is not None:
-            return None, wrong
-        try:
-            return StudyRecord.from_json(data, run_dir), None
-        except RecordError as e:  # a measurement or timing of another type, or outside its range
-            return None, str(e)
-        except (TypeError, ValueError, AttributeError) as e:  # a field the records lack, or of another kind
-            problem = str(e)
-    return None, f"not a study's metrics.json ({problem})"
+    try:
+        record = StudyRecord.from_json(data, run_dir)
+    except RecordError as e:  # a field missing, or of another type, or outside its range
+        return None, str(e)
+    except (TypeError, ValueError, AttributeError) as e:  # not a record's object: a field the records lack
+        return None, f"not a study's metrics.json ({e})"
+    wrong = _wrong_numbers(record)  # a value out of range, or a headline its per-document values disagree with
+    return (None, wrong) if wrong is not None else (record, None)
 
 
 def _regenerate(run_dir: str | Path, data: Any) -> str:
@@ -309,22 +396,6 @@ def _regenerate(run_dir: str | Path, data: Any) -> str:
     return f"regenerate it with {command} (its cached steps are reused), or restore the file"
 
 
-def _not_metrics(data: dict[str, Any]) -> str | None:
-    """What keeps ``data`` from being a study's metrics.json (a missing or mistyped field); None if nothing."""
-    wrong = [k for k, t in _METRICS_FIELDS.items() if not isinstance(data.get(k), t)]
-    if wrong:
-        return f"field {wrong[0]!r} is missing or not a JSON {json_kind(_METRICS_FIELDS[wrong[0]]())}"
-    if not isinstance(data["study"].get("name"), str):
-        return "field 'study.name' is missing or not a JSON string"
-    for i, cell in enumerate(data["cells"]):
-        if not isinstance(cell, dict):
-            return f"cell {i} is a JSON {json_kind(cell)}, not an object"
-        wrong = [k for k, t in _CELL_FIELDS.items() if not isinstance(cell.get(k), t)]
-        if wrong:
-            return f"cell {i}'s field {wrong[0]!r} is missing or not a JSON string"
-    return None
-
-
 # --- the numbers of each evaluation: finite, in range, and the headline agreeing with its documents ----------
 
 COUNT_COLUMNS = ("words", "bytes", "tokens", "tokens_after_first", "copies", "copied")  # whole numbers >= 0
@@ -333,26 +404,18 @@ SHARE_COLUMNS = ("acc", "acc_norm")  # per document: in [0, 1]
 AGREE = 1e-6  # relative: a headline recomputed from its per-document values (a ratio of sums) agrees to this
 
 
-def _wrong_numbers(data: dict[str, Any]) -> str | None:
+def _wrong_numbers(record: StudyRecord) -> str | None:
     """The first number of a metrics.json a report must not print, as ``<field path> <why>`` (e.g.
     ``cells[3].float.quantgate_ppl.word_perplexity is -5, not a perplexity (a finite number > 0)``); None if
     every evaluation's results and per-document values are finite, in range, and agree."""
-    for i, name in enumerate(data["schemes"]):
-        if not isinstance(name, str):
-            return f"schemes[{i}] is a JSON {json_kind(name)}, not a string"
-    for i, cell in enumerate(data["cells"]):
+    for i, cell in enumerate(record.cells):
         at = f"cells[{i}]"
-        schemes = cell.get("schemes") or {}
-        if not isinstance(schemes, dict):
-            return f"{at}.schemes is a JSON {json_kind(schemes)}, not an object"
-        evaluations = [(f"{at}.float", cell.get("float"), f"{at}.float_documents", cell.get("float_documents"))]
-        for scheme, step in schemes.items():
-            if not isinstance(step, dict):
-                return f"{at}.schemes.{scheme} is a JSON {json_kind(step)}, not an object"
+        evaluations = [(f"{at}.float", cell.float_results, f"{at}.float_documents", cell.float_documents)]
+        for scheme, step in cell.schemes.items():
             where = f"{at}.schemes.{scheme}"
-            evaluations.append((f"{where}.results", step.get("results"), f"{where}.documents", step.get("documents")))
+            evaluations.append((f"{where}.results", step.results or {}, f"{where}.documents", step.documents))
         for results_at, results, documents_at, documents in evaluations:
-            wrong = wrong_evaluation(results_at, results or {}, documents_at, documents or {})
+            wrong = wrong_evaluation(results_at, results, documents_at, documents)
             if wrong is not None:
                 return wrong
     return None

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..eval.tasks import PERPLEXITY_LEGEND
 from ..files import write_text_atomic
@@ -41,7 +40,7 @@ from .measures import (
     scheme_change,
 )
 from .plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
-from .records import CellRecord, StudyRecord, read_metrics, record_cluster
+from .records import CellRecord, ReportSettings, StudyRecord, read_metrics, record_cluster
 
 __all__ = ["Report", "SECTIONS", "study_markdown", "study_plots", "plot_files", "write_study_report"]
 
@@ -83,7 +82,7 @@ class Report:
         return self.metrics.schemes
 
     @property
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> ReportSettings:
         """The study's ``report:`` settings (criterion, fixes, pairs, baseline, notes)."""
         return self.metrics.report
 
@@ -112,34 +111,29 @@ def _cost(cell: CellRecord) -> list[str]:
 
 def header(report: Report) -> str:
     """The study's name and description, how to reproduce the page, the machine and the compute."""
-    metrics, st, m = report.metrics, report.metrics.study, report.metrics.machine
+    metrics, st, m = report.metrics, report.metrics.settings, report.metrics.machine
+    file = "<study.yaml>" if st.file is None else st.file
     return "\n".join(
         [
-            f"# Study: {st['name']}",
+            f"# Study: {st.name}",
             "",
-            st.get("description", "").strip(),
+            st.description.strip(),
             "",
-            f"Reproduce: `{('quantgate study ' + st.get('file', '<study.yaml>')).strip()}`; "
+            f"Reproduce: `{('quantgate study ' + file).strip()}`; "
             "rebuild this page from metrics.json with `quantgate report <this directory>`.",
-            f"Machine: {m['platform']}, {m['cpus']} CPUs ({m['torch_threads']} torch threads); "
+            f"Machine: {m.platform}, {m.cpus} CPUs ({m.torch_threads} torch threads); "
             + ", ".join(f"{k} {v}" for k, v in metrics.versions.items() if v)
             + ".",
-            _compute(metrics.wall_seconds.get("steps_total"), len(report.cells)),
+            f"Compute: {metrics.wall_seconds.steps_total:.0f} s over all steps of all cells "
+            f"({len(metrics.cells)} cells).",
             "",
         ]
     )
 
 
-def _compute(seconds: float | None, cells: int) -> str:
-    """The header's compute line (None: a run that recorded no total)."""
-    if seconds is None:
-        return f"Compute: not recorded ({cells} cells)."
-    return f"Compute: {seconds:.0f} s over all steps of all cells ({cells} cells)."
-
-
 def criterion(report: Report) -> str:
     """The success criterion, declared in the study file before its runs (its git history shows when)."""
-    text = (report.settings.get("criterion") or "").strip()
+    text = report.settings.criterion.strip()
     if not text:
         return ""
     return "\n".join(["## Success criterion (from the study file, declared before the runs)", "", text, ""])
@@ -147,11 +141,10 @@ def criterion(report: Report) -> str:
 
 def fixes(report: Report) -> str:
     """Which fix? (``report: fixes``, :func:`.fixes.which_fix`)."""
-    asked = report.settings.get("fixes")
-    if not asked:
+    asked = report.settings.fixes
+    if asked is None:
         return ""
-    pairs = report.settings.get("pairs") or []
-    return "\n".join(which_fix(report.cells, report.schemes, report.changes, asked, pairs))
+    return "\n".join(which_fix(report.cells, report.schemes, report.changes, asked, report.settings.pairs))
 
 
 def answer(report: Report) -> str:
@@ -159,10 +152,10 @@ def answer(report: Report) -> str:
     pair ran (in the ungated model's own order, ``own``: {model: its schemes}) with its paired difference, the
     activation-bit budgets and a table of every scheme paired; then each other model's changes."""
     cells, schemes, changes = report.cells, report.schemes, report.changes
-    pairs = report.settings.get("pairs") or []
+    pairs = report.settings.pairs
     if not pairs:
         return ""
-    own = {m["name"]: [e["scheme"] for e in m.get("schemes") or []] for m in report.metrics.study.get("models") or []}
+    own = {m.name: [e.scheme for e in m.schemes] for m in report.metrics.settings.models}
     first: dict[str, CellRecord] = {}
     for c in cells:
         first.setdefault(c.model, c)
@@ -519,7 +512,7 @@ def against_baseline(report: Report) -> str:
     perplexity relative to the baseline's, paired over the held-out documents both read; gate parameters
     as a share of the baseline's; first-token attention; the bit sweeps' perplexity changes."""
     cells, schemes, changes = report.cells, report.schemes, report.changes
-    baseline = report.settings.get("baseline")
+    baseline = report.settings.baseline
     if not baseline:
         return ""
     base = {(c.model, c.seed): c for c in cells if c.variant == baseline}
@@ -691,7 +684,7 @@ def plots(report: Report) -> str:
 
 def reading(report: Report) -> str:
     """The study file's own reading of the results (``report: notes``)."""
-    notes = report.settings.get("notes", "").strip()
+    notes = report.settings.notes.strip()
     if not notes:
         return ""
     return "\n".join(["", "## Reading (from the study file)", "", notes])
@@ -728,24 +721,22 @@ def plot_files(report: Report) -> dict[str, Callable[[Path], object]]:
     """The report's plots, by file name in the order the page shows them, each with the function that draws it
     into a path: whether a plot exists is decided here alone."""
     cells, schemes, changes = report.cells, report.schemes, report.changes
-    files: dict[str, Callable[[Path], object]] = {
+    sweeps, fixes = bit_sweeps(schemes), report.settings.fixes
+    per_width = {
+        base: [(b, {c.id: changes[c.id, sch] for c in cells}) for b, sch in points] for base, points in sweeps.items()
+    }
+    per_model = {c.model: {s: changes[c.id, s] for s in schemes} for c in cells}
+    trained = any(c.trained.observe_curve for c in cells)
+    files: dict[str, Callable[[Path], object] | None] = {  # None: a plot this report does not have
         "study_layers.png": lambda path: plot_study_layers(cells, path),
         "study_quant.png": lambda path: plot_study_quant(cells, schemes, path),
+        "study_bits.png": (lambda path: plot_bit_sweeps(per_width, [c.id for c in cells], BUDGET, path))
+        if sweeps
+        else None,
+        "study_training.png": (lambda path: plot_study_training(cells, path)) if trained else None,
+        "study_fixes.png": (lambda path: plot_fixes(per_model, fixes.within, path)) if fixes else None,
     }
-    sweeps = bit_sweeps(schemes)
-    if sweeps:
-        per_width = {
-            base: [(b, {c.id: changes[c.id, sch] for c in cells}) for b, sch in points]
-            for base, points in sweeps.items()
-        }
-        files["study_bits.png"] = lambda path: plot_bit_sweeps(per_width, [c.id for c in cells], BUDGET, path)
-    if any(c.trained.observe_curve for c in cells):
-        files["study_training.png"] = lambda path: plot_study_training(cells, path)
-    asked = report.settings.get("fixes")
-    if asked:
-        per_model = {c.model: {s: changes[c.id, s] for s in schemes} for c in cells}
-        files["study_fixes.png"] = lambda path: plot_fixes(per_model, float(asked.get("within", 0.01)), path)
-    return files
+    return {name: draw for name, draw in files.items() if draw is not None}
 
 
 def study_markdown(metrics: StudyRecord) -> str:

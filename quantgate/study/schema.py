@@ -36,7 +36,7 @@ from ..stats import CLUSTERS
 from ..train import TRAIN_RANGES, TrainConfig
 from ..variants import AttentionVariant
 from ..yaml_file import read_yaml
-from .executors import DEFAULT_RESOURCES, EXECUTORS, check_resources
+from .executors import EXECUTORS, RESOURCES, check_resources
 from .grid import (
     Cell,
     DataSettings,
@@ -146,7 +146,7 @@ MODEL_RULES: Rules = {
     "eval": Option(dict | None),
     "observe": Option(dict | None),
     "dtype": Option(str, Range(lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")),
-    "resources": Option(dict, Range(check_resources, f"keys among {', '.join(DEFAULT_RESOURCES)}, each a number >= 0")),
+    "resources": Option(dict, Range(check_resources, f"keys among {', '.join(RESOURCES)}, each a number >= 0")),
     "placement": Option(dict),  # Placement's fields: _check_placement
 }
 DATA_RULES: Rules = {

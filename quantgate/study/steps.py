@@ -89,6 +89,8 @@ from .records import (
     SchemeRecord,
     StudyRecord,
     Training,
+    WallSeconds,
+    write_metrics,
     wrong_evaluation,
     wrong_metrics,
 )
@@ -100,7 +102,8 @@ __all__ = ["run_study", "plan", "quantize_calibrated"]
 log = logging.getLogger("quantgate")
 
 
-def _write_json(path: Path, obj) -> None:
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    """Write a step's file (its result, key, seconds and format): the one writer of the files :func:`_done` reads."""
     write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
@@ -246,12 +249,12 @@ def run_study(
             study=study.raw,
             cells=records,
             schemes=order,
-            versions=versions(),
             machine=machine(),
-            wall_seconds={
-                "this_invocation": round(time.perf_counter() - started, 1),
-                "steps_total": round(sum(r.seconds for r in records), 1),
-            },
+            wall_seconds=WallSeconds(
+                this_invocation=round(time.perf_counter() - started, 1),
+                steps_total=round(sum(r.seconds for r in records), 1),
+            ),
+            versions=versions(),
         )
         data = metrics.to_json()
         wrong = wrong_metrics(data)  # what read_metrics would refuse: the previous metrics.json is kept
@@ -260,7 +263,7 @@ def run_study(
                 f"{out}: the run's results cannot be read back ({wrong}); metrics.json and report.md are left as "
                 f"they were; run the study again (its valid cached steps are reused)"
             )
-        _write_json(out / "metrics.json", data)
+        write_metrics(out, data)
         write_study_report(out)
     return out
 
@@ -334,20 +337,21 @@ class _CellRun:
         step's one file)."""
         return [(step, name, entry) for step in STEPS.values() for name, entry in step.files(self.spec)]
 
-    def run(self, step: Step, name: str, entry: SchemeEntry | None) -> dict:
-        """``step``'s result for ``entry``: read from its file where the file holds its key and passes its
-        record's checks, else computed (and written, by rank 0, once it passes them: a result that does not is
-        refused, naming the step, and nothing is written)."""
+    def run(self, step: Step, name: str, entry: SchemeEntry | None) -> Any:
+        """``step``'s record for ``entry`` (what its :attr:`Step.record` gives): read from its file where the file
+        holds its key and passes the record's checks, else computed (and written, by rank 0, once it passes them: a
+        result that does not is refused, naming the step, and nothing is written)."""
         path = self.cdir / f"{name}.json"
         key = step.key_of(self, entry)
         done = from_first(_done(path, key, step.needs, step.format, step.record) if is_first() else None)
         if done is not None:  # rank 0 read it
             self.seconds += done.get("seconds", 0.0)
-            return done
+            return step.record(done)
         log.info("  %s: %s", self.cell.id, name)
         t0 = time.perf_counter()
-        result = {"key": key, **step.compute(self, entry).to_json()}  # as its file holds it
-        result["seconds"] = round(time.perf_counter() - t0, 2)
+        output = step.compute(self, entry).to_json()
+        seconds = round(time.perf_counter() - t0, 2)
+        result = {"key": key, **output, "seconds": seconds}  # as its file holds it
         wrong = _wrong_step(result, step.record)
         if wrong is not None:
             raise InputError(
@@ -355,10 +359,10 @@ class _CellRun:
                 f"written to {path}, metrics.json and report.md are left as they were: look at the cell's model "
                 f"(quantgate observe), or leave the scheme or task out of the study"
             )
-        self.seconds += result["seconds"]
+        self.seconds += seconds
         if is_first():
             _write_json(path, {**result, "format": step.format})
-        return result
+        return step.record(result)
 
 
 @dataclass(frozen=True)
@@ -405,8 +409,13 @@ def _trained(run: _CellRun, entry: None) -> Training:
     return _train_summary(run.model, run.cdir)
 
 
-def _trained_fields(out: dict[str, Any]) -> dict[str, Any]:
-    return {"trained": Training.from_json({k: v for k, v in out.items() if k not in ("key", "seconds")})}
+def _output(result: dict[str, Any]) -> dict[str, Any]:
+    """A step's output as its record wrote it: the step's result (its file) without the key and the seconds."""
+    return {k: v for k, v in result.items() if k not in ("key", "seconds")}
+
+
+def _trained_fields(result: dict[str, Any]) -> dict[str, Any]:
+    return {"trained": Training.from_json(_output(result))}
 
 
 # --- the observe step: observe's summary and per-block rows over the observe data -------------------------------
@@ -421,8 +430,8 @@ def _observed(run: _CellRun, entry: None) -> Observed:
     return _observe(run.model(), run.tokenizer(), run.spec.observe, run.cdir)
 
 
-def _observed_fields(out: dict[str, Any]) -> dict[str, Any]:
-    return {"observe": CellObserve.from_json(out["observe"])}
+def _observed_fields(result: dict[str, Any]) -> dict[str, Any]:
+    return {"observe": Observed.from_json(_output(result)).observe}
 
 
 # --- the eval-float step: the float model's evaluation ---------------------------------------------------------
@@ -434,8 +443,7 @@ def _float_key(run: _CellRun, entry: None) -> str:
 
 
 def _float_evaluation(run: _CellRun, entry: None) -> Evaluated:
-    out = _evaluate(run.model(), run.tokenizer(), run.eval)
-    return Evaluated(out["results"], out["documents"])
+    return _evaluate(run.model(), run.tokenizer(), run.eval)
 
 
 def _checked_evaluation(out: dict[str, Any]) -> dict[str, Any]:
@@ -447,8 +455,9 @@ def _checked_evaluation(out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _float_fields(out: dict[str, Any]) -> dict[str, Any]:
-    return {"float_results": _checked_evaluation(out)["results"], "float_documents": out["documents"]}
+def _float_fields(result: dict[str, Any]) -> dict[str, Any]:
+    evaluated = Evaluated.from_json(_checked_evaluation(_output(result)))
+    return {"float_results": evaluated.results, "float_documents": evaluated.documents}
 
 
 # --- the cost step: the gate's parameters and FLOPs per token --------------------------------------------------
@@ -509,7 +518,7 @@ def _run_cell(cell: Cell, cdir: Path) -> CellRecord:
     fields: dict[str, Any] = {}
     schemes: dict[str, SchemeRecord] = {}
     for step, name, entry in run.planned():
-        record = step.record(run.run(step, name, entry))
+        record = run.run(step, name, entry)
         if entry is None:
             fields |= record
         else:
@@ -592,14 +601,14 @@ def _observe(model, tok, cfg: ObserveSettings, cdir: Path) -> Observed:
 def _eval_settings(m: ModelSpec) -> EvalSettings:
     """The model's eval settings; a model trained here reads the documents of a perplexity task in windows of
     its training length (beyond it a RoPE model extrapolates and a learned position table is untrained),
-    unless max_length says otherwise. Loaded models use their own context (:func:`quantgate.evaluate.evaluate`'s
+    unless max_length says otherwise. Loaded models use their own context (:func:`quantgate.eval.evaluate.evaluate`'s
     default); item tasks (cloze, next sentence) always do: an item must fit whole."""
     if m.train is None or m.eval.max_length is not None or not set(m.eval.tasks) & set(rolling()):
         return m.eval
     return dataclasses.replace(m.eval, max_length=m.train.value.seq_len)
 
 
-def _evaluate(model, tok, cfg: EvalSettings) -> dict:
+def _evaluate(model, tok, cfg: EvalSettings) -> Evaluated:
     """Metrics per task, and each document's values (the report's paired intervals need them)."""
     results, documents = {}, {}
     for task in cfg.tasks:  # one task at a time: each may carry its own limit
@@ -608,7 +617,7 @@ def _evaluate(model, tok, cfg: EvalSettings) -> dict:
         out = evaluate(model, tok, [task], limit=limit, batch_size=cfg.batch_size, max_length=window)
         results.update(out.results)
         documents.update(out.documents)
-    return {"results": results, "documents": documents}
+    return Evaluated(results, documents)
 
 
 def quantize_calibrated(
@@ -647,8 +656,8 @@ def _quantized(model, tok, scheme: str, ev_cfg: EvalSettings, m: ModelSpec, seed
     assert quantization is not None
     out = _evaluate(q, tok, ev_cfg)
     return {
-        "results": out["results"],
-        "documents": out["documents"],
+        "results": out.results,
+        "documents": out.documents,
         "logits_sqnr_db": err.logits_sqnr_db,
         "worst_layers": [w.to_json() for w in err.worst_layers],
         "overflow": err.overflow,
