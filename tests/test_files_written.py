@@ -96,7 +96,7 @@ FILES = [
     # quantgate eval and compare
     Kind("eval.json", Q + "cli._eval", Q + "study.compare._read_json"),
     Kind("eval.partial.json", Q + "cli._eval", None),  # what finished before a task's outputs were not finite
-    Kind("lm_eval.partial.json", Q + "lm_eval_models._keep", None),
+    Kind("lm_eval.partial.json", Q + "eval.lm_eval_models._keep", None),
     Kind("compare.md", Q + "study.compare.compare", None),
     Kind("compare.csv", Q + "study.compare._write_csv", None),
     Kind("compare.png", Q + "plots.bar_panels", None),

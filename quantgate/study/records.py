@@ -425,7 +425,11 @@ def wrong_evaluation(results_at: str, results: Any, documents_at: str, documents
     """The first wrong number of one evaluation: its ``{task: {metric: value}}`` and its
     ``{task: {column: [one value per document]}}`` (``*_at``: their paths, as the answer names them), as
     ``<path> is <value>, not <what it must be>``; None where every number is right. The one check of an evaluation
-    read back: metrics.json's, a study's cached evaluation steps, eval.json and lm-eval's results in compare."""
+    read back: metrics.json's, a study's cached evaluation steps, eval.json and lm-eval's results in compare. A task's
+    documents may come typed (a :class:`TaskDocuments` read already): their columns are checked as the file holds
+    them."""
+    if isinstance(documents, dict):
+        documents = {t: d.to_json() if isinstance(d, TaskDocuments) else d for t, d in documents.items()}
     for at, table in ((results_at, results), (documents_at, documents)):
         if not isinstance(table, dict):
             return f"{at} is a JSON {json_kind(table)}, not an object"
