@@ -96,7 +96,7 @@ class JsonRecord:
 
     @classmethod
     def from_json(cls: type[R], data: Mapping[str, Any]) -> R:
-        """The record a JSON object holds; ValueError naming an unknown key, :class:`RecordError` a missing one or a
+        """The record a JSON object holds; an InputError naming an unknown key, :class:`RecordError` a missing one or a
         value its field refuses."""
         if not isinstance(data, Mapping):
             raise InputError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
