@@ -8,7 +8,8 @@
   passes (an empty or missing folder, or one quantgate wrote as the same kind of output; a model folder
   replaced only with ``--overwrite``; never through a link leading out of it), marked :data:`MARKER`.
 * Read with the file named: :func:`read_json` bounds the size, checks the top-level type and names the file
-  in every error.
+  in every error; :func:`parse_json`, the one parse of JSON text, refuses whatever json cannot read as an
+  InputError.
 * Keyed by content: :func:`content_sha256` hashes a file or folder, remembering each file's hash under its
   size, times and inode so an unchanged file is not read twice.
 """
@@ -33,6 +34,7 @@ from quantgate.json_record import JsonRecord
 __all__ = [
     "write_text_atomic",
     "write_bytes_atomic",
+    "parse_json",
     "read_json",
     "read_json_lines",
     "json_kind",
@@ -122,6 +124,18 @@ def short_repr(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def parse_json(text: str) -> Any:
+    """The JSON value ``text`` holds; where it holds none, an InputError saying why: json's message of where it
+    breaks (``Expecting ',' delimiter: line 1 column 5 (char 4)``), an integer of more digits than Python reads
+    (4300), or nesting too deep."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise InputError("its JSON is nested too deeply") from None
+    except ValueError as e:  # json's JSONDecodeError, or int()'s refusal of an integer past its digit limit
+        raise InputError(str(e)) from None
+
+
 def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: int = JSON_LIMIT, fix: str = "") -> Any:
     """The JSON value in file ``path`` (UTF-8, at most ``limit`` bytes), which must be of type ``kind``
     (``dict``: an object; ``list``: an array; ``object``: any value). Anything else, a missing, unreadable,
@@ -140,13 +154,13 @@ def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: 
     if len(raw) > limit:
         raise fail(f"it holds more than {limit:,} bytes, the most read here")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise fail(f"it is not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise fail(str(e)) from None  # "Expecting ',' delimiter: line 1 column 5 (char 4)": where it breaks
-    except RecursionError:
-        raise fail("its JSON is nested too deeply") from None
+    try:
+        data = parse_json(text)
+    except InputError as e:
+        raise fail(str(e)) from None
     if not isinstance(data, kind):
         wanted = " or ".join(json_kind(t()) for t in (kind if isinstance(kind, tuple) else (kind,)))
         raise fail(f"it holds a JSON {json_kind(data)}, not {'an' if wanted[0] in 'aeiou' else 'a'} {wanted}")
@@ -164,8 +178,8 @@ def read_json_lines(path: str | Path) -> list[tuple[int, Any]]:
     for number, line in enumerate(lines, 1):
         if line.strip():
             try:
-                rows.append((number, json.loads(line)))
-            except ValueError as e:
+                rows.append((number, parse_json(line)))
+            except InputError as e:
                 raise InputError(f"cannot read {path}: line {number} is not valid JSON (truncated?): {e}") from None
     return rows
 
@@ -220,7 +234,7 @@ def _read_memo(memo: str | Path | None) -> dict[str, Any]:
         return {}
     try:
         return read_json(memo)
-    except ValueError:  # a corrupt memo: every file is hashed again
+    except InputError:  # a corrupt memo: every file is hashed again
         return {}
 
 
@@ -324,7 +338,7 @@ def _json_object(path: Path) -> dict[str, Any]:
         return {}
     try:
         return read_json(path)
-    except ValueError:
+    except InputError:
         return {}
 
 
@@ -362,8 +376,8 @@ def _older_study(d: Path) -> bool:
 def _older_train(d: Path) -> bool:
     """log.jsonl opening with quantgate's config event, or checkpoints/ of step-N checkpoints only."""
     try:
-        first = json.loads(_first_line(d / "log.jsonl") or "null")
-    except json.JSONDecodeError:
+        first = parse_json(_first_line(d / "log.jsonl") or "null")
+    except InputError:
         first = None
     if isinstance(first, dict) and first.get("event") == "config" and {"config", "world_size"} <= first.keys():
         return True
@@ -423,7 +437,7 @@ def _marker(directory: Path) -> Marker | None:
         return None
     try:
         marker = Marker.from_json(read_json(path, limit=1 << 16))
-    except ValueError:  # not JSON, or not a marker (InputError is one)
+    except InputError:  # not JSON, or not a marker
         return None
     return marker if marker.kind in OUTPUT_KINDS else None
 

@@ -106,7 +106,7 @@ class JsonRecord:
 
     @classmethod
     def from_json(cls: type[R], data: Mapping[str, Any]) -> R:
-        """The record a JSON object holds; ValueError naming an unknown key (a view passes them over),
+        """The record a JSON object holds; an InputError naming an unknown key (a view passes them over),
         :class:`RecordError` a missing one or a value its field refuses."""
         if not isinstance(data, Mapping):
             raise InputError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")

@@ -169,6 +169,7 @@ def key_values(
             raise InputError(f"{owner}: {key} is given twice ({seen[key]!r} and {raw!r}); give it once")
         seen[key] = raw
         try:
-            yield key, convert(typ, raw)
-        except ValueError:
+            value = convert(typ, raw)
+        except ValueError:  # int() or float() of text that is no number (InputError is one: not a truth value)
             raise InputError(f"{owner}: {key} expects {typ.__name__}, got {raw!r}") from None
+        yield key, value

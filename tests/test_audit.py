@@ -1,6 +1,7 @@
 """quantgate audit: whole-model schemes and per-site fallbacks searched, the cheapest certified on held-out
 documents, the answer first, the certified state exported."""
 
+import importlib
 import importlib.util
 import json
 from pathlib import Path
@@ -234,6 +235,20 @@ def test_a_hub_id_is_audited_from_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     assert target("someone/tiny", None).load == str(snapshot.resolve())
+
+
+def test_a_bug_reading_the_checkpoint_is_raised_not_a_refusal(tmp_path, monkeypatch):
+    """A plain ValueError from the code that reads the audited checkpoint is a bug: it propagates as it is, instead
+    of reading as an AuditError (``test_bad_input_gets_one_line``: the refusals)."""
+    folder = _saved("tiny-llama", tmp_path / "float")
+
+    def bug(config):
+        raise ValueError("a bug finding the family")
+
+    monkeypatch.setattr(importlib.import_module("quantgate.audit.target"), "family_of", bug)
+    with pytest.raises(ValueError, match="a bug finding the family") as caught:
+        target(str(folder), None)
+    assert not isinstance(caught.value, qg.QuantgateError)
 
 
 def test_the_documents_fit_the_budget_by_the_measured_speed():

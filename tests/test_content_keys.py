@@ -316,3 +316,52 @@ def test_read_json_bounds_size_and_checks_the_top_level_type(tmp_path):
         files.read_json(f)
     with pytest.raises(ValueError, match=rf"cannot read {tmp_path / 'missing.json'}: No such file"):
         files.read_json(tmp_path / "missing.json")
+
+
+def test_a_json_number_past_pythons_digit_limit_is_refused_naming_the_file(tmp_path):
+    """json raises a plain ValueError (int()'s limit of 4300 digits), not a JSONDecodeError, for such a number: it is
+    the file's fault all the same, refused in one line that names it."""
+    f = tmp_path / "x.json"
+    f.write_text('{"a": ' + "1" * 5000 + "}")
+    with pytest.raises(qg.InputError, match=rf"cannot read {f}: Exceeds the limit \(4300 digits\)"):
+        files.read_json(f)
+    f.write_text('{"a": 1}\n[' + "1" * 5000 + "]\n")
+    with pytest.raises(qg.InputError, match=rf"cannot read {f}: line 2 is not valid JSON"):
+        files.read_json_lines(f)
+
+
+def test_a_bug_parsing_a_text_source_is_raised_not_taken_for_no_source(monkeypatch):
+    """A text source that is none has no content key (corpus() refuses it, saying why); a plain ValueError from the
+    code parsing it is a bug and propagates."""
+    batches = importlib.import_module("quantgate.data.batches")
+    assert batches.source_sha256("hf:no-split") is None
+
+    def bug(source):
+        raise ValueError("a bug in the parser")
+
+    monkeypatch.setattr(batches, "hf_spec", bug)
+    with pytest.raises(ValueError, match="a bug in the parser"):
+        batches.source_sha256("hf:some/data:train")
+
+
+def test_a_bug_reading_a_marker_or_memo_is_raised_not_taken_for_a_corrupt_file(tmp_path, monkeypatch):
+    """An unreadable marker or hash memo is passed over (no owner; hashed again); a plain ValueError from the code
+    reading them is a bug and propagates."""
+    folder = tmp_path / "run"
+    files.mark_output(folder, "eval", "quantgate eval")
+    assert files.owner(folder) == ("eval", "quantgate eval")
+    (folder / files.MARKER).write_text("{not json")
+    assert files.owner(folder) is None
+    memo, data = tmp_path / "memo.json", tmp_path / "a.txt"
+    data.write_text("a")
+    memo.write_text("[1]")
+    assert files.content_sha256(data, memo=memo) == files.file_sha256(data)
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the reader")
+
+    monkeypatch.setattr(files, "read_json", broken)
+    with pytest.raises(ValueError, match="a bug in the reader"):
+        files.owner(folder)
+    with pytest.raises(ValueError, match="a bug in the reader"):
+        files.content_sha256(data, memo=memo)

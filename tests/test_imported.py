@@ -3,9 +3,12 @@ BitsAndBytesConfig): quantgate names their scheme (info, eval.json, observe), re
 again, and compare measures them against their float source given with --baseline or a sidecar's hash."""
 
 import csv
+import importlib
 import json
 import re
 import sys
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -279,6 +282,22 @@ def test_a_missing_package_is_one_line_with_its_pip_command(ckpts, capsys, monke
 
     with pytest.raises(ModuleNotFoundError, match="is quantized with"):
         check_installed(read_config(ckpts[kind]), ckpts[kind])
+
+
+def test_an_unreadable_sidecar_is_passed_over_and_a_bug_reading_it_is_raised(tmp_path, monkeypatch):
+    """A quantization.json beside a foreign checkpoint that is not a JSON object says nothing; a plain ValueError
+    from the code reading it is a bug and propagates."""
+    imported = importlib.import_module("quantgate.quant.imported")
+    model = cast(torch.nn.Module, SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path))))
+    (tmp_path / imported.SIDECAR).write_text("{not json")
+    assert imported._sidecar(model) is None
+
+    def bug(*args, **kwargs):
+        raise ValueError("a bug in the reader")
+
+    monkeypatch.setattr(imported, "read_json", bug)
+    with pytest.raises(ValueError, match="a bug in the reader"):
+        imported._sidecar(model)
 
 
 def test_a_sidecar_source_hash_pairs_a_foreign_checkpoint_with_its_float_run(ckpts):

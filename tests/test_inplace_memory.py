@@ -174,6 +174,26 @@ def test_nonfinite_count_and_trim():
     assert sum(len(b._forward_hooks) for b in model.model.layers) == 0
 
 
+@pytest.mark.skipif(heap._MALLOC_TRIM is None, reason="no malloc_trim here: trimming asks for no blocks")
+def test_trimming_a_model_of_no_family_hooks_nothing_and_a_bug_is_raised(monkeypatch):
+    """A model of no family quantgate knows (family_of refuses it) is run without trimming; a plain ValueError
+    from finding the blocks is a bug and propagates."""
+    model = qg.build("tiny-llama")
+
+    def unknown(model):
+        raise qg.InputError("model type 'x' is not supported")
+
+    def bug(model):
+        raise ValueError("a bug finding the blocks")
+
+    monkeypatch.setattr(heap, "family_of", unknown)
+    with heap.trimming(model):
+        assert sum(len(m._forward_hooks) for m in model.modules()) == 0
+    monkeypatch.setattr(heap, "family_of", bug)
+    with pytest.raises(ValueError, match="a bug finding the blocks"), heap.trimming(model):
+        pass
+
+
 @pytest.mark.parametrize(
     "scheme", ["w8a8-int8-static", "w8a8-int8-bondarenko", "w8a8-int8-dynamic:smooth=0.5,keep=auto"]
 )

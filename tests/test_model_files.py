@@ -191,6 +191,18 @@ CORRUPT = {
         "observe",
         "cannot read {dir}/tokenizer.json: Unterminated string",
     ),
+    "shard-index-truncated": (
+        "vanilla",
+        _write("model.safetensors.index.json", '{"weight_map": {"a'),
+        "info",
+        "cannot read {dir}/model.safetensors.index.json: Unterminated string",
+    ),
+    "shard-index-not-a-map": (  # before: AttributeError's traceback
+        "vanilla",
+        _write("model.safetensors.index.json", '{"weight_map": ["model.safetensors"]}'),
+        "info",
+        "corrupt shard index {dir}/model.safetensors.index.json: its weight_map is not an object of file names",
+    ),
 }
 
 
@@ -206,6 +218,31 @@ def test_a_corrupt_or_edited_folder_is_one_line_naming_the_file_and_field(saved,
     )
     assert main(argv) == 2
     assert fragment.format(dir=folder) in _error_line(capsys.readouterr().err, command)
+
+
+def test_a_bug_checking_a_config_or_finding_a_tokenizer_is_raised_not_a_refusal(saved, tmp_path, monkeypatch):
+    """A plain ValueError from quantgate's own checks of config.json, or from where qg.save looks for the model's
+    tokenizer, is a bug: it propagates as it is, instead of reading as a corrupt config.json or a model saved
+    without its tokenizer. Without a tokenizer to be found (a refusal), the model is saved without one."""
+    io = importlib.import_module("quantgate.models.io")
+
+    def bug(*args, **kwargs):
+        raise ValueError("a bug in the check")
+
+    def refused(model):
+        raise qg.InputError("no tokenizer is known for this model")
+
+    monkeypatch.setattr(io, "check_config_values", bug)
+    with pytest.raises(ValueError, match="a bug in the check") as caught:
+        io.read_config(saved / "vanilla")
+    assert not isinstance(caught.value, qg.QuantgateError)
+    monkeypatch.undo()
+    monkeypatch.setattr(io, "get_tokenizer", refused)
+    qg.save(qg.build("tiny-llama"), tmp_path / "without")
+    assert (tmp_path / "without" / "config.json").is_file() and not (tmp_path / "without" / "tokenizer.json").exists()
+    monkeypatch.setattr(io, "get_tokenizer", bug)
+    with pytest.raises(ValueError, match="a bug in the check"):
+        qg.save(qg.build("tiny-llama"), tmp_path / "bug")
 
 
 def test_an_intact_gated_checkpoint_still_loads_with_its_recorded_variant(saved):

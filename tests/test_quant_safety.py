@@ -126,8 +126,8 @@ def test_the_saved_checkpoint_loads_identically_and_records_its_weights_hash(sav
 @pytest.mark.parametrize(
     "text, fragment",
     [
-        ("{not json", r"quantization\.json is not valid JSON .*save the quantized model again"),
-        ("[]", r"quantization\.json must hold a JSON object, got list"),
+        ("{not json", r"cannot read .*quantization\.json: Expecting .*save the quantized model again"),
+        ("[]", r"quantization\.json: it holds a JSON array, not an object"),
         ("{}", r"quantization\.json: field 'scheme' is missing"),
     ],
 )
@@ -136,6 +136,39 @@ def test_garbage_manifest_names_the_file(saved, tmp_path, text, fragment):
     (path / "quantization.json").write_text(text)
     with pytest.raises(ValueError, match=fragment):
         qg.load(path)
+
+
+def test_a_bug_in_a_manifest_check_keeps_its_traceback(saved, tmp_path, monkeypatch):
+    """A plain ValueError where the manifest's scheme is parsed is a bug, not the file's fault: it propagates as it
+    is, instead of reading as "field 'scheme' is not a valid scheme"."""
+    path = _copy(saved, tmp_path)
+
+    def broken(text):
+        raise ValueError("a bug in the parser")
+
+    monkeypatch.setattr("quantgate.quant.checkpoint.get_scheme", broken)
+    with pytest.raises(ValueError, match="a bug in the parser") as caught:
+        qg.load(path)
+    assert not isinstance(caught.value, qg.QuantgateError)
+
+
+def test_a_bug_finding_the_tokenizer_is_not_saving_without_one(saved, tmp_path, monkeypatch):
+    """qg.save without a tokenizer it can find saves the model without one; a bug where it looks is raised."""
+    model = qg.load(saved[0])
+
+    def refused(model):
+        raise qg.InputError("no tokenizer is known for this model")
+
+    monkeypatch.setattr("quantgate.quant.checkpoint.get_tokenizer", refused)
+    qg.save(model, tmp_path / "without")
+    assert not (tmp_path / "without" / "tokenizer.json").exists()
+
+    def broken(model):
+        raise ValueError("a bug finding the tokenizer")
+
+    monkeypatch.setattr("quantgate.quant.checkpoint.get_tokenizer", broken)
+    with pytest.raises(ValueError, match="a bug finding the tokenizer"):
+        qg.save(model, tmp_path / "bug")
 
 
 @pytest.mark.parametrize(

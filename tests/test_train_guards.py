@@ -2,6 +2,7 @@
 other files) is checked before a resume uses it, a resume continues only the run its model and config
 describe, a fresh run never lands among another run's files, and a quantized model is not trained."""
 
+import importlib
 import json
 import shutil
 import time
@@ -9,12 +10,17 @@ from typing import Any
 
 import pytest
 from conftest import TINY_TRAIN
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import quantgate as qg
 from quantgate.cli import main
 from quantgate.train import TrainConfig, train
 
+# the modules (quantgate.train is qg.train, the function, as an attribute of quantgate)
+train_checkpoint, train_log, train_rng = (
+    importlib.import_module(f"quantgate.train.{m}") for m in ("checkpoint", "log", "rng")
+)
 TINY: dict[str, Any] = TINY_TRAIN
 STEP = "checkpoints/step-2"
 
@@ -171,6 +177,52 @@ def test_a_broken_run_file_is_refused_naming_it(case, stopped, tmp_path):
         _train(run, resume=True)
     assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
     assert f"{run / STEP}/" in str(caught.value)  # the file is named
+
+
+def _bug(*args, **kwargs):
+    raise ValueError("a bug in the reader")
+
+
+def test_a_bug_reading_a_checkpoint_or_log_is_raised_not_taken_for_a_broken_file(tmp_path, monkeypatch):
+    """A checkpoint without a readable trainer.json is skipped and a log line that is no record refused, each in one
+    line; a plain ValueError from the code reading them is a bug: it propagates, and no checkpoint is skipped."""
+    (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match=r"skipped step-1: it has no trainer\.json"):
+        train_checkpoint.newest_checkpoint(tmp_path)
+    monkeypatch.setattr(train_checkpoint, "_read_trainer", _bug)
+    with pytest.raises(ValueError, match="a bug in the reader"):
+        train_checkpoint.newest_checkpoint(tmp_path)
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"event": "eval", "step": 1}) + "\n")
+    with pytest.raises(qg.InputError, match=r"log\.jsonl: line 1: loss is missing"):
+        train_log.read_log(log)
+    monkeypatch.setattr(train_log.EvalEvent, "from_json", classmethod(_bug))
+    with pytest.raises(ValueError, match="a bug in the reader"):
+        train_log.read_log(log)
+
+
+def test_rng_states_that_do_not_load_are_refused_naming_the_file_and_a_bug_is_raised(tmp_path, monkeypatch):
+    f = tmp_path / "rng-0.safetensors"
+    train_rng.save_rng(f)
+    train_rng.load_rng(f)  # its own states load
+    tensors, metadata = load_file(f), train_rng.GeneratorStates.from_json(safe_open(str(f), "pt").metadata())
+    for broken, why in [
+        ({"python": metadata.python, "numpy": "x"}, "its numpy state: Expecting value"),
+        ({"python": "[1, 2]", "numpy": metadata.numpy}, "its python state is not an array of 3 items"),
+        ({"python": "[3, 2, null]", "numpy": metadata.numpy}, "TypeError"),  # python's setstate refuses it
+        ({"python": metadata.python}, "its metadata: numpy is missing"),
+    ]:
+        save_file(tensors, f, metadata=broken)
+        with pytest.raises(qg.InputError, match=rf"rng-0\.safetensors: not the RNG states this trainer saves.*{why}"):
+            train_rng.load_rng(f)
+    f.write_bytes(f.read_bytes()[:50])
+    with pytest.raises(qg.InputError, match=r"cannot read .*rng-0\.safetensors: .* corrupt or truncated"):
+        train_rng.load_rng(f)
+    train_rng.save_rng(f)
+    monkeypatch.setattr(train_rng.GeneratorStates, "from_json", classmethod(_bug))
+    with pytest.raises(ValueError, match="a bug in the reader") as caught:
+        train_rng.load_rng(f)
+    assert not isinstance(caught.value, qg.QuantgateError)
 
 
 def test_a_log_line_that_is_not_a_record_does_not_stop_a_resume(stopped, tmp_path):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, MissingFile
 from ..eval.tasks import Task, read_on
 from ..files import folder_name, read_json
 from ..models import cost
@@ -57,11 +57,11 @@ def target(model: str, variant: str | None) -> Target:
     try:
         folder = _cached_hub_snapshot(text) if is_hub_id(text) else resolve(text)
         config = read_config(folder)
-    except (FileNotFoundError, ValueError) as e:
+    except (InputError, MissingFile) as e:
         raise AuditError(str(e)) from None
     try:
         family = family_of(config)
-    except ValueError as e:
+    except InputError as e:
         raise AuditError(f"{folder}: cannot audit it: {e}") from None
     source = _float_source(folder, config)
     if source is not None:

@@ -68,7 +68,7 @@ def source_sha256(source: str) -> str | None:
         return None
     try:
         specs, _ = hf_spec(source)
-    except ValueError:  # not a source: corpus() says why
+    except InputError:  # not a source: corpus() says why
         return None
     local = [Path(path) for path, _, _ in specs if Path(path).exists()]
     memo = cache_dir() / "content-sha256.json"

@@ -27,6 +27,7 @@ from functools import cache
 from pathlib import Path
 
 from quantgate.errors import InputError, MissingFile, QuantgateError
+from quantgate.files import parse_json
 
 __all__ = [
     "Document",
@@ -274,13 +275,13 @@ def _json_values(text: str) -> list[tuple[int, object]]:
     """The JSON values in ``text`` with their line numbers: one document (line 0), else one per line (JSON
     Lines; lines that do not parse are left to datasets' own message)."""
     try:
-        return [(0, json.loads(text))]
-    except ValueError:
+        return [(0, parse_json(text))]
+    except InputError:
         pass
     values = []
     for number, line in enumerate(text.splitlines(), 1):
         try:
-            values.append((number, json.loads(line)))
-        except ValueError:
+            values.append((number, parse_json(line)))
+        except InputError:
             continue
     return values

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
@@ -138,7 +139,7 @@ def _bytes(size: object, what: str) -> int:
 
     try:
         value = convert_file_size_to_int(size) if not isinstance(size, bool) else -1
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError):  # accelerate's refusal of what it cannot read as a size
         value = -1
     if not isinstance(value, int) or value < 0:
         raise InputError(f"{what}: {size!r} is no size; give a size with its unit, e.g. 70GiB or 512MB")
@@ -226,7 +227,7 @@ def save(
     if tokenizer is None:
         try:
             tokenizer = get_tokenizer(model)
-        except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+        except (InputError, MissingFile, ModuleNotFoundError) as e:  # none known, or a library to install
             log.warning("saved %s without a tokenizer: %s", path, e)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -312,7 +313,7 @@ def _check_saved_variant(config: Path, saved: AttentionVariant, gates: Path, hea
         return
     try:
         same = AttentionVariant.parse(recorded) == saved
-    except ValueError:
+    except InputError:
         same = False
     if not same:
         raise InputError(
@@ -373,37 +374,40 @@ def read_config(path: Path) -> PreTrainedConfig:
     refuse_remote_code(path)  # before transformers reads the folder, also where the caller did not resolve() it
     try:  # before transformers' own KeyError, or a NaN loss from a negative eps
         check_config_values(str(file), data, heads=True)
-    except ValueError as e:  # one line naming the file and field
+    except InputError as e:  # one line naming the file and field
         raise InputError(f"{e}; {RESTORE_CONFIG}") from None
-    try:
-        if data.get("model_type") == QUANTGATE_MODEL_TYPE:
-            base = record.model_type
-            if base is None or base not in CONFIG_MAPPING:
-                raise InputError(
-                    f"its model_type is {QUANTGATE_MODEL_TYPE!r} and field 'quantgate.model_type' names "
-                    f"{base!r}, which transformers does not know; {RESTORE_CONFIG}"
-                )
-            meta = dataclasses.replace(record, model_type=None, load_with=None).to_json()
-            data = {k: v for k, v in data.items() if k != "attn_implementation"}  # quantgate sets its attention
-            return CONFIG_MAPPING[base].from_dict({**data, "model_type": base, "quantgate": meta})
-        if data.get("attn_implementation") == QUANTGATE_ONLY:
+    build: Callable[[], PreTrainedConfig]
+    if data.get("model_type") == QUANTGATE_MODEL_TYPE:
+        base = record.model_type
+        if base is None or base not in CONFIG_MAPPING:
             raise InputError(
-                f"its model_type was changed from {QUANTGATE_MODEL_TYPE!r} to {data.get('model_type')!r}, which "
-                f"would load it without what transformers lacks ({record.load_with or 'its gate'}); {RESTORE_CONFIG}"
+                f"cannot read {file}: its model_type is {QUANTGATE_MODEL_TYPE!r} and field 'quantgate.model_type' "
+                f"names {base!r}, which transformers does not know; {RESTORE_CONFIG}"
             )
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        meta = dataclasses.replace(record, model_type=None, load_with=None).to_json()
+        fields = {k: v for k, v in data.items() if k != "attn_implementation"}  # quantgate sets its attention
+        build = functools.partial(CONFIG_MAPPING[base].from_dict, {**fields, "model_type": base, "quantgate": meta})
+    elif data.get("attn_implementation") == QUANTGATE_ONLY:
+        raise InputError(
+            f"cannot read {file}: its model_type was changed from {QUANTGATE_MODEL_TYPE!r} to "
+            f"{data.get('model_type')!r}, which would load it without what transformers lacks "
+            f"({record.load_with or 'its gate'}); {RESTORE_CONFIG}"
+        )
+    else:
+        build = functools.partial(AutoConfig.from_pretrained, path, trust_remote_code=False)
+    try:
+        return build()
+    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' refusal of a config it cannot build
         raise InputError(f"cannot read {file}: {' '.join(str(e).split())}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = next((path / i for i in reversed(_INDEXES) if (path / i).is_file()), path / _INDEXES[0])
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as e:
-            raise InputError(f"corrupt shard index {index}: {e}; re-save the model") from None
-        return [path / s for s in shards]
+        shards = read_json_object(index).get("weight_map")  # which shard holds each tensor
+        if not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
+            raise InputError(f"corrupt shard index {index}: its weight_map is not an object of file names; {_REFETCH}")
+        return [path / s for s in sorted(set(shards.values()))]
     files = sorted(p for p in path.glob("*.safetensors") if p.name != VARIANT_WEIGHTS)
     if files:
         return files
@@ -428,7 +432,7 @@ def read_safetensors_with_metadata(
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors of the safetensors file ``path`` and its header metadata (``{}`` when it has none),
     never unpickling anything. A missing file is a FileNotFoundError (``{path} is missing: {incomplete}``),
-    an unreadable one a ValueError naming the file, saying it is corrupt or truncated and how to ``fix`` it."""
+    an unreadable one an InputError naming the file, saying it is corrupt or truncated and how to ``fix`` it."""
     if not path.is_file():
         raise MissingFile(f"{path} is missing: {incomplete}")
     try:
@@ -631,9 +635,7 @@ def _from_pretrained(
             trust_remote_code=False,
             **placed,
         )
-        # with output_loading_info, from_pretrained (typed as returning the model) returns (model, info)
-        model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # transformers' refusal of the weights
         if placement is not None and not isinstance(e, SafetensorError):  # the placement failed, not the weights
             raise InputError(
                 f"cannot place {path} as {placement.described()} asks: {' '.join(str(e).split())}; fix the placement"
@@ -641,6 +643,8 @@ def _from_pretrained(
         raise InputError(
             f"cannot load {path}: {e}. The weights are corrupt, truncated or do not match config.json"
         ) from None
+    # with output_loading_info, from_pretrained (typed as returning the model) returns (model, info)
+    model, info = cast(tuple[PreTrainedModel, dict[str, list[str]]], loaded)
     if placement is not None and set(getattr(model, "hf_device_map", {}).values()) == {"disk"}:
         raise InputError(f"{placement.described()} put every weight of {path} on disk, where nothing computes")
     files = _weight_files(path)

@@ -199,7 +199,7 @@ CONFIG_RANGES: list[tuple[str, Range]] = [
 
 
 def check_config_values(name: str, values: Mapping[str, object], *, heads: bool = False) -> None:
-    """Raise a one-line ValueError (``{name}: {field} must be ...``) for a config field of ``values`` outside
+    """Raise a one-line InputError (``{name}: {field} must be ...``) for a config field of ``values`` outside
     its range (:data:`CONFIG_RANGES`; any other float must be finite; None and non-scalar values pass);
     ``heads``: also the head split (:func:`_check_heads`, for a whole config such as a checkpoint's config.json)."""
     for key, value in values.items():

@@ -179,7 +179,7 @@ RESTORE_CONFIG = "restore the config.json saved with the model"
 
 def read_json_object(file: Path) -> dict[str, Any]:
     """The JSON object in ``file`` (a checkpoint's config.json, tokenizer_config.json), read as UTF-8 and
-    bounded by :data:`JSON_LIMIT`; a one-line ValueError naming the file when it is unreadable, too large,
+    bounded by :data:`JSON_LIMIT`; a one-line InputError naming the file when it is unreadable, too large,
     not JSON or not an object (:func:`quantgate.files.read_json`, the package's one JSON reader)."""
     return read_json(file, limit=JSON_LIMIT, fix=f"restore the {file.name} saved with the model")
 

@@ -31,8 +31,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
-from ..errors import InputError
-from ..files import file_sha256
+from ..errors import InputError, MissingFile
+from ..files import file_sha256, read_json
 from ..json_record import RecordError
 from ..models import io as model_io
 from ..models.families import config_of, family_of
@@ -113,7 +113,7 @@ def save_quantized(
     if tokenizer is None:
         try:
             tokenizer = get_tokenizer(model)
-        except (ValueError, FileNotFoundError, ModuleNotFoundError):
+        except (InputError, MissingFile, ModuleNotFoundError):  # none known, or a library to install
             tokenizer = None
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
@@ -208,12 +208,7 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> tuple[Manifest, Form
     their types, a valid scheme and variant, a format of the scheme's backend, the same scheme, variant and family
     as config.json's quantgate record."""
     file = path / MANIFEST
-    try:
-        data = json.loads(file.read_text())
-    except ValueError as e:
-        raise InputError(f"{file} is not valid JSON ({e}); {_RESAVE}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{file} must hold a JSON object, got {type(data).__name__}; {_RESAVE}")
+    data = read_json(file, fix=_RESAVE)
     for field in Manifest.required():
         if field not in data:
             raise InputError(f"{file}: field {field!r} is missing; {_RESAVE}")
@@ -222,7 +217,7 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> tuple[Manifest, Form
             raise InputError(f"{file}: field {field!r} is {data[field]!r}, not a string; {_RESAVE}")
         try:
             parse(data[field])
-        except ValueError as e:
+        except InputError as e:
             raise InputError(f"{file}: field {field!r} is not a valid {field}: {e}; {_RESAVE}") from None
     scheme = get_scheme(data["scheme"])
     handler = handler_for(scheme)

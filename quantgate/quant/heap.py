@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch.nn as nn
 
+from ..errors import InputError
 from ..models.families import family_of
 
 __all__ = ["trim", "trimming"]
@@ -51,7 +52,7 @@ def trimming(model: nn.Module) -> Iterator[None]:
     blocks (:mod:`quantgate.models.families`), none for a model of no family quantgate knows."""
     try:
         blocks = family_of(model).blocks(model) if _MALLOC_TRIM is not None else []
-    except (ValueError, AttributeError):  # no family, or no blocks where the family has them
+    except (InputError, AttributeError):  # no family, or no blocks where the family has them
         blocks = []
     handles = [block.register_forward_hook(_trim_hook) for block in blocks]
     try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import re
 import sys
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from quantgate.errors import InputError, MissingDependency
+from quantgate.files import read_json
 from quantgate.json_record import JsonRecord, json_field
 
 __all__ = [
@@ -353,10 +353,8 @@ def _sidecar(model: nn.Module) -> Sidecar | None:
     if file is None or not file.is_file():
         return None
     try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict):
+        data = read_json(file)
+    except InputError:
         return None
 
     def text(key: str) -> str | None:
@@ -430,7 +428,7 @@ def _installed(package: str) -> bool:
         return sys.modules[package] is not None
     try:
         return importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
+    except (ImportError, ValueError):  # a parent that is no package, or a module whose __spec__ is None
         return False
 
 

@@ -725,8 +725,8 @@ for _row in (
 
 def get_scheme(text: str | Scheme) -> Scheme:
     """Parse ``name[:key=value,...]``; unknown names or options, a key given twice, values outside an
-    option's valid range (``OPTIONS``) and options the scheme would not read (:meth:`Scheme.unread`) raise
-    ValueError naming the option."""
+    option's valid range (``OPTIONS``) and options the scheme would not read (:meth:`Scheme.unread`) raise an
+    InputError naming the option."""
     if isinstance(text, Scheme):
         return text
     name, _, arg = str(text).strip().partition(":")

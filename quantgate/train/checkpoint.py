@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ..errors import InputError, MissingFile
 from ..files import publish_folder, read_json, temporary_folder, write_failure
-from ..json_record import Count, JsonRecord, RecordError, json_field
+from ..json_record import Count, JsonRecord, json_field
 from ..models.families import config_of, family_of
 from ..models.swap import variant_of
 from ..options import AT_LEAST_1
@@ -263,7 +263,7 @@ def newest_checkpoint(out: Path | None) -> tuple[Path, TrainerRecord]:
     for _, path in sorted(found, reverse=True):
         try:
             return path, _read_trainer(path)
-        except ValueError as e:
+        except InputError as e:
             log.warning("skipping checkpoint %s: %s", path, e)
             skipped.append(f"{path.name}: {e}")
     raise MissingFile(
@@ -276,7 +276,7 @@ TRAINER_LIMIT = 64 << 20  # bytes: the most of a trainer.json read (a run's is a
 
 
 def _read_trainer(path: Path) -> TrainerRecord:
-    """trainer.json of checkpoint ``path``, every field typed and checked (:class:`TrainerRecord`); ValueError saying
+    """trainer.json of checkpoint ``path``, every field typed and checked (:class:`TrainerRecord`); InputError saying
     why ``path`` is not a complete checkpoint, naming the file and field."""
     file = path / TRAINER_FILE
     if not file.is_file():
@@ -286,10 +286,8 @@ def _read_trainer(path: Path) -> TrainerRecord:
         raise InputError("it is in an older format (accelerate's pickled state), which quantgate does not load")
     try:
         saved = TrainerRecord.from_json(data)
-    except RecordError as e:
+    except InputError as e:  # a field missing, unknown or of another type (RecordError is one)
         raise InputError(f"{file}: {e}") from None
-    except (TypeError, ValueError) as e:  # a field missing, or one the record does not know
-        raise InputError(f"{file}: {' '.join(str(e).split())}") from None
     missing = [f for f in (MODEL_FILE, OPTIMIZER_FILE) if not (path / f).is_file()]
     if missing:
         raise InputError(f"it lacks {', '.join(missing)}")

@@ -14,7 +14,7 @@ from accelerate.utils import is_tensorboard_available
 
 from ..errors import InputError
 from ..files import read_json_lines, write_text_atomic
-from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share
+from ..json_record import Count, JsonRecord, NonNegative, Share
 from ..plots import save_png
 from .checkpoint import ModelIdentity
 from .config import TrainConfig
@@ -99,7 +99,7 @@ def read_log(path: Path) -> list[Event]:
             raise InputError(f"{path}: line {number} is not a log record (its event is none of {', '.join(EVENTS)})")
         try:
             events.append(kind.from_json(line))
-        except (RecordError, TypeError, ValueError) as e:
+        except InputError as e:  # a field missing, unknown or of another type (RecordError is one)
             raise InputError(f"{path}: line {number}: {e}") from None
     return events
 

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import json
 import random
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import InputError
-from ..files import short_repr
+from ..files import parse_json, short_repr
 from ..json_record import JsonRecord
+from ..models.io import read_safetensors_with_metadata
 
 
 @dataclass(frozen=True)
@@ -46,23 +48,46 @@ def save_rng(file: Path) -> None:
 
 
 def load_rng(file: Path) -> None:
-    """Restore this process's generators from ``file``; ValueError naming it where its states do not load."""
+    """Restore this process's generators from ``file``; an InputError naming it where its states do not load (an
+    edited or foreign file: unreadable, its metadata not :class:`GeneratorStates`, or a state a generator refuses)."""
+    tensors, metadata = read_safetensors_with_metadata(file)
     try:
-        _set_rng(file)
-    except (KeyError, ValueError, TypeError, RuntimeError, OverflowError) as e:  # an edited or foreign file
-        raise InputError(
-            f"{file}: not the RNG states this trainer saves ({type(e).__name__}: {short_repr(str(e))})"
-        ) from None
+        states = GeneratorStates.from_json(metadata)
+    except InputError as e:
+        raise _foreign(file, f"its metadata: {e}") from None
+    python, numpy = _state(file, "python", states.python, 3), _state(file, "numpy", states.numpy, 4)
+    if "torch" not in tensors:
+        raise _foreign(file, "it holds no 'torch' tensor")
+    _restore(file, lambda: torch.set_rng_state(tensors["torch"]))
+    cuda = sorted((k for k in tensors if re.fullmatch(r"cuda\.\d+", k)), key=lambda k: int(k[5:]))
+    if cuda and torch.cuda.is_available():
+        _restore(file, lambda: torch.cuda.set_rng_state_all([tensors[k] for k in cuda]))
+    version, internal, gauss = python
+    _restore(file, lambda: random.setstate((version, tuple(internal), gauss)))
+    key, pos, has_gauss, np_gauss = numpy
+    _restore(file, lambda: np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, np_gauss)))
 
 
-def _set_rng(file: Path) -> None:
-    with safe_open(str(file), framework="pt") as fh:
-        states = GeneratorStates.from_json(fh.metadata())
-        torch.set_rng_state(fh.get_tensor("torch"))
-        cuda = sorted((k for k in fh.keys() if k.startswith("cuda.")), key=lambda k: int(k[5:]))
-        if cuda and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([fh.get_tensor(k) for k in cuda])
-    version, internal, gauss = json.loads(states.python)
-    random.setstate((version, tuple(internal), gauss))
-    key, pos, has_gauss, gauss = json.loads(states.numpy)
-    np.random.set_state(("MT19937", np.array(key, dtype=np.uint32), pos, has_gauss, gauss))
+def _state(file: Path, name: str, text: str, n: int) -> list:
+    """The JSON array of ``n`` items that field ``name`` of ``file``'s metadata holds (a generator's state)."""
+    try:
+        value = parse_json(text)
+    except InputError as e:
+        raise _foreign(file, f"its {name} state: {e}") from None
+    if not isinstance(value, list) or len(value) != n:
+        raise _foreign(file, f"its {name} state is not an array of {n} items")
+    return value
+
+
+def _restore(file: Path, set_state: Callable[[], object]) -> None:
+    """``set_state()``: one generator given the state read from ``file``; the generator's refusal of a state it
+    cannot take (torch's RuntimeError, python's and numpy's ValueError, TypeError or OverflowError) is an InputError
+    naming the file."""
+    try:
+        set_state()
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+        raise _foreign(file, f"{type(e).__name__}: {short_repr(str(e))}") from None
+
+
+def _foreign(file: Path, why: str) -> InputError:
+    return InputError(f"{file}: not the RNG states this trainer saves ({why})")
