@@ -137,9 +137,6 @@ INPUTS = ("quickstart.yaml", "README.md", "fused.cpp")
 
 # (name, "write" or "read", function): a second writer or reader the code still has, and why
 NOT_YET = {
-    ("metrics.json", "write", Q + "study.compat.migrate"): "reads and writes the file itself (study/compat.py): "
-    "it could be an edit of the object that records.py's _metrics_object and write_metrics read and write",
-    ("metrics.json", "read", Q + "study.compat.migrate"): "the same",
     # files.py recognizes a folder an older quantgate wrote (before folders were marked) by the shape of each
     # kind's main file, below the layers whose readers know it
     ("metrics.json", "read", Q + "files._older_study"): "an older study run, by its keys",

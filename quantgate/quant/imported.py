@@ -68,8 +68,8 @@ class Sidecar(JsonRecord):
     """What a quantgate ``quantization.json`` in a model's folder says of the model's provenance (:func:`sidecar`),
     beside quantgate's own weights (its manifest) or another tool's (an export's sidecar): the file (``sidecar``),
     the float source's ``source_sha256`` (64 hex digits), ``source_model`` and ``source_files_sha256`` (the sha256
-    of its config and weights files), and the quantgate scheme that made them (``quantgate_scheme``), each absent where the file lacks
-    it or holds another type."""
+    of its config and weights files), and the quantgate scheme that made them (``quantgate_scheme``), each absent
+    where the file lacks it or holds another type."""
 
     sidecar: str
     source_sha256: str | None = json_field(omit_none=True)
