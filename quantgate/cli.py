@@ -34,6 +34,7 @@ from .observe import observe
 from .options import check_range
 from .parallel import is_first, joined, relaunch
 from .quant import SCHEMES, get_scheme, quant_error, quantization_of, quantize
+from .quant.export import export_format
 from .runlock import run_lock
 from .stats import CLUSTERS
 from .study import DEFAULT_STUDY, plan, read_metrics, run_study
@@ -219,7 +220,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             print(f"FP8 saturation: {report.overflow} values hit the format's limit")
     if args.out:
         save(q, args.out, tok, dtype=getattr(torch, args.save_dtype) if args.save_dtype else None)
-        fmt = read_json(Path(args.out) / "quantization.json").get("format")
+        fmt, _ = export_format(q, scheme)  # the format save wrote
         config = Path(args.out) / "config.json"  # as written: loading moves the real model type back
         why = checked_record(read_json(config), config, "save the model again").load_with
         print(f"wrote {args.out} ({fmt} format: " + (why or "transformers, lm-eval and vLLM load it") + ")")

@@ -111,7 +111,7 @@ FILES = [
     Kind("checkpoints/*/optimizer.safetensors", *CHECKPOINT),
     Kind("checkpoints/*/rng-*.safetensors", Q + "train.rng.save_rng", Q + "train.rng._set_rng"),
     # a model qg.save wrote: quantgate's own files beside transformers' (OTHERS)
-    Kind("quantization.json", Q + "quant.checkpoint.save_quantized", Q + "quant.checkpoint._read_manifest"),
+    Kind("quantization.json", Q + "quant.checkpoint.save_quantized", Q + "quant.imported.sidecar_json"),
     Kind("quantgate.safetensors", Q + "models.io.save", Q + "models.io.load"),
     Kind("quantized.safetensors", Q + "quant.checkpoint._write_weights", Q + "quant.checkpoint._read"),
     # the cache ($QUANTGATE_CACHE): what a content hash was, by size, times and inode
@@ -137,9 +137,6 @@ INPUTS = ("quickstart.yaml", "README.md", "fused.cpp")
 
 # (name, "write" or "read", function): a second writer or reader the code still has, and why
 NOT_YET = {
-    ("metrics.json", "write", Q + "study.compat.migrate"): "reads and writes the file itself (study/compat.py): "
-    "it could be an edit of the object that records.py's _metrics_object and write_metrics read and write",
-    ("metrics.json", "read", Q + "study.compat.migrate"): "the same",
     # files.py recognizes a folder an older quantgate wrote (before folders were marked) by the shape of each
     # kind's main file, below the layers whose readers know it
     ("metrics.json", "read", Q + "files._older_study"): "an older study run, by its keys",
@@ -152,12 +149,6 @@ NOT_YET = {
     ("observe.json", "read", Q + "files.<module>"): "an older quantgate observe (files._LEGACY), by its keys",
     ("audit.json", "read", Q + "files.<module>"): "an older quantgate audit (files._LEGACY), by its keys",
     ("compare.csv", "read", Q + "files.<module>"): "an older quantgate compare (files._LEGACY), by its header",
-    # quantization.json, quantgate's manifest beside a quantized model: read whole by its reader, and for one
-    # field each where a model's folder is at hand but not the model (quant/ has no reader of that field by folder)
-    ("quantization.json", "read", Q + "quant.imported._sidecar"): "the source hash of the model a folder held",
-    ("quantization.json", "read", Q + "cli.cmd_quantize"): "the format qg.save chose, to print it",
-    ("quantization.json", "read", Q + "audit.target._float_source"): "the float model a quantized one came from",
-    ("quantization.json", "read", Q + "study.compare._lm_eval_quantization"): "the source hash of lm-eval's model",
 }
 
 # generic I/O helpers: they write or read the path their caller gives; the caller is the file's writer or reader

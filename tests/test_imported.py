@@ -15,6 +15,7 @@ import torch
 
 import quantgate as qg
 from quantgate.cli import main
+from quantgate.errors import InputError
 from quantgate.models.families import config_of
 from quantgate.models.record import QuantizationRecord
 from quantgate.quant.imported import ImportedQuantization, check_installed, dequantize_, describe
@@ -284,13 +285,17 @@ def test_a_missing_package_is_one_line_with_its_pip_command(ckpts, capsys, monke
         check_installed(read_config(ckpts[kind]), ckpts[kind])
 
 
-def test_an_unreadable_sidecar_is_passed_over_and_a_bug_reading_it_is_raised(tmp_path, monkeypatch):
-    """A quantization.json beside a foreign checkpoint that is not a JSON object says nothing; a plain ValueError
-    from the code reading it is a bug and propagates."""
+def test_an_unreadable_sidecar_is_refused_in_one_line_and_a_bug_reading_it_is_raised(tmp_path, monkeypatch):
+    """A quantization.json beside a foreign checkpoint that is not a JSON object is refused, naming the file and the
+    fix (it is read, as every file quantgate reads back); one with a field of another type says nothing of it; a
+    plain ValueError from the code reading it is a bug and propagates."""
     imported = importlib.import_module("quantgate.quant.imported")
     model = cast(torch.nn.Module, SimpleNamespace(config=SimpleNamespace(_name_or_path=str(tmp_path))))
     (tmp_path / imported.SIDECAR).write_text("{not json")
-    assert imported._sidecar(model) is None
+    with pytest.raises(InputError, match=r"cannot read .*quantization\.json: .*restore the quantization\.json"):
+        imported._sidecar(model)
+    (tmp_path / imported.SIDECAR).write_text(json.dumps({"source_sha256": 5, "source_model": "m"}))
+    assert imported._sidecar(model) == imported.Sidecar(str(tmp_path / imported.SIDECAR), None, "m")
 
     def bug(*args, **kwargs):
         raise ValueError("a bug in the reader")

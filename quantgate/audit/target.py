@@ -16,7 +16,7 @@ from ..models.io import DTYPES, Placement, qiu_variant, read_config
 from ..models.record import record_of
 from ..models.sources import PACKAGED, is_hub_id, resolve
 from ..quant import source_files_sha256
-from ..quant.imported import quantization_config
+from ..quant.imported import quantization_config, sidecar
 from ..variants import AttentionVariant
 
 __all__ = ["AuditError", "Target", "target", "dtype_of", "check_memory"]
@@ -104,9 +104,8 @@ def _float_source(folder: Path, config: Any) -> str | None:
     imported = quantization_config(config)
     if not record.quantization and imported is None:
         return None
-    sidecar = folder / "quantization.json"
-    saved = read_json(sidecar, fix="restore the quantization.json saved with the model") if sidecar.is_file() else {}
-    named, files = saved.get("source_model"), saved.get("source_files_sha256")
+    saved = sidecar(folder)
+    named, files = (saved.source_model, saved.source_files_sha256) if saved else (None, None)
     if record.quantization is not None:
         named, files = named or record.quantization.source_model, files or record.quantization.source_files_sha256
     own = record.quantization.scheme if record.quantization else None

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 from ..errors import InputError, MissingFile
-from ..files import file_sha256, read_json
+from ..files import file_sha256
 from ..json_record import RecordError
 from ..models import io as model_io
 from ..models.families import config_of, family_of
@@ -43,7 +43,7 @@ from ..provenance import versions
 from ..variants import AttentionVariant, VariantLike
 from .export import compute_dtype, export_format, format_of, formats
 from .formats import OWN_WEIGHTS, Format, Manifest
-from .imported import SIDECAR
+from .imported import SIDECAR, sidecar_json
 from .schemes import Handler, get_scheme, handler_for
 from .simulate import check_ranges
 
@@ -208,7 +208,9 @@ def _read_manifest(path: Path, config: PreTrainedConfig) -> tuple[Manifest, Form
     their types, a valid scheme and variant, a format of the scheme's backend, the same scheme, variant and family
     as config.json's quantgate record."""
     file = path / MANIFEST
-    data = read_json(file, fix=_RESAVE)
+    data = sidecar_json(path, fix=_RESAVE)
+    if data is None:
+        raise InputError(f"{file} is missing; {_RESAVE}")
     for field in Manifest.required():
         if field not in data:
             raise InputError(f"{file}: field {field!r} is missing; {_RESAVE}")

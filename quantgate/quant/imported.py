@@ -65,14 +65,17 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class Sidecar(JsonRecord):
-    """What a quantgate ``quantization.json`` beside another tool's weights says of them (:func:`_sidecar`): the
-    file (``sidecar``), the float source's ``source_sha256`` (64 hex digits) and ``source_model``, and the quantgate
-    scheme that exported them (``quantgate_scheme``), each absent where the file lacks it or holds another type."""
+    """What a quantgate ``quantization.json`` in a model's folder says of the model's provenance (:func:`sidecar`),
+    beside quantgate's own weights (its manifest) or another tool's (an export's sidecar): the file (``sidecar``),
+    the float source's ``source_sha256`` (64 hex digits), ``source_model`` and ``source_files_sha256`` (the sha256
+    of its config and weights files), and the quantgate scheme that made them (``quantgate_scheme``), each absent
+    where the file lacks it or holds another type."""
 
     sidecar: str
     source_sha256: str | None = json_field(omit_none=True)
     source_model: str | None = json_field(omit_none=True)
     quantgate_scheme: str | None = json_field(omit_none=True)
+    source_files_sha256: str | None = json_field(omit_none=True)
 
 
 @dataclass(frozen=True)
@@ -345,16 +348,20 @@ def _generic(qc: dict) -> tuple[str, dict]:
 # --- a loaded model ---------------------------------------------------------------------------------
 
 
-def _sidecar(model: nn.Module) -> Sidecar | None:
-    """What a quantgate sidecar (quantization.json) in the directory the model was loaded from says, where there
-    is a readable one: a field of another type is left out, and so is a ``source_sha256`` that is not one."""
-    where = getattr(getattr(model, "config", None), "_name_or_path", None)
-    file = Path(str(where)) / SIDECAR if where else None
-    if file is None or not file.is_file():
-        return None
-    try:
-        data = read_json(file)
-    except InputError:
+def sidecar_json(folder: Path, fix: str) -> dict[str, Any] | None:
+    """The JSON object of ``folder``'s quantization.json (None where there is none): the one read of the file, which
+    quant/checkpoint.py's manifest reader types whole and :func:`sidecar` for its provenance; a one-line InputError
+    naming the file and ``fix`` where it cannot be read or holds no JSON object."""
+    file = Path(folder) / SIDECAR
+    return read_json(file, fix=fix) if file.is_file() else None
+
+
+def sidecar(folder: Path) -> Sidecar | None:
+    """What the quantization.json in ``folder`` says of the model's provenance, where there is one: a field of
+    another type is left out, and so is a ``source_sha256`` that is not one; a file that is no JSON object is
+    refused in one line."""
+    data = sidecar_json(folder, fix=f"restore the {SIDECAR} saved with the model")
+    if data is None:
         return None
 
     def text(key: str) -> str | None:
@@ -362,7 +369,19 @@ def _sidecar(model: nn.Module) -> Sidecar | None:
         return value if isinstance(value, str) else None
 
     sha = text("source_sha256")
-    return Sidecar(str(file), sha if sha and _SHA256.fullmatch(sha) else None, text("source_model"), text("scheme"))
+    return Sidecar(
+        str(Path(folder) / SIDECAR),
+        sha if sha and _SHA256.fullmatch(sha) else None,
+        text("source_model"),
+        text("scheme"),
+        text("source_files_sha256"),
+    )
+
+
+def _sidecar(model: nn.Module) -> Sidecar | None:
+    """:func:`sidecar` of the directory the model was loaded from, where it was loaded from one."""
+    where = getattr(getattr(model, "config", None), "_name_or_path", None)
+    return sidecar(Path(str(where))) if where and Path(str(where)).is_dir() else None
 
 
 def imported_quantization(model: nn.Module) -> ImportedQuantization | None:

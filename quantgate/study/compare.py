@@ -348,14 +348,13 @@ def _lm_eval_quantization(args: dict, name: object) -> tuple[str, str | None]:
     """(scheme label or ``float``, source sha256 or None) of the model an lm-eval run loaded: its
     ``scheme`` argument, bitsandbytes / GPTQ arguments, else the checkpoint's own config.json (quantgate's
     record or another tool's quantization_config) and quantization.json sidecar, where it is a local folder."""
-    from ..quant.imported import SIDECAR, describe, quantization_config
+    from ..quant.imported import describe, quantization_config, sidecar
 
     source = None
     folder = Path(str(name)) if name else None
     if folder is not None and folder.is_dir():
-        sidecar = folder / SIDECAR
-        if sidecar.is_file():
-            source = read_json(sidecar, fix=f"restore the {sidecar.name} saved with the model").get("source_sha256")
+        saved = sidecar(folder)
+        source = saved.source_sha256 if saved else None
     if args.get("scheme"):
         return str(args["scheme"]), source
     truthy = {k for k, v in args.items() if str(v).lower() in ("true", "1")}

@@ -22,11 +22,9 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from ..data.corpus import document_keys
-from ..files import read_json, write_text_atomic
 from ..stats import Documents, TaskDocuments
 
 __all__ = ["EVAL_LEGACY", "step_key", "versioned_key", "file_format", "evaluation_key", "dtype_key", "keyed", "migrate"]
@@ -79,12 +77,10 @@ def keyed(documents: Documents) -> Documents:
     return {**documents, "quantgate_ppl": dataclasses.replace(ppl, works=works, hashes=hashes)}
 
 
-def migrate(run_dir: str | Path) -> bool:
-    """Write the works and text hashes :func:`keyed` recovers into a run's metrics.json (one
-    :func:`~.records.read_metrics` accepts; the file otherwise as it was): ``quantgate report RUN --migrate``.
-    True where it changed."""
-    path = Path(run_dir) / "metrics.json"
-    data = read_json(path)
+def migrate(data: dict[str, Any]) -> bool:
+    """Write the works and text hashes :func:`keyed` recovers into ``data``, a run's metrics.json object (one
+    :func:`~.records.read_metrics` accepts; the object otherwise as it was), in place: ``quantgate report RUN
+    --migrate`` (:func:`~.records.edit_metrics` reads and writes the file). True where it changed."""
     changed = False
     for cell in data.get("cells") or []:
         for holder, field_name in [(cell, "float_documents")] + [
@@ -96,6 +92,4 @@ def migrate(run_dir: str | Path) -> bool:
             documents = {task: TaskDocuments.from_json(columns) for task, columns in written.items()}
             if (new := keyed(documents)) is not documents:
                 holder[field_name], changed = {task: docs.to_json() for task, docs in new.items()}, True
-    if changed:
-        write_text_atomic(path, json.dumps(data, indent=1, sort_keys=True))
     return changed

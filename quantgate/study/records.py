@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -99,17 +99,25 @@ class Training(JsonRecord):
         )
 
 
-def record_cluster(run_dir: str | Path, cluster: str) -> bool:
-    """Record ``cluster`` (the unit a report's intervals resample, "work" or "document") in a run's metrics.json
-    (its study's report settings; the file otherwise as it was): ``quantgate report RUN --cluster``. True where it
-    changed."""
-    check_cluster(cluster)
+def edit_metrics(run_dir: str | Path, edit: Callable[[dict[str, Any]], bool]) -> bool:
+    """Apply ``edit`` (which changes a metrics.json object in place and says whether it did) to a run's metrics.json,
+    writing the file only where it changed; True where it did."""
     data = _metrics_object(run_dir)
+    if not edit(data):
+        return False
+    write_metrics(run_dir, data)
+    return True
+
+
+def record_cluster(data: dict[str, Any], cluster: str) -> bool:
+    """Record ``cluster`` (the unit a report's intervals resample, "work" or "document") in ``data``, a run's
+    metrics.json object (its study's report settings; the object otherwise as it was), in place: ``quantgate report
+    RUN --cluster``. True where it changed."""
+    check_cluster(cluster)
     report = (data.get("study") or {}).get("report")
     if not isinstance(report, dict) or report.get("cluster", "work") == cluster:
         return False
     report["cluster"] = cluster
-    write_metrics(run_dir, data)
     return True
 
 
@@ -354,7 +362,7 @@ def read_metrics(run_dir: str | Path) -> StudyRecord:
 
 def _metrics_object(run_dir: str | Path) -> dict[str, Any]:
     """The JSON object of a run's metrics.json, as written: the one read of the file (:func:`read_metrics` types
-    it, :func:`record_cluster` edits it); a one-line error naming the file where it is missing or cannot be read."""
+    it, :func:`edit_metrics` edits it); a one-line error naming the file where it is missing or cannot be read."""
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         raise MissingFile(f"{run_dir} has no metrics.json: run the study first (quantgate study ...)")
@@ -363,7 +371,7 @@ def _metrics_object(run_dir: str | Path) -> dict[str, Any]:
 
 def write_metrics(run_dir: str | Path, data: dict[str, Any]) -> None:
     """Write ``data`` as a run's metrics.json (one space of indent, keys sorted): the one writer of the file, for
-    a study's run and :func:`record_cluster`."""
+    a study's run and :func:`edit_metrics`."""
     write_text_atomic(Path(run_dir) / "metrics.json", json.dumps(data, indent=1, sort_keys=True))
 
 

@@ -40,7 +40,7 @@ from .measures import (
     scheme_change,
 )
 from .plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
-from .records import CellRecord, ReportSettings, StudyRecord, read_metrics, record_cluster
+from .records import CellRecord, ReportSettings, StudyRecord, edit_metrics, read_metrics, record_cluster
 
 __all__ = ["Report", "SECTIONS", "study_markdown", "study_plots", "plot_files", "write_study_report"]
 
@@ -756,8 +756,8 @@ def write_study_report(run_dir: str | Path, cluster: str | None = None, migrate:
     it the same either way)."""
     run_dir = Path(run_dir)
     metrics = read_metrics(run_dir)  # refuses a metrics.json that is not a study's, naming the problem
-    changed = cluster is not None and record_cluster(run_dir, cluster)
-    if migrate and compat.migrate(run_dir):
+    changed = cluster is not None and edit_metrics(run_dir, lambda data: record_cluster(data, cluster))
+    if migrate and edit_metrics(run_dir, compat.migrate):
         changed = True
     if changed:
         metrics = read_metrics(run_dir)
