@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scheme", default="w8a8-int8-dynamic", help="a scheme that needs no calibration")
     ap.add_argument("--docs", type=int, default=24)
     args = ap.parse_args(argv)
-    from quantgate.checkpoint import load_or_build
+    from quantgate.model_files import load_or_build
 
     model = load_or_build(args.model, None)
     tok = qg.tokenizer(model)

@@ -46,7 +46,7 @@ def measure(mode: str, model_name: str, n: int) -> dict:
     import torch
     from transformers import PreTrainedModel
 
-    from quantgate.checkpoint import load_or_build
+    from quantgate.model_files import load_or_build
     from quantgate.observe import observe
 
     model = cast(PreTrainedModel, load_or_build(model_name, None).eval())  # a transformers model

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", type=int, default=4, help="batches per pass")
     ap.add_argument("--rounds", type=int, default=8, help="passes of each side, taking turns")
     args = ap.parse_args(argv)
-    from quantgate.checkpoint import load_or_build
+    from quantgate.model_files import load_or_build
 
     model = load_or_build(args.model, args.variant).eval()
     data = list(batches(qg.tokenizer(model), "validation", args.seq_len, args.batch_size, max_batches=args.batches))

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--calib", type=int, default=4, help="calibration batches of the static schemes")
     args = ap.parse_args(argv)
-    from quantgate.checkpoint import load_or_build
+    from quantgate.model_files import load_or_build
 
     model = load_or_build(args.model, None).eval()
     tok = qg.tokenizer(model)

@@ -24,8 +24,8 @@ if TYPE_CHECKING:  # the names as __getattr__ gives them, for type checkers and 
     from . import data
     from .attention import gated_sdpa
     from .audit import Audit, audit
-    from .checkpoint import load, save
     from .eval.evaluate import Evaluation, evaluate
+    from .model_files import load, save
     from .models import apply_variant, build, gate_parameters, set_backend, tokenizer, variant_of
     from .observe import ObserveReport, observe
     from .quant import SCHEMES, quant_error, quantization_of, quantize
@@ -40,8 +40,8 @@ _API = {
     "AttentionVariant": ".variants",
     "gated_sdpa": ".attention",
     "build": ".models",
-    "load": ".checkpoint",
-    "save": ".checkpoint",
+    "load": ".model_files",
+    "save": ".model_files",
     "apply_variant": ".models",
     "set_backend": ".models",
     "gate_parameters": ".models",

@@ -15,7 +15,6 @@ import torch
 
 from . import __version__
 from .audit import audit
-from .checkpoint import load, load_or_build, save
 from .data import batches
 from .data.corpus import BUNDLED_SPLITS, DATASETS
 from .data.tokenizers import BUNDLED_TOKENIZERS, TOKENIZER_DIR, build_bundled
@@ -24,6 +23,7 @@ from .eval.checks import NonFiniteOutputs, check_limit, check_limit_per_process,
 from .eval.evaluate import Evaluation, LmEvalOutput, evaluate, require_lm_eval
 from .eval.load import load_for_eval
 from .files import claim_output, os_error_line, read_json, refuse_same, writable_dir, write_text_atomic
+from .model_files import load, load_or_build, save
 from .models import PACKAGED, PRESETS, build, family_of, gate_parameters, tokenizer, variant_of
 from .models.cost import parameter_count
 from .models.io import DTYPES, Placement
@@ -85,7 +85,7 @@ def _placement(args: argparse.Namespace) -> Placement | None:
 
 
 def _load_or_build(source: str, variant: str | None, dtype: str | None = None, placement: Placement | None = None):
-    """:func:`~quantgate.checkpoint.load_or_build` with ``dtype`` by its name in DTYPES."""
+    """:func:`~quantgate.model_files.load_or_build` with ``dtype`` by its name in DTYPES."""
     return load_or_build(source, variant, dtype=DTYPES[dtype] if dtype else None, placement=placement)
 
 

@@ -19,11 +19,11 @@ import torch.nn as nn
 from matplotlib.figure import Figure
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from .checkpoint import load
 from .data import batches
 from .data.batches import prepends_bos
 from .data.corpus import corpus, in_turn
 from .errors import InputError, MissingFile
+from .model_files import load
 from .models.families import config_of
 from .models.swap import VariantAttention, attention_modules, variant_of
 from .plots import save_png

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .measurements import MassiveEntry
+from .observe_records import MassiveEntry
 
 __all__ = ["MassiveActivations"]
 

@@ -54,7 +54,10 @@ from .errors import InputError
 from .files import write_text_atomic
 from .json_record import JsonRecord
 from .massive import Decode, MassiveActivations
-from .measurements import (
+from .models.families import Family, config_of, family_of, is_norm
+from .models.modes import eval_mode
+from .models.swap import VariantAttention, apply_variant, attention_modules, variant_of
+from .observe_records import (
     LayerSummary,
     NonFinite,
     ObserveMeta,
@@ -63,9 +66,6 @@ from .measurements import (
     TopChannel,
     UnitSummary,
 )
-from .models.families import Family, config_of, family_of, is_norm
-from .models.modes import eval_mode
-from .models.swap import VariantAttention, apply_variant, attention_modules, variant_of
 from .options import AT_LEAST_1, check_range
 from .quant import fused, quantization_of
 from .stats import fmt

@@ -1,5 +1,5 @@
 """Plots (matplotlib, PNG) for observe reports, training logs and tables of runs (a study's own plots:
-:mod:`quantgate.study.plots`)."""
+:mod:`quantgate.study.report_plots`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 from .files import write_bytes_atomic
 
 if TYPE_CHECKING:
-    from .measurements import LayerSummary, ObserveMeta
+    from .observe_records import LayerSummary, ObserveMeta
 
 __all__ = ["plot_observe", "bar_panels", "save_png"]
 

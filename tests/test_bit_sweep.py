@@ -8,9 +8,9 @@ from quantgate.quant.schemes import act_bits
 from quantgate.stats import Delta
 from quantgate.study import CellRecord, StudyError, StudyRecord, load_study
 from quantgate.study.measures import bit_sweeps, budget
-from quantgate.study.plots import plot_bit_sweeps
 from quantgate.study.records import WallSeconds
 from quantgate.study.report import Report, bit_budget
+from quantgate.study.report_plots import plot_bit_sweeps
 
 STUDY = """name: sweep
 models:

@@ -15,8 +15,8 @@ import yaml
 
 import quantgate as qg
 from quantgate import experiment as ex
-from quantgate.measurements import CellObserve, CellSummary, LayerRow
 from quantgate.models.families import config_of
+from quantgate.observe_records import CellObserve, CellSummary, LayerRow
 from quantgate.provenance import machine
 from quantgate.stats import Delta, format_delta
 from quantgate.study import CellRecord, StudyRecord, load_study, plan, read_metrics, run_study

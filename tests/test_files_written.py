@@ -72,11 +72,11 @@ FILES = [
     # a study run
     Kind("config.yaml", Q + "study.steps.run_study", None),  # the study as run, for people to rerun
     Kind("metrics.json", Q + "study.records.write_metrics", Q + "study.records._metrics_object"),
-    Kind("study_layers.png", Q + "study.plots.plot_study_layers", None),
-    Kind("study_quant.png", Q + "study.plots.plot_study_quant", None),
-    Kind("study_bits.png", Q + "study.plots.plot_bit_sweeps", None),
-    Kind("study_training.png", Q + "study.plots.plot_study_training", None),
-    Kind("study_fixes.png", Q + "study.plots.plot_fixes", None),
+    Kind("study_layers.png", Q + "study.report_plots.plot_study_layers", None),
+    Kind("study_quant.png", Q + "study.report_plots.plot_study_quant", None),
+    Kind("study_bits.png", Q + "study.report_plots.plot_bit_sweeps", None),
+    Kind("study_training.png", Q + "study.report_plots.plot_study_training", None),
+    Kind("study_fixes.png", Q + "study.report_plots.plot_fixes", None),
     Kind("cells/*/model.json", *STEP, ("model.json",)),
     Kind("cells/*/observe.json", *STEP, ()),  # the observe step's file; observe's own observe.json is below
     Kind("cells/*/eval-float.json", *STEP),
@@ -111,9 +111,9 @@ FILES = [
     Kind("checkpoints/*/optimizer.safetensors", *CHECKPOINT),
     Kind("checkpoints/*/rng-*.safetensors", Q + "train.rng.save_rng", Q + "train.rng._set_rng"),
     # a model qg.save wrote: quantgate's own files beside transformers' (OTHERS)
-    Kind("quantization.json", Q + "quant.checkpoint.save_quantized", Q + "quant.imported.sidecar_json"),
+    Kind("quantization.json", Q + "quant.manifest.save_quantized", Q + "quant.imported.sidecar_json"),
     Kind("quantgate.safetensors", Q + "models.io.save", Q + "models.io.load"),
-    Kind("quantized.safetensors", Q + "quant.checkpoint._write_weights", Q + "quant.checkpoint._read"),
+    Kind("quantized.safetensors", Q + "quant.manifest._write_weights", Q + "quant.manifest._read"),
     # the cache ($QUANTGATE_CACHE): what a content hash was, by size, times and inode
     Kind("content-sha256.json", Q + "files.content_sha256", Q + "files.content_sha256"),
 ]

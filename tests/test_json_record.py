@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from quantgate.json_record import JsonRecord, RecordError, json_field
-from quantgate.measurements import (
+from quantgate.observe_records import (
     CellObserve,
     LayerSummary,
     MassiveEntry,

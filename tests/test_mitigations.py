@@ -298,7 +298,7 @@ def test_scheme_options_refuse_what_the_formats_cannot_do():
     ],
 )
 def test_mitigated_schemes_save_and_load_to_the_same_logits(tmp_path, scheme):
-    from quantgate.quant.checkpoint import load_quantized, save_quantized
+    from quantgate.quant.manifest import load_quantized, save_quantized
 
     model = _model("tiny-llama", "g1-elementwise")
     batches = _batches(model.config.vocab_size)
@@ -375,7 +375,7 @@ def test_which_fix_ranks_schemes_by_their_intervals_against_the_reference():
 
 
 def test_smoothquant_on_torchaos_real_int8_static_path_lowers_the_error_of_an_outlier_channel(tmp_path):
-    from quantgate.quant.checkpoint import load_quantized, save_quantized
+    from quantgate.quant.manifest import load_quantized, save_quantized
 
     model, batches, ref = _outlier_model(80.0)
     err, q = _errors(model, batches, ref, ("torchao-int8-static:calib=2", "torchao-int8-static:smooth=0.5,calib=2"))

@@ -77,7 +77,7 @@ def test_full_disk_during_quantize_keeps_the_checkpoint_there(error, tmp_path, m
             raise OSError(errno.ENOSPC, "No space left on device")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr("quantgate.quant.checkpoint.save_file", full)
+    monkeypatch.setattr("quantgate.quant.manifest.save_file", full)
     capsys.readouterr()
     argv = ["quantize", "tiny-llama", "--scheme", "w8a8-int8-dynamic", "--out", str(out), "--overwrite"]
     assert main(argv) == 2  # --overwrite: the model quantgate saved there is replaced (issue 41)

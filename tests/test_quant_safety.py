@@ -146,7 +146,7 @@ def test_a_bug_in_a_manifest_check_keeps_its_traceback(saved, tmp_path, monkeypa
     def broken(text):
         raise ValueError("a bug in the parser")
 
-    monkeypatch.setattr("quantgate.quant.checkpoint.get_scheme", broken)
+    monkeypatch.setattr("quantgate.quant.manifest.get_scheme", broken)
     with pytest.raises(ValueError, match="a bug in the parser") as caught:
         qg.load(path)
     assert not isinstance(caught.value, qg.QuantgateError)
@@ -159,14 +159,14 @@ def test_a_bug_finding_the_tokenizer_is_not_saving_without_one(saved, tmp_path, 
     def refused(model):
         raise qg.InputError("no tokenizer is known for this model")
 
-    monkeypatch.setattr("quantgate.quant.checkpoint.get_tokenizer", refused)
+    monkeypatch.setattr("quantgate.quant.manifest.get_tokenizer", refused)
     qg.save(model, tmp_path / "without")
     assert not (tmp_path / "without" / "tokenizer.json").exists()
 
     def broken(model):
         raise ValueError("a bug finding the tokenizer")
 
-    monkeypatch.setattr("quantgate.quant.checkpoint.get_tokenizer", broken)
+    monkeypatch.setattr("quantgate.quant.manifest.get_tokenizer", broken)
     with pytest.raises(ValueError, match="a bug finding the tokenizer"):
         qg.save(model, tmp_path / "bug")
 

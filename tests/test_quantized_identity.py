@@ -60,7 +60,7 @@ def _set_scheme(path, scheme):
 
 def _rehash(path):
     """Recompute content_sha256 as a tool rewriting the manifest consistently would."""
-    from quantgate.quant.checkpoint import content_sha256
+    from quantgate.quant.manifest import content_sha256
 
     _edit(path / "quantization.json", lambda m: m.update(content_sha256=content_sha256(m, path)))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantgate.measurements import CellObserve, CellSummary, LayerRow
+from quantgate.observe_records import CellObserve, CellSummary, LayerRow
 from quantgate.provenance import machine
 from quantgate.stats import fmt, pearson, spearman
 from quantgate.study import CellRecord, StudyError, StudyRecord, load_study, run_study

@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ..certify import Test, certifies, fixed_sequence
-from ..checkpoint import load, save
 from ..data import batches as make_batches
 from ..eval.tasks import Task
 from ..files import claim_output, mark_output, owner, write_text_atomic
+from ..model_files import load, save
 from ..models.families import family_of
 from ..models.io import DTYPES, Placement
 from ..models.sources import PACKAGED

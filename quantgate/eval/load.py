@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..checkpoint import load_or_build
 from ..data import batches
 from ..errors import InputError
+from ..model_files import load_or_build
 from ..models.families import config_of, family_of
 from ..models.io import Placement
 from ..models.sources import tokenizer as get_tokenizer

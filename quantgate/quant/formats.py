@@ -6,7 +6,7 @@ A backend (a :class:`~quantgate.quant.schemes.Handler`) names the formats it wri
 needs more than its scheme and the weights, its saved state as a :class:`BackendState` record. quantgate's own
 format, :data:`QUANTGATE`, holds any model: every backend may name it. ``qg.save`` writes the manifest as a
 :class:`Manifest` record and ``qg.load`` reads it back into one, the backend's and the format's state typed, and
-hands it to the handler's ``restore`` (:mod:`quantgate.quant.checkpoint`).
+hands it to the handler's ``restore`` (:mod:`quantgate.quant.manifest`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Manifest(QuantizationRecord):
     are in, ``aliases`` (tied tensors stored once: alias -> stored name), the backend's ``state`` and the format's
     ``format_state`` (absent where they keep none), the ``weights_file`` and its sha256, the ``stored_dtype`` of a
     format that takes one, the library ``versions`` that saved it and ``content_sha256`` (over the manifest but the
-    versions and itself, and config.json: :func:`quantgate.quant.checkpoint.content_sha256`)."""
+    versions and itself, and config.json: :func:`quantgate.quant.manifest.content_sha256`)."""
 
     _: KW_ONLY
     variant: str

@@ -47,7 +47,7 @@ __all__ = [
     "dequantize_",
 ]
 
-SIDECAR = "quantization.json"  # quantgate's manifest / provenance sidecar (quantgate.quant.checkpoint.MANIFEST)
+SIDECAR = "quantization.json"  # quantgate's manifest / provenance sidecar (quantgate.quant.manifest.MANIFEST)
 # per quant_method: the packages (module: pip name) transformers needs to load it, and the pip command
 INSTALL: dict[str, tuple[dict[str, str], str]] = {
     "compressed-tensors": (
@@ -350,7 +350,7 @@ def _generic(qc: dict) -> tuple[str, dict]:
 
 def sidecar_json(folder: Path, fix: str) -> dict[str, Any] | None:
     """The JSON object of ``folder``'s quantization.json (None where there is none): the one read of the file, which
-    quant/checkpoint.py's manifest reader types whole and :func:`sidecar` for its provenance; a one-line InputError
+    quant/manifest.py's manifest reader types whole and :func:`sidecar` for its provenance; a one-line InputError
     naming the file and ``fix`` where it cannot be read or holds no JSON object."""
     file = Path(folder) / SIDECAR
     return read_json(file, fix=fix) if file.is_file() else None

@@ -438,7 +438,7 @@ def quantgate_format_only(model: nn.Module, scheme: Scheme) -> tuple[str, str]:
 
 
 # the handler of each scheme class, registered by @handles in the backend modules (simulate.py, backends.py); the
-# modules that look a handler up import those explicitly (quant/__init__.py, export.py, checkpoint.py)
+# modules that look a handler up import those explicitly (quant/__init__.py, export.py, manifest.py)
 HANDLERS: Registry[type, Handler] = Registry("scheme handler")
 
 

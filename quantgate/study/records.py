@@ -22,9 +22,9 @@ from ..errors import InputError, MissingFile
 from ..eval.evaluate import Results
 from ..files import json_kind, read_json, write_text_atomic
 from ..json_record import Count, JsonRecord, NonNegative, RecordError, Share, json_field
-from ..measurements import CellObserve, CellSummary, LayerRow
 from ..models.cost import GateCost
 from ..models.record import CalibrationRecord, MitigationRecord
+from ..observe_records import CellObserve, CellSummary, LayerRow
 from ..provenance import Machine
 from ..stats import METRICS, Documents, TaskDocuments, aggregate, check_cluster
 from ..train.log import EvalEvent, Event, LayerPoint, ObserveEvent, TrainEvent

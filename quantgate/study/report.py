@@ -39,8 +39,8 @@ from .measures import (
     read_on,
     scheme_change,
 )
-from .plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
 from .records import CellRecord, ReportSettings, StudyRecord, edit_metrics, read_metrics, record_cluster
+from .report_plots import plot_bit_sweeps, plot_fixes, plot_study_layers, plot_study_quant, plot_study_training
 
 __all__ = ["Report", "SECTIONS", "study_markdown", "study_plots", "plot_files", "write_study_report"]
 

@@ -39,7 +39,6 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedTokenizerBase
 
-from ..checkpoint import load
 from ..data import batches
 from ..data.batches import cache_dir, source_sha256
 from ..errors import InputError
@@ -48,7 +47,7 @@ from ..eval.evaluate import evaluate
 from ..eval.tasks import rolling
 from ..files import claim_output, content_sha256, folder_name, read_json, write_text_atomic
 from ..json_record import JsonRecord
-from ..measurements import CellObserve
+from ..model_files import load
 from ..models import build
 from ..models.cost import GateCost, gate_cost
 from ..models.families import family_of
@@ -57,6 +56,7 @@ from ..models.record import record_of
 from ..models.sources import PACKAGED, package_dir, resolve
 from ..models.sources import tokenizer as get_tokenizer
 from ..observe import observe
+from ..observe_records import CellObserve
 from ..options import AT_LEAST_0
 from ..parallel import from_first, is_first, joined
 from ..provenance import machine, versions

@@ -43,9 +43,9 @@ import torch.nn as nn
 from accelerate import Accelerator
 from transformers import PreTrainedTokenizerBase
 
-from ..checkpoint import save
 from ..errors import InputError
 from ..files import claim_output, publish_folder, temporary_folder
+from ..model_files import save
 from .checkpoint import can_resume
 from .log import LOG_FILE
 

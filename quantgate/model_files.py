@@ -1,7 +1,7 @@
 """``qg.save`` / ``qg.load``: one pair of verbs for float and quantized models.
 
 A float model is a transformers checkpoint plus quantgate's variant record and gate weights
-(:mod:`quantgate.models.io`); a quantized one adds a manifest (:mod:`quantgate.quant.checkpoint`), which
+(:mod:`quantgate.models.io`); a quantized one adds a manifest (:mod:`quantgate.quant.manifest`), which
 holds the formats other tools read and write.
 """
 
@@ -22,7 +22,7 @@ from .models import io as model_io
 from .models.presets import PRESETS
 from .models.record import record_of
 from .models.sources import PACKAGED, resolve
-from .quant.checkpoint import MANIFEST, load_quantized, save_quantized
+from .quant.manifest import MANIFEST, load_quantized, save_quantized
 from .variants import VariantLike
 
 __all__ = ["save", "load", "load_or_build"]
@@ -53,7 +53,7 @@ def save(
     weights: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Save a float or quantized model (and its tokenizer) to directory ``path``; ``dtype``: the storage dtype
-    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.checkpoint.save_quantized`);
+    of a compressed-tensors export's full-precision tensors (:func:`~quantgate.quant.manifest.save_quantized`);
     ``weights``: a float model's weights gathered whole, where the model holds only its shard (FSDP).
 
     The checkpoint is written beside ``path`` and then moved in, replacing every checkpoint file there

@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from ..measurements import LayerRow
+from ..observe_records import LayerRow
 from ..plots import save_png
 from ..stats import Delta
 from .measures import ppl_of

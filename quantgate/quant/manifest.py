@@ -13,7 +13,7 @@ manifest (its fields, their agreement with config.json and the weights file's sh
 config.json, lays out the scheme's structure without calibrating (the handler's ``restore``, given the manifest),
 has the format read the stored tensors back and loads them: outputs are identical to the saved model's.
 
-``qg.save`` / ``qg.load`` (:mod:`quantgate.checkpoint`) send quantized models here.
+``qg.save`` / ``qg.load`` (:mod:`quantgate.model_files`) send quantized models here.
 """
 
 from __future__ import annotations
