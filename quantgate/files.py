@@ -36,6 +36,7 @@ __all__ = [
     "write_bytes_atomic",
     "parse_json",
     "read_json",
+    "read_text",
     "read_json_lines",
     "json_kind",
     "file_sha256",
@@ -136,6 +137,19 @@ def parse_json(text: str) -> Any:
         raise InputError(str(e)) from None
 
 
+def read_text(path: str | Path, limit: int) -> str:
+    """The UTF-8 text of file ``path``, of at most ``limit`` bytes (read no further); an InputError saying why where
+    it is larger or not UTF-8 (the caller names the file), an OSError where it cannot be opened or read."""
+    with open(path, "rb") as fh:
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise InputError(f"it holds more than {limit:,} bytes, the most read here")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"it is not UTF-8 text (byte {e.start})") from None
+
+
 def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: int = JSON_LIMIT, fix: str = "") -> Any:
     """The JSON value in file ``path`` (UTF-8, at most ``limit`` bytes), which must be of type ``kind``
     (``dict``: an object; ``list``: an array; ``object``: any value). Anything else, a missing, unreadable,
@@ -147,18 +161,9 @@ def read_json(path: str | Path, kind: type | tuple[type, ...] = dict, *, limit: 
         return InputError(f"cannot read {path}: {why}" + (f"; {fix}" if fix else ""))
 
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(limit + 1)
+        data = parse_json(read_text(path, limit))
     except OSError as e:
         raise fail(e.strerror or str(e)) from None
-    if len(raw) > limit:
-        raise fail(f"it holds more than {limit:,} bytes, the most read here")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise fail(f"it is not UTF-8 text (byte {e.start})") from None
-    try:
-        data = parse_json(text)
     except InputError as e:
         raise fail(str(e)) from None
     if not isinstance(data, kind):

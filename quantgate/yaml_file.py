@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from quantgate.errors import InputError
+from quantgate.files import read_text
 
 __all__ = ["read_yaml", "yaml_text", "MAX_DEPTH", "MAX_BYTES"]
 
@@ -81,14 +82,10 @@ def read_yaml(path: str | Path, text: str | None = None) -> tuple[Any, Lines]:
     that is not a plain value, nesting deeper than :data:`MAX_DEPTH`, a file larger than :data:`MAX_BYTES`,
     invalid YAML, more than one document. An empty file is ``{}``."""
     if text is None:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_BYTES + 1)
-        if len(raw) > MAX_BYTES:
-            raise InputError(f"{path}: larger than {MAX_BYTES:,} bytes, the most read from a YAML file here")
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+            text = read_text(path, MAX_BYTES)
+        except InputError as e:
+            raise InputError(f"{path}: {e}") from None
     elif len(text) > MAX_BYTES:
         raise InputError(f"{path}: larger than {MAX_BYTES:,} characters, the most read from YAML here")
     loader = _BoundedLoader(text)
