@@ -47,7 +47,7 @@ import quantgate as qg
 from quantgate.provenance import versions
 from quantgate.quant import get_scheme, quantizers
 from quantgate.quant.export import export_format
-from quantgate.stats import Delta, change, format_delta
+from quantgate.stats import Delta, change, format_delta, table_row
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ("torchao-int8-dynamic", "llm-int8", "w8a8-int8-dynamic", "w8a8-int8-static", "w8a8-fp8-e4m3", "w4a4-nvfp4")
@@ -225,7 +225,7 @@ def report(m: dict) -> str:
             format_delta(d) if d is not None else "-",
             f"{r['size_ratio']:.3f}x",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     lm = next((r for r in m["rows"] if "ppl_lm_eval" in r), None)
     if lm is not None:
         rel = lm["ppl_lm_eval"] / lm["ppl_quantgate"] - 1

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from quantgate import experiment as ex
-from quantgate.stats import Delta, format_delta
+from quantgate.stats import Delta, format_delta, table_head
 from quantgate.study import CellRecord, StudyRecord, read_metrics, run_study
 from quantgate.study.measures import (
     BUDGET,
@@ -303,7 +303,7 @@ def table(results: dict[str, StudyRecord]) -> list[str]:
         "copy acc. A6",
         "copy acc. A5",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for name, metrics in results.items():
         widths = bit_sweeps(metrics.schemes)[W8A8]
         for c in metrics.cells:
@@ -347,7 +347,7 @@ def verdicts(results: dict[str, StudyRecord]) -> list[str]:
         "widest width apart in every seed",
         "criterion met",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for name, metrics in results.items():
         v = verdict(metrics.cells, bit_sweeps(metrics.schemes)[W8A8])
         lines.append(

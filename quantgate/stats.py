@@ -26,7 +26,7 @@ the experiments' headlines).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -59,6 +59,7 @@ __all__ = [
     "DELTA_LEGEND",
     "fmt",
     "table_head",
+    "table_row",
     "pearson",
     "spearman",
 ]
@@ -511,7 +512,12 @@ def bound(d: Delta | None) -> float | None:
 
 def table_head(columns: list[str]) -> list[str]:
     """A markdown table's header: the column names and the rule under them."""
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return [table_row(columns), "|" + "---|" * len(columns)]
+
+
+def table_row(cells: Iterable[str]) -> str:
+    """A markdown table's row of ``cells`` (text, as printed)."""
+    return "| " + " | ".join(cells) + " |"
 
 
 def fmt(v: object) -> str:

@@ -104,9 +104,11 @@ def code(value: object) -> str:
 
 
 def table(head: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
+    from quantgate.stats import table_head, table_row
+
     head = list(head)
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    lines = table_head(head)
+    lines += [table_row(cell(c) for c in row) for row in rows]
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..certify import Test, certifies
-from ..stats import Delta, format_delta
+from ..stats import Delta, format_delta, table_head, table_row
 from .plan import duration
 from .record import AuditRecord
 from .search import LADDER, REFERENCE, Candidate, Found, Work, serves
@@ -174,14 +174,14 @@ def _why(report: ObserveReport | None) -> list[str]:
 def _table(found: Found, tolerance: float) -> list[str]:
     head = ["recipe", "weight / matmul bits", "kept in 16-bit", "run-time work", "search change [95% CI]",
             "held-out change [95% CI] (float32)", "certified", "s"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for c in sorted(found.candidates, key=lambda c: c.cost.key()):
         verdict = "yes" if certifies(c.held_out, tolerance) else ("no" if c.held_out is not None else "-")
-        lines.append("| " + " | ".join([
+        lines.append(table_row([
             f"`{_short(c)}`", f"{c.cost.weight_bits:.2f} / {c.cost.compute_bits:.2f}",
             f"{c.cost.kept} ({c.cost.kept_share:.1%})" if c.cost.kept else "-", WORDS[c.cost.work].split(":")[0],
             format_delta(c.search), format_delta(c.held_out), verdict, f"{c.seconds:.0f}",
-        ]) + " |")  # fmt: skip
+        ]))  # fmt: skip
     return lines
 
 

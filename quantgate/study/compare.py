@@ -22,7 +22,7 @@ from ..files import claim_output, json_kind, read_json, read_json_lines, write_t
 from ..json_record import RecordError
 from ..models.record import checked_record
 from ..plots import bar_panels
-from ..stats import DELTA_LEGEND, Delta, change, fmt, format_delta, table_head
+from ..stats import DELTA_LEGEND, Delta, change, fmt, format_delta, table_head, table_row
 from .records import StudyRecord, read_metrics, wrong_evaluation
 
 __all__ = ["compare", "collect_evals", "Run"]
@@ -601,7 +601,7 @@ def _markdown(rows: list[Row], metrics: list[str], notes: list[str]) -> str:
             x = row.metrics[m]
             cells.append(f"{fmt(x.value)} ± {fmt(x.stderr)}" if x.stderr is not None else fmt(x.value))
             cells.append(format_delta(x.delta))
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
     table = "\n".join(lines) + "\n\n" + DELTA_LEGEND + " " + PAIRING_LEGEND + "\n"
     if notes:
         table += "\n" + "\n".join(f"- {n}" for n in dict.fromkeys(notes)) + "\n"

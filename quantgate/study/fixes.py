@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..quant.schemes import get_scheme
-from ..stats import MIN_CLUSTERS, Delta, format_delta, paired_delta, table_head
+from ..stats import MIN_CLUSTERS, Delta, format_delta, paired_delta, table_head, table_row
 from .measures import ppl_key
 from .records import CellRecord, Fixes
 
@@ -241,7 +241,7 @@ def _change_table(order: list[str], by_model: dict[str, CellRecord], changes: Ch
             + (" **fixed**" if verdict(changes.get((c.id, s)), within) is Verdict.FIXED else "")
             for m, c in by_model.items()
         ]
-        lines.append("| " + " | ".join([f"`{s}`", range_kind(s), *cols]) + " |")
+        lines.append(table_row([f"`{s}`", range_kind(s), *cols]))
     return lines
 
 
@@ -270,5 +270,5 @@ def _cost_table(order: list[str], rows_of: dict[str, list[FixRow]]) -> list[str]
                 if r is None
                 else [f"{r.params:,}", f"{r.ops:,}", "-" if r.seconds is None else f"{r.seconds:.1f}"]
             )
-        lines.append("| " + " | ".join([f"`{s}`", *cols]) + " |")
+        lines.append(table_row([f"`{s}`", *cols]))
     return lines

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..eval.tasks import PERPLEXITY_LEGEND
 from ..files import write_text_atomic
 from ..registry import Registry
-from ..stats import DELTA_LEGEND, NOISE_LEGEND, fmt, format_delta, pearson, seed_delta, spearman, table_head
+from ..stats import DELTA_LEGEND, NOISE_LEGEND, fmt, format_delta, pearson, seed_delta, spearman, table_head, table_row
 from . import compat
 from .fixes import Changes, which_fix
 from .measures import (
@@ -243,7 +243,7 @@ def _pair_table(u: CellRecord, g: CellRecord, schemes: list[str], changes: Chang
         row = [f"`{s}`", format_delta(changes[u.id, s]), format_delta(changes[g.id, s]), format_delta(gap)]
         if after:
             row.append(format_delta(change_gap(u, g, s, after_first())))
-        lines.append("| " + " | ".join([*row, gap_reading(gap, "the gated twin")]) + " |")
+        lines.append(table_row([*row, gap_reading(gap, "the gated twin")]))
     return [*lines, ""]
 
 
@@ -327,7 +327,7 @@ def outliers(report: Report) -> str:
         for sch in schemes:
             r = c.scheme(sch)
             row += [fmt(ppl_of(r.results)) if r.error is None else "n/a", format_delta(changes[c.id, sch])]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row(row))
     return "\n".join(lines)
 
 
@@ -360,7 +360,7 @@ def across_seeds(report: Report) -> str:
         for s in schemes:
             deltas = [d for c in group if (d := changes[c.id, s]) is not None]
             row.append(format_delta(seed_delta([d.value for d in deltas], deltas[0].kind)) if deltas else "-")
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row(row))
     return "\n".join(lines)
 
 
@@ -414,7 +414,7 @@ def accuracy(report: Report) -> str:
         row = [c.model, c.variant, str(c.seed), t[0], fmt(metric_of(c.float_results, t))]
         for s in schemes:
             row += [fmt(metric_of(c.scheme(s).results, t)), format_delta(scheme_change(c, s, t))]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row(row))
     return "\n".join(lines)
 
 
@@ -485,9 +485,7 @@ def correlations(report: Report) -> str:
     if all(v == "-" for row in rows for v in row[1:]):
         return "\n".join([*lines, f"None: fewer than {MIN_CORRELATION_N} cells have any two of the numbers."])
     return "\n".join(
-        lines
-        + ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
-        + ["| " + " | ".join(row) + " |" for row in rows]
+        lines + ["| | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)] + [table_row(row) for row in rows]
     )
 
 
@@ -633,7 +631,7 @@ def side_by_side(report: Report) -> str:
     ]
     for v in shared:
         row = [v] + [fn(by[(m, v)]) if (m, v) in by else "-" for _, fn in metrics for m in models]
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(table_row(row))
     return "\n".join(lines)
 
 
