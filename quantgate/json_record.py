@@ -9,9 +9,9 @@ know (a renamed or misspelt key fails loudly instead of vanishing) and a missing
 value read is checked against its annotation: a number where ``float`` or ``int`` stands (no ``true``, no text), a
 string for ``str``, an array for ``list``, an object for ``dict`` and a record, and where the annotation carries a
 :class:`~quantgate.options.Range` (``Annotated[float, AT_LEAST_0]``: :data:`NonNegative`, :data:`Share`,
-:data:`Count`, :data:`Finite`) a finite value in it; a value that is not is a :class:`RecordError` naming the field's
-path (``cells[0].observe.summary.kurtosis is 'abc', not a finite number >= 0``), which the reader of a file prefixes
-with the file::
+:data:`Count`, :data:`Finite`) a finite value in it; null only where the annotation takes None (``float | None``). A
+value that is not is a :class:`RecordError` naming the field's path (``cells[0].observe.summary.kurtosis is 'abc',
+not a finite number >= 0``), which the reader of a file prefixes with the file::
 
     @dataclass(frozen=True)
     class Unit(JsonRecord):
@@ -153,9 +153,12 @@ def _to_json(value: Any) -> Any:
 
 def _from_json(tp: Any, value: Any, at: str = "") -> Any:
     """``value`` (parsed JSON, at path ``at``) as annotation ``tp`` says: checked against its type and range,
-    records built, containers walked; a :class:`RecordError` naming the path where it is not what ``tp`` says."""
+    records built, containers walked; a :class:`RecordError` naming the path where it is not what ``tp`` says (null
+    too, unless ``tp`` takes None)."""
     if value is None:
-        return None
+        if _takes_none(tp):
+            return None
+        raise RecordError(at, f"is null, not {_noun(tp)}")
     origin = get_origin(tp)
     if origin is Annotated:
         base, *ranges = get_args(tp)
@@ -183,6 +186,8 @@ def _from_json(tp: Any, value: Any, at: str = "") -> Any:
     if isinstance(tp, type) and issubclass(tp, JsonRecord):
         if isinstance(value, tp):  # a record already (a result computed in memory): as it is
             return value
+        if not isinstance(value, Mapping):
+            raise RecordError(at, f"is a JSON {_kind(value)}, not an object")
         try:
             return tp.from_json(value)
         except RecordError as e:
@@ -200,6 +205,15 @@ def _from_json(tp: Any, value: Any, at: str = "") -> Any:
     if tp in (float, int, str, bool) and not _is(tp, value):
         raise RecordError(at, f"is {value!r}, not {_noun(tp)}")
     return value
+
+
+def _takes_none(tp: Any) -> bool:
+    """Whether annotation ``tp`` takes None (JSON null): ``Any``, or a union with None (``float | None``)."""
+    if get_origin(tp) is Annotated:
+        return _takes_none(get_args(tp)[0])
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return type(None) in get_args(tp)
+    return tp is Any
 
 
 def _is(tp: type, value: Any) -> bool:

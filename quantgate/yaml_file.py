@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from quantgate.errors import InputError
-from quantgate.files import read_text
+from quantgate.files import read_text, short_repr
 
 __all__ = ["read_yaml", "yaml_text", "MAX_DEPTH", "MAX_BYTES"]
 
@@ -78,9 +78,10 @@ def yaml_text(data: Any) -> str:
 def read_yaml(path: str | Path, text: str | None = None) -> tuple[Any, Lines]:
     """The data of the YAML file ``path`` (or of ``text``, named ``path``) and the line of each value, by key
     path: ``{(): 1, ("models",): 3, ("models", 0): 4, ("models", 0, "name"): 4, ...}``. Refused, with a
-    one-line ValueError ``<path>:<line>: <why>``: anchors and aliases, a key given twice in a mapping, a key
+    one-line InputError ``<path>:<line>: <why>``: anchors and aliases, a key given twice in a mapping, a key
     that is not a plain value, nesting deeper than :data:`MAX_DEPTH`, a file larger than :data:`MAX_BYTES`,
-    invalid YAML, more than one document. An empty file is ``{}``."""
+    invalid YAML, more than one document, a scalar its tag cannot read (``2020-13-45``, ``!!int abc``). An empty
+    file is ``{}``."""
     if text is None:
         try:
             text = read_text(path, MAX_BYTES)
@@ -129,6 +130,11 @@ def _walk(root: yaml.Node) -> tuple[Any, Lines]:
             return out
         if isinstance(n, yaml.SequenceNode):
             return [walk(v, (*where, i)) for i, v in enumerate(n.value)]
-        return scalars.construct_object(n)
+        try:
+            return scalars.construct_object(n)
+        except (ValueError, KeyError) as e:  # PyYAML's int, float, date or bool of a scalar that is none
+            why = f" ({e})" if isinstance(e, ValueError) else ""
+            kind = n.tag.rpartition(":")[2]
+            raise _Refused(lines[where], f"{short_repr(n.value)} is no {kind}{why}; quote it for text") from None
 
     return walk(root, ()), lines

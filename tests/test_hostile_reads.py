@@ -12,11 +12,13 @@ import pytest
 from conftest import one_line_error
 
 import quantgate as qg
+import quantgate.study.compare as compare_module
 from quantgate.audit import REFERENCE
 from quantgate.audit.record import AuditRecord
 from quantgate.cli import main
 from quantgate.errors import InputError
 from quantgate.study import steps
+from quantgate.study.compare import collect_evals
 from quantgate.study.records import read_metrics
 
 TASK = "quantgate_ppl"
@@ -121,6 +123,55 @@ def test_compare_refuses_lm_eval_results_out_of_range(case, acc, perplexity, fie
 def test_compare_reads_lm_eval_results_in_range(tmp_path, capsys):
     _lm_eval_results(tmp_path / "lm", 0.5, 12.5)
     assert main(["compare", str(tmp_path / "lm")]) == 0
+
+
+def test_compare_passes_over_an_unreadable_lm_eval_results_file_beside_a_readable_one(tmp_path):
+    _lm_eval_results(tmp_path / "lm", 0.5, 12.5)
+    cut = tmp_path / "lm" / "results_2026-01-02T00-00-00.json"
+    cut.write_text('{"results": {')  # another tool's file, or one cut off mid-write
+    (record,) = collect_evals([tmp_path / "lm"])
+    assert record.values["quantgate_cloze/acc"] == 0.5
+    (tmp_path / "lm" / "results_2026-01-01T00-00-00.json").unlink()
+    with pytest.raises(InputError, match=f"cannot read {cut}"):  # nothing else found: its error, naming it
+        collect_evals([tmp_path / "lm"])
+
+
+def test_a_bug_in_compares_shape_check_is_not_taken_for_an_unreadable_file(tmp_path, monkeypatch):
+    """Only the read of an lm-eval results file is allowed to fail (InputError, the file passed over): a plain
+    ValueError in what follows is a bug, and keeps its traceback."""
+    _lm_eval_results(tmp_path / "lm", 0.5, 12.5)
+    (tmp_path / "lm" / "results_2026-01-02T00-00-00.json").write_text(
+        (tmp_path / "lm" / "results_2026-01-01T00-00-00.json").read_text()
+    )
+    shaped = compare_module._lm_eval_shaped
+    calls = []
+
+    def bug_on_the_second(data):
+        calls.append(data)
+        if len(calls) == 2:
+            raise ValueError("a bug in the shape check")
+        return shaped(data)
+
+    monkeypatch.setattr(compare_module, "_lm_eval_shaped", bug_on_the_second)
+    with pytest.raises(ValueError, match="a bug in the shape check"):
+        collect_evals([tmp_path / "lm"])
+
+
+def test_compare_notes_runs_that_read_different_documents(evals, tmp_path, capsys):
+    """No change between two runs of different documents: compare says so in a note (the statistics' InputError)."""
+    edited = _copy(evals / "quant", tmp_path / "quant")
+    _edit(edited / "eval.json", lambda d: d["documents"][TASK].__setitem__("ids", [7, 8]))
+    assert main(["compare", str(evals / "float"), str(edited)]) == 0
+    assert "cover different documents" in capsys.readouterr().out
+
+
+def test_a_bug_computing_a_change_is_not_taken_for_different_documents(evals, monkeypatch):
+    def bug(*args, **kwargs):
+        raise ValueError("a bug in the change")
+
+    monkeypatch.setattr(compare_module, "change", bug)
+    with pytest.raises(ValueError, match="a bug in the change"):
+        compare_module.compare([evals / "float", evals / "quant"])
 
 
 # --- 4. report: observe statistics and timings as edited ---------------------------------------------------------

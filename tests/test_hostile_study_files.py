@@ -151,6 +151,30 @@ def test_step_file_with_null_key_not_reused(tmp_path):
     }
 
 
+def test_step_file_that_is_not_json_is_computed_again(tmp_path, caplog):
+    from quantgate.study.steps import _done
+
+    path = tmp_path / "eval-float.json"
+    path.write_text('{"key": "0123456789abcdef", "results": {')  # cut off mid-write
+    with caplog.at_level("WARNING", logger="quantgate"):
+        assert _done(path, "0123456789abcdef", ("results", "documents")) is None
+    assert f"cannot read {path}" in caplog.text and "computing that step again" in caplog.text
+
+
+def test_a_bug_reading_a_step_file_is_not_taken_for_a_corrupt_file(tmp_path, monkeypatch):
+    """Only read_json's refusal (InputError) means "compute the step again": a plain ValueError is a bug."""
+    from quantgate.study import steps
+
+    def bug(*args, **kwargs):
+        raise ValueError("a bug in the reader")
+
+    path = tmp_path / "eval-float.json"
+    path.write_text(json.dumps({"key": "0123456789abcdef", "results": {}, "documents": {}, "seconds": 1.0}))
+    monkeypatch.setattr(steps, "read_json", bug)
+    with pytest.raises(ValueError, match="a bug in the reader"):
+        steps._done(path, "0123456789abcdef", ("results", "documents"))
+
+
 def _run_copy(tmp_path: Path, edit, source: Path = QUICKSTART) -> Path:
     """A copy of a committed run (the quickstart's) whose metrics.json ``edit`` changed in place."""
     run = tmp_path / "run"
@@ -225,6 +249,51 @@ def test_report_refuses_inconsistent_per_document_values(tmp_path, capsys):
     shutil.rmtree(tmp_path / "run")
     err = _report_error(_run_copy(tmp_path, scaled), capsys)
     assert "cells[2].float.quantgate_backcopy.perplexity" in err and "per-document" in err, err
+
+
+def _set(path: tuple, value):
+    def edit(data):
+        for key in path[:-1]:
+            data = data[key]
+        data[path[-1]] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "wanted"),
+    [
+        (("cells",), None, "cells is null, not an array"),
+        (("cells", 0), None, "cells[0] is null, not a JSON object"),
+        (("cells", 0, "schemes"), None, "cells[0].schemes is null, not an object"),
+        (("cells", 0, "schemes", "w8a8-int8-static"), [], "cells[0].schemes.w8a8-int8-static is a JSON array, not an"),
+        (("cells", 0, "float_documents"), None, "cells[0].float_documents is null, not an object"),
+        (("cells", 0, "float", "quantgate_passages", "word_perplexity"), 10**400, "quantgate_passages.word_perplexity"),
+    ],
+    ids=["cells null", "cell null", "schemes null", "scheme an array", "documents null", "perplexity 10**400"],
+)
+def test_report_refuses_nulls_and_wrong_kinds_naming_the_field(path, value, wanted, tmp_path, capsys):
+    """The typed reader refuses a null or an array where its record wants an object, naming the field (it raised
+    TypeError or AttributeError, which a broad catch turned into "not a study's metrics.json"), and a number past a
+    float's range (OverflowError)."""
+    err = _report_error(_run_copy(tmp_path, _set(path, value)), capsys)
+    assert wanted in err, err
+
+
+@pytest.mark.parametrize("error", [ValueError, TypeError])
+def test_a_bug_reading_metrics_json_is_not_taken_for_a_bad_file(error, monkeypatch):
+    """wrong_metrics catches the typed reader's refusals (InputError) only: a bug inside the reader keeps its
+    traceback instead of reading as "not a study's metrics.json"."""
+    from quantgate.study import records
+
+    def bug(*args, **kwargs):
+        raise error("a bug in the reader")
+
+    data = json.loads((QUICKSTART / "metrics.json").read_text())
+    assert records.wrong_metrics(data) is None
+    monkeypatch.setattr(records, "keyed", bug)  # called as each cell is read
+    with pytest.raises(error, match="a bug in the reader"):
+        records.wrong_metrics(data)
 
 
 def test_committed_runs_pass_validation_and_rebuild(tmp_path):

@@ -56,7 +56,26 @@ def test_unknown_and_missing_keys_are_refused():
     with pytest.raises(RecordError, match=r"^leaf\.value is missing$"):  # the path from the record read
         Tree.from_json({"leaf": {"below_0.1": 0.5}})
     with pytest.raises(ValueError, match="Leaf: expected a JSON object, got list"):
+        Leaf.from_json([1.0])  # type: ignore[arg-type]  # what a file may hold
+    with pytest.raises(RecordError, match=r"^leaf is a JSON array, not an object$"):  # nested: its path
         Tree.from_json({"leaf": [1.0]})
+
+
+@pytest.mark.parametrize(
+    ("data", "wanted"),
+    [
+        ({"leaf": None, "leaves": None}, "leaves is null, not an array"),
+        ({"leaf": None, "named": {"a": None}}, "named.a is null, not a JSON object"),
+        ({"leaf": {"value": None}}, "leaf.value is null, not a number"),
+        ({"leaf": None, "leaves": [1.0]}, r"leaves\[0\] is a JSON number, not an object"),
+    ],
+)
+def test_null_where_the_annotation_takes_no_none_is_refused_with_its_path(data, wanted):
+    """null is read as None only where the field's annotation takes None (``Leaf | None``, ``str | None``): elsewhere
+    a RecordError naming the field, as for any other value of the wrong kind (not a None the code after trips on)."""
+    with pytest.raises(RecordError, match=f"^{wanted}$"):
+        Tree.from_json(data)
+    assert Leaf.from_json({"value": 1.0, "note": None}).note is None
 
 
 def _tensor(max_abs: float, ratio: float | None) -> TensorSummary:

@@ -6,8 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from quantgate.errors import InputError, QuantgateError
+from quantgate.models.families import Family
+from quantgate.models.io import Placement
 from quantgate.runlock import RunDirectoryBusy, run_lock
-from quantgate.study import StudyError, load_study, plan, run_study
+from quantgate.study import StudyError, load_study, plan, run_study, schema
+from quantgate.train import TrainConfig
+from quantgate.variants import AttentionVariant
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "name: x\nmodels:\n  - name: tiny\n    preset: tiny-llama\n"
@@ -133,6 +138,13 @@ BAD = {
         3,
         "name must be str, without / or \\, not '.' or '..', at most 255 bytes (it names a folder); got 'a/b'",
     ),
+    "placement": (
+        "name: x\nmodels:\n  - load: smollm2-135m\n    placement: {device_map: everywhere}\n",
+        4,
+        "device_map 'everywhere': one of auto",
+    ),
+    "yaml-date": (TINY + "description: 2020-13-45\n", 5, "'2020-13-45' is no timestamp (month must be in 1..12)"),
+    "yaml-int-tag": (TINY + "seed: !!int abc\n", 5, "'abc' is no int (invalid literal for int()"),
 }
 
 
@@ -145,6 +157,63 @@ def test_dry_run_rejects_what_a_run_would(case, tmp_path):
         load_study(f)  # what --dry-run runs first
     assert f"bad.yaml:{line}: " in str(err.value) and message in str(err.value), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def _bug(*args, **kwargs):
+    raise ValueError("a bug below the check")
+
+
+LOADED = "name: x\nmodels:\n  - load: twin-vanilla\n"
+# a function a study file's check calls, where a plain ValueError is a bug (each check refuses the user's input
+# with an InputError): (its owner, its name, a study that reaches the call)
+BUGS = {
+    "read_yaml": (schema, "read_yaml", TINY),
+    "Placement": (Placement, "__post_init__", LOADED + "    placement: {device_map: auto}\n"),
+    "batch_count": (schema, "batch_count", TINY),
+    "TrainConfig.resolved": (TrainConfig, "resolved", TINY + "    train: {steps: 2}\n"),
+    "AttentionVariant.parse": (AttentionVariant, "parse", TINY),
+    "check_expressible": (schema, "check_expressible", TINY + "    variants: [g1-elementwise]\n"),
+    "expand_scheme": (schema, "expand_scheme", TINY + "schemes: [w8a8-int8-static]\n"),
+    "get_scheme": (
+        schema,
+        "get_scheme",
+        TINY + "schemes: [w8a8-int8-static]\nreport:\n  fixes: {reference: w8a8-int8-static}\n",
+    ),
+    "check_limit": (schema, "check_limit", TINY),
+    "task_options": (schema, "task_options", TINY + "calibration: {data: backcopy}\n"),
+    "hf_spec": (schema, "hf_spec", TINY + "calibration: {data: 'hf:wikitext:train'}\n"),
+    "preset_config": (schema, "preset_config", TINY),
+    "read_config": (schema, "read_config", LOADED),
+    "family_of": (schema, "family_of", LOADED),
+    "check_seq_len": (Family, "check_seq_len", TINY),
+}
+
+
+@pytest.mark.parametrize("case", BUGS, ids=list(BUGS))
+def test_a_bug_below_a_check_is_not_reported_as_the_study_files_fault(case, tmp_path, monkeypatch):
+    """Each check of a study file catches the typed refusal of what it calls (InputError), not any ValueError: a
+    programming error under it keeps its traceback instead of reading as a bad line of the file."""
+    owner, name, text = BUGS[case]
+    monkeypatch.setattr(owner, name, _bug)
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match="a bug below the check") as err:
+        load_study(f)
+    assert not isinstance(err.value, QuantgateError)
+
+
+def test_data_a_tokenizer_cannot_batch_is_refused_at_its_line(tmp_path, monkeypatch):
+    """A tokenizer that cannot make the model's batches of a section's data (a CLM tokenizer without an EOS token):
+    the dry run refuses it as the run would, naming the section, rather than skipping the count."""
+
+    def no_eos(*args, **kwargs):
+        raise InputError("CLM batches need a tokenizer with an EOS token to separate documents")
+
+    monkeypatch.setattr(schema, "batch_count", no_eos)
+    f = tmp_path / "bad.yaml"
+    f.write_text(TINY + "    observe: {batches: 2}\n")
+    with pytest.raises(StudyError, match=r"bad\.yaml:5: observe data 'validation': CLM batches need a tokenizer"):
+        load_study(f)
 
 
 def test_load_directory_without_a_checkpoint(tmp_path):

@@ -104,10 +104,12 @@ def _run_files(folder: Path) -> list[Path]:
     lm, unreadable = [], []
     for f in sorted(folder.rglob("results_*.json")):  # lm_eval --output_path DIR
         try:
-            if _lm_eval_shaped(_read_json(f)):
-                lm.append(f)
-        except ValueError as e:
+            data = _read_json(f)
+        except InputError as e:
             unreadable.append(e)
+            continue
+        if _lm_eval_shaped(data):
+            lm.append(f)
     found = evals + [f for f in lm if str(f.resolve()) not in written]
     if not found and unreadable:
         raise unreadable[0]
@@ -115,7 +117,7 @@ def _run_files(folder: Path) -> list[Path]:
 
 
 def _read_json(file: Path) -> dict:
-    """The JSON object in ``file``; a one-line ValueError naming it otherwise (:func:`quantgate.files.read_json`)."""
+    """The JSON object in ``file``; a one-line InputError naming it otherwise (:func:`quantgate.files.read_json`)."""
     return read_json(file, fix=REWRITE)
 
 
@@ -155,7 +157,7 @@ def _evaluation(data: dict, f: Path) -> Evaluation:
 
 
 def _check_fields(data: dict, f: Path, fields: tuple[str, ...], kind: str) -> None:
-    """A one-line ValueError naming ``f`` where one of ``fields`` (present and not null) is not a JSON object,
+    """A one-line InputError naming ``f`` where one of ``fields`` (present and not null) is not a JSON object,
     or an entry of its results or documents (per task) is not one; what the records below read."""
     wrong = [k for k in fields if data.get(k) is not None and not isinstance(data[k], dict)]
     for k in ("results", "documents"):
@@ -544,7 +546,7 @@ def compare(
                 ours, theirs = r.documents.get(task), ref.documents.get(task)
                 try:
                     d = change(metric, ref.values.get(m), r.values.get(m), theirs, ours)
-                except ValueError as e:  # the two runs read different documents: no change between them
+                except InputError as e:  # the two runs read different documents: no change between them
                     notes.append(f"{r.model} {r.scheme} vs {ref.model} {ref.scheme}, {m}: {e}")
                 if d is not None and d.low is None and d.n == 0:
                     kept = "neither run" if not (theirs or ours) else "one run"

@@ -344,7 +344,7 @@ class StudyRecord(JsonRecord):
 
 
 def read_metrics(run_dir: str | Path) -> StudyRecord:
-    """The :class:`StudyRecord` of a study run directory (its metrics.json); a one-line ValueError naming
+    """The :class:`StudyRecord` of a study run directory (its metrics.json); a one-line InputError naming
     the file where it is truncated, not a study's record or lacks a field the report reads, and naming the field
     (``cells[3].float.quantgate_ppl.word_perplexity``) where a number is not one an evaluation gives: not finite,
     out of range (a perplexity <= 0, an accuracy outside [0, 1], a negative count, a positive log-likelihood),
@@ -388,7 +388,7 @@ def _checked(data: dict[str, Any], run_dir: Path | None) -> tuple[StudyRecord | 
         record = StudyRecord.from_json(data, run_dir)
     except RecordError as e:  # a field missing, or of another type, or outside its range
         return None, str(e)
-    except (TypeError, ValueError, AttributeError) as e:  # not a record's object: a field the records lack
+    except InputError as e:  # not a record's object: a field the records lack
         return None, f"not a study's metrics.json ({e})"
     wrong = _wrong_numbers(record)  # a value out of range, or a headline its per-document values disagree with
     return (None, wrong) if wrong is not None else (record, None)
@@ -471,7 +471,13 @@ def wrong_evaluation(results_at: str, results: Any, documents_at: str, documents
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """Whether ``value`` is a finite number: a float, or an int a float holds (not ``10**400``, past its range)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _wrong_metric(metric: str, value: Any) -> str | None:

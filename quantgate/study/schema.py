@@ -19,7 +19,7 @@ from accelerate.utils import PrecisionType
 from ..data.batches import batch_count
 from ..data.corpus import BUNDLED_SPLITS, DATASETS, hf_spec
 from ..data.synthetic import is_backcopy, task_options
-from ..errors import InputError, QuantgateError
+from ..errors import InputError, MissingDependency, MissingFile, QuantgateError
 from ..eval.checks import check_limit
 from ..eval.evaluate import unknown_tasks
 from ..eval.tasks import bundled
@@ -191,7 +191,7 @@ def _check_placement(m: dict, at: tuple, fail) -> None:
         fail(at, "placement needs device_map: auto, balanced, sequential, or {module: GPU index, cpu or disk}")
     try:
         Placement(**placement)
-    except ValueError as e:
+    except InputError as e:
         fail(at, str(e))
 
 
@@ -200,7 +200,7 @@ def _compose(path: Path):
     or aliases, no key given twice: :func:`quantgate.yaml_file.read_yaml`)."""
     try:
         return read_yaml(path)
-    except ValueError as e:  # "<file>:<line>: <why>"
+    except InputError as e:  # "<file>:<line>: <why>"
         raise StudyError(str(e)) from None
 
 
@@ -357,11 +357,14 @@ class _Reader:
             return
         try:
             tok = tokenizer(m.get("preset") or m["load"])
+        except (QuantgateError, OSError):  # no tokenizer to count with: the run says why
+            return
+        try:
             held = batch_count(
                 tok, data, cfg["seq_len"], cfg["batch_size"], family.objective, wanted if sec == "observe" else None
             )
-        except (QuantgateError, OSError, ValueError):  # no tokenizer to count with: the run says why
-            return
+        except InputError as e:  # a tokenizer that cannot make this model's batches of the data (no EOS token)
+            self.fail(at, f"{sec} data {data!r}: {e}")
         if held < wanted:
             what = f"the {data} split holds" if data in BUNDLED_SPLITS else f"the {data} task's {sec} set holds"
             self.fail(
@@ -377,7 +380,7 @@ class _Reader:
         _check_precision(train.get("mixed_precision", TrainConfig.mixed_precision), (*at, "mixed_precision"), self.fail)
         try:
             TrainConfig(**train).resolved(family.name if family else "opt")  # unknown yet: a recipe to check with
-        except ValueError as e:  # the trainer's own check of the schedule
+        except InputError as e:  # the trainer's own check of the schedule
             self.fail((*at, "schedule"), str(e))
         objective = family.objective if family else None
         for key in ("data", "eval_data"):
@@ -392,11 +395,11 @@ class _Reader:
             at = (*where, "variants", j) if "variants" in m else self.first(("variants", j), where)
             try:
                 variant = AttentionVariant.parse(v)
-            except ValueError as e:
+            except InputError as e:
                 self.fail(at, str(e))
             try:
                 _check_variant(variant, family, config, loaded="load" in m)
-            except ValueError as e:
+            except InputError as e:
                 self.fail(at, f"variant {v!r}: {e}")
 
     def schemes(self, m: Any, where: tuple, model_tasks: list[str]) -> list[SchemeEntry]:
@@ -409,7 +412,7 @@ class _Reader:
             self.check_keys(entry, {"scheme", "tasks", *OPTIONS}, at)
             try:
                 names = expand_scheme(entry)
-            except ValueError as e:
+            except InputError as e:
                 self.fail(at, str(e))
             tasks = entry.get("tasks")
             if tasks is not None and not set(tasks) <= set(model_tasks):
@@ -455,7 +458,7 @@ def _check_fixes(fixes: dict, schemes: set[str], fail) -> None:
         fail(f"unknown key(s) {', '.join(sorted(unknown))}; valid: reference, within")
     try:
         reference = str(get_scheme(fixes.get("reference", "")))
-    except ValueError as e:
+    except InputError as e:
         return fail(f"reference: {e}")
     if reference not in schemes:
         fail(f"reference {reference!r} is not a scheme of this study; schemes: {', '.join(sorted(schemes))}")
@@ -498,9 +501,11 @@ def _check_values(given: dict, rules: dict, where: tuple, fail) -> None:
 
 def _number_as_text(value) -> str:
     """A note for numbers YAML 1.1 reads as text: 1e-3 (an exponent needs a point and a sign: 1.0e-3)."""
+    if not (isinstance(value, str) and "e" in value.lower()):
+        return ""
     try:
-        number = float(value) if isinstance(value, str) and "e" in value.lower() else math.nan
-    except ValueError:
+        number = float(value)
+    except ValueError:  # not a number at all
         return ""
     if not math.isfinite(number):
         return ""
@@ -527,7 +532,7 @@ def _check_limit(ev: dict, where: tuple, fail) -> None:
     for task, value in limit.items() if isinstance(limit, dict) else [(None, limit)]:
         try:
             check_limit(value)
-        except ValueError as e:
+        except InputError as e:
             fail((*where, "limit", task) if task else (*where, "limit"), str(e))
 
 
@@ -537,7 +542,7 @@ def _check_source(source: str, where, fail, objective: str | None = None) -> Non
             fail(where, f"data source {source!r} is a causal-LM task and this model is a masked LM; use a text source")
         try:
             task_options(source)
-        except ValueError as e:
+        except InputError as e:
             fail(where, str(e))
         return
     if source in BUNDLED_SPLITS:
@@ -545,9 +550,9 @@ def _check_source(source: str, where, fail, objective: str | None = None) -> Non
     if source.startswith("hf:") or source.split(":")[0] in DATASETS:
         try:
             hf_spec(source)
-            return
-        except ValueError as e:
+        except InputError as e:
             fail(where, str(e))
+        return
     fail(
         where,
         f"unknown data source {source!r}; valid: {', '.join(BUNDLED_SPLITS)}, backcopy[:key=value,...], "
@@ -567,10 +572,11 @@ def _model_config(m: dict, where: tuple, fail):
     if "preset" in m:
         overrides = m.get("config") or {}
         try:  # the check qg.build and `train --config` make
-            return preset_config(m["preset"], overrides), get_family(PRESETS[m["preset"]].family)
-        except ValueError as e:
+            config = preset_config(m["preset"], overrides)
+        except InputError as e:
             key = next((k for k in overrides if re.search(rf"\b{re.escape(str(k))}\b", str(e))), None)
             fail((*where, "config", key) if key else (*where, "config"), f"config: {e}")
+        return config, get_family(PRESETS[m["preset"]].family)
     load = m["load"]
     if (load in PACKAGED and PACKAGED[load].gguf_file) or (re.fullmatch(HUB_ID, load) and not Path(load).exists()):
         return None, None
@@ -582,13 +588,16 @@ def _model_config(m: dict, where: tuple, fail):
         )
     try:
         config = read_config(resolve(load))
+    except (InputError, MissingFile, MissingDependency) as e:
+        fail((*where, "load"), f"cannot load {load!r}: {e}")
+    try:
         return config, family_of(config)
-    except (FileNotFoundError, ModuleNotFoundError, ValueError) as e:
+    except InputError as e:
         fail((*where, "load"), f"cannot load {load!r}: {e}")
 
 
 def _check_variant(variant: AttentionVariant, family, config, loaded: bool) -> None:
-    """Raise ValueError when the run could not swap ``variant`` into the model (the check of
+    """Raise InputError when the run could not swap ``variant`` into the model (the check of
     :func:`~quantgate.models.swap.apply_variant`). A loaded model's 'vanilla' means its own attention."""
     if family is not None and not (loaded and variant.is_vanilla):
         check_expressible(family, variant, config)
@@ -650,8 +659,9 @@ def _check_paths(study: Study, lines: dict, fail) -> None:
 def _check_seq_len(family, config, section: str, seq_len: int, where: tuple, fail) -> None:
     """A section's seq_len the model's positions can hold (a family without the config, a packaged GGUF or hub
     model, is checked when it loads)."""
+    if family is None:
+        return
     try:
-        if family:
-            family.check_seq_len(config, seq_len)
-    except ValueError as e:
+        family.check_seq_len(config, seq_len)
+    except InputError as e:
         fail(where, f"{section} seq_len: {e}")

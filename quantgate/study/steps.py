@@ -122,7 +122,7 @@ def _done(
         return None
     try:
         data = read_json(path)
-    except ValueError as e:
+    except InputError as e:
         log.warning("  %s; computing that step again", e)
         return None
     if data.get("key") != key:  # another key (a setting it depends on, or the step's code, changed), or none
