@@ -175,6 +175,26 @@ def test_a_bug_reading_a_step_file_is_not_taken_for_a_corrupt_file(tmp_path, mon
         steps._done(path, "0123456789abcdef", ("results", "documents"))
 
 
+def test_a_step_record_that_refuses_means_compute_again_and_a_bug_in_it_propagates(tmp_path, caplog):
+    """A cached step whose record refuses it (RecordError: a field of another kind) is computed again; a TypeError
+    from the record's own code is a bug and keeps its traceback (it is no longer taken for a corrupt file)."""
+    from quantgate.study import steps
+    from quantgate.study.records import Evaluated
+
+    path = tmp_path / "eval-float.json"
+    path.write_text(json.dumps({"key": "0123456789abcdef", "results": [], "documents": {}, "seconds": 1.0}))
+    with caplog.at_level("WARNING", logger="quantgate"):
+        assert steps._done(path, "0123456789abcdef", ("results", "documents"), 1, Evaluated.from_json) is None
+    assert "results" in caplog.text and "computing that step again" in caplog.text
+
+    def bug(data):
+        raise TypeError("a bug in the record")
+
+    path.write_text(json.dumps({"key": "0123456789abcdef", "results": {}, "documents": {}, "seconds": 1.0}))
+    with pytest.raises(TypeError, match="a bug in the record"):
+        steps._done(path, "0123456789abcdef", ("results", "documents"), 1, bug)
+
+
 def _run_copy(tmp_path: Path, edit, source: Path = QUICKSTART) -> Path:
     """A copy of a committed run (the quickstart's) whose metrics.json ``edit`` changed in place."""
     run = tmp_path / "run"

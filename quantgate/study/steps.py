@@ -154,8 +154,8 @@ def _wrong_step(result: dict[str, Any], record: Callable[[dict[str, Any]], Any] 
         return None
     try:
         record(result)
-    except (InputError, TypeError, KeyError, AttributeError) as e:  # TypeError: a field missing or of another kind
-        return str(e) if not isinstance(e, KeyError) else f"it lacks {e}"
+    except InputError as e:  # the record's refusal: a field missing, of another kind or out of range (RecordError)
+        return str(e)
     return None
 
 
