@@ -154,7 +154,7 @@ NOT_YET = {
 # generic I/O helpers: they write or read the path their caller gives; the caller is the file's writer or reader
 HELPERS = {
     Q + "files." + name
-    for name in ("write_text_atomic", "write_bytes_atomic", "read_json", "read_json_lines", "_json_object")
+    for name in ("write_text_atomic", "write_bytes_atomic", "read_text", "read_json", "read_json_lines", "_json_object")
 } | {Q + "files._first_line", Q + "plots.save_png", Q + "yaml_file.read_yaml"}
 # they open a file's bytes without reading its format: a content hash, a sync to disk, a staged folder moved in place
 UNREAD = {Q + "files.file_sha256", Q + "files._fsync", Q + "files.staged_dir"}
