@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # 8 s: the whole device script, dry
 def test_gpu_check_dry_run(tmp_path):
     run = run_python(
         [str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)],

@@ -76,6 +76,7 @@ def _check_fails_on(headlines, monkeypatch, tmp_path, source: str, old: str, new
     return str(stop.value)
 
 
+@pytest.mark.slow  # 8 s: a whole --check
 def test_check_fails_on_a_verdict_drawn_from_an_approximate_interval(headlines, tmp_path, monkeypatch):
     """Issue 56: the KV-cache paragraph once dropped the "approximate" its source gives SmolLM2's 4-work interval and
     drew a verdict from it; either edit fails --check, naming the interval."""
@@ -90,6 +91,7 @@ def test_check_fails_on_a_verdict_drawn_from_an_approximate_interval(headlines, 
     assert "a verdict drawn from the approximate [-3.8, +2.4]" in verdict
 
 
+@pytest.mark.slow  # 8 s: a whole --check
 def test_check_fails_on_an_interval_no_committed_file_holds(headlines, tmp_path, monkeypatch):
     """An interval quoted where no results page is cited must still be in some committed results file (or the
     headline table written from them), and a decimal of three places or more in a results page: the per-seed A6

@@ -270,6 +270,7 @@ def test_lm_eval_cli_with_model_quantgate_matches_quantgate_eval(llama_dir, tmp_
     )
 
 
+@pytest.mark.slow  # 9 s; the causal model's CLI test stays in the default run
 def test_lm_eval_cli_with_model_quantgate_mlm_matches_quantgate_eval(tmp_path, capsys):
     """The same for a masked LM: --model quantgate-mlm (pseudo-log-likelihood) against quantgate eval."""
     bert = tmp_path / "bert"

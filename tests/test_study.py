@@ -103,6 +103,7 @@ def test_rerun_skips_finished_steps_and_changes_rerun_only_dependents(smoke_run,
     assert metrics["cells"][0]["float"]["quantgate_nextsent"]["sample_len"] == 6
 
 
+@pytest.mark.slow  # 18 s: a study killed mid-run, then finished
 def test_a_killed_study_finishes_with_the_same_numbers(smoke_run, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "quantgate.cli", "study", str(SMOKE), "--out", str(out)]

@@ -124,6 +124,7 @@ def _two_processes(*code):
     ]
 
 
+@pytest.mark.slow  # 10 s, two processes twice (the DDP pair stays in the default run)
 def test_fsdp_training_resumes_bit_for_bit(tmp_path):
     """FSDP version 2 through accelerate on 2 gloo processes (tests/_fsdp_train.py; accelerate enables FSDP only
     on accelerators, so the helper gives the Accelerator the state an FSDP config gives it on GPUs): 8 steps
