@@ -1,5 +1,6 @@
 """The benchmark scripts' shared timing (round-robin rounds, per-round ratios) and that each script runs."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,4 +180,12 @@ def test_warm_tests_runs_a_page_three_ways_and_totals_them(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith(f"| {page} |"))
     cold, inprocess, warm = (float(x) for x in row.strip("|").split("|")[1:])
     assert min(cold, inprocess, warm) > 0
-    assert "| **all pages** |" in table and ("the server pays" in table or "the server does not pay" in table)
+    total = next(line for line in table.splitlines() if line.startswith("| **all pages** |"))
+    assert [float(x.strip(" *")) for x in total.strip("|").split("|")[1:]] == [cold, inprocess, warm]  # one page
+    found = re.search(
+        r"own start \(one import, once per test session\): ([\d.]+) s\. Warm against in-process: (-?[\d.]+) s", table
+    )
+    assert found is not None, table
+    start, saved = float(found[1]), float(found[2])
+    assert saved == pytest.approx(inprocess - warm - start, abs=0.15)  # the printed values, each rounded to 0.1
+    assert ("the server pays" in table) == (saved > 0) != ("the server does not pay" in table)
